@@ -1,0 +1,50 @@
+"""``hf``: one rank holding a transformers 5.x model as it is built in memory.
+
+transformers 5 keeps MoE experts stacked in memory (``mlp.experts.gate_up_proj`` [E, 2I, H] with
+gate rows first, ``mlp.experts.down_proj`` [E, H, I]) while checkpoints keep per-expert tensors
+(transformers/models/qwen3_moe/modeling_qwen3_moe.py, Qwen3MoeExperts: ``.chunk(2, dim=-1)`` gives
+gate then up). DeepSeek-V3 keeps its router in fp32 (``_keep_in_fp32_modules_strict`` in
+modeling_deepseek_v3.py). Tied embeddings appear once, as ``model.embed_tokens.weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from weightsync.engines.common import EXPERT_RE, whole
+from weightsync.layout.box import full_box
+from weightsync.layout.layout import EngineLayout, Mesh, Piece, Shard
+from weightsync.spec.model import ModelSpec
+
+
+class HFLayout(EngineLayout):
+    engine = "hf"
+    keys = ()
+
+    def __init__(self, spec: ModelSpec):
+        self.mesh = Mesh("hf", [("rank", 1)])
+        super().__init__(spec, [self.mesh])
+        self._all = self.mesh.group()
+
+    def canonical_names(self, rank: int) -> Iterable[str]:
+        return (t.name for t in self.spec.tensors)
+
+    def _shards(self, canonical: str) -> Iterable[Shard]:
+        spec = self.spec
+        m = EXPERT_RE.match(canonical)
+        if m:
+            layer, e, proj = int(m[1]), int(m[2]), m[3]
+            L = spec.layers[layer]
+            t = spec.tensor(canonical)
+            prefix = f"model.layers.{layer}.mlp.experts."
+            if proj == "down_proj":
+                shape = (L.num_experts,) + t.shape
+                yield Shard(self._all, Piece(prefix + "down_proj", ((e, 1),) + full_box(t.shape), canonical, full_box(t.shape)), shape, t.dtype)
+            else:
+                I, H = t.shape
+                row = 0 if proj == "gate_proj" else I
+                shape = (L.num_experts, 2 * I, H)
+                yield Shard(self._all, Piece(prefix + "gate_up_proj", ((e, 1), (row, I), (0, H)), canonical, full_box(t.shape)), shape, t.dtype)
+            return
+        fp32_router = spec.architecture == "DeepseekV3ForCausalLM" and canonical.endswith(".mlp.gate.weight")
+        yield whole(self._all, canonical, spec, canonical, "float32" if fp32_router else None)

@@ -1,0 +1,55 @@
+"""Moving data between canonical tensors and a rank's local tensors, following its pieces.
+
+Used by tests, the ``file`` transport and reference checks: the slow, obviously-correct path that
+the planned transports must agree with.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from weightsync.layout.box import slices
+from weightsync.layout.layout import Layout, Piece
+
+TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def local_view(local: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The region of a local tensor a piece covers, shaped like its canonical box."""
+    return local[slices(piece.local_box)].view(tuple(n for _, n in piece.canon_box))
+
+
+def canonical_view(canonical: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return canonical[slices(piece.canon_box)]
+
+
+def scatter(
+    layout: Layout,
+    canonical: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
+    fill: float = float("nan"),
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Build a rank's local tensors from canonical tensors; regions without a piece keep ``fill``."""
+    get = canonical.__getitem__ if isinstance(canonical, Mapping) else canonical
+    out = {}
+    for name, t in layout.tensors.items():
+        local = torch.full(t.shape, fill, dtype=TORCH_DTYPES[t.dtype], device=device)
+        for p in t.pieces:
+            local_view(local, p).copy_(canonical_view(get(p.canonical), p))
+        out[name] = local
+    return out
+
+
+def fill_from(layout: Layout, local: Mapping[str, torch.Tensor], canonical: Mapping[str, torch.Tensor]) -> None:
+    """Write canonical values into existing local tensors in place (the reference 'load')."""
+    for name, t in layout.tensors.items():
+        for p in t.pieces:
+            local_view(local[name], p).copy_(canonical_view(canonical[p.canonical], p))
