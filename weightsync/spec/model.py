@@ -228,6 +228,8 @@ def _build(cfg: Mapping[str, Any], arch: str, name: str) -> ModelSpec:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         )
+        if arch == "LlamaForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+            raise SpecError("Llama with attention_bias or mlp_bias (o_proj/MLP biases) is not supported yet")
         if heads % kv_heads:
             raise SpecError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     return ModelSpec(

@@ -1,0 +1,92 @@
+"""``sglang``: the parameters of SGLang workers (rules read from SGLang 0.5.23, see docs/engines.md).
+
+- Without DP attention: world = tp * dp, dp independent replicas of a TP group.
+- With DP attention (``dp_attention=1``, i.e. --enable-dp-attention / --attn-dp-size): world = tp;
+  attention TP size A = tp / dp, attn_tp_rank = rank % A (runtime_context.py,
+  derive_attention_ranks). Attention and the embedding are sharded over the attention-TP group;
+  dense MLPs, lm_head (unless ``dp_lm_head=1``) and unfused shared experts over the full TP group.
+  Llama and Qwen2 have no DP-attention code and are refused.
+- MoE: moe_tp = tp / ep, moe_tp_rank = rank % moe_tp, ep_rank = rank // moe_tp; contiguous expert
+  blocks; w13 [E_local, 2I/moe_tp, H] gate first (layers/moe/fused_moe_triton/layer.py). For
+  DeepSeek-V3 with ep=1 the shared expert is fused as one more expert at the end of each block
+  (the default on NVIDIA GPUs; ``fuse_shared=0`` mirrors --disable-shared-experts-fusion).
+  Qwen3-MoE treats every layer as MoE, so configs with mlp_only_layers are refused.
+- Vocab padded to a multiple of 64, or of 64 * TP when that does not divide
+  (layers/vocab_parallel_embedding.py).
+- MLA: ``fused_qkv_a_proj_with_mqa`` = [q_a_proj; kv_a_proj_with_mqa] replicated; w_kc/w_vc are
+  derived copies of kv_b_proj (post_load_weights) that an update must recompute.
+"""
+
+from __future__ import annotations
+
+from weightsync.engines.common import pad_to
+from weightsync.engines.inference import Split, TPInferenceLayout
+from weightsync.errors import ConfigError
+from weightsync.layout.layout import Mesh
+from weightsync.spec.model import ModelSpec
+
+
+class SGLangLayout(TPInferenceLayout):
+    engine = "sglang"
+    keys = ("tp", "dp", "ep", "dp_attention", "dp_lm_head", "fuse_shared")
+    expert_prefix = "mlp.experts."
+    fused_qkv_a = "fused_qkv_a_proj_with_mqa"
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: int = 1,
+        dp: int = 1,
+        ep: int = 1,
+        dp_attention: int = 0,
+        dp_lm_head: int = 0,
+        fuse_shared: int = -1,
+    ):
+        arch = spec.architecture
+        if dp_attention and arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+            raise ConfigError(f"sglang: {arch} has no DP-attention support in SGLang's model code")
+        if dp_lm_head and not dp_attention:
+            raise ConfigError("sglang: dp_lm_head needs dp_attention")
+        if dp_attention and tp % dp:
+            raise ConfigError(f"sglang: with dp_attention, tp={tp} must be divisible by dp={dp}")
+        if tp % ep:
+            raise ConfigError(f"sglang: tp={tp} must be divisible by ep={ep}")
+        if arch == "Qwen3MoeForCausalLM" and not all(layer.moe for layer in spec.layers):
+            raise ConfigError("sglang: SGLang's Qwen3-MoE makes every layer MoE; mlp_only_layers is not supported")
+        has_shared = any(layer.shared_intermediate_size for layer in spec.layers)
+        if fuse_shared < 0:
+            fuse_shared = int(has_shared and ep == 1 and arch == "DeepseekV3ForCausalLM")
+        if fuse_shared and (not has_shared or int(spec.config.get("n_shared_experts") or 0) != 1):
+            raise ConfigError("sglang: shared-expert fusion needs exactly one shared expert")
+        self.tp, self.dp, self.ep = tp, dp, ep
+        self.dp_attention, self.dp_lm_head = dp_attention, dp_lm_head
+        self.fuse_shared_expert = bool(fuse_shared)
+        if dp_attention:
+            world, A = tp, tp // dp
+            full = Mesh("tp", [("tp", tp)])
+            attn = Mesh("attn", [("atp", A), ("adp", dp)])
+            moe = Mesh("moe", [("mtp", tp // ep), ("ep", ep)])
+            super().__init__(spec, [full, attn, moe])
+            self.attn = self.vocab = Split(attn, "atp")
+            self.head = self.vocab if dp_lm_head else Split(full, "tp")
+        else:
+            dense = Mesh("dense", [("tp", tp), ("dp", dp)])
+            moe = Mesh("moe", [("mtp", tp // ep), ("ep", ep), ("dp", dp)])
+            super().__init__(spec, [dense, moe])
+            full = dense
+            self.attn = self.vocab = self.head = Split(dense, "tp")
+        self.mlp = self.shared = Split(self.meshes[full.name], "tp")
+        self.replicated = Split(self.meshes[full.name])
+        self.moe_tp, self.moe_ep = Split(moe, "mtp"), Split(moe, "ep")
+        self._validate()
+        for layer in spec.layers:
+            if layer.moe and layer.num_experts % ep:
+                raise ConfigError(f"sglang: {layer.num_experts} experts not divisible by ep={ep}")
+
+    def _padded_vocab(self, parts: int) -> int:
+        padded = pad_to(self.spec.vocab_size, self.vocab_pad)
+        return padded if padded % parts == 0 else pad_to(self.spec.vocab_size, self.vocab_pad * parts)
+
+    @property
+    def config(self) -> dict[str, int]:
+        return {"tp": self.tp, "dp": self.dp, "ep": self.ep, "dp_attention": self.dp_attention}

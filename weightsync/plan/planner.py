@@ -1,0 +1,318 @@
+"""The transfer planner: source layout x destination layout -> deterministic, balanced copies and buckets.
+
+For one destination piece the planner intersects it with the source shards of the same canonical
+tensor, cutting it into *cells* that each lie wholly inside a set of identical source copies (the
+candidates). Each cell gets one sender, chosen by a stable hash of (destination, tensor, cell) among
+the nearest candidates (same GPU, then same host, then any); a large cell with several candidates is
+cut into stripes spread over them, so data-parallel replicas share the sending. Because the choice
+depends only on that key, a sender and a receiver compute the same copies independently, each in
+time proportional to its own pieces.
+
+Copies are grouped per (sender, receiver) pair, sorted by canonical order, split to fit the bucket
+budget and packed into buckets; each pair's buckets hash to a digest both ends can compare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from dataclasses import dataclass
+from itertools import product
+from typing import Iterable, Iterator
+
+from weightsync.errors import PlanError
+from weightsync.layout.box import Box, box_numel, fmt_box, intersect, split_dim, split_to_fit, translate
+from weightsync.layout.layout import EngineLayout, Piece, Shard
+from weightsync.plan.topology import Topology
+from weightsync.spec.model import DTYPE_SIZES
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_STRIPE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Copy ``canon_box`` of ``canonical`` from a source rank's tensor to a destination rank's tensor."""
+
+    canonical: str
+    canon_box: Box
+    src_rank: int
+    src_tensor: str
+    src_box: Box
+    dst_instance: int
+    dst_rank: int
+    dst_tensor: str
+    dst_box: Box
+    nbytes: int  # in the canonical dtype
+
+    def key(self) -> str:
+        return (
+            f"{self.canonical}{fmt_box(self.canon_box)}|{self.src_rank}:{self.src_tensor}{fmt_box(self.src_box)}"
+            f"|{self.dst_instance}.{self.dst_rank}:{self.dst_tensor}{fmt_box(self.dst_box)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Copies one sender ships to one receiver in one message (packed back to back, in order)."""
+
+    src_rank: int
+    dst_instance: int
+    dst_rank: int
+    index: int  # position among this pair's buckets
+    copies: tuple[Copy, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.copies)
+
+
+Pair = tuple[int, int, int]  # (src rank, dst instance, dst rank)
+
+
+def pair_hash(buckets: Iterable[Bucket]) -> str:
+    """Digest of one pair's buckets: equal on both ends iff they planned the same bytes in the same order."""
+    h = hashlib.blake2b(digest_size=16)
+    for b in buckets:
+        h.update(f"#{b.index}\n".encode())
+        for c in b.copies:
+            h.update(c.key().encode())
+            h.update(b"\n")
+    return h.hexdigest()
+
+
+def combine_hashes(pair_hashes: dict[Pair, str]) -> str:
+    """Job-level plan hash from every pair's hash (what a coordinator compares)."""
+    h = hashlib.blake2b(digest_size=16)
+    for pair in sorted(pair_hashes):
+        h.update(f"{pair}={pair_hashes[pair]};".encode())
+    return h.hexdigest()
+
+
+class Planner:
+    """Plans transfers from ``src`` (training) to ``instances`` copies of ``dst`` (inference)."""
+
+    def __init__(
+        self,
+        src: EngineLayout,
+        dst: EngineLayout,
+        instances: int = 1,
+        topology: Topology | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        stripe_bytes: int = DEFAULT_STRIPE_BYTES,
+    ):
+        if src.spec.digest != dst.spec.digest:
+            raise PlanError(f"source model {src.spec.name} and destination model {dst.spec.name} differ")
+        if instances < 1:
+            raise PlanError(f"instances must be at least 1, got {instances}")
+        if bucket_bytes < 1:
+            raise PlanError(f"bucket budget must be positive, got {bucket_bytes}")
+        self.src, self.dst, self.instances = src, dst, instances
+        self.spec = src.spec
+        self.topology = topology or Topology.separated(src.world_size, dst.world_size, instances)
+        self.bucket_bytes = bucket_bytes
+        self.stripe_bytes = max(1, stripe_bytes)
+        self._cell_cache: dict[tuple[str, Box], list[tuple[Box, list[tuple[Shard, int]]]]] = {}
+        self._dst_layouts: dict = {}
+
+    # -- cells and choices ----------------------------------------------------------------------
+    def _cells(self, canonical: str, box: Box) -> list[tuple[Box, list[tuple[Shard, int]]]]:
+        """Cut a destination box into cells, each wholly inside every candidate source copy it lists."""
+        key = (canonical, box)
+        got = self._cell_cache.get(key)
+        if got is not None:
+            return got
+        hits = []  # (intersection, shard)
+        for s in self.src.shards(canonical):
+            inter = intersect(box, s.piece.canon_box)
+            if inter is not None:
+                hits.append((inter, s))
+        distinct = {inter for inter, _ in hits}
+        if _disjoint(distinct):
+            cells = list(distinct)
+        else:  # partially overlapping source boxes: refine to the grid of all their edges
+            cells = _grid(box, distinct)
+        out = []
+        covered = 0
+        for cell in sorted(cells):
+            cands = [
+                (s, r)
+                for inter, s in hits
+                if intersect(inter, cell) == cell
+                for r in self.src.group_ranks(s.group)
+            ]
+            if cands:
+                cands.sort(key=lambda sr: (sr[1], sr[0].piece.tensor))
+                out.append((cell, cands))
+                covered += box_numel(cell)
+        if covered != box_numel(box):
+            raise PlanError(
+                f"{self.src.describe()} holds only {covered} of the {box_numel(box)} elements of "
+                f"{canonical}{fmt_box(box)} that {self.dst.describe()} needs"
+            )
+        self._cell_cache[key] = out
+        return out
+
+    def _assign(
+        self, instance: int, dst_rank: int, canonical: str, cell: Box, cands: list[tuple[Shard, int]]
+    ) -> Iterator[tuple[Box, Shard, int]]:
+        """Which source sends which part of a cell to one destination rank (a pure function)."""
+        near = self.topology.nearest(instance, dst_rank, cands)
+        n = len(near)
+        h = zlib.crc32(f"{instance}/{dst_rank}/{canonical}/{cell}".encode())
+        if n == 1:
+            s, r = near[0]
+            yield cell, s, r
+            return
+        itemsize = DTYPE_SIZES[self.spec.by_name[canonical].dtype]
+        nbytes = box_numel(cell) * itemsize
+        stripes = min(n, nbytes // self.stripe_bytes)
+        dim = next((d for d, (_, k) in enumerate(cell) if k >= 2), None)
+        if stripes < 2 or dim is None:
+            s, r = near[h % n]
+            yield cell, s, r
+            return
+        for j, part in enumerate(split_dim(cell, dim, stripes)):
+            s, r = near[(h + j) % n]
+            yield part, s, r
+
+    @staticmethod
+    def _copy(part: Box, src: Piece, src_rank: int, instance: int, dst_rank: int, dst: Piece, itemsize: int) -> Copy:
+        return Copy(
+            src.canonical,
+            part,
+            src_rank,
+            src.tensor,
+            translate(part, src.canon_box, src.local_box),
+            instance,
+            dst_rank,
+            dst.tensor,
+            translate(part, dst.canon_box, dst.local_box),
+            box_numel(part) * itemsize,
+        )
+
+    # -- per-rank copies ------------------------------------------------------------------------
+    def dst_layout(self, rank: int):
+        lay = self._dst_layouts.get(rank)
+        if lay is None:
+            lay = self._dst_layouts[rank] = self.dst.layout(rank)
+        return lay
+
+    def recv_copies(self, instance: int, rank: int) -> list[Copy]:
+        """Every copy destination rank ``rank`` of instance ``instance`` receives."""
+        self._check_dst(instance, rank)
+        out = []
+        for piece in self.dst_layout(rank).pieces():
+            itemsize = DTYPE_SIZES[self.spec.by_name[piece.canonical].dtype]
+            for cell, cands in self._cells(piece.canonical, piece.canon_box):
+                for part, s, r in self._assign(instance, rank, piece.canonical, cell, cands):
+                    out.append(self._copy(part, s.piece, r, instance, rank, piece, itemsize))
+        return out
+
+    def send_copies(self, rank: int) -> list[Copy]:
+        """Every copy training rank ``rank`` sends, to every destination of every instance."""
+        if not 0 <= rank < self.src.world_size:
+            raise PlanError(f"training rank {rank} outside world of {self.src.world_size}")
+        out = []
+        for mine in self.src.layout(rank).pieces():
+            c = mine.canonical
+            itemsize = DTYPE_SIZES[self.spec.by_name[c].dtype]
+            for d in self.dst.shards(c):
+                if intersect(d.piece.canon_box, mine.canon_box) is None:
+                    continue
+                cells = [
+                    (cell, cands)
+                    for cell, cands in self._cells(c, d.piece.canon_box)
+                    if any(r == rank and s.piece == mine for s, r in cands)
+                ]
+                if not cells:
+                    continue
+                for dst_rank in self.dst.group_ranks(d.group):
+                    for instance in range(self.instances):
+                        for cell, cands in cells:
+                            for part, s, r in self._assign(instance, dst_rank, c, cell, cands):
+                                if r == rank and s.piece == mine:
+                                    out.append(self._copy(part, mine, rank, instance, dst_rank, d.piece, itemsize))
+        return out
+
+    def _check_dst(self, instance: int, rank: int) -> None:
+        if not 0 <= instance < self.instances:
+            raise PlanError(f"instance {instance} outside 0..{self.instances - 1}")
+        if not 0 <= rank < self.dst.world_size:
+            raise PlanError(f"inference rank {rank} outside world of {self.dst.world_size}")
+
+    # -- buckets --------------------------------------------------------------------------------
+    def buckets(self, copies: Iterable[Copy]) -> dict[Pair, list[Bucket]]:
+        """Group copies per (src, dst) pair in a canonical order and pack them into bounded buckets."""
+        pairs: dict[Pair, list[Copy]] = {}
+        for c in copies:
+            pairs.setdefault((c.src_rank, c.dst_instance, c.dst_rank), []).append(c)
+        order = self.spec.order
+        out = {}
+        for pair in sorted(pairs):
+            items = sorted(pairs[pair], key=lambda c: (order[c.canonical], c.canon_box, c.dst_tensor, c.src_tensor))
+            out[pair] = self._pack(pair, items)
+        return out
+
+    def _pack(self, pair: Pair, copies: list[Copy]) -> list[Bucket]:
+        budget = self.bucket_bytes
+        buckets, cur, size = [], [], 0
+        for c in copies:
+            for part in self._fit(c, budget):
+                if cur and size + part.nbytes > budget:
+                    buckets.append(Bucket(*pair, len(buckets), tuple(cur)))
+                    cur, size = [], 0
+                cur.append(part)
+                size += part.nbytes
+        if cur:
+            buckets.append(Bucket(*pair, len(buckets), tuple(cur)))
+        return buckets
+
+    def _fit(self, c: Copy, budget: int) -> list[Copy]:
+        if c.nbytes <= budget:
+            return [c]
+        itemsize = c.nbytes // box_numel(c.canon_box)
+        out = []
+        for part in split_to_fit(c.canon_box, itemsize, budget):
+            out.append(
+                Copy(
+                    c.canonical,
+                    part,
+                    c.src_rank,
+                    c.src_tensor,
+                    translate(part, c.canon_box, c.src_box),
+                    c.dst_instance,
+                    c.dst_rank,
+                    c.dst_tensor,
+                    translate(part, c.canon_box, c.dst_box),
+                    box_numel(part) * itemsize,
+                )
+            )
+        return out
+
+    def send_plan(self, rank: int) -> dict[Pair, list[Bucket]]:
+        return self.buckets(self.send_copies(rank))
+
+    def recv_plan(self, instance: int, rank: int) -> dict[Pair, list[Bucket]]:
+        return self.buckets(self.recv_copies(instance, rank))
+
+
+def _disjoint(boxes: set[Box]) -> bool:
+    items = sorted(boxes)
+    if len(items) <= 1:
+        return True
+    if len(items) > 64:  # tiling sources (TP/FSDP shards) are disjoint by construction; check cheaply
+        return all(intersect(a, b) is None for a, b in zip(items, items[1:]))
+    return all(intersect(a, b) is None for i, a in enumerate(items) for b in items[i + 1 :])
+
+
+def _grid(box: Box, parts: set[Box]) -> list[Box]:
+    """All cells of the grid cut by every edge of ``parts`` inside ``box``."""
+    axes = []
+    for d, (off, n) in enumerate(box):
+        edges = {off, off + n}
+        for p in parts:
+            edges.update((p[d][0], p[d][0] + p[d][1]))
+        e = sorted(x for x in edges if off <= x <= off + n)
+        axes.append([(a, b - a) for a, b in zip(e, e[1:])])
+    return [tuple(c) for c in product(*axes)]
