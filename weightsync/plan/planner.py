@@ -43,12 +43,20 @@ class Copy:
     dst_rank: int
     dst_tensor: str
     dst_box: Box
-    nbytes: int  # in the canonical dtype
+    dtype: str  # on the wire: the source tensor's dtype (the receiver converts, as a checkpoint load would)
+
+    @property
+    def numel(self) -> int:
+        return box_numel(self.canon_box)
+
+    @property
+    def nbytes(self) -> int:
+        return box_numel(self.canon_box) * DTYPE_SIZES[self.dtype]
 
     def key(self) -> str:
         return (
             f"{self.canonical}{fmt_box(self.canon_box)}|{self.src_rank}:{self.src_tensor}{fmt_box(self.src_box)}"
-            f"|{self.dst_instance}.{self.dst_rank}:{self.dst_tensor}{fmt_box(self.dst_box)}"
+            f"|{self.dst_instance}.{self.dst_rank}:{self.dst_tensor}{fmt_box(self.dst_box)}|{self.dtype}"
         )
 
 
@@ -177,7 +185,7 @@ class Planner:
             yield part, s, r
 
     @staticmethod
-    def _copy(part: Box, src: Piece, src_rank: int, instance: int, dst_rank: int, dst: Piece, itemsize: int) -> Copy:
+    def _copy(part: Box, src: Piece, src_rank: int, instance: int, dst_rank: int, dst: Piece, dtype: str) -> Copy:
         return Copy(
             src.canonical,
             part,
@@ -188,7 +196,7 @@ class Planner:
             dst_rank,
             dst.tensor,
             translate(part, dst.canon_box, dst.local_box),
-            box_numel(part) * itemsize,
+            dtype,
         )
 
     # -- per-rank copies ------------------------------------------------------------------------
@@ -203,10 +211,9 @@ class Planner:
         self._check_dst(instance, rank)
         out = []
         for piece in self.dst_layout(rank).pieces():
-            itemsize = DTYPE_SIZES[self.spec.by_name[piece.canonical].dtype]
             for cell, cands in self._cells(piece.canonical, piece.canon_box):
                 for part, s, r in self._assign(instance, rank, piece.canonical, cell, cands):
-                    out.append(self._copy(part, s.piece, r, instance, rank, piece, itemsize))
+                    out.append(self._copy(part, s.piece, r, instance, rank, piece, s.dtype))
         return out
 
     def send_copies(self, rank: int) -> list[Copy]:
@@ -214,26 +221,30 @@ class Planner:
         if not 0 <= rank < self.src.world_size:
             raise PlanError(f"training rank {rank} outside world of {self.src.world_size}")
         out = []
-        for mine in self.src.layout(rank).pieces():
-            c = mine.canonical
-            itemsize = DTYPE_SIZES[self.spec.by_name[c].dtype]
-            for d in self.dst.shards(c):
-                if intersect(d.piece.canon_box, mine.canon_box) is None:
-                    continue
-                cells = [
-                    (cell, cands)
-                    for cell, cands in self._cells(c, d.piece.canon_box)
-                    if any(r == rank and s.piece == mine for s, r in cands)
-                ]
-                if not cells:
-                    continue
-                for dst_rank in self.dst.group_ranks(d.group):
-                    for instance in range(self.instances):
-                        for cell, cands in cells:
-                            for part, s, r in self._assign(instance, dst_rank, c, cell, cands):
-                                if r == rank and s.piece == mine:
-                                    out.append(self._copy(part, mine, rank, instance, dst_rank, d.piece, itemsize))
+        for tensor in self.src.layout(rank).tensors.values():
+            for mine in tensor.pieces:
+                self._send_piece(rank, mine, tensor.dtype, out)
         return out
+
+    def _send_piece(self, rank: int, mine: Piece, dtype: str, out: list[Copy]) -> None:
+        """Copies of one of this rank's pieces: every destination cell it was chosen to send."""
+        c = mine.canonical
+        for d in self.dst.shards(c):
+            if intersect(d.piece.canon_box, mine.canon_box) is None:
+                continue
+            cells = [
+                (cell, cands)
+                for cell, cands in self._cells(c, d.piece.canon_box)
+                if any(r == rank and s.piece == mine for s, r in cands)
+            ]
+            if not cells:
+                continue
+            for dst_rank in self.dst.group_ranks(d.group):
+                for instance in range(self.instances):
+                    for cell, cands in cells:
+                        for part, s, r in self._assign(instance, dst_rank, c, cell, cands):
+                            if r == rank and s.piece == mine:
+                                out.append(self._copy(part, mine, rank, instance, dst_rank, d.piece, dtype))
 
     def _check_dst(self, instance: int, rank: int) -> None:
         if not 0 <= instance < self.instances:
@@ -271,7 +282,7 @@ class Planner:
     def _fit(self, c: Copy, budget: int) -> list[Copy]:
         if c.nbytes <= budget:
             return [c]
-        itemsize = c.nbytes // box_numel(c.canon_box)
+        itemsize = DTYPE_SIZES[c.dtype]
         out = []
         for part in split_to_fit(c.canon_box, itemsize, budget):
             out.append(
@@ -285,7 +296,7 @@ class Planner:
                     c.dst_rank,
                     c.dst_tensor,
                     translate(part, c.canon_box, c.dst_box),
-                    box_numel(part) * itemsize,
+                    c.dtype,
                 )
             )
         return out

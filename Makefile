@@ -1,0 +1,27 @@
+# Quick start: `make demo` and `make test`. Both create .venv when missing.
+PY := .venv/bin/python
+# torch 2.13.0 is a local CPU build on our dev/CI machines; the GPU host brings its own torch.
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test test-gpu venv clean
+
+venv: .venv/.installed
+
+.venv/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: venv
+	$(PY) -m weightsync plan --model qwen3-8b --train megatron:tp=2,pp=2 --infer vllm:tp=4 --instances 2
+
+test: venv
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider
+
+test-gpu: venv
+	$(PY) -m pytest -q -m gpu -p no:cacheprovider
+
+clean:
+	rm -rf .venv

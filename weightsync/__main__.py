@@ -1,0 +1,5 @@
+import sys
+
+from weightsync.cli import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""The ``weightsync`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from weightsync.errors import WeightSyncError
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from weightsync.engines import make_layout
+    from weightsync.plan.planner import Planner
+    from weightsync.plan.stats import format_stats, job_stats, rank_stats
+    from weightsync.plan.topology import Topology
+    from weightsync.spec import load_spec
+
+    if args.instances < 1:
+        raise WeightSyncError(f"--instances must be at least 1, got {args.instances}")
+    spec = load_spec(args.model)
+    src, dst = make_layout(spec, args.train), make_layout(spec, args.infer)
+    make_topo = Topology.colocated if args.colocate else Topology.separated
+    topo = make_topo(src.world_size, dst.world_size, args.instances, args.gpus_per_host)
+    planner = Planner(src, dst, args.instances, topo, bucket_bytes=args.budget)
+    if args.rank:
+        try:
+            stats = rank_stats(planner, args.rank)
+        except ValueError as e:
+            raise WeightSyncError(str(e)) from None
+    else:
+        stats = job_stats(planner)
+    if args.json:
+        print(json.dumps(stats.to_json()))
+    else:
+        print(format_stats(stats))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightsync", description="Move RL trainer weights to inference engines.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="plan a weight sync and print its statistics")
+    plan.add_argument("--model", required=True, help="preset name or config.json path")
+    plan.add_argument("--train", required=True, help="ENGINE:k=v,... e.g. megatron:tp=2,pp=2,dp=2")
+    plan.add_argument("--infer", required=True, help="ENGINE:k=v,... e.g. vllm:tp=4")
+    plan.add_argument("--instances", type=int, default=1, help="inference instances (default 1)")
+    plan.add_argument("--colocate", action="store_true", help="inference ranks on the training GPUs")
+    plan.add_argument("--rank", help="plan one rank only: train:R or infer:I:R")
+    plan.add_argument("--budget", type=int, default=256 << 20, help="bucket byte budget (default 256 MiB)")
+    plan.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host for locality (default 8)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(func=_plan)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except WeightSyncError as e:
+        print(f"weightsync: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,422 @@
+"""``megatron``: a Megatron-core GPTModel (0.16) as an RL trainer holds it, one rank at a time.
+
+Every rule below was read from megatron-core 0.16.1 (paths relative to ``megatron/core``) and, for the
+local spec, checked against real models built on CPU (tests/test_megatron_layout.py):
+
+* Ranks (``parallel_state.py``, ``RankGenerator`` with the default order ``"tp-cp-ep-dp-pp"``, cp=1):
+  the dense generator is (tp, dp, pp) fastest first; the expert generator is (etp, ep, edp, pp) with
+  ``edp = tp*dp / (ep*etp)`` over the same ranks. ``etp`` defaults to ``tp``
+  (``expert_tensor_parallel_size=None`` -> tp in ``initialize_model_parallel``).
+* Layers per stage (``transformer/transformer_block.py`` ``get_num_layers_to_build`` and
+  ``transformer/transformer_layer.py`` ``get_transformer_layer_offset``): even split, or uneven with
+  ``num_layers_in_first/last_pipeline_stage`` (middle stages split the rest evenly); with virtual
+  pipeline each stage's count is split over its ``vpp`` chunks, chunk ``c`` of pp rank ``p`` being
+  virtual stage ``c*pp + p``. Validation as in ``TransformerConfig.__post_init__``.
+* Names: the local spec (``models/gpt/gpt_layer_specs.py`` ``get_gpt_layer_local_spec``) or the TE
+  spec (``get_gpt_layer_with_transformer_engine_spec``: input norm fused into
+  ``linear_qkv.layer_norm_weight``, dense pre-MLP norm into ``mlp.linear_fc1.layer_norm_weight``,
+  MoE layers keep ``pre_mlp_layernorm``; MLA keeps ``input_layernorm`` and fuses q/kv norms into
+  ``linear_q_up_proj`` / ``linear_kv_up_proj``). With vpp>1 a rank holds one model per chunk and
+  names are prefixed ``"{chunk}."``; layer numbers restart at 0 in each chunk.
+* QKV (``transformer/attention.py`` ``SelfAttention.get_query_key_value_tensors``): per query group
+  [its q heads; its k head; its v head], query groups split contiguously over TP.
+* Gated MLP fc1 (``transformer/mlp.py`` ``apply_swiglu_sharded_factory``): per TP rank
+  [gate shard; up shard]. fc2 / linear_proj are row-parallel: split by columns.
+* MoE (``transformer/moe/``): ``mlp.router.weight`` [E, H] in params dtype, replicated;
+  ``mlp.router.expert_bias`` an fp32 buffer (``router.py`` ``_maintain_float32_expert_bias``);
+  EP rank r holds global experts [r*E/ep, (r+1)*E/ep) (``experts.py``), sequential
+  ``local_experts.{k}.linear_fc{1,2}.weight`` or TE grouped ``linear_fc{1,2}.weight{k}``
+  (``extensions/transformer_engine.py`` TEGroupedLinear), split over expert TP like a dense MLP.
+  Shared experts (``moe/shared_experts.py``) are a dense MLP over tp.
+* MLA (``transformer/multi_latent_attention.py``): q_up / q_proj / kv_up split by rows (heads) over
+  tp, linear_proj by columns; q_down / kv_down are ``ColumnParallelLinear(gather_output=False)``
+  with the local spec (row split over tp) but ``TELinear(parallel_mode='duplicated')`` with TE.
+* Vocab: ``embedding.word_embeddings`` / ``output_layer`` are vocab-parallel over the vocab padded to
+  a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron training ``_vocab_size_with_padding``).
+  Tied embeddings: no ``output_layer.weight`` when pp==1; with pp>1 the last stage holds a second
+  copy (``models/common/language_module/language_module.py`` ``setup_embeddings_and_output_layer``).
+* Dtypes: the trainer's model is wrapped in ``Float16Module`` (``transformer/module.py``), so every
+  parameter is in the model dtype; only the router's expert_bias stays fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from weightsync.engines.common import LAYER_RE, cols, even, pad_to, rows, stacked, vocab_shards, whole
+from weightsync.errors import ConfigError
+from weightsync.layout.box import full_box
+from weightsync.layout.layout import EngineLayout, Group, Mesh, Piece, Shard
+from weightsync.spec.model import ModelSpec
+
+_EXPERT_TAIL = ("gate_proj", "up_proj", "down_proj")
+
+
+class MegatronLayout(EngineLayout):
+    engine = "megatron"
+    keys = ("tp", "pp", "vpp", "dp", "ep", "etp", "pp_first", "pp_last", "te", "grouped", "vocab_multiple")
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: int = 1,
+        pp: int = 1,
+        vpp: int = 1,
+        dp: int = 1,
+        ep: int = 1,
+        etp: int | None = None,
+        pp_first: int = 0,
+        pp_last: int = 0,
+        te: int = 0,
+        grouped: int = 0,
+        vocab_multiple: int = 128,
+    ):
+        etp = tp if etp is None else etp
+        for k, v in dict(tp=tp, pp=pp, vpp=vpp, dp=dp, ep=ep, etp=etp, vocab_multiple=vocab_multiple).items():
+            if v < 1:
+                raise ConfigError(f"megatron: {k} must be at least 1, got {v}")
+        if te not in (0, 1) or grouped not in (0, 1):
+            raise ConfigError(f"megatron: te and grouped are 0 or 1, got te={te}, grouped={grouped}")
+        if grouped and not te:
+            raise ConfigError(
+                "megatron: grouped=1 needs te=1 (TEGroupedMLP, weight{k} names); the local spec with "
+                "moe_grouped_gemm builds the legacy GroupedMLP (transposed weight1/weight2), not supported"
+            )
+        self.tp, self.pp, self.vpp, self.dp, self.ep, self.etp = tp, pp, vpp, dp, ep, etp
+        self.pp_first, self.pp_last, self.te, self.grouped = pp_first, pp_last, bool(te), bool(grouped)
+        self.vocab_multiple = vocab_multiple
+        if (tp * dp) % (ep * etp):
+            raise ConfigError(
+                f"megatron: tp*dp={tp * dp} is not divisible by ep*etp={ep * etp} "
+                "(expert data parallel size must be an integer; parallel_state.initialize_model_parallel); "
+                f"etp defaults to tp={tp} as in Megatron, set etp explicitly (e.g. etp=1)"
+            )
+        self.edp = tp * dp // (ep * etp)
+        self._check_model(spec)
+        # parallel_state.py RankGenerator, order "tp-cp-ep-dp-pp" (cp=1), fastest first.
+        self.dense = Mesh("dense", [("tp", tp), ("dp", dp), ("pp", pp)])
+        self.expert = Mesh("expert", [("etp", etp), ("ep", ep), ("edp", self.edp), ("pp", pp)])
+        super().__init__(spec, [self.dense, self.expert])
+        self._place_layers(spec.num_layers)
+        self.padded_vocab = pad_to(spec.vocab_size, vocab_multiple * tp)
+
+    # -- validation ---------------------------------------------------------------------------
+    def _check_model(self, spec: ModelSpec) -> None:
+        a, tp = spec.attention, self.tp
+
+        def div(n: int, parts: int, what: str, why: str) -> None:
+            if n % parts:
+                raise ConfigError(f"megatron: {what}={n} is not divisible by {why}")
+
+        div(a.num_heads, tp, "num_attention_heads", f"tp={tp}")
+        if a.kind == "gqa":
+            div(a.num_kv_heads, tp, "num_query_groups (num_key_value_heads)", f"tp={tp}")
+        elif not self.te:  # local spec: q_down / kv_down are ColumnParallelLinear (row split over tp)
+            if a.q_lora_rank:
+                div(a.q_lora_rank, tp, "q_lora_rank", f"tp={tp} (local spec splits linear_q_down_proj)")
+            div(a.kv_lora_rank + a.qk_rope_head_dim, tp, "kv_lora_rank+qk_rope_head_dim",
+                f"tp={tp} (local spec splits linear_kv_down_proj)")
+        for layer in spec.layers:
+            if not layer.moe:
+                div(layer.intermediate_size, tp, f"layer {layer.index} intermediate_size", f"tp={tp}")
+                continue
+            div(layer.num_experts, self.ep, f"layer {layer.index} num_experts", f"ep={self.ep}")
+            div(layer.intermediate_size, self.etp, f"layer {layer.index} moe_intermediate_size", f"etp={self.etp}")
+            if layer.shared_intermediate_size:
+                div(layer.shared_intermediate_size, tp, f"layer {layer.index} shared expert size", f"tp={tp}")
+
+    def _place_layers(self, L: int) -> None:
+        """Per (pp rank, chunk): (first global layer, count), exactly as megatron-core 0.16 computes it."""
+        pp, vpp = self.pp, self.vpp
+        first = self.pp_first or None
+        last = self.pp_last or None
+        if pp == 1 and vpp > 1:
+            raise ConfigError("megatron: vpp>1 needs pp>1 (virtual pipeline interleaves pipeline stages)")
+        if pp == 1 and (first or last):
+            raise ConfigError("megatron: pp_first/pp_last need pp>1")
+        self.stages: dict[tuple[int, int], tuple[int, int]] = {}
+        if first is None and last is None:
+            # get_num_layers_to_build / get_transformer_layer_offset, even branch
+            if L % pp:
+                raise ConfigError(f"megatron: num_layers={L} is not divisible by pp={pp}")
+            per_rank = L // pp
+            if per_rank % vpp:
+                raise ConfigError(f"megatron: layers per pp rank ({per_rank}) not divisible by vpp={vpp}")
+            per_chunk, total = per_rank // vpp, L // vpp
+            for p in range(pp):
+                for c in range(vpp):
+                    self.stages[p, c] = (c * total + p * per_chunk, per_chunk)
+        else:
+            # TransformerConfig.__post_init__ "Uneven PP" validation
+            mid_layers, mid_stages = L, pp
+            for n, what in ((first, "pp_first"), (last, "pp_last")):
+                if n is None:
+                    continue
+                if n % vpp:
+                    raise ConfigError(f"megatron: {what}={n} is not divisible by vpp={vpp}")
+                mid_layers -= n
+                mid_stages -= 1
+            if mid_layers < 0 or bool(mid_layers) != bool(mid_stages):
+                raise ConfigError(
+                    f"megatron: num_layers={L} with pp_first={self.pp_first}, pp_last={self.pp_last} leaves "
+                    f"{mid_layers} layers for {mid_stages} middle stages"
+                )
+            if mid_stages and mid_layers % mid_stages:
+                raise ConfigError(f"megatron: {mid_layers} middle layers not divisible by {mid_stages} middle stages")
+            if mid_stages and (mid_layers // mid_stages) % vpp:
+                raise ConfigError(f"megatron: {mid_layers // mid_stages} layers per middle stage not divisible by vpp={vpp}")
+            if vpp > 1 and not mid_stages:
+                # get_transformer_layer_offset computes `x // middle_pipeline_stages` for pp_rank>0
+                raise ConfigError("megatron: vpp>1 with no middle pipeline stage divides by zero in megatron-core 0.16")
+            mid_per = mid_layers // mid_stages if mid_stages else 0
+            f0, l0 = first or 0, last or 0
+            for p in range(pp):
+                n = mid_per
+                if p == 0 and first is not None:
+                    n = first
+                if p == pp - 1 and last is not None:
+                    n = last
+                mid_rank = p if first is None else p - 1
+                for c in range(vpp):
+                    if vpp == 1:
+                        off = 0 if p == 0 else mid_rank * mid_per + f0
+                    else:
+                        fc, lc, mc = f0 // vpp, l0 // vpp, mid_layers // vpp
+                        total = fc + mc + lc
+                        off = c * total if p == 0 else c * total + fc + mid_rank * (mc // mid_stages)
+                    self.stages[p, c] = (off, n // vpp)
+        owner: list[tuple[int, int, int] | None] = [None] * L
+        for (p, c), (off, n) in sorted(self.stages.items()):
+            for j in range(n):
+                if off + j >= L or owner[off + j] is not None:
+                    raise ConfigError(f"megatron: pipeline split places layer {off + j} twice or past the end")
+                owner[off + j] = (p, c, j)
+        if any(o is None for o in owner):
+            raise ConfigError(f"megatron: pipeline split leaves layers {[i for i, o in enumerate(owner) if o is None]} unplaced")
+        self.owner: list[tuple[int, int, int]] = owner  # type: ignore[assignment]
+
+    @property
+    def config(self) -> dict[str, int]:
+        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        for k, v, default in (
+            ("vpp", self.vpp, 1), ("ep", self.ep, 1), ("etp", self.etp, self.tp), ("pp_first", self.pp_first, 0),
+            ("pp_last", self.pp_last, 0), ("te", int(self.te), 0), ("grouped", int(self.grouped), 0),
+            ("vocab_multiple", self.vocab_multiple, 128),
+        ):
+            if v != default:
+                out[k] = v
+        return out
+
+    # -- names --------------------------------------------------------------------------------
+    def _chunk(self, c: int) -> str:
+        return f"{c}." if self.vpp > 1 else ""
+
+    def _layer_prefix(self, layer: int) -> tuple[int, str]:
+        p, c, j = self.owner[layer]
+        return p, f"{self._chunk(c)}decoder.layers.{j}."
+
+    def canonical_names(self, rank: int) -> Iterator[str]:
+        spec = self.spec
+        d = self.dense.coords(rank)
+        p = d["pp"]
+        if p == 0:
+            yield "model.embed_tokens.weight"
+        ep_rank = self.expert.coords(rank)["ep"]
+        for c in range(self.vpp):
+            off, n = self.stages[p, c]
+            for i in range(off, off + n):
+                yield from self._layer_names(i, ep_rank)
+        if p == self.pp - 1:
+            yield "model.norm.weight"
+            if not spec.tie_word_embeddings:
+                yield "lm_head.weight"
+            elif self.pp > 1:
+                yield "model.embed_tokens.weight"
+
+    def _layer_names(self, i: int, ep_rank: int) -> Iterator[str]:
+        """Canonical names of layer ``i`` this EP rank touches (mirrors spec.model._canonical_tensors)."""
+        a, layer = self.spec.attention, self.spec.layers[i]
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight"
+        if a.kind == "mla":
+            if a.q_lora_rank:
+                yield from (p + "self_attn.q_a_proj.weight", p + "self_attn.q_a_layernorm.weight", p + "self_attn.q_b_proj.weight")
+            else:
+                yield p + "self_attn.q_proj.weight"
+            for n in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+                yield f"{p}self_attn.{n}.weight"
+        else:
+            for n in ("q_proj", "k_proj", "v_proj"):
+                yield f"{p}self_attn.{n}.weight"
+            if a.qkv_bias:
+                for n in ("q_proj", "k_proj", "v_proj"):
+                    yield f"{p}self_attn.{n}.bias"
+            yield p + "self_attn.o_proj.weight"
+            if a.qk_norm:
+                yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
+        yield p + "post_attention_layernorm.weight"
+        if not layer.moe:
+            yield from (f"{p}mlp.{n}.weight" for n in _EXPERT_TAIL)
+            return
+        yield p + "mlp.gate.weight"
+        if layer.router_bias:
+            yield p + "mlp.gate.e_score_correction_bias"
+        per = layer.num_experts // self.ep
+        for e in range(ep_rank * per, (ep_rank + 1) * per):
+            yield from (f"{p}mlp.experts.{e}.{n}.weight" for n in _EXPERT_TAIL)
+        if layer.shared_intermediate_size:
+            yield from (f"{p}mlp.shared_experts.{n}.weight" for n in _EXPERT_TAIL)
+
+    # -- shards -------------------------------------------------------------------------------
+    def _shards(self, canonical: str) -> Iterable[Shard]:
+        spec = self.spec
+        if canonical == "model.embed_tokens.weight":
+            yield from self._vocab(canonical, 0, "embedding.word_embeddings.weight")
+            if spec.tie_word_embeddings and self.pp > 1:
+                yield from self._vocab(canonical, self.pp - 1, "output_layer.weight")
+            return
+        if canonical == "lm_head.weight":
+            yield from self._vocab(canonical, self.pp - 1, "output_layer.weight")
+            return
+        if canonical == "model.norm.weight":
+            name = self._chunk(self.vpp - 1) + "decoder.final_layernorm.weight"
+            yield whole(self.dense.group(pp=self.pp - 1), name, spec, canonical)
+            return
+        m = LAYER_RE.match(canonical)
+        if not m:
+            raise ConfigError(f"megatron: no rule for canonical tensor {canonical!r}")
+        i, rest = int(m[1]), m[2]
+        spec.tensor(canonical)  # unknown names raise SpecError
+        stage, pre = self._layer_prefix(i)
+        yield from self._layer_shards(canonical, i, rest, stage, pre)
+
+    def _vocab(self, canonical: str, stage: int, tensor: str) -> list[Shard]:
+        chunk = 0 if stage == 0 and tensor.startswith("embedding") else self.vpp - 1
+        name = self._chunk(chunk) + tensor
+        return vocab_shards(lambda t: self.dense.group(tp=t, pp=stage), name, self.spec, canonical, self.padded_vocab, self.tp)
+
+    def _replicated(self, stage: int, tensor: str, canonical: str, dtype: str | None = None) -> Shard:
+        return whole(self.dense.group(pp=stage), tensor, self.spec, canonical, dtype)
+
+    def _row_split(self, groups, tensor: str, canonical: str, parts: int) -> Iterator[Shard]:
+        t = self.spec.tensor(canonical)
+        for r in range(parts):
+            box = rows(even(t.shape[0], parts, r, f"{canonical} rows"), t.shape)
+            yield Shard(groups(r), Piece(tensor, ((0, box[0][1]),) + box[1:], canonical, box), (box[0][1],) + t.shape[1:], t.dtype)
+
+    def _col_split(self, groups, tensor: str, canonical: str, parts: int) -> Iterator[Shard]:
+        t = self.spec.tensor(canonical)
+        for r in range(parts):
+            box = cols(even(t.shape[1], parts, r, f"{canonical} columns"), t.shape)
+            shape = (t.shape[0], box[1][1])
+            yield Shard(groups(r), Piece(tensor, full_box(shape), canonical, box), shape, t.dtype)
+
+    def _gated_fc1(self, groups, tensor_of, base: str, canonical: str, parts: int) -> Iterator[Shard]:
+        """linear_fc1 = [gate shard; up shard] per TP rank (mlp.py apply_swiglu_sharded_factory)."""
+        t = self.spec.tensor(canonical)
+        I, H = t.shape
+        for r in range(parts):
+            blk = even(I, parts, r, f"{canonical} rows")
+            blocks = [(base + "gate_proj.weight", rows(blk, (I, H))), (base + "up_proj.weight", rows(blk, (I, H)))]
+            yield from stacked(groups(r), tensor_of(r), (2 * blk[1], H), t.dtype, blocks, canonical)
+
+    def _mlp(self, canonical: str, base: str, proj: str, groups, tensor: str, parts: int) -> Iterator[Shard]:
+        """A gated MLP's gate/up/down canonical tensor onto linear_fc1/linear_fc2 (``tensor`` has a {fc} slot)."""
+        if proj == "down_proj":
+            yield from self._col_split(groups, tensor.format(fc="linear_fc2"), canonical, parts)
+        else:
+            yield from self._gated_fc1(groups, lambda r: tensor.format(fc="linear_fc1"), base, canonical, parts)
+
+    def _layer_shards(self, canonical: str, i: int, rest: str, stage: int, pre: str) -> Iterator[Shard]:
+        spec, a, layer, tp = self.spec, self.spec.attention, self.spec.layers[i], self.tp
+
+        def tp_group(r: int) -> Group:
+            return self.dense.group(tp=r, pp=stage)
+
+        attn = pre + "self_attention."
+        if rest == "input_layernorm.weight":
+            fused = self.te and a.kind == "gqa"
+            yield self._replicated(stage, attn + "linear_qkv.layer_norm_weight" if fused else pre + "input_layernorm.weight", canonical)
+        elif rest == "post_attention_layernorm.weight":
+            fused = self.te and not layer.moe
+            yield self._replicated(stage, pre + ("mlp.linear_fc1.layer_norm_weight" if fused else "pre_mlp_layernorm.weight"), canonical)
+        elif rest == "self_attn.o_proj.weight":
+            yield from self._col_split(tp_group, attn + "linear_proj.weight", canonical, tp)
+        elif a.kind == "gqa" and rest.startswith("self_attn.") and rest.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
+            yield from self._qkv(canonical, i, rest.split(".")[2], tp_group, attn)
+        elif rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            yield self._replicated(stage, attn + ("q_layernorm.weight" if rest.startswith("self_attn.q") else "k_layernorm.weight"), canonical)
+        elif a.kind == "mla" and rest.startswith("self_attn."):
+            yield from self._mla(canonical, rest, stage, tp_group, attn)
+        elif rest.startswith("mlp.experts."):
+            yield from self._experts(canonical, i, rest, stage)
+        elif rest.startswith("mlp.shared_experts."):
+            proj = rest.split(".")[2]
+            base = f"model.layers.{i}.mlp.shared_experts."
+            yield from self._mlp(canonical, base, proj, tp_group, pre + "mlp.shared_experts.{fc}.weight", tp)
+        elif rest == "mlp.gate.weight":
+            yield self._replicated(stage, pre + "mlp.router.weight", canonical)
+        elif rest == "mlp.gate.e_score_correction_bias":
+            yield self._replicated(stage, pre + "mlp.router.expert_bias", canonical, "float32")
+        elif rest.startswith("mlp.") and rest.split(".")[1] in _EXPERT_TAIL:
+            yield from self._mlp(canonical, f"model.layers.{i}.mlp.", rest.split(".")[1], tp_group, pre + "mlp.{fc}.weight", tp)
+        else:
+            raise ConfigError(f"megatron: no rule for canonical tensor {canonical!r}")
+
+    def _qkv(self, canonical: str, i: int, kind: str, tp_group, attn: str) -> Iterator[Shard]:
+        """linear_qkv rows per TP rank: for each local query group, its q heads, k head, v head."""
+        a, tp = self.spec.attention, self.tp
+        hd, ng = a.head_dim, a.num_kv_heads
+        qpg = a.num_heads // ng
+        local_groups = ng // tp
+        t = self.spec.tensor(canonical)
+        tail = t.shape[1:]
+        base = f"model.layers.{i}.self_attn."
+        suffix = "weight" if kind == "weight" else "bias"
+        name = attn + f"linear_qkv.{suffix}"
+        shape = (local_groups * (qpg + 2) * hd,) + tail
+        for r in range(tp):
+            blocks = []
+            for g in range(r * local_groups, (r + 1) * local_groups):
+                blocks.append((base + f"q_proj.{suffix}", rows((g * qpg * hd, qpg * hd), (0,) + tail)))
+                blocks.append((base + f"k_proj.{suffix}", rows((g * hd, hd), (0,) + tail)))
+                blocks.append((base + f"v_proj.{suffix}", rows((g * hd, hd), (0,) + tail)))
+            yield from stacked(tp_group(r), name, shape, t.dtype, blocks, canonical)
+
+    def _mla(self, canonical: str, rest: str, stage: int, tp_group, attn: str) -> Iterator[Shard]:
+        tp = self.tp
+        proj = rest.split(".")[1]
+        if proj in ("q_a_proj", "kv_a_proj_with_mqa"):
+            name = attn + ("linear_q_down_proj.weight" if proj == "q_a_proj" else "linear_kv_down_proj.weight")
+            if self.te:  # TELinear(parallel_mode="duplicated")
+                yield self._replicated(stage, name, canonical)
+            else:  # ColumnParallelLinear(gather_output=False)
+                yield from self._row_split(tp_group, name, canonical, tp)
+        elif proj in ("q_a_layernorm", "kv_a_layernorm"):
+            if self.te:
+                up = "linear_q_up_proj" if proj == "q_a_layernorm" else "linear_kv_up_proj"
+                yield self._replicated(stage, attn + f"{up}.layer_norm_weight", canonical)
+            else:
+                yield self._replicated(stage, attn + ("q_layernorm.weight" if proj == "q_a_layernorm" else "kv_layernorm.weight"), canonical)
+        elif proj in ("q_b_proj", "q_proj", "kv_b_proj"):
+            name = {"q_b_proj": "linear_q_up_proj", "q_proj": "linear_q_proj", "kv_b_proj": "linear_kv_up_proj"}[proj]
+            yield from self._row_split(tp_group, attn + name + ".weight", canonical, tp)
+        else:
+            raise ConfigError(f"megatron: no MLA rule for canonical tensor {canonical!r}")
+
+    def _experts(self, canonical: str, i: int, rest: str, stage: int) -> Iterator[Shard]:
+        _, _, e, proj, _ = rest.split(".")
+        e = int(e)
+        layer = self.spec.layers[i]
+        per = layer.num_experts // self.ep
+        r, k = divmod(e, per)
+        _, pre = self._layer_prefix(i)
+        if self.grouped:  # TEGroupedMLP: linear_fc1.weight{k}
+            tensor = pre + "mlp.experts.{fc}.weight" + str(k)
+        else:  # SequentialMLP
+            tensor = pre + f"mlp.experts.local_experts.{k}." + "{fc}.weight"
+
+        def group(t: int) -> Group:
+            return self.expert.group(etp=t, ep=r, pp=stage)
+
+        yield from self._mlp(canonical, f"model.layers.{i}.mlp.experts.{e}.", proj, group, tensor, self.etp)

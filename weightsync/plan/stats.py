@@ -1,0 +1,135 @@
+"""Plan statistics for a whole job or for one rank: the numbers ``weightsync plan`` prints."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from weightsync.plan.planner import Bucket, Pair, Planner, combine_hashes, pair_hash
+from weightsync.plan.simulate import LinkModel, predict_seconds
+from weightsync.spec.model import DTYPE_SIZES
+
+
+@dataclass
+class PlanStats:
+    model: str
+    train: str
+    infer: str
+    instances: int
+    scope: str  # "job", "train:R" or "infer:I:R"
+    canonical_bytes: int
+    bytes_needed: int
+    bytes_sent: int
+    redundancy: float
+    max_rank_send_bytes: int
+    max_rank_recv_bytes: int
+    send_balance: float
+    messages: int
+    buckets: int
+    plan_hash: str
+    plan_seconds: float
+    predicted_seconds: float
+    send_bytes: dict[int, int] = field(default_factory=dict, repr=False)
+    recv_bytes: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["send_bytes"] = {str(k): v for k, v in self.send_bytes.items()}
+        return d
+
+
+def _summarize(
+    planner: Planner, scope: str, plans: dict[Pair, list[Bucket]], bytes_needed: int, seconds: float, links: LinkModel
+) -> PlanStats:
+    send: dict[int, int] = defaultdict(int)
+    recv: dict[str, int] = defaultdict(int)
+    all_buckets = [b for bs in plans.values() for b in bs]
+    sizes = {t.name: DTYPE_SIZES[t.dtype] for t in planner.spec.tensors}
+    for b in all_buckets:  # counted in the canonical dtype, like bytes_needed
+        n = sum(c.numel * sizes[c.canonical] for c in b.copies)
+        send[b.src_rank] += n
+        recv[f"{b.dst_instance}:{b.dst_rank}"] += n
+    sent = sum(send.values())
+    senders = [v for v in send.values() if v]
+    return PlanStats(
+        model=planner.spec.name,
+        train=planner.src.describe(),
+        infer=planner.dst.describe(),
+        instances=planner.instances,
+        scope=scope,
+        canonical_bytes=planner.spec.nbytes,
+        bytes_needed=bytes_needed,
+        bytes_sent=sent,
+        redundancy=sent / bytes_needed if bytes_needed else 0.0,
+        max_rank_send_bytes=max(senders, default=0),
+        max_rank_recv_bytes=max(recv.values(), default=0),
+        send_balance=max(senders) / (sum(senders) / len(senders)) if senders else 0.0,
+        messages=len(all_buckets),
+        buckets=len(all_buckets),
+        plan_hash=combine_hashes({p: pair_hash(bs) for p, bs in plans.items()}),
+        plan_seconds=seconds,
+        predicted_seconds=predict_seconds(all_buckets, planner.topology, links),
+        send_bytes=dict(send),
+        recv_bytes=dict(recv),
+    )
+
+
+def job_stats(planner: Planner, links: LinkModel = LinkModel()) -> PlanStats:
+    """Plan every destination rank of every instance (the receivers' view covers every copy once)."""
+    t0 = time.perf_counter()
+    plans: dict[Pair, list[Bucket]] = {}
+    needed = 0
+    spec = planner.spec
+    for rank in range(planner.dst.world_size):
+        needed += planner.dst_layout(rank).bytes_held(spec) * planner.instances
+        for inst in range(planner.instances):
+            plans.update(planner.recv_plan(inst, rank))
+    return _summarize(planner, "job", plans, needed, time.perf_counter() - t0, links)
+
+
+def rank_stats(planner: Planner, scope: str, links: LinkModel = LinkModel()) -> PlanStats:
+    """Plan one rank only: ``train:R`` (what it sends) or ``infer:I:R`` (what it receives)."""
+    parts = scope.split(":")
+    t0 = time.perf_counter()
+    if parts[0] == "train" and len(parts) == 2:
+        plans = planner.send_plan(int(parts[1]))
+        sizes = {t.name: DTYPE_SIZES[t.dtype] for t in planner.spec.tensors}
+        needed = sum(c.numel * sizes[c.canonical] for bs in plans.values() for b in bs for c in b.copies)
+    elif parts[0] == "infer" and len(parts) == 3:
+        inst, rank = int(parts[1]), int(parts[2])
+        plans = planner.recv_plan(inst, rank)
+        needed = planner.dst_layout(rank).bytes_held(planner.spec)
+    else:
+        raise ValueError(f"--rank must be train:R or infer:I:R, got {scope!r}")
+    return _summarize(planner, scope, plans, needed, time.perf_counter() - t0, links)
+
+
+def format_stats(s: PlanStats) -> str:
+    """A readable summary for people."""
+    gb = 1e9
+
+    def b(n: float) -> str:
+        return f"{n / gb:.3f} GB" if n >= 1e7 else f"{n / 1e6:.3f} MB"
+
+    lines = [
+        f"model {s.model}: {s.train} -> {s.instances} x {s.infer}  ({s.scope})",
+        f"  canonical bytes   {b(s.canonical_bytes)}",
+        f"  bytes needed      {b(s.bytes_needed)}",
+        f"  bytes sent        {b(s.bytes_sent)}   redundancy {s.redundancy:.4f}",
+        f"  busiest sender    {b(s.max_rank_send_bytes)}   balance (max/mean) {s.send_balance:.3f}",
+        f"  busiest receiver  {b(s.max_rank_recv_bytes)}",
+        f"  buckets           {s.buckets}",
+        f"  plan hash         {s.plan_hash}",
+        f"  planned in        {s.plan_seconds:.3f} s",
+        f"  predicted time    {s.predicted_seconds * 1e3:.2f} ms (busiest link)",
+    ]
+    if 0 < len(s.send_bytes) <= 64:
+        lines.append("  per training rank sends:")
+        for r in sorted(s.send_bytes):
+            lines.append(f"    train {r:4d}  {b(s.send_bytes[r])}")
+    if 0 < len(s.recv_bytes) <= 64:
+        lines.append("  per inference rank receives:")
+        for k in sorted(s.recv_bytes, key=lambda x: tuple(map(int, x.split(":")))):
+            lines.append(f"    infer {k:>6}  {b(s.recv_bytes[k])}")
+    return "\n".join(lines)
+

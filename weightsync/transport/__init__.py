@@ -1,0 +1,1 @@
+"""Transports: execute a plan's buckets (pack -> move -> unpack)."""
