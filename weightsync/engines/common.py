@@ -89,6 +89,9 @@ def vocab_shards(
     return out
 
 
+PARALLEL_SIZES = ("tp", "pp", "vpp", "dp", "ep", "etp")
+
+
 def parse_kv(text: str, allowed: Sequence[str], engine: str) -> dict[str, int]:
     """Parse ``tp=2,pp=2`` into ints, refusing unknown keys and values below 1."""
     out: dict[str, int] = {}
@@ -102,6 +105,6 @@ def parse_kv(text: str, allowed: Sequence[str], engine: str) -> dict[str, int]:
             out[key] = int(val)
         except ValueError:
             raise ConfigError(f"{engine}: {key}={val!r} is not an integer") from None
-        if out[key] < 0 or (out[key] < 1 and key not in ("pp_first", "pp_last", "dp_attention")):
-            raise ConfigError(f"{engine}: {key} must be at least 1, got {out[key]}")
+        if out[key] < (1 if key in PARALLEL_SIZES else 0):
+            raise ConfigError(f"{engine}: {key} must be at least {1 if key in PARALLEL_SIZES else 0}, got {out[key]}")
     return out

@@ -99,6 +99,12 @@ class MegatronLayout(EngineLayout):
         super().__init__(spec, [self.dense, self.expert])
         self._place_layers(spec.num_layers)
         self.padded_vocab = pad_to(spec.vocab_size, vocab_multiple * tp)
+        if self.padded_vocab // tp * (tp - 1) >= spec.vocab_size:
+            # A local tensor holding only padding has no piece, so a layout cannot list it.
+            raise ConfigError(
+                f"megatron: vocab {spec.vocab_size} padded to {self.padded_vocab} leaves the last tp rank's "
+                f"embedding/output_layer shard all padding; use a smaller vocab_multiple (now {vocab_multiple}) or tp"
+            )
 
     # -- validation ---------------------------------------------------------------------------
     def _check_model(self, spec: ModelSpec) -> None:
