@@ -300,7 +300,9 @@ def test_live_megatron(case):
     name, kw = LIVE[case]
     L = MegatronLayout(model(name), **kw)
     port = _free_port()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=path)
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, json.dumps(dict(model=name, kw=kw, rank=r, world=L.world_size, port=port))],
@@ -522,11 +524,16 @@ def _worker(args):  # pragma: no cover - runs in subprocesses
         for st in nested_values(sd):
             if not isinstance(st, ShardedTensor) or st.key.endswith("_extra_state"):
                 continue
-            assert st.key in ref, f"no reference for sharded key {st.key}"
-            g = ref[st.key]
-            assert tuple(st.global_shape) == tuple(g.shape), (st.key, st.global_shape, g.shape)
-            pre = st.prepend_axis_num  # stacked-experts axis: one expert per local tensor
-            sl = tuple(slice(o, o + n) for o, n in zip(st.global_offset, (1,) * pre + tuple(st.local_shape)))
+            key, offset, gshape, pre = st.key, tuple(st.global_offset), tuple(st.global_shape), st.prepend_axis_num
+            if key.startswith("decoder.layers.") and not key.split(".")[2].isdigit():
+                # transformer layers are stacked on a prepended axis (TransformerBlock.sharded_state_dict)
+                key = f"decoder.layers.{offset[0]}." + key[len("decoder.layers."):]
+                offset, gshape, pre = offset[1:], gshape[1:], pre - 1
+            assert key in ref, f"no reference for sharded key {st.key} ({key})"
+            g = ref[key]
+            assert gshape == tuple(g.shape), (st.key, gshape, g.shape)
+            # remaining prepended axis: the global expert index (one expert per local tensor)
+            sl = tuple(slice(o, o + n) for o, n in zip(offset, (1,) * pre + tuple(st.local_shape)))
             want = g[sl].reshape(st.data.shape)
             data = st.data
             real = ~torch.isnan(want.float())

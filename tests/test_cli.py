@@ -1,0 +1,71 @@
+"""`weightsync plan`: its JSON, its readable summary and its one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from weightsync.cli import main
+
+KEYS = {
+    "canonical_bytes", "bytes_needed", "bytes_sent", "redundancy", "max_rank_send_bytes", "max_rank_recv_bytes",
+    "send_balance", "messages", "buckets", "plan_hash", "plan_seconds", "predicted_seconds",
+}
+
+
+def run_json(capsys, *args):
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_job_json(capsys):
+    out = run_json(capsys, "--model", "qwen3-8b", "--train", "megatron:tp=2,pp=2,dp=2", "--infer", "vllm:tp=4", "--instances", "2")
+    assert KEYS <= out.keys()
+    assert out["canonical_bytes"] == 16_381_470_720
+    assert out["bytes_needed"] == out["bytes_sent"] > 2 * 16_381_470_720  # norms are held by every TP rank
+    assert out["redundancy"] == 1.0
+    assert out["send_balance"] < 1.1
+
+
+def test_replicated_norms_counted_per_rank(capsys):
+    out = run_json(capsys, "--model", "tiny-qwen3", "--train", "hf", "--infer", "vllm:tp=2")
+    spec_bytes = out["canonical_bytes"]
+    assert out["bytes_needed"] > spec_bytes  # norms and kv heads held by both ranks
+    assert out["redundancy"] == 1.0
+
+
+def test_rank_scope_matches_job(capsys):
+    args = ["--model", "tiny-qwen3-moe", "--train", "megatron:ep=2,dp=2", "--infer", "vllm:tp=2,dp=2,ep=4", "--instances", "2"]
+    job = run_json(capsys, *args)
+    assert len(job["send_bytes"]) == 2  # world = tp*pp*dp; EP is carved out of DP
+    sends = [run_json(capsys, *args, "--rank", f"train:{r}")["bytes_sent"] for r in range(2)]
+    recvs = [run_json(capsys, *args, "--rank", f"infer:{i}:{r}")["bytes_sent"] for i in range(2) for r in range(4)]
+    assert sum(sends) == sum(recvs) == job["bytes_sent"]
+    assert max(sends) == job["max_rank_send_bytes"]
+
+
+def test_readable_summary(capsys):
+    assert main(["plan", "--model", "tiny-llama3", "--train", "fsdp:dp=2", "--infer", "sglang:tp=2", "--colocate"]) == 0
+    out = capsys.readouterr().out
+    assert "redundancy 1.0000" in out and "predicted time" in out and "train    1" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "nope", "--train", "hf", "--infer", "hf"], "unknown model 'nope'"),
+        (["--model", "tiny-qwen3", "--train", "deepspeed", "--infer", "hf"], "unknown engine 'deepspeed'"),
+        (["--model", "tiny-qwen3", "--train", "hf", "--infer", "vllm:tp=3"], "not divisible by attention TP 3"),
+        (["--model", "tiny-qwen3", "--train", "megatron:pp=3", "--infer", "hf"], "pp"),
+        (["--model", "tiny-qwen3", "--train", "hf", "--infer", "hf", "--instances", "0"], "at least 1"),
+        (["--model", "tiny-qwen3", "--train", "hf", "--infer", "hf", "--rank", "train:5"], "outside"),
+    ],
+)
+def test_errors_are_one_line_and_nonzero(args, message):
+    p = subprocess.run([sys.executable, "-m", "weightsync", "plan", *args], capture_output=True, text=True)
+    assert p.returncode != 0
+    assert p.stdout == ""
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("weightsync: error:"), p.stderr
+    assert message in lines[0]
