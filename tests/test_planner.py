@@ -15,8 +15,8 @@ from weightsync.testing import random_canonical
 from weightsync.transport.pack import pack, unpack
 
 SOURCES = {
-    "tiny-llama3": ["hf", "megatron:tp=2,pp=2", "megatron:tp=2,dp=2", "fsdp:dp=3", "fsdp:dp=2,tp=2"],
-    "tiny-qwen3": ["hf", "megatron:pp=2,dp=2", "megatron:pp=4,pp_first=2,pp_last=1", "fsdp:dp=2"],
+    "tiny-llama3": ["hf", "megatron:tp=2,pp=2,pp_first=3", "megatron:tp=2,dp=2", "fsdp:dp=3", "fsdp:dp=2,tp=2"],
+    "tiny-qwen3": ["hf", "megatron:pp=2,dp=2", "megatron:pp=3,pp_first=2,pp_last=1", "fsdp:dp=2"],
     "tiny-qwen3-moe": ["hf", "megatron:ep=2,dp=2", "megatron:tp=2,ep=2,pp=2", "fsdp:dp=3"],
     "tiny-deepseek-v3": ["hf", "megatron:tp=2,ep=2", "fsdp:dp=2"],
 }
@@ -99,7 +99,7 @@ def test_random_plans_execute_exactly(case, instances, colocate, budget, stripe)
 
 def test_dp_replicas_share_the_sending():
     spec = load_spec("qwen3-8b")
-    planner = Planner(make_layout(spec, "fsdp:dp=4") if False else make_layout(spec, "megatron:tp=2,dp=4"),
+    planner = Planner(make_layout(spec, "megatron:tp=2,dp=4"),
                       make_layout(spec, "vllm:tp=2"), instances=2)
     from weightsync.plan.stats import job_stats
 

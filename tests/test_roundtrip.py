@@ -9,14 +9,14 @@ from weightsync.layout.materialize import TORCH_DTYPES, local_view, scatter
 
 CONFIGS = {
     "tiny-llama3": ["hf", "vllm:tp=1", "vllm:tp=4", "vllm:tp=8,dp=2", "sglang:tp=2", "sglang:tp=8",
-                    "megatron:tp=2,pp=2", "megatron:pp=3", "megatron:tp=2,pp=2,pp_first=1,pp_last=1,dp=2",
+                    "megatron:tp=2,pp=2,pp_first=3", "megatron:pp=3,pp_last=1", "megatron:tp=2,pp=3,pp_first=1,pp_last=2,dp=2",
                     "fsdp:dp=3", "fsdp:dp=2,tp=2"],
     "tiny-qwen2": ["hf", "vllm:tp=2", "sglang:tp=4,dp=2", "megatron:tp=2,dp=2", "fsdp:dp=2,tp=2"],
     "tiny-qwen3": ["hf", "vllm:tp=8", "vllm:tp=2,dp=2", "sglang:tp=4,dp=2,dp_attention=1", "megatron:pp=2",
-                   "megatron:tp=2,pp=4,vpp=2", "megatron:pp=4,pp_first=2,pp_last=1", "fsdp:dp=4"],
+                   "megatron:tp=2,pp=2,vpp=2", "megatron:pp=3,pp_first=2,pp_last=1", "fsdp:dp=4"],
     "tiny-qwen3-moe": ["hf", "vllm:tp=2", "vllm:tp=2,dp=2,ep=4", "vllm:tp=1,dp=3,ep=3",
                        "sglang:tp=4,ep=2", "sglang:tp=4,dp=2,ep=4,dp_attention=1", "megatron:ep=2,dp=2",
-                       "megatron:tp=2,ep=2,etp=1,pp=2", "megatron:tp=2,etp=2,ep=2,dp=2", "fsdp:dp=3"],
+                       "megatron:tp=2,ep=2,pp=2,te=1,grouped=1", "megatron:tp=2,etp=2,ep=2,dp=2", "fsdp:dp=3"],
     "tiny-deepseek-v3": ["hf", "vllm:tp=2", "vllm:tp=4,ep=4", "sglang:tp=4", "sglang:tp=4,ep=4",
                          "sglang:tp=4,dp=2,dp_attention=1", "megatron:tp=2,pp=2,ep=2", "megatron:ep=4,dp=4",
                          "fsdp:dp=2"],

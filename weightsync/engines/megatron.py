@@ -5,8 +5,9 @@ local spec, checked against real models built on CPU (tests/test_megatron_layout
 
 * Ranks (``parallel_state.py``, ``RankGenerator`` with the default order ``"tp-cp-ep-dp-pp"``, cp=1):
   the dense generator is (tp, dp, pp) fastest first; the expert generator is (etp, ep, edp, pp) with
-  ``edp = tp*dp / (ep*etp)`` over the same ranks. ``etp`` defaults to ``tp``
-  (``expert_tensor_parallel_size=None`` -> tp in ``initialize_model_parallel``).
+  ``edp = tp*dp / (ep*etp)`` over the same ranks. Like every parallel size of ``weightsync plan``,
+  ``etp`` defaults to 1 here (megatron-core's own default, ``expert_tensor_parallel_size=None``, is tp:
+  pass ``etp=tp`` to mirror it).
 * Layers per stage (``transformer/transformer_block.py`` ``get_num_layers_to_build`` and
   ``transformer/transformer_layer.py`` ``get_transformer_layer_offset``): even split, or uneven with
   ``num_layers_in_first/last_pipeline_stage`` (middle stages split the rest evenly); with virtual
@@ -64,14 +65,13 @@ class MegatronLayout(EngineLayout):
         vpp: int = 1,
         dp: int = 1,
         ep: int = 1,
-        etp: int | None = None,
+        etp: int = 1,
         pp_first: int = 0,
         pp_last: int = 0,
         te: int = 0,
         grouped: int = 0,
         vocab_multiple: int = 128,
     ):
-        etp = tp if etp is None else etp
         for k, v in dict(tp=tp, pp=pp, vpp=vpp, dp=dp, ep=ep, etp=etp, vocab_multiple=vocab_multiple).items():
             if v < 1:
                 raise ConfigError(f"megatron: {k} must be at least 1, got {v}")
@@ -88,8 +88,7 @@ class MegatronLayout(EngineLayout):
         if (tp * dp) % (ep * etp):
             raise ConfigError(
                 f"megatron: tp*dp={tp * dp} is not divisible by ep*etp={ep * etp} "
-                "(expert data parallel size must be an integer; parallel_state.initialize_model_parallel); "
-                f"etp defaults to tp={tp} as in Megatron, set etp explicitly (e.g. etp=1)"
+                "(expert data parallel size must be an integer; parallel_state.initialize_model_parallel)"
             )
         self.edp = tp * dp // (ep * etp)
         self._check_model(spec)
@@ -170,7 +169,9 @@ class MegatronLayout(EngineLayout):
             if mid_stages and mid_layers % mid_stages:
                 raise ConfigError(f"megatron: {mid_layers} middle layers not divisible by {mid_stages} middle stages")
             if mid_stages and (mid_layers // mid_stages) % vpp:
-                raise ConfigError(f"megatron: {mid_layers // mid_stages} layers per middle stage not divisible by vpp={vpp}")
+                raise ConfigError(
+                    f"megatron: {mid_layers // mid_stages} layers per middle stage not divisible by vpp={vpp}"
+                )
             if vpp > 1 and not mid_stages:
                 # get_transformer_layer_offset computes `x // middle_pipeline_stages` for pp_rank>0
                 raise ConfigError("megatron: vpp>1 with no middle pipeline stage divides by zero in megatron-core 0.16")
@@ -198,14 +199,15 @@ class MegatronLayout(EngineLayout):
                     raise ConfigError(f"megatron: pipeline split places layer {off + j} twice or past the end")
                 owner[off + j] = (p, c, j)
         if any(o is None for o in owner):
-            raise ConfigError(f"megatron: pipeline split leaves layers {[i for i, o in enumerate(owner) if o is None]} unplaced")
+            missing = [i for i, o in enumerate(owner) if o is None]
+            raise ConfigError(f"megatron: pipeline split leaves layers {missing} unplaced")
         self.owner: list[tuple[int, int, int]] = owner  # type: ignore[assignment]
 
     @property
     def config(self) -> dict[str, int]:
         out = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
         for k, v, default in (
-            ("vpp", self.vpp, 1), ("ep", self.ep, 1), ("etp", self.etp, self.tp), ("pp_first", self.pp_first, 0),
+            ("vpp", self.vpp, 1), ("ep", self.ep, 1), ("etp", self.etp, 1), ("pp_first", self.pp_first, 0),
             ("pp_last", self.pp_last, 0), ("te", int(self.te), 0), ("grouped", int(self.grouped), 0),
             ("vocab_multiple", self.vocab_multiple, 128),
         ):
@@ -246,7 +248,8 @@ class MegatronLayout(EngineLayout):
         yield p + "input_layernorm.weight"
         if a.kind == "mla":
             if a.q_lora_rank:
-                yield from (p + "self_attn.q_a_proj.weight", p + "self_attn.q_a_layernorm.weight", p + "self_attn.q_b_proj.weight")
+                for n in ("q_a_proj", "q_a_layernorm", "q_b_proj"):
+                    yield f"{p}self_attn.{n}.weight"
             else:
                 yield p + "self_attn.q_proj.weight"
             for n in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):
@@ -299,7 +302,8 @@ class MegatronLayout(EngineLayout):
     def _vocab(self, canonical: str, stage: int, tensor: str) -> list[Shard]:
         chunk = 0 if stage == 0 and tensor.startswith("embedding") else self.vpp - 1
         name = self._chunk(chunk) + tensor
-        return vocab_shards(lambda t: self.dense.group(tp=t, pp=stage), name, self.spec, canonical, self.padded_vocab, self.tp)
+        groups = lambda t: self.dense.group(tp=t, pp=stage)  # noqa: E731
+        return vocab_shards(groups, name, self.spec, canonical, self.padded_vocab, self.tp)
 
     def _replicated(self, stage: int, tensor: str, canonical: str, dtype: str | None = None) -> Shard:
         return whole(self.dense.group(pp=stage), tensor, self.spec, canonical, dtype)
@@ -308,7 +312,8 @@ class MegatronLayout(EngineLayout):
         t = self.spec.tensor(canonical)
         for r in range(parts):
             box = rows(even(t.shape[0], parts, r, f"{canonical} rows"), t.shape)
-            yield Shard(groups(r), Piece(tensor, ((0, box[0][1]),) + box[1:], canonical, box), (box[0][1],) + t.shape[1:], t.dtype)
+            shape = (box[0][1],) + t.shape[1:]
+            yield Shard(groups(r), Piece(tensor, full_box(shape), canonical, box), shape, t.dtype)
 
     def _col_split(self, groups, tensor: str, canonical: str, parts: int) -> Iterator[Shard]:
         t = self.spec.tensor(canonical)
@@ -342,16 +347,19 @@ class MegatronLayout(EngineLayout):
         attn = pre + "self_attention."
         if rest == "input_layernorm.weight":
             fused = self.te and a.kind == "gqa"
-            yield self._replicated(stage, attn + "linear_qkv.layer_norm_weight" if fused else pre + "input_layernorm.weight", canonical)
+            name = attn + "linear_qkv.layer_norm_weight" if fused else pre + "input_layernorm.weight"
+            yield self._replicated(stage, name, canonical)
         elif rest == "post_attention_layernorm.weight":
             fused = self.te and not layer.moe
-            yield self._replicated(stage, pre + ("mlp.linear_fc1.layer_norm_weight" if fused else "pre_mlp_layernorm.weight"), canonical)
+            name = pre + ("mlp.linear_fc1.layer_norm_weight" if fused else "pre_mlp_layernorm.weight")
+            yield self._replicated(stage, name, canonical)
         elif rest == "self_attn.o_proj.weight":
             yield from self._col_split(tp_group, attn + "linear_proj.weight", canonical, tp)
         elif a.kind == "gqa" and rest.startswith("self_attn.") and rest.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
             yield from self._qkv(canonical, i, rest.split(".")[2], tp_group, attn)
         elif rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-            yield self._replicated(stage, attn + ("q_layernorm.weight" if rest.startswith("self_attn.q") else "k_layernorm.weight"), canonical)
+            name = attn + ("q_layernorm.weight" if rest.startswith("self_attn.q") else "k_layernorm.weight")
+            yield self._replicated(stage, name, canonical)
         elif a.kind == "mla" and rest.startswith("self_attn."):
             yield from self._mla(canonical, rest, stage, tp_group, attn)
         elif rest.startswith("mlp.experts."):
@@ -365,7 +373,8 @@ class MegatronLayout(EngineLayout):
         elif rest == "mlp.gate.e_score_correction_bias":
             yield self._replicated(stage, pre + "mlp.router.expert_bias", canonical, "float32")
         elif rest.startswith("mlp.") and rest.split(".")[1] in _EXPERT_TAIL:
-            yield from self._mlp(canonical, f"model.layers.{i}.mlp.", rest.split(".")[1], tp_group, pre + "mlp.{fc}.weight", tp)
+            proj = rest.split(".")[1]
+            yield from self._mlp(canonical, f"model.layers.{i}.mlp.", proj, tp_group, pre + "mlp.{fc}.weight", tp)
         else:
             raise ConfigError(f"megatron: no rule for canonical tensor {canonical!r}")
 
@@ -403,7 +412,8 @@ class MegatronLayout(EngineLayout):
                 up = "linear_q_up_proj" if proj == "q_a_layernorm" else "linear_kv_up_proj"
                 yield self._replicated(stage, attn + f"{up}.layer_norm_weight", canonical)
             else:
-                yield self._replicated(stage, attn + ("q_layernorm.weight" if proj == "q_a_layernorm" else "kv_layernorm.weight"), canonical)
+                name = attn + ("q_layernorm.weight" if proj == "q_a_layernorm" else "kv_layernorm.weight")
+                yield self._replicated(stage, name, canonical)
         elif proj in ("q_b_proj", "q_proj", "kv_b_proj"):
             name = {"q_b_proj": "linear_q_up_proj", "q_proj": "linear_q_proj", "kv_b_proj": "linear_kv_up_proj"}[proj]
             yield from self._row_split(tp_group, attn + name + ".weight", canonical, tp)
