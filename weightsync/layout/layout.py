@@ -194,8 +194,17 @@ class EngineLayout(ABC):
         return f"{self.engine}:{cfg}" if cfg else self.engine
 
 
-def check_live(layout: Layout, live: Mapping[str, tuple[tuple[int, ...], str]], where: str = "") -> None:
-    """Compare a derived layout with live tensors ``{name: (shape, dtype)}``; raise listing every difference."""
+def check_live(
+    layout: Layout,
+    live: Mapping[str, tuple[tuple[int, ...], str]],
+    where: str = "",
+    ignore: Sequence[str] = (),
+) -> None:
+    """Compare a derived layout with live tensors ``{name: (shape, dtype)}``; raise listing every difference.
+
+    Live tensors whose names end with one of ``ignore`` (parameters an engine derives from others
+    after loading, such as vLLM's MLA ``W_UK_T``) are not compared.
+    """
     problems = []
     at = f" on {where}" if where else f" on {layout.engine} rank {layout.rank}"
     for name, t in layout.tensors.items():
@@ -208,6 +217,8 @@ def check_live(layout: Layout, live: Mapping[str, tuple[tuple[int, ...], str]], 
         if dtype != t.dtype:
             problems.append(f"tensor {name}: live dtype {dtype}, derived {t.dtype}")
     for name in live:
+        if name.endswith(tuple(ignore)):
+            continue
         if name not in layout.tensors and math.prod(live[name][0]):  # empty shards (FSDP2) hold nothing
             problems.append(f"unexpected tensor {name} (shape {list(live[name][0])}) not in the derived layout")
     if problems:
