@@ -37,6 +37,12 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _meta_server(args: argparse.Namespace) -> int:
+    from weightsync.meta.server import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightsync", description="Move RL trainer weights to inference engines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -52,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host for locality (default 8)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_plan)
+
+    from weightsync.meta.server import add_arguments as add_meta_arguments
+
+    meta = sub.add_parser("meta-server", help="run the MetaServer, the job-level coordinator")
+    add_meta_arguments(meta)  # --host 127.0.0.1, --port 0, --token (default $WEIGHTSYNC_META_TOKEN), --state PATH
+    meta.set_defaults(func=_meta_server)
     return p
 
 

@@ -1,0 +1,486 @@
+"""MetaServer and MetaClient over real HTTP on loopback: waits, conflicts, garbage, tokens, restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weightsync.meta import MetaAborted, MetaClient, MetaError, MetaServer, MetaTimeout
+from weightsync.meta.server import MAX_BODY
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def server(tmp_path):
+    with MetaServer(state_path=str(tmp_path / "state.json")).start() as s:
+        yield s
+
+
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(4) as ex:
+        yield ex
+
+
+def client(s: MetaServer, job: str = "job1", **kw) -> MetaClient:
+    return MetaClient(s.url, job, timeout=kw.pop("timeout", 5.0), **kw)
+
+
+def later(delay: float, fn, *args, **kw) -> threading.Thread:
+    """Run ``fn`` on another thread after ``delay``: the post that should wake a waiter."""
+    t = threading.Thread(target=lambda: (time.sleep(delay), fn(*args, **kw)), daemon=True)
+    t.start()
+    return t
+
+
+def raw(port: int, data: bytes) -> tuple[int, dict]:
+    """Send bytes on a socket, return (status, JSON body) of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)  # a short body ends here instead of stalling
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body)
+
+
+def http(s: MetaServer, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, JSON or text body) of one request, errors included."""
+    req = urllib.request.Request(s.url + path, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            status, data, ctype = r.status, r.read(), r.headers["Content-Type"]
+    except urllib.error.HTTPError as e:
+        status, data, ctype = e.code, e.read(), e.headers["Content-Type"]
+    return status, json.loads(data) if ctype == "application/json" else data.decode()
+
+
+# --------------------------------------------------------------------------------------------
+# Participants
+
+
+def test_register_and_wait(server, pool):
+    c = client(server)
+    waiter = pool.submit(c.wait_participants, 3, None, 5.0)
+    time.sleep(0.1)
+    assert not waiter.done()
+    c.register("train", 0, host="h0", gpu=0, spec_digest="abc", engine_config={"engine": "megatron", "tp": 2})
+    c.register("train", 1, host="h0", gpu=1, spec_digest="abc")
+    later(0.1, c.register, "infer", 0, instance=0, address="10.0.0.1:5000", spec_digest="abc")
+    got = waiter.result(timeout=5)
+    assert [p["name"] for p in got] == ["infer:0:0", "train:0", "train:1"]
+    assert got[1]["engine_config"] == {"engine": "megatron", "tp": 2}
+    assert [p["rank"] for p in c.participants("train")] == [0, 1]
+    # Re-registering the same identity is idempotent; a new address replaces the record.
+    again = c.register("train", 0, host="h0", gpu=0, spec_digest="abc", engine_config={"engine": "megatron", "tp": 2})
+    assert again == {"name": "train:0", "created": False, "count": 3}
+    c.register("train", 1, host="h0", gpu=1, spec_digest="abc", address="new:1")
+    assert [p["address"] for p in c.participants("train")] == ["", "new:1"]
+    with pytest.raises(MetaError, match="model spec zzz but .* has abc") as e:
+        c.register("infer", 1, instance=0, spec_digest="zzz")
+    assert e.value.status == 409
+    with pytest.raises(MetaTimeout):
+        c.wait_participants(2, role="infer", timeout=0.2)
+
+
+# --------------------------------------------------------------------------------------------
+# Plan hashes
+
+
+def test_plan_hash_mismatch_names_both_sides(server):
+    c = client(server)
+    c.register("train", 0)
+    c.register("train", 1)
+    c.register("infer", 0, instance=0)
+    c.register("infer", 1, instance=0)
+    c.post_plan_hashes("train", 0, {(0, 0, 0): "aa", (0, 0, 1): "bb"}, plan_hash="f0")
+    check = c.check_plan_hashes()
+    assert not check["complete"] and {p["waiting_for"] for p in check["pending"]} == {"infer:0:0", "infer:0:1"}
+    c.post_plan_hashes("infer", 0, {(0, 0, 0): "aa", (1, 0, 0): "cc"}, instance=0, plan_hash="f0")
+    c.post_plan_hashes("infer", 1, {(0, 0, 1): "b0"}, instance=0, plan_hash="f1")
+    c.post_plan_hashes("train", 1, {(1, 0, 0): "cc"}, plan_hash="f0")
+    check = c.check_plan_hashes()
+    assert check["complete"] and not check["ok"] and not check["plan_hashes_agree"]
+    assert check["compared"] == 3
+    assert check["mismatches"] == [{"pair": [0, 0, 1], "train": "train:0", "train_hash": "bb",
+                                    "infer": "infer:0:1", "infer_hash": "b0"}]
+    # A pair the peer never planned is a mismatch with a null hash on the peer's side.
+    c.post_plan_hashes("train", 1, {(1, 0, 0): "cc", (1, 0, 1): "dd"}, plan_hash="f0")
+    missing = [m for m in c.check_plan_hashes()["mismatches"] if m["pair"] == [1, 0, 1]]
+    assert missing == [{"pair": [1, 0, 1], "train": "train:1", "train_hash": "dd",
+                        "infer": "infer:0:1", "infer_hash": None}]
+    with pytest.raises(MetaError, match="not an end of"):
+        c.post_plan_hashes("train", 0, {(1, 0, 0): "aa"})
+    with pytest.raises(MetaError, match="not registered") as e:
+        c.post_plan_hashes("train", 7, {(7, 0, 0): "aa"})
+    assert e.value.status == 409
+
+
+# --------------------------------------------------------------------------------------------
+# Instances and steps
+
+
+def test_instances_join_leave_version(server, pool):
+    c = client(server)
+    assert c.join(0)["version"] == 1
+    assert c.join(1) == {"instance": 1, "changed": True, "version": 2, "instances": [0, 1]}
+    assert c.join(1)["changed"] is False and c.instances()["version"] == 2  # idempotent: no new version
+    waiter = pool.submit(c.wait_topology, 2, 5.0)
+    later(0.1, c.leave, 0)
+    assert waiter.result(timeout=5) == {"ready": True, "version": 3, "instances": [1]}
+    assert c.leave(0)["changed"] is False
+    t0 = time.monotonic()
+    with pytest.raises(MetaTimeout):
+        c.wait_topology(3, timeout=0.3)
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_written_long_poll(server, pool):
+    c = client(server)
+    for r in range(3):
+        c.register("train", r)
+    c.written(5, 0)
+    t0 = time.monotonic()
+    with pytest.raises(MetaTimeout, match="not ready after 0.3"):
+        c.wait_written(5, timeout=0.3)  # default: every registered training rank
+    assert 0.3 <= time.monotonic() - t0 < 1.5
+    assert c.wait_written(5, n=1, timeout=0.1) == [0]
+    waiter = pool.submit(c.wait_written, 5, None, 5.0)
+    c.written(5, 1)
+    c.written(5, 1)  # a retried post changes nothing
+    later(0.1, c.written, 5, 2)
+    assert waiter.result(timeout=5) == [0, 1, 2]
+    assert c.summary()["complete_step"] == 5
+    with pytest.raises(MetaError, match="not registered"):
+        c.written(6, 9)
+
+
+def test_written_window(server):
+    c = client(server)
+    c.register("train", 0)
+    for s in range(70):
+        c.written(s, 0)
+    with pytest.raises(MetaError, match="older than the steps kept") as e:
+        c.wait_written(0, timeout=0.1)
+    assert e.value.status == 410
+    assert c.wait_written(69, timeout=0.1) == [0]
+
+
+def test_held_long_poll(server, pool):
+    c = client(server)
+    with pytest.raises(MetaError, match="join first"):
+        c.held(0, 1)
+    c.join(0)
+    c.join(1)
+    c.held(0, 3)
+    t0 = time.monotonic()
+    with pytest.raises(MetaTimeout):
+        c.wait_held(3, timeout=0.3)  # default: every joined instance; 1 holds nothing yet
+    assert time.monotonic() - t0 < 1.5
+    assert c.wait_held(3, instances=[0], timeout=0.1) == {0: 3}
+    waiter = pool.submit(c.wait_held, 3, None, 5.0)
+    later(0.1, c.held, 1, 4)
+    assert waiter.result(timeout=5) == {0: 3, 1: 4}
+    # Monotonic per instance: going back is refused unless reset; the same step again is fine.
+    c.held(1, 4)
+    with pytest.raises(MetaError, match="goes back") as e:
+        c.held(1, 2)
+    assert e.value.status == 409
+    assert c.held(1, 2, reset=True) == {"instance": 1, "step": 2, "previous": 4}
+    # An instance that leaves no longer holds up the default wait.
+    waiter = pool.submit(c.wait_held, 3, None, 5.0)
+    later(0.1, c.leave, 1)
+    assert waiter.result(timeout=5) == {0: 3}
+    assert c.summary()["held"] == {"0": 3, "1": 2}
+
+
+def test_rendezvous(server, pool):
+    c = client(server)
+    waiter = pool.submit(c.lookup, "pg-train-infer", 5.0)
+    later(0.1, c.publish, "pg-train-infer", "10.0.0.1:29500")
+    assert waiter.result(timeout=5) == "10.0.0.1:29500"
+    assert c.publish("pg-train-infer", "10.0.0.1:29500")["changed"] is False
+    with pytest.raises(MetaError, match="already holds"):
+        c.publish("pg-train-infer", "10.0.0.2:29500")
+    c.publish("pg-train-infer", "10.0.0.2:29500", replace=True)
+    assert c.lookup("pg-train-infer", timeout=0) == "10.0.0.2:29500"
+    with pytest.raises(MetaTimeout):
+        c.lookup("other", timeout=0.2)
+
+
+def test_abort_wakes_waiters(server, pool):
+    c = client(server)
+    c.register("train", 0)
+    c.join(0)
+    waiters = [pool.submit(c.wait_held, 1, None, 10.0), pool.submit(c.wait_written, 1, None, 10.0),
+               pool.submit(c.lookup, "pg", 10.0)]
+    other = pool.submit(client(server, "job2").wait_topology, 0, 1.0)  # another job's waiter is not woken
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    c.abort("train rank 3 died")
+    for w in waiters:
+        with pytest.raises(MetaAborted, match="train rank 3 died"):
+            w.result(timeout=5)
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(MetaTimeout):
+        other.result(timeout=5)
+    with pytest.raises(MetaAborted):
+        c.held(0, 1)
+    assert c.summary()["aborted"] == "train rank 3 died"
+    c.delete_job()  # the id can be reused afterwards
+    assert c.register("train", 0)["created"] is True
+
+
+# --------------------------------------------------------------------------------------------
+# Token
+
+
+def test_token():
+    with MetaServer(token="s3cret").start() as s:
+        assert http(s, "GET", "/health") == (200, {"status": "ok", "version": "0.1.0"})
+        bad = ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, {"Authorization": "Bearer s3cret2"})
+        for headers in bad:
+            status, body = http(s, "GET", "/v1/jobs/j/instances", headers=headers)
+            assert status == 401 and "token" in body["error"]
+            assert http(s, "GET", "/metrics", headers=headers)[0] == 401
+            assert http(s, "POST", "/v1/jobs/j/instances/0/join", b"{}", headers)[0] == 401
+        with pytest.raises(MetaError) as e:
+            MetaClient(s.url, "j", timeout=2).join(0)
+        assert e.value.status == 401
+        good = MetaClient(s.url, "j", token="s3cret", timeout=2)
+        assert good.join(0)["version"] == 1
+        assert "weightsync_meta_jobs 1" in good.metrics()
+
+
+# --------------------------------------------------------------------------------------------
+# Garbage
+
+
+GARBAGE = [
+    # raw bytes on the socket
+    ("raw", b"\x00\xff\xfe garbage\r\n\r\n"),
+    ("raw", b"GET /v1/jobs/j HTTP/2.0\r\n\r\n"),
+    ("raw", b"BREW /v1/jobs/j HTTP/1.1\r\n\r\n"),
+    ("raw", b"POST /v1/jobs/j/instances/0/join HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1)),
+    ("raw", b"POST /v1/jobs/j/instances/0/join HTTP/1.1\r\nContent-Length: -5\r\n\r\n"),
+    ("raw", b"POST /v1/jobs/j/instances/0/join HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"),
+    ("raw", b"POST /v1/jobs/j/instances/0/join HTTP/1.1\r\nContent-Length: 10\r\n\r\n{}"),  # short body
+    # bad JSON and wrong types
+    ("POST", "/v1/jobs/j/participants", b"{not json"),
+    ("POST", "/v1/jobs/j/participants", b"[1, 2]"),
+    ("POST", "/v1/jobs/j/participants", b"\xff\xfe"),
+    ("POST", "/v1/jobs/j/participants", b"[" * 100_000),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": NaN}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": -1}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": true}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 1.5}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": "1"}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "boss", "rank": 0}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "extra": 1}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "instance": 0}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "infer", "rank": 0}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "host": "' + b"h" * 300 + b'"}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "engine_config": {"a": [1]}}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "engine_config": "tp=2"}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "pad": "' + b"x" * (MAX_BODY + 10) + b'"}'),
+    ("POST", "/v1/jobs/j/instances/0/held", b'{"step": 1.0}'),
+    ("POST", "/v1/jobs/j/instances/0/held", b'{"step": 1, "reset": 1}'),
+    ("POST", "/v1/jobs/j/steps/1/written", b'{"rank": -3}'),
+    ("POST", "/v1/jobs/j/abort", b'{"why": "x"}'),
+    ("POST", "/v1/jobs/j/plan-hashes", b'{"role": "train", "rank": 0, "pairs": [[0, 0, 0, "not hex"]]}'),
+    ("POST", "/v1/jobs/j/rendezvous/pg", b'{"address": 5}'),
+    # bad ids and routes
+    ("POST", "/v1/jobs/bad%2Fid/instances/0/join", b"{}"),
+    ("POST", "/v1/jobs/" + "x" * 129 + "/instances/0/join", b"{}"),
+    ("POST", "/v1/jobs/j/instances/-1/join", b"{}"),
+    ("POST", "/v1/jobs/j/instances/one/join", b"{}"),
+    ("POST", "/v1/jobs/j/steps/1.5/written", b'{"rank": 0}'),
+    ("POST", "/v1/jobs/j/steps/abc/written", b'{"rank": 0}'),
+    ("POST", "/v1/jobs/j/steps/99999999999999999999/written", b'{"rank": 0}'),
+    ("POST", "/v1/jobs/j/rendezvous/a%20b", b'{"address": "x"}'),
+    ("POST", "/v1/jobs/j/instances/0/explode", b"{}"),
+    ("GET", "/v1/jobs/j/held?timeout=nan", None),
+    ("GET", "/v1/jobs/j/held?timeout=1e9", None),
+    ("GET", "/v1/jobs/j/held?min_step=-1", None),
+    ("GET", "/v1/jobs/j/held?instances=0,x", None),
+    ("GET", "/v1/jobs/j/held?surprise=1", None),
+    ("GET", "/v1/jobs/j/held?timeout=1&timeout=2", None),
+    ("GET", "/v1/jobs/j/participants?wait_for=abc", None),
+    ("DELETE", "/v1/jobs/j/participants", None),
+    ("GET", "/v1/jobs/nosuchjob", None),
+]
+
+
+def test_garbage_is_refused_and_changes_nothing(server, tmp_path):
+    c = client(server, "j")
+    c.register("train", 0)
+    c.join(1)
+    state = tmp_path / "state.json"
+    before, file_before = c.summary(), state.read_bytes()
+    for kind, *req in GARBAGE:
+        if kind == "raw":
+            status, body = raw(server.port, req[0])
+        else:
+            path, data = req
+            status, body = http(server, kind, path, data)
+        assert 400 <= status < 500, (kind, req, status, body)
+        assert isinstance(body, dict) and body["error"], (kind, req, body)
+    assert c.summary() == before
+    assert state.read_bytes() == file_before
+    assert c.health()["status"] == "ok"  # still serving
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids, max_size=3),
+    max_leaves=5,
+)
+FIELDS = st.sampled_from(["role", "rank", "instance", "host", "gpu", "engine_config", "x"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(FIELDS, JSON_VALUES))
+def test_random_bodies_never_break_the_server(server, body):
+    status, answer = http(server, "POST", "/v1/jobs/fuzz/participants", json.dumps(body).encode())
+    assert status in (200, 400, 409), (body, status, answer)
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+
+
+def test_metrics_format(server):
+    c = client(server)
+    c.register("train", 0)
+    c.join(0)
+    c.held(0, 7)
+    c.written(7, 0)
+    with pytest.raises(MetaError):
+        c.held(0, 3)
+    http(server, "GET", "/nope")
+    text = c.metrics()
+    sample = re.compile(r'^[a-z_]+(\{([a-z_]+="[^"\\\n]*",?)+\})? -?[0-9.e+]+$')
+    typed = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            assert kind in ("counter", "gauge")
+            typed.add(name)
+        elif not line.startswith("# HELP "):
+            assert sample.match(line), line
+            assert line.split("{")[0].split(" ")[0] in typed, line
+    assert 'weightsync_meta_requests_total{route="POST /v1/jobs/{job}/instances/{i}/held",status="200"} 1' in text
+    assert 'weightsync_meta_requests_total{route="POST /v1/jobs/{job}/instances/{i}/held",status="409"} 1' in text
+    assert 'weightsync_meta_requests_total{route="unmatched",status="404"} 1' in text
+    assert 'weightsync_meta_participants{job="job1",role="train"} 1' in text
+    assert 'weightsync_meta_step_held{job="job1",instance="0"} 7' in text
+    assert 'weightsync_meta_step_complete{job="job1"} 7' in text
+    assert "weightsync_meta_jobs 1" in text
+
+
+def test_metrics_counts_waiting_long_polls(server, pool):
+    c = client(server)
+    waiter = pool.submit(c.wait_held, 1, [0], 5.0)
+    deadline = time.monotonic() + 5
+    while 'weightsync_meta_waiting{route="held"} 1' not in c.metrics():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    c.join(0)
+    c.held(0, 1)
+    assert waiter.result(timeout=5) == {0: 1}
+
+
+# --------------------------------------------------------------------------------------------
+# Restarts
+
+
+def test_restart_mid_job_with_state(tmp_path, pool):
+    path = str(tmp_path / "state.json")
+    s = MetaServer(state_path=path).start()
+    port = s.port
+    c = MetaClient(s.url, "job", timeout=10)
+    c.register("train", 0, address="a:1")
+    c.join(0)
+    c.join(1)
+    c.held(0, 2)
+    c.written(2, 0)
+    c.publish("pg", "h:1")
+    waiter = pool.submit(c.wait_held, 2, None, 10.0)  # waits for instance 1
+    time.sleep(0.2)
+    s.stop()  # the waiter's long-poll is answered 503 and it retries against a closed port
+    time.sleep(0.3)
+    with MetaServer(port=port, state_path=path).start() as s2:
+        assert not waiter.done()
+        c2 = MetaClient(s2.url, "job", timeout=5)
+        summary = c2.summary()
+        assert summary["instances"] == [0, 1] and summary["topology_version"] == 2
+        assert summary["held"] == {"0": 2} and summary["complete_step"] == 2
+        assert c2.participants()[0]["address"] == "a:1" and c2.lookup("pg", timeout=0) == "h:1"
+        c2.held(1, 2)
+        assert waiter.result(timeout=10) == {0: 2, 1: 2}
+        with pytest.raises(MetaError, match="goes back"):
+            c2.held(0, 1)  # monotonicity survives the restart
+
+
+def _spawn(port: int, state: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "weightsync.meta.server", "--port", str(port), "--state", state],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"listening on (http://\S+)", line)
+    assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc, m.group(1)
+
+
+def test_subprocess_sigkill_mid_long_poll(tmp_path, pool):
+    state = str(tmp_path / "state.json")
+    proc, url = _spawn(0, state)
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        c = MetaClient(url, "job", timeout=10)
+        c.register("train", 0)
+        c.register("infer", 0, instance=0)
+        c.join(0)
+        c.held(0, 4)
+        waiter = pool.submit(c.wait_held, 5, None, 15.0)
+        written = pool.submit(c.wait_written, 5, None, 15.0)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=5)
+        time.sleep(0.3)  # the waiters now retry against a dead port
+        assert not waiter.done() and not written.done()
+        proc, url2 = _spawn(port, state)
+        assert url2 == url
+        c2 = MetaClient(url, "job", timeout=5)
+        assert c2.summary()["held"] == {"0": 4}
+        c2.written(5, 0)
+        c2.held(0, 5)
+        assert waiter.result(timeout=15) == {0: 5}
+        assert written.result(timeout=15) == [0]
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
+        for f in (proc.stdout, proc.stderr):
+            f.close()
+
+
+def test_broken_state_file_refuses_to_start(tmp_path):
+    path = tmp_path / "state.json"
+    path.write_text("{half a file")
+    with pytest.raises(Exception, match="cannot read MetaServer state"):
+        MetaServer(state_path=str(path)).start()

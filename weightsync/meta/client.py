@@ -1,0 +1,208 @@
+"""MetaClient: one method per MetaServer route, over urllib (no extra dependency).
+
+Every call has a deadline (``timeout`` seconds from the call). Connection errors and 503 answers
+(server down, restarting or stopping) are retried with backoff until that deadline, which is safe
+because every server mutation is idempotent. Long-polls are sent in slices of at most
+``POLL_SLICE_S`` seconds and repeated until they are ready or the deadline passes, so a server
+restart in the middle of a wait costs one slice at most.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Iterable, Mapping
+
+from weightsync import __version__
+from weightsync.errors import WeightSyncError
+
+POLL_SLICE_S = 25.0  # one long-poll request; well under the server's 300 s cap and common proxy timeouts
+SOCKET_MARGIN_S = 10.0  # extra socket time beyond a long-poll's own timeout
+BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
+
+
+class MetaError(WeightSyncError):
+    """The MetaServer refused a request; ``status`` is the HTTP status, the message is the server's."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class MetaAborted(MetaError):
+    """The job was aborted (a peer died); every waiter of the job gets this."""
+
+
+class MetaTimeout(MetaError, TimeoutError):
+    """A deadline passed: a long-poll's condition did not hold in time."""
+
+
+class MetaUnavailable(MetaTimeout):
+    """The deadline passed while the server could not be reached (down, restarting, stopping)."""
+
+
+_RETRY = (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError)
+
+
+class MetaClient:
+    """Talks to one job on one MetaServer."""
+
+    def __init__(self, url: str, job: str, token: str | None = None, timeout: float = 30.0):
+        self.url, self.job, self.token, self.timeout = url.rstrip("/"), job, token, timeout
+        self._job_path = f"/v1/jobs/{urllib.parse.quote(job, safe='')}"
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: Mapping | None = None, query: Mapping | None = None,
+                 deadline: float | None = None, poll_s: float = 0.0) -> Any:
+        """One request, retried on connection errors and 503 until ``deadline``; 4xx raises MetaError."""
+        deadline = deadline if deadline is not None else time.monotonic() + self.timeout
+        url = self.url + path
+        if query:
+            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if self.token is not None:
+            headers["Authorization"] = f"Bearer {self.token}"
+        delay = BACKOFF_START_S
+        while True:  # at least one attempt, even with a deadline already past
+            req = urllib.request.Request(url, data=data, method=method, headers=headers)
+            socket_s = max(deadline - time.monotonic(), poll_s + SOCKET_MARGIN_S)
+            try:
+                with urllib.request.urlopen(req, timeout=socket_s) as resp:
+                    raw = resp.read()
+                    ctype = resp.headers.get("Content-Type", "")
+                return json.loads(raw) if ctype.startswith("application/json") else raw.decode()
+            except urllib.error.HTTPError as e:
+                msg, aborted = _error_message(e)
+                if e.code != 503:
+                    kind = MetaAborted if aborted else MetaError
+                    raise kind(f"{method} {path}: {msg}", e.code) from None
+                last = f"503 {msg}"
+            except _RETRY as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                raise MetaUnavailable(f"MetaServer {self.url} unreachable until the deadline: {last}")
+            time.sleep(max(0.0, min(delay * (0.5 + random.random()), deadline - time.monotonic())))
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    def _poll(self, path: str, query: dict, timeout: float | None) -> dict:
+        """Repeat a long-poll in slices until the server says ready; MetaTimeout at the deadline."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            slice_s = max(0.0, min(POLL_SLICE_S, deadline - time.monotonic()))
+            got = self._request("GET", path, query={**query, "timeout": f"{slice_s:.3f}"},
+                                deadline=deadline, poll_s=slice_s)
+            if got["ready"]:
+                return got
+            if time.monotonic() >= deadline:
+                raise MetaTimeout(f"GET {path} {query}: not ready after {timeout} s; "
+                                  f"last answer {json.dumps(got)[:300]}")
+
+    # -- server ---------------------------------------------------------------------------------
+    def health(self) -> dict:
+        return self._request("GET", "/health")
+
+    def metrics(self) -> str:
+        return self._request("GET", "/metrics")
+
+    # -- job ------------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        return self._request("GET", self._job_path)
+
+    def delete_job(self) -> dict:
+        return self._request("DELETE", self._job_path)
+
+    def abort(self, reason: str) -> dict:
+        return self._request("POST", f"{self._job_path}/abort", {"reason": reason})
+
+    # -- participants ---------------------------------------------------------------------------
+    def register(self, role: str, rank: int, *, instance: int | None = None, host: str = "", gpu: int | None = None,
+                 layout_digest: str = "", address: str = "", version: str = __version__, spec_digest: str = "",
+                 engine_config: Mapping[str, Any] | None = None) -> dict:
+        body: dict[str, Any] = {"role": role, "rank": rank, "host": host, "gpu": gpu, "layout_digest": layout_digest,
+                                "address": address, "version": version, "spec_digest": spec_digest,
+                                "engine_config": dict(engine_config or {})}
+        if instance is not None:
+            body["instance"] = instance
+        return self._request("POST", f"{self._job_path}/participants", body)
+
+    def participants(self, role: str | None = None) -> list[dict]:
+        return self._request("GET", f"{self._job_path}/participants", query={"role": role})["participants"]
+
+    def wait_participants(self, n: int, role: str | None = None, timeout: float | None = None) -> list[dict]:
+        return self._poll(f"{self._job_path}/participants", {"wait_for": n, "role": role}, timeout)["participants"]
+
+    # -- plan hashes ----------------------------------------------------------------------------
+    def post_plan_hashes(self, role: str, rank: int, pairs: Mapping[tuple[int, int, int], str], *,
+                         instance: int | None = None, plan_hash: str | None = None) -> dict:
+        body: dict[str, Any] = {"role": role, "rank": rank, "pairs": [[*p, h] for p, h in sorted(pairs.items())]}
+        if instance is not None:
+            body["instance"] = instance
+        if plan_hash is not None:
+            body["plan_hash"] = plan_hash
+        return self._request("POST", f"{self._job_path}/plan-hashes", body)
+
+    def check_plan_hashes(self) -> dict:
+        return self._request("GET", f"{self._job_path}/plan-hashes/check")
+
+    # -- instances ------------------------------------------------------------------------------
+    def join(self, instance: int) -> dict:
+        return self._request("POST", f"{self._job_path}/instances/{instance}/join", {})
+
+    def leave(self, instance: int) -> dict:
+        return self._request("POST", f"{self._job_path}/instances/{instance}/leave", {})
+
+    def instances(self) -> dict:
+        return self._request("GET", f"{self._job_path}/instances")
+
+    def wait_topology(self, after_version: int, timeout: float | None = None) -> dict:
+        """Wait until the topology version is above ``after_version``."""
+        return self._poll(f"{self._job_path}/instances", {"after_version": after_version}, timeout)
+
+    # -- steps ----------------------------------------------------------------------------------
+    def written(self, step: int, rank: int) -> dict:
+        return self._request("POST", f"{self._job_path}/steps/{step}/written", {"rank": rank})
+
+    def wait_written(self, step: int, n: int | None = None, timeout: float | None = None) -> list[int]:
+        """Training ranks that wrote ``step``, once ``n`` of them (default: every registered one) did."""
+        return self._poll(f"{self._job_path}/steps/{step}/written", {"wait_for": n}, timeout)["ranks"]
+
+    def held(self, instance: int, step: int, reset: bool = False) -> dict:
+        body: dict[str, Any] = {"step": step}
+        if reset:
+            body["reset"] = True
+        return self._request("POST", f"{self._job_path}/instances/{instance}/held", body)
+
+    def wait_held(self, min_step: int, instances: Iterable[int] | None = None,
+                  timeout: float | None = None) -> dict[int, int]:
+        """Steps held once every listed instance (default: every joined one) holds ``min_step`` or later."""
+        ids = None if instances is None else ",".join(str(i) for i in instances)
+        got = self._poll(f"{self._job_path}/held", {"min_step": min_step, "instances": ids}, timeout)
+        return {int(i): s for i, s in got["held"].items()}
+
+    # -- rendezvous -----------------------------------------------------------------------------
+    def publish(self, name: str, address: str, replace: bool = False) -> dict:
+        body: dict[str, Any] = {"address": address}
+        if replace:
+            body["replace"] = True
+        return self._request("POST", f"{self._job_path}/rendezvous/{urllib.parse.quote(name, safe='')}", body)
+
+    def lookup(self, name: str, timeout: float | None = None) -> str:
+        """The address published under ``name``, waiting for it."""
+        return self._poll(f"{self._job_path}/rendezvous/{urllib.parse.quote(name, safe='')}", {}, timeout)["address"]
+
+
+def _error_message(e: urllib.error.HTTPError) -> tuple[str, bool]:
+    """The server's message and whether it reports an aborted job."""
+    try:
+        got = json.loads(e.read())
+        return str(got["error"]), "aborted" in got
+    except Exception:
+        return f"HTTP {e.code} {e.reason}", False
