@@ -1,0 +1,103 @@
+"""The training + inference process group, built beside (never instead of) the trainer's default group.
+
+Training processes already own ``torch.distributed``'s default group, and inference engines own
+theirs; the weight-sync group spans both jobs, so it must be created without touching either. We
+build it from c10d's public pieces directly:
+
+    TCPStore (rank 0 serves) -> PrefixStore(unique prefix) -> ProcessGroupGloo / ProcessGroupNCCL
+
+wrapped in a bare ``ProcessGroup`` whose ``send``/``recv`` return ``Work`` objects with ``wait(timeout)``.
+
+Why not the alternatives:
+
+- ``torch.distributed.distributed_c10d._new_process_group_helper`` is a private helper whose
+  signature changes between releases; it registers the group in the module's global ``_world``
+  tables (which assume ranks of the *default* group) and, for subgroups, asserts membership in the
+  default group -- exactly the coupling we must avoid when the default group is the trainer's.
+- vLLM's ``StatelessProcessGroup`` moves data through the TCPStore (slow, fine for metadata only),
+  and its ``stateless_init_torch_distributed_process_group`` does what this module does but would
+  make the training side import vLLM. Owning these ~40 lines keeps both sides dependency-free and
+  puts every torch-version-specific call in one file.
+
+The only private calls are ``ProcessGroup._set_default_backend`` / ``_register_backend`` and the
+backends' ``_Options`` fields (stable since torch 2.0; vLLM relies on the same ones).
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, ProcessGroup, TCPStore
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (for tests; a tiny race with other processes is accepted)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def new_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    device: torch.device | str | None = None,
+    name: str = "weightsync",
+    bind_host: str | None = None,
+) -> ProcessGroup:
+    """Join the ``world_size``-rank group rendezvousing at ``host:port`` as ``rank``.
+
+    Rank 0 serves the TCPStore (it must be able to listen on ``port``); the others connect to it,
+    retrying until ``timeout_s``. Every member must pass the same ``name``: it prefixes all store
+    keys, so several groups (or steps' regroupings) may share one store without colliding.
+    ``bind_host`` is the address this rank's gloo sockets listen on (loopback when ``host`` is
+    loopback, else the machine's hostname). ``device`` is the CUDA device for NCCL.
+
+    Keep rank 0 alive while others use the group: it serves the store (NCCL's watchdog polls it
+    and logs warnings once it is gone; transfers already set up are unaffected).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world of {world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,  # the master must not block here: its peers may start later
+    )
+    prefixed = PrefixStore(f"{name}/", store)
+    pg = ProcessGroup(prefixed, rank, world_size)
+    if backend == "gloo":
+        if bind_host is None:
+            bind_host = "127.0.0.1" if host in LOOPBACK else socket.gethostname()
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+        opts._threads = 2
+        impl = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+        pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+        pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, impl)
+    elif backend == "nccl":
+        if not dist.is_nccl_available():
+            raise RuntimeError("this torch build has no NCCL")
+        dev = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        opts.is_high_priority_stream = False
+        impl = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        pg._set_default_backend(ProcessGroup.BackendType.NCCL)
+        pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, impl)
+        pg.bound_device_id = dev
+    else:
+        raise ValueError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
+    return pg

@@ -1,0 +1,196 @@
+"""Point-to-point transport: a rank's planned buckets moved over a process group with isend/irecv.
+
+Each bucket travels as one packed, contiguous uint8 buffer (see :mod:`weightsync.transport.pack`):
+the sender gathers its boxes into a buffer and sends it; the receiver receives into a buffer and
+scatters it into the live destination tensors in place. Gloo needs contiguous tensors (a
+non-contiguous send fails on the sender and leaves the receiver hanging), so we never send views.
+
+Memory is bounded: a rank holds ``window`` buffers, each as large as its largest bucket (which the
+planner's bucket budget bounds), allocated once and reused by every later step. At most ``window``
+transfers are outstanding per rank; packing bucket k overlaps the transfer of bucket k-1.
+
+Deadlock freedom. Every rank walks its own buckets in ONE global order, the key
+``(bucket.index, src_rank, dst_instance, dst_rank)``, which both ends of a pair compute identically
+from the plan, and keeps a FIFO of at most ``window`` outstanding operations: it posts operation k
+only after operation k-window has completed. Take the globally earliest transfer T that has not
+completed. On T's sender, every operation before T in its order is globally earlier than T, hence
+completed; so the sender's FIFO drains down to T and T is posted. The same holds on T's receiver.
+So T is posted on both ends, and it completes; by induction every transfer does. This also holds
+for backends that execute a rank's operations strictly in posting order (NCCL's single stream),
+where ordering each pair separately could wedge two ranks each waiting on the other's later
+operation. (A process that both sent and received would have to merge both lists into one FIFO;
+in our jobs training processes only send and inference processes only receive.)
+
+Failures never hang: every wait has ``timeout_s``; a dead peer (gloo sees the connection reset) or
+a stalled one (the wait times out) raises :class:`TransportError` naming the peer and bucket. After
+that the group's state is unknown (operations may still be posted): discard the group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+from torch.distributed import ProcessGroup
+
+from weightsync.errors import WeightSyncError
+from weightsync.plan.planner import Bucket, Pair
+from weightsync.transport.pack import pack, unpack
+
+
+class TransportError(WeightSyncError):
+    """A transfer failed or timed out: the peer died, stalled, or the plans disagree."""
+
+    def __init__(self, message: str, peer: int | None = None, pair: Pair | None = None, bucket: int | None = None):
+        super().__init__(message)
+        self.peer, self.pair, self.bucket = peer, pair, bucket
+
+
+@dataclass(frozen=True)
+class JobRanks:
+    """Group ranks of a job: training rank r -> r; inference (instance i, rank j) -> T + i*I + j."""
+
+    train_world: int
+    infer_world: int
+    instances: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.train_world + self.instances * self.infer_world
+
+    def train(self, rank: int) -> int:
+        return rank
+
+    def infer(self, instance: int, rank: int) -> int:
+        return self.train_world + instance * self.infer_world + rank
+
+    def sender(self, pair: Pair) -> int:
+        return self.train(pair[0])
+
+    def receiver(self, pair: Pair) -> int:
+        return self.infer(pair[1], pair[2])
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    buckets: int
+    bytes: int
+    seconds: float
+
+
+def order_key(b: Bucket) -> tuple[int, int, int, int]:
+    """The one global order every rank walks its buckets in (see the module docstring)."""
+    return (b.index, b.src_rank, b.dst_instance, b.dst_rank)
+
+
+def describe(pair: Pair) -> str:
+    return f"training rank {pair[0]} -> instance {pair[1]} rank {pair[2]}"
+
+
+class P2PTransport:
+    """Sends or receives one rank's buckets over ``group``; keep one per rank and reuse it every step."""
+
+    def __init__(
+        self,
+        group: ProcessGroup,
+        ranks: JobRanks,
+        *,
+        window: int = 2,
+        timeout_s: float = 60.0,
+        buffer_bytes: int | None = None,
+    ):
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        if group.size() != ranks.world_size:
+            raise ValueError(f"group has {group.size()} ranks, the job {ranks.world_size}")
+        self.group, self.ranks, self.window = group, ranks, window
+        self.timeout = timedelta(seconds=timeout_s)
+        self.buffer_bytes = buffer_bytes  # a fixed cap; None: as large as the largest bucket seen
+        self._buffers: list[torch.Tensor] = []
+
+    def send(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> TransferStats:
+        """Ship every bucket of this training rank's ``send_plan`` from its live ``tensors``."""
+        return self._run(plans, tensors, sending=True)
+
+    def recv(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> TransferStats:
+        """Receive every bucket of this inference rank's ``recv_plan`` into its live ``tensors`` in place."""
+        return self._run(plans, tensors, sending=False)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _run(
+        self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor], sending: bool
+    ) -> TransferStats:
+        me = self.group.rank()
+        mine, peer_of = self.ranks.sender, self.ranks.receiver
+        if not sending:
+            mine, peer_of = peer_of, mine
+        for pair in plans:
+            if mine(pair) != me:
+                side = "sends" if sending else "receives"
+                raise TransportError(
+                    f"group rank {me} was given the plan of {describe(pair)}, which group rank {mine(pair)} {side}",
+                    pair=pair,
+                )
+        ops = sorted((b for buckets in plans.values() for b in buckets if b.nbytes > 0), key=order_key)
+        if not ops:
+            return TransferStats(0, 0, 0.0)
+        self._ensure_buffers(max(b.nbytes for b in ops), next(iter(tensors.values())).device)
+        start = time.perf_counter()
+        inflight: deque[tuple[Bucket, int, object, torch.Tensor]] = deque()
+        for k, b in enumerate(ops):
+            if len(inflight) == self.window:
+                self._finish(*inflight.popleft(), tensors, sending)
+            buf = self._buffers[k % self.window][: b.nbytes]  # the slot bucket k - window just freed
+            peer = peer_of((b.src_rank, b.dst_instance, b.dst_rank))
+            try:
+                if sending:
+                    pack(b, tensors, out=buf)
+                    work = self.group.send([buf], peer, b.index)
+                else:
+                    work = self.group.recv([buf], peer, b.index)
+            except RuntimeError as e:  # a peer already known dead fails at post time
+                raise self._error(b, peer, sending, e) from e
+            inflight.append((b, peer, work, buf))
+        while inflight:
+            self._finish(*inflight.popleft(), tensors, sending)
+        return TransferStats(len(ops), sum(b.nbytes for b in ops), time.perf_counter() - start)
+
+    def _finish(
+        self, b: Bucket, peer: int, work, buf: torch.Tensor, tensors: Mapping[str, torch.Tensor], sending: bool
+    ) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as e:  # gloo: connection reset / closed by peer, or timed out
+            raise self._error(b, peer, sending, e) from e
+        if not sending:
+            unpack(b, buf, tensors)
+
+    def _error(self, b: Bucket, peer: int, sending: bool, cause: Exception) -> TransportError:
+        pair = (b.src_rank, b.dst_instance, b.dst_rank)
+        verb = "sending" if sending else "receiving"
+        way = "to" if sending else "from"
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return TransportError(
+            f"group rank {self.group.rank()}: {verb} bucket {b.index} ({b.nbytes} bytes) of {describe(pair)} "
+            f"{way} group rank {peer} failed (wait timeout {self.timeout.total_seconds():g}s): {first}",
+            peer=peer,
+            pair=pair,
+            bucket=b.index,
+        )
+
+    def _ensure_buffers(self, need: int, device: torch.device) -> None:
+        """``window`` reusable buffers on the tensors' device, allocated once (or grown once)."""
+        if self.buffer_bytes is not None and need > self.buffer_bytes:
+            raise TransportError(
+                f"a bucket of {need} bytes exceeds the {self.buffer_bytes}-byte buffers; "
+                "plan with a bucket budget no larger than the buffers"
+            )
+        size = self.buffer_bytes or need
+        have = self._buffers[0] if self._buffers else None
+        if have is not None and len(self._buffers) == self.window and have.numel() >= size and have.device == device:
+            return
+        self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.window)]
