@@ -125,10 +125,10 @@ class MetaClient:
     # -- participants ---------------------------------------------------------------------------
     def register(self, role: str, rank: int, *, instance: int | None = None, host: str = "", gpu: int | None = None,
                  layout_digest: str = "", address: str = "", version: str = __version__, spec_digest: str = "",
-                 engine_config: Mapping[str, Any] | None = None) -> dict:
+                 engine_config: Mapping[str, Any] | None = None, model_config: Mapping[str, Any] | None = None) -> dict:
         body: dict[str, Any] = {"role": role, "rank": rank, "host": host, "gpu": gpu, "layout_digest": layout_digest,
                                 "address": address, "version": version, "spec_digest": spec_digest,
-                                "engine_config": dict(engine_config or {})}
+                                "engine_config": dict(engine_config or {}), "model_config": dict(model_config or {})}
         if instance is not None:
             body["instance"] = instance
         return self._request("POST", f"{self._job_path}/participants", body)

@@ -15,7 +15,8 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
     POST /v1/jobs/{job}/abort                      {"reason"}: every waiter of the job wakes with 409
     POST /v1/jobs/{job}/participants               {"role", "rank", "instance"?, "host"?, "gpu"?,
                                                    "layout_digest"?, "address"?, "version"?,
-                                                   "spec_digest"?, "engine_config"?}; re-register = replace
+                                                   "spec_digest"?, "engine_config"?,
+                                                   "model_config"?}; re-register = replace
     GET  /v1/jobs/{job}/participants               ?role=&wait_for=N&timeout=S
     POST /v1/jobs/{job}/plan-hashes                {"role", "rank", "instance"?, "plan_hash"?,
                                                    "pairs": [[src_rank, dst_instance, dst_rank, hash], ...]}
@@ -133,6 +134,13 @@ def _bool(v: Any, what: str) -> bool:
 def _short(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _model_config(v: Any) -> dict:
+    """The HF config.json of the participant's model: lets a peer name the first differing tensor."""
+    if not isinstance(v, dict) or len(json.dumps(v)) > 65536:
+        raise _bad(f"model_config must be an object of at most 64 KiB, got {_short(v)}")
+    return v
 
 
 def _engine_config(v: Any) -> dict:
@@ -406,7 +414,7 @@ class Coordinator:
     # -- participants ---------------------------------------------------------------------------
     def register(self, job: str, body: dict) -> dict:
         _fields(body, {"role", "rank"}, {"instance", "host", "gpu", "layout_digest", "address", "version",
-                                         "spec_digest", "engine_config"})
+                                         "spec_digest", "engine_config", "model_config"})
         role, rank, inst = _identity(body)
         gpu = body.get("gpu")
         rec = {
@@ -418,6 +426,7 @@ class Coordinator:
             "version": _str(body.get("version", ""), "version", 64),
             "spec_digest": _str(body.get("spec_digest", ""), "spec_digest", 128),
             "engine_config": _engine_config(body.get("engine_config", {})),
+            "model_config": _model_config(body.get("model_config", {})),
         }
         name = participant_name(role, rank, inst)
         with self.cond:
@@ -511,6 +520,7 @@ class Coordinator:
             plan = {n: ph["plan_hash"] for n, ph in sorted(j.plan_hashes.items()) if ph["plan_hash"]}
             agree = len(set(plan.values())) <= 1
             return {"ok": not mismatches and agree, "complete": not pending, "compared": compared,
+                    "posted": len(j.plan_hashes),
                     "mismatches": mismatches, "pending": pending, "plan_hashes": plan, "plan_hashes_agree": agree}
 
     # -- instances ------------------------------------------------------------------------------

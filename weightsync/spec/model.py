@@ -136,7 +136,8 @@ def _dense_or_moe_layers(cfg: Mapping[str, Any], arch: str) -> tuple[Layer, ...]
     n = int(cfg["num_hidden_layers"])
     inter = int(cfg["intermediate_size"])
     if arch == "Qwen3MoeForCausalLM" or arch == "Qwen2MoeForCausalLM":
-        experts = int(cfg["num_experts"])
+        # transformers 5 keeps Qwen3-MoE's num_experts as num_local_experts in memory (attribute_map)
+        experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
         step = int(cfg.get("decoder_sparse_step", 1))
         dense_only = set(cfg.get("mlp_only_layers") or [])
         moe_inter = int(cfg["moe_intermediate_size"])

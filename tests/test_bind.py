@@ -1,0 +1,363 @@
+"""Bindings of LIVE engine objects (weightsync.bind): real transformers modules in-process, real FSDP2 and
+real megatron-core GPTModels in 2-process gloo worlds on CPU.
+
+Every case checks (1) the constructor derived the parallel config and rank from the live objects,
+(2) the bound tensors are exactly the layout's (names, shapes, dtypes: check_live passed), (3) writing
+canonical values through the layout into the bound tensors in place changes the model as the model
+itself reports it (state_dict / full_tensor), and (4) a wrong model spec raises LayoutMismatch naming
+the tensor, the shapes and the rank.
+
+Run as a script (``python tests/test_bind.py worker JSON``) it is one rank of a live world.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for p in (str(ROOT), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from weightsync.bind import Bound, dtype_name  # noqa: E402
+from weightsync.engines.hf import HFLayout  # noqa: E402
+from weightsync.errors import LayoutMismatch  # noqa: E402
+from weightsync.layout.materialize import fill_from, scatter  # noqa: E402
+from weightsync.spec.model import load_spec, spec_from_config  # noqa: E402
+from weightsync.testing import random_canonical  # noqa: E402
+
+
+def wrong(spec_or_cfg, **changes):
+    """The same model config with some sizes changed: a spec that does not describe the live model."""
+    cfg = dict(spec_or_cfg.config if hasattr(spec_or_cfg, "config") else spec_or_cfg)
+    cfg.update(changes)
+    return spec_from_config(cfg, name="wrong")
+
+
+def assert_bound(b: Bound) -> None:
+    assert set(b.tensors) == set(b.layout.tensors)
+    for name, t in b.layout.tensors.items():
+        live = b.tensors[name]
+        assert tuple(live.shape) == t.shape and dtype_name(live.dtype) == t.dtype, name
+
+
+# --------------------------------------------------------------------------------------------
+# HF, in process
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("side", ["train", "infer"])
+def test_hf_bind_and_write(model, side):
+    from hf_models import build_hf_model
+
+    from weightsync.bind import HFInferenceEngine, HFTrainEngine
+
+    spec = load_spec(model)
+    torch.manual_seed(0)
+    module = build_hf_model(spec)
+    eng = (HFTrainEngine if side == "train" else HFInferenceEngine)(module)
+    b = eng.bound
+    assert b.rank == 0 and b.layout.engine == "hf" and b.spec.digest == spec.digest  # spec read from module.config
+    assert_bound(b)
+    # derived == the preset's layout, piece for piece
+    ref = HFLayout(spec).layout(0)
+    assert {n: (t.shape, t.dtype, t.pieces) for n, t in b.layout.tensors.items()} == {
+        n: (t.shape, t.dtype, t.pieces) for n, t in ref.tensors.items()
+    }
+    if model == "tiny-deepseek-v3":
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert bias in b.tensors and b.tensors[bias].dtype == torch.float32
+        assert b.tensors[bias] is dict(module.named_buffers())[bias]
+
+    canonical = random_canonical(spec, seed=3)
+    with torch.no_grad():
+        fill_from(b.layout, b.tensors, canonical)
+    want = scatter(b.layout, canonical)
+    sd = module.state_dict()
+    for name in b.layout.tensors:
+        assert torch.equal(sd[name], want[name]), f"{name}: in-place write not visible in state_dict"
+
+
+def test_hf_wrong_model_raises():
+    from hf_models import build_hf_model
+
+    from weightsync.bind import HFTrainEngine
+
+    spec = load_spec("tiny-qwen3-moe")
+    module = build_hf_model(spec)
+    with pytest.raises(LayoutMismatch) as e:
+        HFTrainEngine(module, spec=wrong(spec, hidden_size=96))
+    msg = str(e.value)
+    assert "hf rank 0" in msg
+    assert "tensor model.embed_tokens.weight: live shape [250, 64], derived [250, 96]" in msg
+    # a config that lies about the module (spec read from module.config)
+    module.config.moe_intermediate_size = 16
+    with pytest.raises(LayoutMismatch, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: live shape \[8, 64, 64\], derived \[8, 32, 64\]"):
+        HFTrainEngine(module)
+    # dtype: an fp32 copy of a bf16-config model
+    module.config.moe_intermediate_size = 32
+    with pytest.raises(LayoutMismatch, match="live dtype float32, derived bfloat16"):
+        HFTrainEngine(module.float())
+
+
+def test_fsdp_engine_refuses_unsharded_module():
+    from hf_models import build_hf_model
+
+    from weightsync.bind import FSDPTrainEngine
+    from weightsync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no DTensor parameter"):
+        FSDPTrainEngine(build_hf_model(load_spec("tiny-qwen3")))
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-process worlds
+
+
+def run_world(world: int, job: dict, timeout: float = 120) -> list[str]:
+    from test_fsdp_layout import _free_port
+
+    port = _free_port()
+    env = dict(
+        os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(HERE), os.environ.get("PYTHONPATH")])),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "worker", json.dumps(job)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    if q.poll() is None:
+                        q.kill()
+                outs.append((p.communicate()[0] or "") + "\n[timed out]")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"RANK {r} OK" in out, f"rank {r} (rc={p.returncode}):\n{out[-8000:]}"
+    return outs
+
+
+def test_fsdp2_dp2_live():
+    run_world(2, {"kind": "fsdp"})
+
+
+def _have_mcore() -> bool:
+    """Without importing it here (seconds): the workers do."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+HAVE_MCORE = _have_mcore()
+
+
+@pytest.mark.megatron
+@pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not importable")
+def test_megatron_tp2_pp2_live():
+    run_world(2, {"kind": "megatron"})
+
+
+# ---- worker side ---------------------------------------------------------------------------
+
+
+def _fsdp_worker(rank: int, world: int) -> None:  # pragma: no cover - runs in subprocesses
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from test_fsdp_layout import _apply_tp, _build_model, hf_tensors, preset
+
+    from weightsync.bind import FSDPTrainEngine
+
+    cases = [  # (preset, mesh shape, mesh dim names or None for "tell by placements")
+        ("tiny-qwen3-moe", (2,), ("dp",)),
+        ("tiny-deepseek-v3", (2,), ("dp",)),
+        ("tiny-llama3", (1, 2), ("outer", "inner")),  # dp=1 x tp=2, dims told apart by placements
+    ]
+    for name, shape, names in cases:
+        cfg = preset(name)
+        spec = spec_from_config(cfg)
+        torch.manual_seed(0)
+        model = _build_model(cfg)
+        if len(shape) == 2:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            _apply_tp(model, mesh[names[1]], spec.tie_word_embeddings)
+            dp_mesh = mesh[names[0]]
+        else:
+            dp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+
+        eng = FSDPTrainEngine(model)
+        b = eng.bound
+        dp, tp = (2, 1) if len(shape) == 1 else (1, 2)
+        assert (eng.engine.dp, eng.engine.tp) == (dp, tp), eng.engine.config
+        assert b.rank == rank, (b.rank, rank)  # dp-major, tp fastest: the process rank here
+        assert_bound(b)
+        params = dict(model.named_parameters())
+        for n, t in b.tensors.items():
+            if n in params:  # the DTensor's local shard itself, not a copy
+                assert t is params[n]._local_tensor, n
+                assert t.untyped_storage().data_ptr() == params[n].to_local().untyped_storage().data_ptr(), n
+        if name == "tiny-deepseek-v3":
+            assert "model.layers.1.mlp.gate.e_score_correction_bias" in b.tensors
+
+        canonical = random_canonical(spec, seed=5)  # same on every rank
+        with torch.no_grad():
+            fill_from(b.layout, b.tensors, canonical)
+        hf = hf_tensors(spec, canonical)
+        sd = model.state_dict()
+        for n, p in model.named_parameters():  # collective: same order on every rank
+            full = p.full_tensor()
+            assert torch.equal(full, hf[n]), f"rank {rank} {name}: full_tensor of {n} lacks the in-place write"
+            if n in b.tensors:
+                assert torch.equal(sd[n].to_local(), b.tensors[n]), n
+        for n, x in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                assert torch.equal(x, hf[n]), n
+
+        try:
+            FSDPTrainEngine(model, spec=wrong(cfg, vocab_size=260))
+        except LayoutMismatch as e:
+            msg = str(e)
+            assert f"rank {rank}" in msg and "model.embed_tokens.weight: live shape" in msg, msg
+        else:
+            raise AssertionError("a wrong vocab size must not bind")
+        print(f"rank {rank} {name}: {eng!r}", flush=True)
+        torch.distributed.barrier()
+
+
+MEGATRON_CASES = [  # (model, parallel config the world is initialised with)
+    ("tiny-deepseek-v3", dict(tp=2, ep=2, etp=1)),  # MLA, shared experts, router expert_bias buffer
+    ("tiny-qwen3", dict(pp=2, vpp=2)),  # tied embeddings: last stage's output_layer copy, "{chunk}." names
+    ("tiny-llama3", dict(pp=2, pp_first=3)),  # uneven stages from the TransformerConfig
+]
+
+
+def _megatron_worker(rank: int, world: int) -> None:  # pragma: no cover - runs in subprocesses
+    # CPU shims as in tests/test_megatron_layout.py: router buffers on torch.cuda.current_device(), .cuda() on
+    # the tied embedding copy; neither creates or renames a parameter.
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.module import Float16Module
+    from test_megatron_layout import _mcore_config, model
+
+    import megatron.core.transformer.multi_latent_attention as mla
+    from weightsync.bind import MegatronTrainEngine
+    from weightsync.engines.megatron import MegatronLayout
+
+    mla.HAVE_TE = False  # see test_megatron_layout._worker: no TE here, local MLA path only
+
+    class NoParamAttention(torch.nn.Module):
+        def __init__(self, *a, **k):
+            super().__init__()
+
+    for name, kw in MEGATRON_CASES:
+        spec = model(name)
+        want = MegatronLayout(spec, **kw)  # only to build the model; the binding reads parallel_state
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=want.tp, pipeline_model_parallel_size=want.pp,
+            virtual_pipeline_model_parallel_size=want.vpp if want.vpp > 1 else None,
+            expert_model_parallel_size=want.ep, expert_tensor_parallel_size=want.etp,
+        )
+        cfg = _mcore_config(spec, want)
+        p = ps.get_pipeline_model_parallel_rank()
+        torch.manual_seed(1234 + rank)
+        wrapped = []
+        for c in range(want.vpp):
+            vp = c if want.vpp > 1 else None
+            block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp, pp_rank=p)
+            if spec.attention.kind == "mla":
+                for ls in block.layer_specs:
+                    ls.submodules.self_attention.submodules.core_attention = NoParamAttention
+            m = GPTModel(
+                cfg, block, vocab_size=want.padded_vocab, max_sequence_length=64,
+                pre_process=(p == 0 and c == 0), post_process=(p == want.pp - 1 and c == want.vpp - 1),
+                share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope", vp_stage=vp,
+            )
+            wrapped.append(Float16Module(cfg, m))  # the trainer's wrapper: the binding unwraps it
+
+        eng = MegatronTrainEngine(wrapped, dict(spec.config))  # a config dict, as from config.json
+        b = eng.bound
+        assert eng.engine.config == want.config, (eng.engine.config, want.config)
+        assert b.rank == rank, (b.rank, rank)
+        assert_bound(b)
+        chunks = [w.module for w in wrapped]
+        if spec.layers[-1].router_bias:
+            biases = [n for n in b.tensors if n.endswith("mlp.router.expert_bias")]
+            assert biases and all(b.tensors[n].dtype == torch.float32 for n in biases), sorted(b.tensors)
+        if want.vpp > 1:
+            assert all(n.split(".", 1)[0] in ("0", "1") for n in b.tensors)
+
+        canonical = random_canonical(spec, seed=9)  # same on every rank
+        with torch.no_grad():
+            fill_from(b.layout, b.tensors, canonical)
+        expect = scatter(b.layout, canonical)  # NaN where no piece lands (vocab padding rows)
+        checked = 0
+        for c, m in enumerate(chunks):
+            sd = m.state_dict()
+            pre = f"{c}." if want.vpp > 1 else ""
+            for n in b.layout.tensors:
+                if not n.startswith(pre):
+                    continue
+                got, exp = sd[n[len(pre):]], expect[n]
+                real = ~torch.isnan(exp.float())
+                assert bool(real.any()) and torch.equal(got[real], exp[real]), f"rank {rank} {name}: {n} not written"
+                checked += 1
+        assert checked == len(b.layout.tensors), (checked, len(b.layout.tensors))
+
+        try:
+            MegatronTrainEngine(wrapped, wrong(spec, num_attention_heads=spec.attention.num_heads * 2))
+        except LayoutMismatch as e:
+            msg = str(e)
+            assert f"rank {rank}" in msg and "live shape" in msg and "self_attention." in msg, msg
+        else:
+            raise AssertionError("a wrong head count must not bind")
+        print(f"rank {rank} {name}: {eng!r} coords={eng.coords}", flush=True)
+        torch.distributed.barrier()
+        ps.destroy_model_parallel()
+
+
+def _worker(job: dict) -> None:  # pragma: no cover - runs in subprocesses
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    {"fsdp": _fsdp_worker, "megatron": _megatron_worker}[job["kind"]](rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"RANK {rank} OK", flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: gloo threads can abort there
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":
+    _worker(json.loads(sys.argv[2]))

@@ -1,0 +1,32 @@
+"""Inference-side bindings.
+
+Only a plain transformers module is bound here (one process, layout ``hf``, rank 0): the reference
+"inference engine" of tests and of small deployments. vLLM / SGLang bindings would read their
+tensor-parallel rank from the engine's worker and bind ``model_runner.model`` the same way; they are
+not written yet because neither engine runs on our machines (tests/test_engine_live.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.bind import Bound, LiveEngine, bind, hf_module_spec, module_tensors
+from weightsync.engines.hf import HFLayout
+from weightsync.spec.model import ModelSpec
+
+
+class HFInferenceEngine(LiveEngine):
+    """A transformers model serving generation: the receiving end of a sync, layout ``hf``, rank 0.
+
+    Same layout as :class:`weightsync.bind.train.HFTrainEngine` (transformers keeps one in-memory
+    form), kept as its own class so a sync names its two sides and each can grow its own hooks
+    (e.g. an inference engine resetting its KV cache after weights change).
+    """
+
+    def __init__(self, module: torch.nn.Module, spec: ModelSpec | None = None):
+        spec = spec or hf_module_spec(module)
+        self.module = module
+        self.bound: Bound = bind(HFLayout(spec), 0, module_tensors(module), where=f"hf rank 0 ({spec.name})")
+
+
+__all__ = ["HFInferenceEngine"]

@@ -1,0 +1,59 @@
+"""What a WeightReader needs from an inference instance, whatever the engine behind it.
+
+An inference instance is a control process plus one worker per GPU (vLLM/SGLang workers, our
+layout-faithful worker processes, or -- for a plain transformers model -- the control process
+itself). The reader lives in the control process and drives a worker reader in each worker through
+:meth:`InferenceInstance.call`, the same way vLLM's ``collective_rpc`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+
+@dataclass
+class WorkerContext:
+    """Handed to functions run on a worker: its rank in the instance and its live tensors.
+
+    ``tensors`` maps the engine layout's local tensor names to the live storage (writes land in the
+    engine's parameters). ``state`` persists between calls on the same worker (the worker reader
+    keeps its transport and plan there, built once and reused every step).
+    """
+
+    rank: int
+    device: torch.device
+    tensors: dict[str, torch.Tensor]
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class InferenceInstance(Protocol):
+    """One inference instance as the reader sees it."""
+
+    #: the engine layout string, e.g. "vllm:tp=2" (parsed with weightsync.engines.make_layout)
+    engine: str
+    #: the HF config dict of the model the instance serves (for the model spec)
+    model_config: dict
+
+    @property
+    def world_size(self) -> int: ...
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Run ``fn(ctx: WorkerContext, *args)`` on every worker at once; results in rank order.
+
+        Raises if a worker raises or dies (within ``timeout_s``); never hangs.
+        """
+        ...
+
+    def pause(self) -> None:
+        """Stop generating before weights change (vLLM pause(mode=keep), SGLang pause_generation)."""
+
+    def resume(self) -> None:
+        """Resume generating after an update (and flush caches that depended on old weights)."""
+
+    def after_update(self) -> None:
+        """Recompute tensors the engine derives from loaded weights (e.g. SGLang's MLA w_kc/w_vc)."""
+
+    def close(self) -> None: ...
