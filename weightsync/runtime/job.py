@@ -1,0 +1,181 @@
+"""Job set-up shared by writers and readers: registration, cross-checks, the plan and its proof.
+
+Every participant registers what it holds with the MetaServer (model spec digest and config, engine
+layout string, layout digest, weightsync version, bucket budget), waits for the whole job, and
+refuses to go on -- before any byte moves -- when anything differs. Then each side computes the same
+plan from the same inputs and posts its pair hashes; the job starts only when every pair's two ends
+agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync import __version__
+from weightsync.engines import make_layout
+from weightsync.errors import ConfigError, PlanError, WeightSyncError
+from weightsync.layout.layout import EngineLayout, Layout
+from weightsync.meta.client import MetaClient, MetaError
+from weightsync.plan.planner import Bucket, Pair, Planner, pair_hash
+from weightsync.plan.topology import Topology
+from weightsync.spec.model import ModelSpec, spec_from_config
+
+
+class JobMismatch(WeightSyncError):
+    """Participants of one job disagree (model, parallel config, versions, plan)."""
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What both sides must agree on to compute the same plan."""
+
+    train: str  # training engine layout, e.g. "megatron:tp=2,pp=2"
+    infer: str  # inference engine layout, e.g. "vllm:tp=2"
+    train_world: int
+    infer_world: int
+    instances: int
+    colocate: bool
+    bucket_bytes: int
+
+    def planner(self, spec: ModelSpec, src: EngineLayout | None = None, dst: EngineLayout | None = None) -> Planner:
+        src = src or make_layout(spec, self.train)
+        dst = dst or make_layout(spec, self.infer)
+        make = Topology.colocated if self.colocate else Topology.separated
+        topo = make(self.train_world, self.infer_world, self.instances)
+        return Planner(src, dst, self.instances, topo, bucket_bytes=self.bucket_bytes)
+
+
+def layout_digest(layout: Layout) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in layout.tensors.items():
+        h.update(f"{name}:{t.shape}:{t.dtype};".encode())
+    return h.hexdigest()
+
+
+def model_config(spec: ModelSpec) -> dict[str, Any]:
+    return dict(spec.config)
+
+
+def first_difference(mine: ModelSpec, theirs: ModelSpec) -> str:
+    """The first canonical tensor whose name, shape or dtype differs, in words."""
+    a, b = mine.by_name, theirs.by_name
+    for t in mine.tensors:
+        o = b.get(t.name)
+        if o is None:
+            return f"{t.name} {list(t.shape)} exists only in {mine.name}"
+        if o.shape != t.shape or o.dtype != t.dtype:
+            return f"{t.name}: {list(t.shape)} {t.dtype} in {mine.name}, {list(o.shape)} {o.dtype} in {theirs.name}"
+    extra = next((n for n in b if n not in a), None)
+    return f"{extra} exists only in {theirs.name}" if extra else "same tensors, different config"
+
+
+def register(
+    client: MetaClient,
+    spec: ModelSpec,
+    role: str,
+    rank: int,
+    engine: EngineLayout,
+    layout: Layout,
+    *,
+    instance: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Register one participant; a model differing from the job's is refused naming the tensor."""
+    config = {"engine": engine.describe(), "model": spec.name, "world": engine.world_size, **(extra or {})}
+    try:
+        client.register(
+            role, rank, instance=instance, host=socket.gethostname(), layout_digest=layout_digest(layout),
+            spec_digest=spec.digest, version=__version__, engine_config=config, model_config=model_config(spec),
+        )
+    except MetaError as e:
+        if e.status != 409:
+            raise
+        who = f"{role} rank {rank}" + ("" if instance is None else f" of instance {instance}")
+        for p in client.participants():
+            if p["spec_digest"] and p["spec_digest"] != spec.digest:
+                other = spec_from_config(p["model_config"], name=p["engine_config"].get("model", "the other model"))
+                raise JobMismatch(
+                    f"{who} refused before any transfer: its model differs from {p['role']} rank {p['rank']}'s: "
+                    f"{first_difference(spec, other)}"
+                ) from None
+        raise
+
+
+def wait_side(client: MetaClient, role: str, timeout_s: float, count: int | None = None) -> list[dict]:
+    """Every participant of one role, once they all registered (the first says how many there are)."""
+    deadline = time.monotonic() + timeout_s
+    if count is None:
+        first = client.wait_participants(1, role=role, timeout=timeout_s)[0]
+        world = int(first["engine_config"]["world"])
+        count = world * (int(first["engine_config"].get("instances", 1)) if role == "infer" else 1)
+    return client.wait_participants(count, role=role, timeout=max(0.1, deadline - time.monotonic()))
+
+
+def check_agreement(people: list[dict], field: str, what: str) -> Any:
+    """All participants must agree on ``engine_config[field]``; return the common value."""
+    values = {}
+    for p in people:
+        values.setdefault(p["engine_config"].get(field), []).append(_who(p))
+    if len(values) > 1:
+        detail = "; ".join(f"{v!r}: {', '.join(w[:3])}{' ...' if len(w) > 3 else ''}" for v, w in values.items())
+        raise JobMismatch(f"participants disagree on {what}: {detail}")
+    return next(iter(values))
+
+
+def check_versions(people: list[dict]) -> None:
+    versions = {p["version"] for p in people}
+    if len(versions) > 1:
+        raise JobMismatch(f"weightsync versions differ across the job: {sorted(versions)}")
+
+
+def _who(p: dict) -> str:
+    return f"{p['role']} rank {p['rank']}" + ("" if p.get("instance") is None else f" of instance {p['instance']}")
+
+
+def job_shape(people: list[dict], colocate: bool, bucket_bytes: int) -> JobShape:
+    """Cross-check every registration and derive the shape both sides plan from."""
+    check_versions(people)
+    train = [p for p in people if p["role"] == "train"]
+    infer = [p for p in people if p["role"] == "infer"]
+    shape = JobShape(
+        train=check_agreement(train, "engine", "the training layout"),
+        infer=check_agreement(infer, "engine", "the inference layout (instances must be alike)"),
+        train_world=int(check_agreement(train, "world", "the training world size")),
+        infer_world=int(check_agreement(infer, "world", "the inference world size")),
+        instances=len({p["instance"] for p in infer}),
+        colocate=bool(check_agreement(people, "colocate", "co-location")),
+        bucket_bytes=int(check_agreement(people, "bucket_bytes", "the bucket budget")),
+    )
+    if shape.colocate != colocate or shape.bucket_bytes != bucket_bytes:
+        raise ConfigError("this participant's options differ from the job's")
+    if len(train) != shape.train_world or len(infer) != shape.instances * shape.infer_world:
+        raise JobMismatch(
+            f"expected {shape.train_world} training and {shape.instances}x{shape.infer_world} inference participants, "
+            f"got {len(train)} and {len(infer)}"
+        )
+    return shape
+
+
+def wait_plan_proven(client: MetaClient, timeout_s: float, participants: int) -> None:
+    """Wait until all ``participants`` posted their pair hashes and every pair's two ends agree."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.02
+    while True:
+        check = client.check_plan_hashes()
+        if check.get("mismatches"):
+            bad = check["mismatches"][:5]
+            raise PlanError(f"plan hashes differ between the two ends of {len(check['mismatches'])} pairs: {bad}")
+        if check.get("complete") and check.get("ok") and check.get("posted", 0) >= participants:
+            return
+        if time.monotonic() > deadline:
+            raise PlanError(f"plan hashes not confirmed by every peer within {timeout_s} s: {check.get('pending', [])[:5]}")
+        time.sleep(delay)  # set-up only, once per job
+        delay = min(0.5, delay * 2)
+
+
+def hashes_of(plans: dict[Pair, list[Bucket]]) -> dict[Pair, str]:
+    return {p: pair_hash(b) for p, b in plans.items()}

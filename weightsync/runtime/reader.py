@@ -1,0 +1,112 @@
+"""WeightReader: the inference side, one per instance, in the instance's control process.
+
+It registers every worker (GPU) of its instance, checks the job like the writers do, and drives one
+worker reader per GPU through :meth:`InferenceInstance.call`: each worker plans its own receives,
+joins the train+inference group and, every step, receives its buckets straight into the engine's
+live parameters. ``update(step)`` returns the step every worker now fully holds; after a failed
+update ``version`` is None (the tensors are a mix of two steps) until a later update succeeds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightsync.engines import make_layout
+from weightsync.meta.client import MetaClient
+from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
+from weightsync.runtime.instance import InferenceInstance, WorkerContext
+from weightsync.runtime.job import JobShape, hashes_of, job_shape, register, wait_plan_proven, wait_side
+from weightsync.spec.model import spec_from_config
+
+
+class WeightReader:
+    """Receives every step into one inference instance's live weights."""
+
+    def __init__(
+        self,
+        instance: InferenceInstance,
+        *,
+        meta: str,
+        job: str,
+        instance_id: int,
+        instances: int,
+        token: str | None = None,
+        colocate: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 60.0,
+    ):
+        self.instance, self.instance_id, self.timeout_s = instance, instance_id, timeout_s
+        self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
+        self.spec = spec_from_config(instance.model_config)
+        dst = make_layout(self.spec, instance.engine)
+        extra = {"colocate": colocate, "bucket_bytes": bucket_bytes, "instances": instances}
+        self.client.join(instance_id)
+        for rank in range(dst.world_size):
+            register(self.client, self.spec, "infer", rank, dst, dst.layout(rank), instance=instance_id, extra=extra)
+        readers = wait_side(self.client, "infer", timeout_s, count=instances * dst.world_size)
+        trainers = wait_side(self.client, "train", timeout_s)
+        self.shape = job_shape(trainers + readers, colocate, bucket_bytes)
+        hashes = instance.call(_plan, self.shape, dict(instance.model_config), instance_id, timeout_s=timeout_s)
+        participants = len(trainers) + len(readers)
+        for rank, pairs in enumerate(hashes):
+            self.client.post_plan_hashes("infer", rank, pairs, instance=instance_id)
+        wait_plan_proven(self.client, timeout_s, participants)
+        address = self.client.lookup("group", timeout=timeout_s)
+        backend = trainers[0]["engine_config"].get("backend", "gloo")
+        instance.call(_connect, address, backend, timeout_s, timeout_s=timeout_s * 2)
+        self.version: int | None = None
+        self.last_stats: list[dict] = []
+
+    def update(self, step: int) -> int:
+        """Receive step ``step`` into every worker; return it once every worker fully holds it."""
+        self.version = None  # from here until success the tensors may mix two steps
+        self.instance.pause()
+        try:
+            self.last_stats = self.instance.call(_receive, step, timeout_s=self.timeout_s * 2)
+            self.instance.after_update()
+        finally:
+            self.instance.resume()
+        self.version = step
+        self.client.held(self.instance_id, step)
+        return step
+
+    def close(self) -> None:
+        self.instance.call(_disconnect, timeout_s=self.timeout_s)
+
+
+# -- functions run on every worker of the instance ------------------------------------------------
+
+
+def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: int) -> dict:
+    """Plan this worker's receives; keep the plan; return its pair hashes."""
+    spec = spec_from_config(model_config)
+    planner = shape.planner(spec)
+    plans = planner.recv_plan(instance_id, ctx.rank)
+    ctx.state.update(plans=plans, shape=shape, instance=instance_id)
+    return hashes_of(plans)
+
+
+def _connect(ctx: WorkerContext, address: str, backend: str, timeout_s: float) -> None:
+    """Join the train+inference group (built once, reused every step)."""
+    from weightsync.transport.group import new_group
+    from weightsync.transport.p2p import JobRanks, P2PTransport
+
+    shape: JobShape = ctx.state["shape"]
+    ranks = JobRanks(shape.train_world, shape.infer_world, shape.instances)
+    host, port = address.rsplit(":", 1)
+    me = ranks.infer(ctx.state["instance"], ctx.rank)
+    device = ctx.device if ctx.device.type == "cuda" else None
+    group = new_group(host, int(port), me, ranks.world_size, backend, timeout_s, device=device, name="weightsync")
+    ctx.state["transport"] = P2PTransport(group, ranks, timeout_s=timeout_s)
+
+
+def _receive(ctx: WorkerContext, step: int) -> dict[str, Any]:
+    import torch
+
+    with torch.no_grad():
+        stats = ctx.state["transport"].recv(ctx.state["plans"], ctx.tensors)
+    return {"rank": ctx.rank, "step": step, "bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.buckets}
+
+
+def _disconnect(ctx: WorkerContext) -> None:
+    ctx.state.pop("transport", None)

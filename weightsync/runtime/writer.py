@@ -1,0 +1,96 @@
+"""WeightWriter: the training side, one per training process.
+
+Set-up (once): register with the MetaServer, wait for the whole job, cross-check it, plan this
+rank's sends, prove the plan (pair hashes), and build the train+inference group. Every step,
+``write(step)`` sends this rank's buckets from the live parameters and returns once they left
+(async) or once every instance holds the step (sync).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from weightsync.layout.layout import EngineLayout, Layout
+from weightsync.meta.client import MetaClient
+from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
+from weightsync.runtime.job import hashes_of, job_shape, register, wait_plan_proven, wait_side
+from weightsync.spec.model import ModelSpec
+from weightsync.transport.group import free_port, new_group
+from weightsync.transport.p2p import JobRanks, P2PTransport, TransferStats
+
+
+class TrainSide(Protocol):
+    """A training process's live weights bound to its layout (see :mod:`weightsync.bind`)."""
+
+    engine: EngineLayout
+    rank: int
+    layout: Layout
+    tensors: dict[str, torch.Tensor]
+    spec: ModelSpec
+
+
+class WeightWriter:
+    """Sends this training rank's part of every step to every inference instance."""
+
+    def __init__(
+        self,
+        train: TrainSide,
+        *,
+        meta: str,
+        job: str,
+        token: str | None = None,
+        mode: str = "sync",
+        colocate: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        backend: str | None = None,
+        timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
+    ):
+        if mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
+        if colocate:
+            raise NotImplementedError("co-located mode is driven by the readers; see weightsync.transport.colocated")
+        self.train, self.mode, self.timeout_s = train, mode, timeout_s
+        self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
+        device = next(iter(train.tensors.values())).device
+        self.backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        register(self.client, train.spec, "train", train.rank, train.engine, train.layout,
+                 extra={"colocate": colocate, "bucket_bytes": bucket_bytes, "backend": self.backend})
+        trainers = wait_side(self.client, "train", timeout_s, count=train.engine.world_size)
+        readers = wait_side(self.client, "infer", timeout_s)
+        self.shape = job_shape(trainers + readers, colocate, bucket_bytes)
+        planner = self.shape.planner(train.spec, src=train.engine)
+        self.plans = planner.send_plan(train.rank)
+        participants = len(trainers) + len(readers)
+        self.client.post_plan_hashes("train", train.rank, hashes_of(self.plans))
+        wait_plan_proven(self.client, timeout_s, participants)
+        self.ranks = JobRanks(self.shape.train_world, self.shape.infer_world, self.shape.instances)
+        if train.rank == 0:
+            port = free_port(host)
+            self.client.publish("group", f"{host}:{port}")
+        else:
+            host, port_s = self.client.lookup("group", timeout=timeout_s).rsplit(":", 1)
+            port = int(port_s)
+        group = new_group(host, port, self.ranks.train(train.rank), self.ranks.world_size, self.backend,
+                          timeout_s, device=device if device.type == "cuda" else None, name="weightsync")
+        self.transport = P2PTransport(group, self.ranks, timeout_s=timeout_s)
+        self.last: TransferStats | None = None
+
+    @property
+    def bytes_per_step(self) -> int:
+        return sum(b.nbytes for bs in self.plans.values() for b in bs)
+
+    def write(self, step: int) -> TransferStats:
+        """Send step ``step``; in sync mode also wait until every instance holds it."""
+        with torch.no_grad():
+            self.last = self.transport.send(self.plans, self.train.tensors)
+        self.client.written(step, self.train.rank)
+        if self.mode == "sync":
+            self.client.wait_held(step, range(self.shape.instances), timeout=self.timeout_s)
+        return self.last
+
+    def close(self) -> None:
+        self.transport = None  # the group dies with its last reference
+
