@@ -15,6 +15,7 @@ venv: .venv/.installed
 	touch $@
 
 demo: venv
+	$(PY) -m weightsync demo
 	$(PY) -m weightsync plan --model qwen3-8b --train megatron:tp=2,pp=2 --infer vllm:tp=4 --instances 2
 
 test: venv

@@ -10,18 +10,7 @@ import torch
 from weightsync.engines.hf import HFLayout
 from weightsync.layout.materialize import fill_from
 from weightsync.spec import ModelSpec
-
-
-def build_hf_model(spec: ModelSpec):
-    """The real transformers module for a spec, in bf16, on CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(spec.config)
-    model_type = cfg.pop("model_type")
-    cfg.pop("architectures", None)
-    config = AutoConfig.for_model(model_type, **cfg)
-    config.architectures = [spec.architecture]
-    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+from weightsync.testing import build_hf_model  # noqa: F401  (re-exported for tests)
 
 
 def live_tensors(model) -> dict[str, torch.Tensor]:

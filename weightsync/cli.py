@@ -43,6 +43,12 @@ def _meta_server(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from weightsync.demo import main_from_args
+
+    return main_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightsync", description="Move RL trainer weights to inference engines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -64,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     meta = sub.add_parser("meta-server", help="run the MetaServer, the job-level coordinator")
     add_meta_arguments(meta)  # --host 127.0.0.1, --port 0, --token (default $WEIGHTSYNC_META_TOKEN), --state PATH
     meta.set_defaults(func=_meta_server)
+
+    from weightsync.demo import add_arguments as add_demo_arguments
+
+    demo = sub.add_parser("demo", help="train a tiny model and sync it into inference instances, verifying each step")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_demo)
     return p
 
 

@@ -55,3 +55,17 @@ def coverage_problems(engine: EngineLayout) -> list[str]:
         if total != int(c.sum()):
             problems.append(f"{name}: shards() cover {total} elements, layouts {int(c.sum())}")
     return problems
+
+
+def build_hf_model(spec: ModelSpec, seed: int | None = None):
+    """The real transformers module for a spec, in its dtype, on CPU (random init)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(spec.config)
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures", None)
+    config = AutoConfig.for_model(model_type, **cfg)
+    config.architectures = [spec.architecture]
+    if seed is not None:
+        torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[spec.dtype])
