@@ -101,4 +101,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["error_record", "rebuild_error", "InstanceError", "WorkerError", "WorkerDied", "WorkerTimeout", "RemoteTraceback", *_LAZY]
+__all__ = [
+    "error_record",
+    "rebuild_error",
+    "InstanceError",
+    "WorkerError",
+    "WorkerDied",
+    "WorkerTimeout",
+    "RemoteTraceback",
+    *_LAZY,
+]

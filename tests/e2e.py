@@ -1,0 +1,240 @@
+"""End-to-end harness: real training processes and real inference instances syncing through a MetaServer.
+
+Each training process builds a real engine (transformers, FSDP2 on gloo, or megatron-core on gloo),
+binds it, and every step fills its live weights with fresh random canonical data (the same seed on
+every rank) before ``write``; each inference instance (a transformers model, or layout-faithful
+vLLM/SGLang worker processes) starts poisoned with NaN, and after each ``update`` checks every
+tensor bit for bit against the data that step should hold. Faults are injected by name.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+
+import torch
+
+from weightsync.engines import make_layout
+from weightsync.layout.materialize import fill_from, scatter
+from weightsync.spec import load_spec
+from weightsync.testing import random_canonical
+
+CTX = mp.get_context("spawn")
+
+
+def seed_of(step: int) -> int:
+    return 100 + step
+
+
+# -- trainers ---------------------------------------------------------------------------------------
+
+
+def build_trainer(spec, train: str, rank: int, world: int):
+    """A bound training engine of the given layout on this process (default group already up)."""
+    engine = make_layout(spec, train)
+    if engine.engine == "hf":
+        from weightsync.bind.train import HFTrainEngine
+        from weightsync.testing import build_hf_model
+
+        return HFTrainEngine(build_hf_model(spec, seed=0)).bound
+    if engine.engine == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from weightsync.bind.train import FSDPTrainEngine
+        from weightsync.testing import build_hf_model
+
+        model = build_hf_model(spec, seed=0)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return FSDPTrainEngine(model).bound
+    if engine.engine == "megatron":
+        return _megatron(spec, engine, rank)
+    raise ValueError(train)
+
+
+def _megatron(spec, want, rank: int):
+    # CPU shims as in tests/test_megatron_layout.py (no parameter is created or renamed by them)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.module import Float16Module
+    from test_megatron_layout import _mcore_config
+
+    from weightsync.bind import MegatronTrainEngine
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=want.tp, pipeline_model_parallel_size=want.pp,
+        expert_model_parallel_size=want.ep, expert_tensor_parallel_size=want.etp,
+    )
+    cfg = _mcore_config(spec, want)
+    p = ps.get_pipeline_model_parallel_rank()
+    block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm", pp_rank=p)
+    m = GPTModel(cfg, block, vocab_size=want.padded_vocab, max_sequence_length=64, pre_process=p == 0,
+                 post_process=p == want.pp - 1, share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                 position_embedding_type="rope")
+    return MegatronTrainEngine([Float16Module(cfg, m)], dict(spec.config)).bound
+
+
+def _die_after(module, name: str, count: int) -> None:
+    """Fault injection: the process exits abruptly inside the ``count``-th call of ``module.name``."""
+    real = getattr(module, name)
+    calls = [0]
+
+    def wrapped(*a, **k):
+        calls[0] += 1
+        if calls[0] == count:
+            os._exit(3)
+        return real(*a, **k)
+
+    setattr(module, name, wrapped)
+
+
+def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None:
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=__import__("datetime").timedelta(seconds=60))
+        spec = load_spec(job["model"])
+        bound = build_trainer(spec, job["train"], rank, world)
+        from weightsync.runtime.writer import WeightWriter
+
+        writer = WeightWriter(bound, meta=meta, job=job["job"], timeout_s=job["timeout"], token=job.get("token"),
+                              bucket_bytes=job.get("bucket_bytes", 256 << 20), mode=job.get("mode", "sync"))
+        out.put(("ready", "train", rank))
+        for step in range(1, job["steps"] + 1):
+            with torch.no_grad():
+                fill_from(bound.layout, bound.tensors, random_canonical(spec, seed_of(step)))
+            if job.get("fault") == "train-dies" and rank == 0 and step == job["steps"]:
+                import weightsync.transport.p2p as p2p
+
+                _die_after(p2p, "pack", 2)
+            if job.get("restart_meta_before") == step:
+                out.put(("need-restart", step))
+                _wait_file(job["restart_flag"], job["timeout"])
+            writer.write(step)
+            out.put(("wrote", rank, step))
+        out.put(("done", "train", rank))
+    except BaseException as e:
+        out.put(("error", "train", rank, type(e).__name__, str(e), traceback.format_exc()))
+
+
+def _wait_file(path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(path)
+        time.sleep(0.05)
+
+
+# -- readers ----------------------------------------------------------------------------------------
+
+
+def check_step(ctx, model: str, engine: str, seed: int) -> str:
+    """On a worker: '' when every local tensor is bit-exact (padding still NaN), else the first problem."""
+    spec = load_spec(model)
+    want = scatter(make_layout(spec, engine).layout(ctx.rank), random_canonical(spec, seed))
+    for name, exp in want.items():
+        got = ctx.tensors[name].detach().cpu()
+        if not (torch.equal(got.isnan(), exp.isnan()) and torch.equal(got.nan_to_num(), exp.nan_to_num())):
+            return f"rank {ctx.rank}: {name} differs"
+    return ""
+
+
+def _die_in_worker(ctx) -> None:
+    import weightsync.transport.p2p as p2p
+
+    _die_after(p2p, "unpack", 2)
+
+
+def reader(inst: int, meta: str, job: dict, out) -> None:
+    instance = None
+    try:
+        torch.set_num_threads(1)
+        spec = load_spec(job.get("infer_model", job["model"]))
+        engine = job["infer"]
+        if engine == "hf":
+            from weightsync.instances.hf import HFInstance
+            from weightsync.testing import build_hf_model
+
+            model = build_hf_model(spec, seed=1)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
+            instance = HFInstance(model)
+        else:
+            from weightsync.instances.faithful import FaithfulInstance
+
+            instance = FaithfulInstance(dict(spec.config), engine)
+        from weightsync.runtime.reader import WeightReader
+
+        r = WeightReader(instance, meta=meta, job=job["job"], instance_id=inst, instances=job["instances"],
+                         timeout_s=job["timeout"], token=job.get("token"), bucket_bytes=job.get("bucket_bytes", 256 << 20))
+        out.put(("ready", "infer", inst))
+        for step in range(1, job["steps"] + 1):
+            if job.get("fault") == "infer-dies" and inst == 0 and step == job["steps"]:
+                instance.call(_die_in_worker)
+            try:
+                r.update(step)
+            except Exception as e:
+                out.put(("update-failed", inst, step, type(e).__name__, str(e), r.version))
+                raise
+            problems = [p for p in instance.call(check_step, spec.name, engine, seed_of(step)) if p]
+            out.put(("updated", inst, step, r.version, problems))
+        out.put(("done", "infer", inst))
+    except BaseException as e:
+        out.put(("error", "infer", inst, type(e).__name__, str(e), traceback.format_exc()))
+    finally:
+        if instance is not None:
+            instance.close()
+
+
+# -- driver -----------------------------------------------------------------------------------------
+
+
+def run_job(job: dict, meta_server=None, on_restart=None) -> list[tuple]:
+    """Run trainers and readers for ``job``; return every message they sent, in arrival order."""
+    from weightsync.meta.server import MetaServer
+    from weightsync.transport.group import free_port
+
+    job = {"job": "e2e", "steps": 2, "instances": 1, "timeout": 30.0, **job}
+    spec = load_spec(job["model"])
+    world = make_layout(spec, job["train"]).world_size
+    own = meta_server is None
+    server = meta_server or MetaServer(port=0, token=job.get("server_token")).start()
+    out = CTX.Queue()
+    port = free_port()
+    procs = [CTX.Process(target=trainer, args=(r, world, port, server.url, job, out)) for r in range(world)]
+    procs += [CTX.Process(target=reader, args=(i, server.url, job, out)) for i in range(job["instances"])]
+    for p in procs:
+        p.start()
+    messages = []
+    deadline = time.monotonic() + job["timeout"] * (job["steps"] + 4)
+    try:
+        while time.monotonic() < deadline:
+            try:
+                msg = out.get(timeout=0.5)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs):
+                    break
+                continue
+            messages.append(msg)
+            if msg[0] == "need-restart" and on_restart is not None:
+                server = on_restart(server)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        if own:
+            server.stop()
+    return messages
