@@ -39,7 +39,10 @@ def build_trainer(spec, train: str, rank: int, world: int):
         from weightsync.bind.train import HFTrainEngine
         from weightsync.testing import build_hf_model
 
-        return HFTrainEngine(build_hf_model(spec, seed=0)).bound
+        model = build_hf_model(spec, seed=0)
+        if torch.cuda.is_available() and os.environ.get("WEIGHTSYNC_E2E_DEVICE") == "cuda":
+            model = model.to(f"cuda:{rank}")
+        return HFTrainEngine(model).bound
     if engine.engine == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -99,6 +102,8 @@ def _die_after(module, name: str, count: int) -> None:
 
 def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None:
     try:
+        if job.get("gpu_base") is not None:
+            os.environ["WEIGHTSYNC_E2E_DEVICE"] = "cuda"
         import torch.distributed as dist
 
         torch.set_num_threads(1)
@@ -174,7 +179,8 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
         else:
             from weightsync.instances.faithful import FaithfulInstance
 
-            instance = FaithfulInstance(dict(spec.config), engine)
+            device = f"cuda:{job['gpu_base'] + inst * make_layout(spec, engine).world_size}" if job.get("gpu_base") is not None else "cpu"
+            instance = FaithfulInstance(dict(spec.config), engine, device=device)
         from weightsync.runtime.reader import WeightReader
 
         r = WeightReader(instance, meta=meta, job=job["job"], instance_id=inst, instances=job["instances"],

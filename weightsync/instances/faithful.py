@@ -57,13 +57,18 @@ def live_shapes(ctx: WorkerContext) -> dict[str, tuple[tuple[int, ...], str]]:
     return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in ctx.tensors.items()}
 
 
+def first_gpu(device: str) -> int:
+    """``cuda`` -> 0, ``cuda:K`` -> K: worker rank r runs on GPU K + r."""
+    return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
 def _worker_main(rank: int, conn, model: Any, engine: str, device: str, fill: float, threads: int) -> None:
     """One worker: build its tensors from the layout, answer ready, then serve calls until told to stop."""
     try:
         if threads:
             torch.set_num_threads(threads)
         layout = make_layout(load_spec(model), engine).layout(rank)
-        dev = torch.device("cuda", rank) if device == "cuda" else torch.device(device)
+        dev = torch.device("cuda", first_gpu(device) + rank) if device.startswith("cuda") else torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         tensors = {
@@ -151,8 +156,8 @@ class FaithfulInstance:
     ):
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver' (torch is not fork-safe), not {start_method!r}")
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+        if device != "cpu" and not device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:K' (ranks on cuda:K, K+1, ...), not {device!r}")
         spec = load_spec(model)
         self.engine_layout = make_layout(spec, engine)  # refuses a bad config here, before any process starts
         self.engine = engine
@@ -164,9 +169,10 @@ class FaithfulInstance:
         self._world = self.engine_layout.world_size
         self._seq = 0
         self._broken: str | None = None
-        if device == "cuda" and torch.cuda.device_count() < self._world:
+        if device.startswith("cuda") and torch.cuda.device_count() < first_gpu(device) + self._world:
+            k = first_gpu(device)
             raise InstanceError(
-                f"{engine} needs {self._world} GPUs (cuda:0..{self._world - 1}); {torch.cuda.device_count()} visible"
+                f"{engine} needs {self._world} GPUs (cuda:{k}..{k + self._world - 1}); {torch.cuda.device_count()} visible"
             )
         ctx = mp.get_context(start_method)
         self._procs: list = []
