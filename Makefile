@@ -21,8 +21,9 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider
 
-test-gpu: venv
-	$(PY) -m pytest -q -m gpu -p no:cacheprovider
+# On the GPU host: its own python3 holds a CUDA torch (the .venv's torch is a CPU build).
+test-gpu:
+	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu -p no:cacheprovider -rs
 
 clean:
 	rm -rf .venv
