@@ -1,0 +1,504 @@
+"""Co-located mode on CPU: shared-memory export/import and the co-located transport over gloo.
+
+Real processes throughout: a "trainer" process per training rank holds its local tensors, exports
+them once (:mod:`weightsync.transport.share`) and publishes the description in a file; inference
+worker processes import them once, join the inference-only gloo group and run
+:class:`ColocatedTransport` for several steps, while the trainers overwrite their weights in place
+between steps. Processes come from a forkserver (see tests/test_p2p.py); the parent only relays
+"update"/"step" commands through multiprocessing queues (local pipes, no network).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+
+import pytest
+import torch
+
+from test_p2p import _same, simulate
+from weightsync.engines import make_layout
+from weightsync.errors import ConfigError
+from weightsync.layout.materialize import TORCH_DTYPES, scatter
+from weightsync.plan.planner import Planner
+from weightsync.plan.topology import Topology
+from weightsync.spec import load_spec
+from weightsync.testing import random_canonical
+from weightsync.transport import colocated, share
+from weightsync.transport.colocated import ColocatedRanks, ColocatedTransport, proxy_of
+from weightsync.transport.group import free_port, new_group
+from weightsync.transport.p2p import TransportError, order_key
+
+TIMEOUT_S = 4.0
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+def _ctx():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "weightsync.transport.colocated", "weightsync.engines", "test_colocated"])
+    return ctx
+
+
+def _publish(path: str, desc: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(desc, f)
+    os.replace(path + ".tmp", path)  # readers never see half a file
+
+
+# -- share.py ------------------------------------------------------------------------------------
+
+def _share_tensors(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randn(64, generator=g).to(device)
+    base = torch.randn(6, 8, generator=g).to(device, torch.bfloat16)
+    return {
+        "param": torch.nn.Parameter(torch.randn(4, 5, generator=g).to(device)),
+        "flat": flat,
+        "flat_view": flat[10:34].view(4, 6),  # storage offset 10, aliases "flat"
+        "bf16_t": base.t(),  # non-contiguous (stride (1, 8))
+        "bf16_cols": base[:, 2:5],  # non-contiguous with an offset
+        "empty": torch.empty(0, 3, device=device),
+    }
+
+
+def _share_child(desc_path: str, seed: int, device: str, cmds, replies) -> None:
+    try:
+        cmds.get(timeout=30)
+        with open(desc_path) as f:
+            got = share.import_tensors(json.load(f))
+        want = _share_tensors(seed, device)
+        for n, w in want.items():
+            t = got[n]
+            assert t.device == w.device, (n, t.device)
+            assert t.dtype == w.dtype and t.shape == w.shape and t.stride() == w.stride(), n
+            assert t.storage_offset() == w.storage_offset(), n
+            assert torch.equal(t, w.detach()), n
+        assert torch.equal(got["kept"].cpu(), torch.arange(5.0)), "a dropped export must stay alive until released"
+        got["flat"][10] = -7.0  # aliasing inside the importer: the view sees the flat buffer's write
+        assert got["flat_view"][0, 0].item() == -7.0
+        assert got["flat_view"].untyped_storage().data_ptr() == got["flat"].untyped_storage().data_ptr()
+        assert share.import_tensors(json.load(open(desc_path)))["param"].data_ptr() == got["param"].data_ptr()
+        replies.put(("ok", ""))
+        cmds.get(timeout=30)  # the trainer took an optimizer step and added 1 in place
+        assert torch.equal(got["param"], want["param"].detach() - 1), "optimizer step not visible"
+        w = want["flat"].clone()
+        w[10] = -7.0
+        w += 1
+        assert torch.equal(got["flat"], w) and torch.equal(got["flat_view"], w[10:34].view(4, 6))
+        assert torch.equal(got["bf16_t"], want["bf16_t"] + 1)
+        got["param"].mul_(0).add_(3.0)  # and the other way round
+        got["bf16_cols"].fill_(2.0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        replies.put(("ok", ""))
+    except BaseException:  # noqa: BLE001
+        replies.put(("fail", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_share_aliases_memory_across_processes(tmp_path, device):
+    """An unrelated process opens the live tensors by description; writes flow both ways, views alias."""
+    seed = 3
+    tensors = _share_tensors(seed, device)
+    before = {n: t.data_ptr() for n, t in tensors.items()}
+    ids = {n: id(t) for n, t in tensors.items()}
+    opt = torch.optim.SGD([tensors["param"]], lr=1.0)
+    kept = {"kept": torch.arange(5.0, device=device)}
+    desc = share.export_tensors({**tensors, **kept})
+    del kept  # only the module's keep-alive holds it now
+    json.loads(json.dumps(desc))  # plain JSON
+    assert {n: id(t) for n, t in tensors.items()} == ids
+    if device == "cpu":
+        assert all(t.untyped_storage().is_shared() for n, t in tensors.items() if n != "empty")
+        assert tensors["param"].data_ptr() != before["param"], "CPU storage should have moved to shared memory"
+    assert tensors["flat_view"].data_ptr() - tensors["flat"].data_ptr() == 40
+    assert torch.equal(tensors["param"].detach(), _share_tensors(seed, device)["param"].detach())
+    assert len(desc["storages"]) == 5  # flat and its view share one storage; bf16 views share another
+    path = str(tmp_path / "desc.json")
+    _publish(path, desc)
+
+    ctx = _ctx()
+    cmds, replies = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_share_child, args=(path, seed, device, cmds, replies), daemon=True)
+    p.start()
+    try:
+        cmds.put("go")
+        status, detail = replies.get(timeout=30)
+        assert status == "ok", detail
+        assert tensors["flat"][10].item() == -7.0, "the importer's write is not visible to the exporter"
+        tensors["param"].grad = torch.ones_like(tensors["param"])
+        opt.step()  # p -= 1, in place on the shared storage
+        with torch.no_grad():
+            tensors["flat"].add_(1)
+            tensors["bf16_t"].add_(1)
+        if device == "cuda":
+            torch.cuda.synchronize()  # the "weights ready" barrier orders later writes
+        cmds.put("go")
+        status, detail = replies.get(timeout=30)
+        assert status == "ok", detail
+        assert torch.equal(tensors["param"].detach().cpu(), torch.full((4, 5), 3.0))
+        assert torch.equal(tensors["bf16_cols"].cpu(), torch.full((6, 3), 2.0, dtype=torch.bfloat16))
+    finally:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    share.release(desc)
+
+
+def test_share_rejects_bad_input():
+    with pytest.raises(ValueError, match="format"):
+        share.import_tensors({"format": "other"})
+    with pytest.raises(ValueError, match="strided"):
+        share.export_tensors({"s": torch.eye(2).to_sparse()})
+
+
+# -- the proxy rule and set-up ---------------------------------------------------------------------
+
+class _FakeGroup:
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_proxy_rule():
+    r = ColocatedRanks(train_world=2, infer_world=2, instances=2)
+    assert [r.gpu(g) for g in range(4)] == [0, 1, 0, 1]
+    assert [r.proxy(t) for t in range(2)] == [0, 1]
+    assert r.proxied_by(0) == [0] and r.proxied_by(2) == []
+    r = ColocatedRanks(train_world=4, infer_world=3, instances=2)  # GPUs of workers 0..5: 0 1 2 3 0 1
+    assert [r.proxy(t) for t in range(4)] == [0, 1, 2, 3]
+    assert proxy_of(Topology.colocated(4, 3, 2), 3) == 3
+
+
+def test_unproxied_training_rank_fails_at_setup():
+    ranks = ColocatedRanks(train_world=4, infer_world=1, instances=2)  # GPUs 2 and 3 have no worker
+    with pytest.raises(ConfigError, match=r"training rank\(s\) \[2, 3\] have no inference worker"):
+        ColocatedTransport(_FakeGroup(2), ranks)
+    with pytest.raises(ConfigError, match="no inference worker"):
+        ranks.proxy(3)
+
+
+# -- the transport, end to end ---------------------------------------------------------------------
+
+def _setup(case: dict):
+    spec = load_spec(case["model"])
+    src, dst = make_layout(spec, case["train"]), make_layout(spec, case["infer"])
+    ranks = ColocatedRanks(src.world_size, dst.world_size, case["instances"])
+    planner = Planner(src, dst, case["instances"], topology=ranks.topology, bucket_bytes=case["budget"])
+    return spec, src, dst, ranks, planner
+
+
+def trainer(case: dict, t: int, path: str, cmds, results) -> None:
+    """Training rank ``t``: hold the local tensors, export them once, overwrite them in place on command."""
+    try:
+        spec, src, _, _, _ = _setup(case)
+        layout = src.layout(t)
+        dev = case.get("device", "cpu")
+        tensors = scatter(layout, random_canonical(spec, case["seeds"][0]), device=dev)
+        params = {n: torch.nn.Parameter(x, requires_grad=False) for n, x in tensors.items()}  # as a model holds them
+        _publish(path, share.export_tensors(params))
+        results.put((("train", t), "ready", ""))
+        while True:
+            cmd = cmds.get(timeout=60)
+            if cmd[0] == "exit":
+                return
+            new = scatter(layout, random_canonical(spec, cmd[1]), device=dev)
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.mul_(0).add_(new[n])  # a training step: same tensors, new values
+            if dev != "cpu":
+                torch.cuda.synchronize()  # weights ready before we say so
+            results.put((("train", t), "updated", cmd[1]))
+    except BaseException:  # noqa: BLE001
+        results.put((("train", t), "fail", traceback.format_exc()))
+
+
+def _die_after(calls: int) -> None:
+    """Vanish (no cleanup, like a crash) on the ``calls + 1``-th pack of this process."""
+    real, count = colocated.pack, [0]
+
+    def dying(*args, **kwargs):
+        count[0] += 1
+        if count[0] > calls:
+            os._exit(3)
+        return real(*args, **kwargs)
+
+    colocated.pack = dying
+
+
+def worker(case: dict, g: int, port: int, paths: list[str], cmds, results) -> None:
+    """Inference worker ``g``: open its trainer's tensors once, then run one transport step per command."""
+    who, start = ("infer", g), time.monotonic()
+    try:
+        spec, src, dst, ranks, planner = _setup(case)
+        i, j = ranks.where(g)
+        layout = dst.layout(j)
+        srcs = {}
+        for t in ranks.proxied_by(g):  # import ONCE
+            with open(paths[t]) as f:
+                srcs[t] = share.import_tensors(json.load(f))
+        pg = new_group("127.0.0.1", port, g, ranks.world_size, timeout_s=30)
+        transport = ColocatedTransport(pg, ranks, window=case.get("window", 2), timeout_s=TIMEOUT_S)
+        recv_plans = planner.recv_plan(i, j)
+        send_plans = {t: planner.send_plan(t) for t in srcs}
+        dsts = {
+            n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=case.get("device", "cpu"))
+            for n, t in layout.tensors.items()
+        }
+        ptrs = {n: x.data_ptr() for n, x in dsts.items()}
+        src_ptrs = {t: {n: x.data_ptr() for n, x in ts.items()} for t, ts in srcs.items()}
+        buffers = None
+        results.put((who, "ready", ""))
+        while True:
+            cmd = cmds.get(timeout=60)
+            if cmd[0] == "exit":
+                return
+            seed = cmd[1]
+            if case.get("die") == g and seed == case["die_step"]:
+                _die_after(case["die_after"])
+            if case.get("stall") == g and seed == case["stall_step"]:  # alive, in the group, posts nothing
+                time.sleep(TIMEOUT_S + 3)
+                results.put((who, "stalled", ""))
+                return
+            for x in dsts.values():
+                x.fill_(float("nan"))  # poison: every element the plan owns must be written this step
+            start = time.monotonic()
+            stats = transport.run(recv_plans, send_plans, dsts, srcs)
+            want = scatter(layout, random_canonical(spec, seed))
+            bad = [n for n in want if not _same(dsts[n].cpu(), want[n])]
+            assert not bad, f"step seed {seed}: wrong values in {bad[:5]}"
+            assert ptrs == {n: x.data_ptr() for n, x in dsts.items()}, "destination tensors were reallocated"
+            assert src_ptrs == {t: {n: x.data_ptr() for n, x in ts.items()} for t, ts in srcs.items()}
+            now = [b.data_ptr() for b in transport._buffers]
+            assert buffers is None or now == buffers, "transfer buffers were reallocated between steps"
+            buffers = now
+            results.put((who, "ok", stats))
+    except TransportError as e:
+        results.put((who, "TransportError", (time.monotonic() - start, e.peer, str(e))))
+    except BaseException:  # noqa: BLE001
+        results.put((who, "fail", traceback.format_exc()))
+
+
+class Job:
+    """Trainer and worker processes of one case, driven step by step from the test."""
+
+    def __init__(self, case: dict, tmp_path):
+        self.case = case
+        _, _, _, self.ranks, _ = _setup(case)
+        self.ctx = _ctx()
+        self.results = self.ctx.Queue()
+        self.procs, self.cmds = {}, {}
+        paths = [str(tmp_path / f"train{t}.json") for t in range(self.ranks.train_world)]
+        for t in range(self.ranks.train_world):
+            self._start(("train", t), trainer, (case, t, paths[t]))
+        self.wait({("train", t) for t in range(self.ranks.train_world)}, "ready")
+        port = free_port()
+        self.workers = {("infer", g) for g in range(self.ranks.world_size)}
+        for g in range(self.ranks.world_size):
+            self._start(("infer", g), worker, (case, g, port, paths))
+        self.wait(self.workers, "ready")
+
+    def _start(self, who, target, args):
+        self.cmds[who] = self.ctx.Queue()
+        self.procs[who] = self.ctx.Process(target=target, args=(*args, self.cmds[who], self.results), daemon=True)
+        self.procs[who].start()
+
+    def collect(self, expect: set, deadline_s: float) -> dict:
+        got, end = {}, time.monotonic() + deadline_s
+        while set(got) < expect and time.monotonic() < end:
+            try:
+                who, status, detail = self.results.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            got[who] = (status, detail)
+            if status == "fail":
+                raise AssertionError(f"{who} failed:\n{detail}")
+        return got
+
+    def wait(self, expect: set, status: str, deadline_s: float = 30.0) -> dict:
+        got = self.collect(expect, deadline_s)
+        assert set(got) == expect, f"no answer from {sorted(expect - set(got))} (exit codes {self.codes()})"
+        bad = {w: r for w, r in got.items() if r[0] != status}
+        assert not bad, bad
+        return {w: d for w, (_, d) in got.items()}
+
+    def update_trainers(self, seed: int) -> None:
+        for t in range(self.ranks.train_world):
+            self.cmds[("train", t)].put(("update", seed))
+        self.wait({("train", t) for t in range(self.ranks.train_world)}, "updated")
+
+    def step(self, seed: int) -> None:
+        for w in self.workers:
+            self.cmds[w].put(("step", seed))
+
+    def codes(self):
+        return {w: p.exitcode for w, p in self.procs.items()}
+
+    def close(self):
+        """Workers first, then the trainers (producers outlive their importers, as CUDA IPC wants)."""
+        for role in ("infer", "train"):
+            mine = [w for w in self.procs if w[0] == role]
+            for w in mine:
+                if self.procs[w].is_alive():
+                    self.cmds[w].put(("exit",))
+            for w in mine:
+                p = self.procs[w]
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+
+CASES = {
+    "qwen3 megatron:tp=2 -> vllm:tp=2 x1 (all same-GPU)": dict(
+        model="tiny-qwen3", train="megatron:tp=2", infer="vllm:tp=2", instances=1, budget=16 << 10,
+        expect_remote=False,
+    ),
+    "llama3 fsdp:dp=2 -> vllm:tp=2 x2 (cross-GPU through the group)": dict(
+        model="tiny-llama3", train="fsdp:dp=2", infer="vllm:tp=2", instances=2, budget=8 << 10,
+        expect_remote=True,
+    ),
+    "qwen3-moe megatron:ep=2,dp=2 -> sglang:tp=2": dict(
+        model="tiny-qwen3-moe", train="megatron:ep=2,dp=2", infer="sglang:tp=2", instances=1, budget=16 << 10,
+        window=3, expect_remote=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_colocated_several_steps(name, tmp_path):
+    """After every step each inference tensor equals scatter(its layout, the trainers' current weights)."""
+    _run_steps({**CASES[name], "seeds": [21, 22, 23]}, tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_colocated_cuda_ipc_local_copies(tmp_path):
+    """On a GPU: trainers' tensors opened through CUDA IPC, same-GPU pieces copied device to device.
+    (All processes share cuda:0 here; only the all-local case runs, gloo moves no CUDA tensors.)"""
+    name = "qwen3 megatron:tp=2 -> vllm:tp=2 x1 (all same-GPU)"
+    _run_steps({**CASES[name], "seeds": [21, 22, 23], "device": "cuda"}, tmp_path)
+
+
+def _run_steps(case: dict, tmp_path) -> None:
+    job = Job(case, tmp_path)
+    try:
+        for k, seed in enumerate(case["seeds"]):
+            if k:
+                job.update_trainers(seed)  # in place, while the workers are idle
+            job.step(seed)
+            stats = job.wait(job.workers, "ok")
+            total_local = sum(s.local_bytes for s in stats.values())
+            total_sent = sum(s.sent_bytes for s in stats.values())
+            assert total_local > 0
+            assert total_sent == sum(s.recv_bytes for s in stats.values())
+            assert (total_sent > 0) == case["expect_remote"], stats
+            for (_, g), s in stats.items():
+                if not job.ranks.proxied_by(g):
+                    assert s.sent_buckets == 0 and s.local_buckets == 0, (g, s)
+    finally:
+        job.close()
+
+
+def test_proxy_dying_mid_step_fails_the_others_fast(tmp_path):
+    """Worker 1 (proxy of training rank 1) crashes after a few sends of step 2: every other worker
+    raises a TransportError naming a peer within the timeout; nobody hangs."""
+    case = {**CASES["llama3 fsdp:dp=2 -> vllm:tp=2 x2 (cross-GPU through the group)"], "seeds": [31, 32],
+            "die": 1, "die_step": 32, "die_after": 2}
+    job = Job(case, tmp_path)
+    try:
+        job.step(31)
+        job.wait(job.workers, "ok")
+        job.update_trainers(32)
+        job.step(32)
+        survivors = job.workers - {("infer", 1)}
+        got = job.collect(survivors, deadline_s=TIMEOUT_S + 10)
+        assert set(got) == survivors, f"hung: {sorted(survivors - set(got))}"
+        job.procs[("infer", 1)].join(timeout=5)
+        assert job.procs[("infer", 1)].exitcode == 3, job.codes()
+        _check_errors(got, dead=1)
+    finally:
+        job.close()
+
+
+def test_stalled_proxy_times_out(tmp_path):
+    """Worker 1 stays alive but never posts its step-2 operations: the others time out naming a peer."""
+    case = {**CASES["llama3 fsdp:dp=2 -> vllm:tp=2 x2 (cross-GPU through the group)"], "seeds": [31, 32],
+            "stall": 1, "stall_step": 32}
+    job = Job(case, tmp_path)
+    try:
+        job.step(31)
+        job.wait(job.workers, "ok")
+        job.update_trainers(32)
+        job.step(32)
+        got = job.collect(job.workers, deadline_s=TIMEOUT_S + 10)
+        assert set(got) == job.workers, f"hung: {sorted(job.workers - set(got))}"
+        assert got.pop(("infer", 1))[0] == "stalled"
+        _check_errors(got, dead=1)
+    finally:
+        job.close()
+
+
+def _check_errors(got: dict, dead: int) -> None:
+    """Every survivor raised a TransportError naming a peer, soon; someone named the faulty proxy."""
+    peers = {}
+    for w, (status, detail) in got.items():
+        assert status == "TransportError", (w, status, detail)
+        took, peer, msg = detail
+        assert took < TIMEOUT_S + 2, f"{w} raised only after {took:.1f}s: {msg}"
+        assert peer is not None and f"group rank {peer} failed" in msg and "bucket" in msg, msg
+        peers[w] = peer
+    # those that exchange buckets with the faulty proxy name it (or a peer that already failed)
+    assert dead in peers.values(), peers
+
+
+# -- the merged-order argument, checked exhaustively on real plans ----------------------------------
+
+def _colocated_ops(planner: Planner, ranks: ColocatedRanks, merged: bool) -> dict[int, list[tuple]]:
+    ops: dict[int, list[tuple]] = {}
+    for g in range(ranks.world_size):
+        i, j = ranks.where(g)
+        recvs = [
+            (order_key(b), ranks.proxy(b.src_rank))
+            for bs in planner.recv_plan(i, j).values()
+            for b in bs
+            if ranks.proxy(b.src_rank) != g
+        ]
+        sends = [
+            (order_key(b), ranks.receiver((b.src_rank, b.dst_instance, b.dst_rank)))
+            for t in ranks.proxied_by(g)
+            for bs in planner.send_plan(t).values()
+            for b in bs
+            if ranks.receiver((b.src_rank, b.dst_instance, b.dst_rank)) != g
+        ]
+        ops[g] = sorted(sends + recvs) if merged else sorted(sends) + sorted(recvs)
+    return ops
+
+
+@pytest.mark.parametrize(
+    "model,train,infer,instances",
+    [
+        ("tiny-llama3", "fsdp:dp=2", "vllm:tp=2", 2),
+        ("tiny-qwen3-moe", "megatron:ep=2,dp=2", "sglang:tp=2", 1),
+        ("tiny-qwen3", "megatron:pp=2,dp=2", "vllm:tp=2", 2),
+        ("tiny-llama3", "fsdp:dp=3", "vllm:tp=2", 3),
+    ],
+)
+def test_merged_order_never_deadlocks(model, train, infer, instances):
+    """Each worker's ONE list of sends and receives in the global order completes even strictly in order;
+    sends-then-receives would wedge (control)."""
+    spec = load_spec(model)
+    src, dst = make_layout(spec, train), make_layout(spec, infer)
+    ranks = ColocatedRanks(src.world_size, dst.world_size, instances)
+    planner = Planner(src, dst, instances, topology=ranks.topology, bucket_bytes=2048)
+    for window in (1, 2, 3):
+        assert simulate(_colocated_ops(planner, ranks, merged=True), window)
+    assert not simulate(_colocated_ops(planner, ranks, merged=False), 1)

@@ -1,0 +1,362 @@
+"""Co-located transport: inference workers pull the trainer's weights on the GPUs they share.
+
+Training and inference share GPUs (:meth:`Topology.colocated`: inference worker (i, j) sits on GPU
+``(i*W + j) % T``, training rank t on GPU t). The trainer does nothing but export its live tensors
+once (:mod:`weightsync.transport.share`: CUDA IPC on GPU, shared memory on CPU); each training rank
+gets a *proxy*, the inference worker that opened those tensors and acts for it:
+
+- a bucket whose source rank I proxy and whose destination is me is a LOCAL copy: no buffer, no
+  group; every box is ``copy_``-ed straight from the trainer's view into my tensor's view
+  (device-to-device on GPU, converting dtype as unpacking would; bitwise the same result as
+  pack -> unpack, which goes source dtype -> buffer -> destination dtype in the same single cast);
+- a bucket whose source rank I proxy for another worker is SENT by me, packed from the trainer's
+  memory, on the trainer's behalf;
+- a bucket for me whose source another worker proxies is RECEIVED from that proxy.
+
+Remote buckets move over a group of the inference workers only (group rank ``i*W + j``): NCCL
+refuses two ranks of one communicator on one GPU, so the trainer process cannot be a member. On CPU
+the same code runs over gloo and shared memory, so everything but the CUDA kernels is tested there.
+
+The planner needs the colocated :class:`Topology` to prefer same-GPU sources (which become local
+copies); correctness does not depend on it -- any plan runs, with more group traffic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import cached_property
+from typing import Mapping
+
+import torch
+from torch.distributed import ProcessGroup
+
+from weightsync.errors import ConfigError
+from weightsync.layout.box import box_shape, slices
+from weightsync.plan.planner import Bucket, Pair
+from weightsync.plan.topology import Topology
+from weightsync.transport.p2p import TransportError, describe, order_key
+from weightsync.transport.pack import pack, unpack
+
+Plans = Mapping[Pair, list[Bucket]]
+
+
+def proxy_of(topology: Topology, train_rank: int) -> int | None:
+    """THE proxy rule: who opens training rank ``train_rank``'s tensors and acts for it.
+
+    The proxy is the lowest-numbered inference worker -- worker (i, j) numbered ``i*W + j``, its rank
+    in the inference-only group -- that sits on the training rank's own GPU
+    (``topology.infer_gpu(i, j) == topology.train_gpu(train_rank)``); None when no inference worker
+    is on that GPU (then the rank cannot be proxied). With :meth:`Topology.colocated` that is worker
+    ``train_rank`` itself when ``train_rank < instances * W``. Every worker evaluates this same
+    pure function, so senders and receivers agree on who sends what without talking.
+    """
+    gpu = topology.train_gpu(train_rank)
+    for g in range(topology.instances * topology.infer_world):
+        if topology.infer_gpu(g // topology.infer_world, g % topology.infer_world) == gpu:
+            return g
+    return None
+
+
+@dataclass(frozen=True)
+class ColocatedRanks:
+    """Group ranks of the inference-only group: (instance i, rank j) -> ``i*infer_world + j``.
+
+    Training rank t is represented in the group by its proxy (:func:`proxy_of`).
+    """
+
+    train_world: int
+    infer_world: int
+    instances: int = 1
+    gpus_per_host: int = 8
+
+    @property
+    def world_size(self) -> int:
+        return self.instances * self.infer_world
+
+    @cached_property
+    def topology(self) -> Topology:
+        return Topology.colocated(self.train_world, self.infer_world, self.instances, self.gpus_per_host)
+
+    def infer(self, instance: int, rank: int) -> int:
+        return instance * self.infer_world + rank
+
+    def where(self, group_rank: int) -> tuple[int, int]:
+        """(instance, inference rank) of a group rank."""
+        return divmod(group_rank, self.infer_world)
+
+    def gpu(self, group_rank: int) -> int:
+        return self.topology.infer_gpu(*self.where(group_rank))
+
+    @cached_property
+    def _proxies(self) -> tuple[int | None, ...]:
+        return tuple(proxy_of(self.topology, t) for t in range(self.train_world))
+
+    def proxy(self, train_rank: int) -> int:
+        """Group rank acting for ``train_rank``; ConfigError when nobody can."""
+        if not 0 <= train_rank < self.train_world:
+            raise ConfigError(f"training rank {train_rank} outside world of {self.train_world}")
+        p = self._proxies[train_rank]
+        if p is None:
+            raise ConfigError(self._unproxied_message([train_rank]))
+        return p
+
+    def proxied_by(self, group_rank: int) -> list[int]:
+        """Training ranks whose tensors ``group_rank`` opens and acts for (at most one: one trainer per GPU)."""
+        return [t for t, p in enumerate(self._proxies) if p == group_rank]
+
+    def check(self) -> None:
+        """Every training rank must have a proxy (an inference worker on its GPU)."""
+        missing = [t for t, p in enumerate(self._proxies) if p is None]
+        if missing:
+            raise ConfigError(self._unproxied_message(missing))
+
+    def _unproxied_message(self, missing: list[int]) -> str:
+        return (
+            f"co-located mode: training rank(s) {missing} have no inference worker on their GPU "
+            f"({self.instances} instance(s) x {self.infer_world} inference ranks cover GPUs "
+            f"{sorted({self.gpu(g) for g in range(self.world_size)})} of the {self.train_world} training GPUs), "
+            "so nobody can open their tensors and send for them; use at least as many inference workers "
+            "as training ranks, or the separated (P2P) transport"
+        )
+
+    def sender(self, pair: Pair) -> int:
+        return self.proxy(pair[0])
+
+    def receiver(self, pair: Pair) -> int:
+        return self.infer(pair[1], pair[2])
+
+
+@dataclass(frozen=True)
+class ColocatedStats:
+    local_buckets: int
+    local_bytes: int
+    sent_buckets: int
+    sent_bytes: int
+    recv_buckets: int
+    recv_bytes: int
+    seconds: float
+
+
+_LOCAL, _SEND, _RECV = "local", "send", "recv"
+
+
+class ColocatedTransport:
+    """One inference worker's side of a co-located weight sync; keep one per worker, reuse every step.
+
+    Deadlock freedom with ONE merged FIFO. Every worker makes a single list of all its remote
+    operations -- the receives of its own recv plan and the sends it makes for the training rank it
+    proxies -- sorted by :func:`weightsync.transport.p2p.order_key`, ``(bucket.index, src_rank,
+    dst_instance, dst_rank)``. That key is a property of the *transfer* (both ends compute it from
+    the same bucket) and is distinct for distinct transfers, so all transfers of the job form one
+    total order, and each worker's list is that order restricted to the transfers it takes part in,
+    whatever mix of sends and receives they are. A worker posts its k-th operation only after its
+    (k - window)-th completed. Take the globally earliest transfer X not yet completed, between
+    sender proxy P and receiver R. Every operation before X in P's list -- send or receive alike --
+    is a transfer earlier than X, hence completed; so P's FIFO drains down to X and P posts X. The
+    same holds for R. X is posted on both ends, so it completes (also for a backend that finishes a
+    process's operations strictly in posting order, since X is then the oldest on both), and by
+    induction every transfer does. What would break this is ordering sends and receives separately
+    (say, all sends first): two workers each sending to the other with full windows would each wait
+    for a receive the other has not posted yet. Local copies never wait on anyone: they run inline,
+    synchronously, between postings, take no window slot and so do not change the argument.
+
+    Memory: ``window`` uint8 buffers as large as the largest remote bucket, reused across steps;
+    local copies use none.
+
+    Failures never hang: every wait has ``timeout_s``; a dead or stalled peer raises
+    :class:`TransportError` naming its group rank (``.peer``), the pair and the bucket. After that
+    the group's state is unknown: discard it.
+    """
+
+    def __init__(
+        self,
+        group: ProcessGroup,
+        ranks: ColocatedRanks,
+        *,
+        window: int = 2,
+        timeout_s: float = 60.0,
+        buffer_bytes: int | None = None,
+    ):
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        if group.size() != ranks.world_size:
+            raise ValueError(
+                f"group has {group.size()} ranks, but the co-located group holds only the "
+                f"{ranks.instances} x {ranks.infer_world} = {ranks.world_size} inference workers"
+            )
+        ranks.check()  # set-up fails loudly when some training rank cannot be proxied
+        self.group, self.ranks, self.window = group, ranks, window
+        self.me = group.rank()
+        self.proxied = ranks.proxied_by(self.me)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.buffer_bytes = buffer_bytes
+        self._buffers: list[torch.Tensor] = []
+
+    # -- the step -------------------------------------------------------------------------------
+    def run(
+        self,
+        recv_plans: Plans,
+        send_plans_by_train_rank: Mapping[int, Plans],
+        dst_tensors: Mapping[str, torch.Tensor],
+        src_tensors_by_train_rank: Mapping[int, Mapping[str, torch.Tensor]],
+    ) -> ColocatedStats:
+        """Move one step's weights: my recv plan into ``dst_tensors`` (in place), and every bucket
+        of the send plans of the training ranks I proxy out of their opened ``src`` tensors.
+
+        ``send_plans_by_train_rank`` holds ``planner.send_plan(t)`` for each ``t`` in
+        :attr:`proxied`; its buckets addressed to me are the same local copies my recv plan lists
+        (checked, and done once).
+        """
+        ops = self._ops(recv_plans, send_plans_by_train_rank, src_tensors_by_train_rank)
+        start = time.perf_counter()
+        remote = [b for kind, b, _ in ops if kind != _LOCAL]
+        if remote:
+            dev = self._device(dst_tensors, src_tensors_by_train_rank)
+            self._ensure_buffers(max(b.nbytes for b in remote), dev)
+        counts = {_LOCAL: [0, 0], _SEND: [0, 0], _RECV: [0, 0]}
+        inflight: deque = deque()
+        k = 0
+        for kind, b, peer in ops:
+            counts[kind][0] += 1
+            counts[kind][1] += b.nbytes
+            if kind == _LOCAL:
+                self._local(b, src_tensors_by_train_rank[b.src_rank], dst_tensors)
+                continue
+            if len(inflight) == self.window:
+                self._finish(*inflight.popleft(), dst_tensors)
+            buf = self._buffers[k % self.window][: b.nbytes]  # the slot operation k - window freed
+            k += 1
+            try:
+                if kind == _SEND:
+                    pack(b, src_tensors_by_train_rank[b.src_rank], out=buf)
+                    work = self.group.send([buf], peer, b.index)
+                else:
+                    work = self.group.recv([buf], peer, b.index)
+            except RuntimeError as e:  # a peer already known dead fails at post time
+                raise self._error(kind, b, peer, e) from e
+            inflight.append((kind, b, peer, work, buf))
+        while inflight:
+            self._finish(*inflight.popleft(), dst_tensors)
+        return ColocatedStats(*counts[_LOCAL], *counts[_SEND], *counts[_RECV], time.perf_counter() - start)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _ops(
+        self,
+        recv_plans: Plans,
+        send_plans: Mapping[int, Plans],
+        src_tensors: Mapping[int, Mapping[str, torch.Tensor]],
+    ) -> list[tuple[str, Bucket, int | None]]:
+        """Validate the plans and list (kind, bucket, peer) in the one global order."""
+        me, ranks = self.me, self.ranks
+        ops: list[tuple[str, Bucket, int | None]] = []
+        local_recv: set[Bucket] = set()
+        for pair, buckets in recv_plans.items():
+            if ranks.receiver(pair) != me:
+                raise TransportError(
+                    f"group rank {me} was given the recv plan of {describe(pair)}, "
+                    f"which group rank {ranks.receiver(pair)} receives",
+                    pair=pair,
+                )
+            src = ranks.proxy(pair[0])
+            for b in buckets:
+                if b.nbytes == 0:
+                    continue
+                if src == me:
+                    local_recv.add(b)
+                    ops.append((_LOCAL, b, None))
+                else:
+                    ops.append((_RECV, b, src))
+        local_send: set[Bucket] = set()
+        for t, plans in send_plans.items():
+            if t not in self.proxied:
+                raise TransportError(
+                    f"group rank {me} was given the send plan of training rank {t}, "
+                    f"which group rank {ranks.proxy(t)} proxies (I proxy {self.proxied})",
+                )
+            for pair, buckets in plans.items():
+                if pair[0] != t:
+                    raise TransportError(f"the send plan of training rank {t} holds {describe(pair)}", pair=pair)
+                dst = ranks.receiver(pair)
+                for b in buckets:
+                    if b.nbytes == 0:
+                        continue
+                    if dst == me:
+                        local_send.add(b)  # done once, from the recv side
+                    else:
+                        ops.append((_SEND, b, dst))
+        for t in self.proxied:  # both sides of my local copies must have been planned identically
+            if t in send_plans:
+                mine = {b for b in local_recv if b.src_rank == t}
+                theirs = {b for b in local_send if b.src_rank == t}
+                if mine != theirs:
+                    raise TransportError(
+                        f"group rank {me}: the local buckets of training rank {t} differ between its send plan "
+                        f"({len(theirs)}) and my recv plan ({len(mine)}): the plans disagree"
+                    )
+        need = {b.src_rank for kind, b, _ in ops if kind != _RECV}
+        if missing := need - set(src_tensors):
+            raise TransportError(f"group rank {me}: no opened tensors of training rank(s) {sorted(missing)}")
+        ops.sort(key=lambda op: order_key(op[1]))
+        return ops
+
+    @staticmethod
+    def _local(b: Bucket, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
+        """Pack-free: each box straight from the trainer's view into mine (cast to my dtype)."""
+        for c in b.copies:
+            shape = box_shape(c.canon_box)  # the boxes differ only by leading size-1 dims
+            region = dst[c.dst_tensor][slices(c.dst_box)].view(shape)
+            region.copy_(src[c.src_tensor][slices(c.src_box)].view(shape))
+
+    def _finish(
+        self, kind: str, b: Bucket, peer: int, work, buf: torch.Tensor, dst: Mapping[str, torch.Tensor]
+    ) -> None:
+        try:
+            done = work.wait(timeout=self.timeout)
+        except RuntimeError as e:  # gloo: connection reset / closed by peer, or timed out
+            raise self._error(kind, b, peer, e) from e
+        if done is False:
+            raise self._error(kind, b, peer, TimeoutError("wait timed out"))
+        if kind == _RECV:
+            unpack(b, buf, dst)
+
+    def _error(self, kind: str, b: Bucket, peer: int, cause: Exception) -> TransportError:
+        pair = (b.src_rank, b.dst_instance, b.dst_rank)
+        if kind == _SEND:
+            what = (
+                f"sending bucket {b.index} ({b.nbytes} bytes) of {describe(pair)}, "
+                f"on behalf of training rank {b.src_rank}, to"
+            )
+        else:
+            what = f"receiving bucket {b.index} ({b.nbytes} bytes) of {describe(pair)} from the proxy"
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return TransportError(
+            f"group rank {self.me}: {what} group rank {peer} failed "
+            f"(wait timeout {self.timeout.total_seconds():g}s): {first}",
+            peer=peer,
+            pair=pair,
+            bucket=b.index,
+        )
+
+    @staticmethod
+    def _device(dst: Mapping[str, torch.Tensor], src: Mapping[int, Mapping[str, torch.Tensor]]) -> torch.device:
+        for t in dst.values():
+            return t.device
+        for tensors in src.values():
+            for t in tensors.values():
+                return t.device
+        return torch.device("cpu")
+
+    def _ensure_buffers(self, need: int, device: torch.device) -> None:
+        if self.buffer_bytes is not None and need > self.buffer_bytes:
+            raise TransportError(
+                f"a bucket of {need} bytes exceeds the {self.buffer_bytes}-byte buffers; "
+                "plan with a bucket budget no larger than the buffers"
+            )
+        size = self.buffer_bytes or need
+        have = self._buffers[0] if self._buffers else None
+        if have is not None and len(self._buffers) == self.window and have.numel() >= size and have.device == device:
+            return
+        self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.window)]

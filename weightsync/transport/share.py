@@ -1,0 +1,238 @@
+"""Open another process's live tensors on the same host: CUDA IPC on GPU, shared memory on CPU.
+
+The co-located transport (:mod:`weightsync.transport.colocated`) reads the trainer's parameters
+where they lie instead of having the trainer send them. The trainer calls :func:`export_tensors`
+once and publishes the returned description (plain JSON: handles are base64 strings) by any local
+means (a file, a pipe, the meta server); an inference worker calls :func:`import_tensors` once and
+gets tensors that alias the SAME memory: a later in-place write on either side (an optimizer step,
+``p.mul_(0).add_(new)``, a ``copy_``) is seen by the other. Nothing is pickled, and no tensor data
+travels; only handles do.
+
+CPU. Each storage is moved into POSIX shared memory IN PLACE with the ``file_system`` strategy's
+``storage._share_filename_cpu_()``: torch allocates a ``/dev/shm`` file registered with a
+``torch_shm_manager``, copies the bytes in, and swaps the storage's data pointer, so every tensor
+object (``nn.Parameter``, optimizer state, views) keeps working and simply lives in shared memory
+from then on. (We do not call ``tensor.share_memory_()`` first: under the default
+``file_descriptor`` strategy it would copy into an fd-backed segment that ``_share_filename_cpu_``
+then copies again.) The call returns ``(manager_handle, storage_handle, nbytes)``; the importer
+maps it with ``torch.UntypedStorage._new_shared_filename_cpu`` -- the calls
+``torch.multiprocessing.reductions.reduce_storage`` / ``rebuild_storage_filename`` make.
+
+CUDA. ``storage._share_cuda_()`` returns the ``cudaIpcMemHandle`` of the caching allocator's
+block holding the storage, the storage's byte offset in it, a reference-counter handle and an IPC
+event; the importer opens it with ``torch.UntypedStorage._new_shared_cuda`` (exactly
+``reductions.rebuild_cuda_tensor``). The IPC event orders the opening after the producer's pending
+work; ordering LATER writes is the caller's job (the trainer synchronizes its stream before it
+signals "weights ready", as it does before any weight sync).
+
+Keep-alive rules (as in ``reductions.py``, adapted to a long-lived export rather than one pickle):
+
+- The exporter keeps a strong reference to every exported storage in this module (``_EXPORTED``)
+  until :func:`release` is called, so the memory stays valid even if the trainer drops or replaces
+  its tensors; the exporting PROCESS must stay alive until every importer has opened the
+  description (the shm file / CUDA block is freed with its last holder).
+- Once opened, an importer's mapping stays valid on its own (for CUDA the producer's allocator
+  keeps the block in its IPC limbo until importers drop it).
+- An importer maps each storage once per process: a process-wide weak cache keyed by the handle
+  (like ``reductions.shared_cache``) makes a second import of the same storage return the same
+  memory.
+- CUDA only: each ``_share_cuda_`` call takes ONE reference count on the producer's block, which the
+  consumer's mapping gives back when it is freed (that is how the producer knows when it may reuse
+  the block). So a CUDA description is for ONE importing process -- the proxy, in co-located mode;
+  for another process call :func:`export_tensors` again (cheap: handles only). Opening one CUDA
+  description in two processes would give back two counts for one taken and leave the block
+  pinned in the producer. Re-importing in the same process is fine (the count is given back once);
+  importing a newer export of an already-mapped storage gives back that export's count at once,
+  as ``reductions.rebuild_cuda_tensor`` does. CPU descriptions may be opened by any number of
+  processes, any number of times.
+
+Storages, not tensors, are shared: tensors that are views of one storage (an FSDP flat buffer and
+its parameters, a fused QKV weight and its slices) come back as views of one shared storage, with
+their dtype, shape, stride and storage offset, so the aliasing between them is preserved too.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+from typing import Any, Mapping
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+FORMAT = "weightsync.share/1"
+
+_EXPORTED: dict[tuple[str, bytes], torch.UntypedStorage] = {}  # exporter side: keep-alive
+_OPENED: dict[tuple[str, bytes, int], StorageWeakRef] = {}  # importer side: one mapping per storage
+_COUNTED: set[tuple[bytes, int]] = set()  # importer side: CUDA ref-counter slots already accounted for
+_LOCK = threading.Lock()
+
+
+def _b64(b: bytes | None) -> str | None:
+    return None if b is None else base64.b64encode(bytes(b)).decode("ascii")
+
+
+def _unb64(s: str | None) -> bytes | None:
+    return None if s is None else base64.b64decode(s)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a shared-tensor description")
+    return dt
+
+
+def _share_storage(storage: torch.UntypedStorage) -> dict[str, Any]:
+    """Make one storage shareable (in place) and describe how to open it."""
+    dev = storage.device
+    if storage.nbytes() == 0:  # cannot be mapped; rebuilt as a fresh empty storage
+        return {"kind": "empty", "device": str(dev)}
+    if dev.type == "cpu":
+        manager, handle, nbytes = storage._share_filename_cpu_()  # moves it to /dev/shm in place
+        with _LOCK:
+            _EXPORTED[("cpu", bytes(handle))] = storage
+        return {"kind": "cpu_shm", "manager": _b64(manager), "handle": _b64(handle), "nbytes": int(nbytes)}
+    if dev.type == "cuda":
+        (device, handle, nbytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = (
+            storage._share_cuda_()
+        )
+        with _LOCK:
+            _EXPORTED[("cuda", bytes(handle) + int(offset_bytes).to_bytes(8, "little"))] = storage
+        return {
+            "kind": "cuda_ipc",
+            "device": int(device),
+            "handle": _b64(handle),
+            "nbytes": int(nbytes),
+            "offset_bytes": int(offset_bytes),
+            "ref_counter_handle": _b64(ref_handle),
+            "ref_counter_offset": int(ref_offset),
+            "event_handle": _b64(event_handle),
+            "event_sync_required": bool(event_sync),
+        }
+    raise ValueError(f"cannot share a storage on {dev}: only CPU and CUDA tensors can be exported")
+
+
+def export_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Describe live ``tensors`` so another process on this host can open the same memory.
+
+    CPU storages move to shared memory in place (tensor objects, parameters and optimizer state
+    stay valid). Returns a JSON-serializable dict; pass it to :func:`import_tensors`.
+    """
+    # group by storage BEFORE sharing anything: sharing a CPU storage moves its data pointer
+    owners: list[torch.UntypedStorage] = []
+    index: dict[tuple[str, int], int] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise ValueError(f"{name}: only strided (dense) tensors can be shared, got {t.layout}")
+        if t.is_conj() or t.is_neg():
+            raise ValueError(f"{name}: resolve the conjugate/negative bit before sharing")
+        st = t.untyped_storage()
+        key = (str(st.device), st.data_ptr())
+        if st.nbytes() == 0 or key not in index:  # empty storages are never deduplicated
+            index[key] = len(owners)
+            owners.append(st)
+        entries[name] = {
+            "storage": index[key],
+            "dtype": _dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "stride": list(t.stride()),
+            "offset": int(t.storage_offset()),
+        }
+    storages = [_share_storage(st) for st in owners]
+    return {"format": FORMAT, "pid": os.getpid(), "storages": storages, "tensors": entries}
+
+
+def release(desc: Mapping[str, Any]) -> None:
+    """Exporter side: drop this module's keep-alive references for ``desc`` (importers keep theirs)."""
+    with _LOCK:
+        for s in desc["storages"]:
+            if s["kind"] == "cpu_shm":
+                _EXPORTED.pop(("cpu", _unb64(s["handle"])), None)
+            elif s["kind"] == "cuda_ipc":
+                _EXPORTED.pop(("cuda", _unb64(s["handle"]) + s["offset_bytes"].to_bytes(8, "little")), None)
+
+
+def _cached(key) -> torch.UntypedStorage | None:
+    ref = _OPENED.get(key)
+    if ref is None or ref.expired():
+        return None
+    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+
+
+def _open_storage(s: Mapping[str, Any], cuda_device: int | None) -> torch.UntypedStorage:
+    kind = s["kind"]
+    if kind == "empty":
+        return torch.UntypedStorage(0, device=s["device"])
+    if kind == "cpu_shm":
+        handle = _unb64(s["handle"])
+        key = ("cpu", handle, 0)
+        with _LOCK:
+            st = _cached(key)
+            if st is None:
+                try:
+                    st = torch.UntypedStorage._new_shared_filename_cpu(_unb64(s["manager"]), handle, s["nbytes"])
+                except RuntimeError as e:
+                    raise RuntimeError(
+                        f"cannot open shared storage {handle.decode(errors='replace')} ({s['nbytes']} bytes): {e}; "
+                        "is the exporting process alive and on this host?"
+                    ) from e
+                _OPENED[key] = StorageWeakRef(st)
+        return st
+    if kind == "cuda_ipc":
+        handle = _unb64(s["handle"])
+        key = ("cuda", handle, s["offset_bytes"])
+        device = s["device"] if cuda_device is None else cuda_device
+        slot = (_unb64(s["ref_counter_handle"]), s["ref_counter_offset"])
+        with _LOCK:
+            st = _cached(key)
+            if st is None and slot in _COUNTED:
+                raise RuntimeError(
+                    "this CUDA description was opened in this process before and its tensors were freed, "
+                    "which gave its reference count back; ask the exporter for a fresh export_tensors()"
+                )
+            if st is None:
+                torch.cuda._lazy_init()
+                st = torch.UntypedStorage._new_shared_cuda(
+                    device,
+                    handle,
+                    s["nbytes"],
+                    s["offset_bytes"],
+                    _unb64(s["ref_counter_handle"]),
+                    s["ref_counter_offset"],
+                    _unb64(s["event_handle"]),
+                    s["event_sync_required"],
+                )
+                _OPENED[key] = StorageWeakRef(st)  # this mapping gives the count back when freed
+            elif slot not in _COUNTED:  # mapped already, by another export: give its count back now
+                torch.UntypedStorage._release_ipc_counter(slot[0], slot[1], device=device)
+            _COUNTED.add(slot)
+        return st
+    raise ValueError(f"unknown shared storage kind {kind!r}")
+
+
+def import_tensors(desc: Mapping[str, Any], cuda_device: int | None = None) -> dict[str, torch.Tensor]:
+    """Open the tensors :func:`export_tensors` described; they alias the exporter's memory.
+
+    ``cuda_device``: this process's index of the exporter's GPU, when the two number GPUs
+    differently (say, different ``CUDA_VISIBLE_DEVICES``); by default the exporter's index.
+    """
+    if desc.get("format") != FORMAT:
+        raise ValueError(f"not a shared-tensor description of format {FORMAT}: {desc.get('format')!r}")
+    storages = [_open_storage(s, cuda_device) for s in desc["storages"]]
+    out = {}
+    for name, e in desc["tensors"].items():
+        st = storages[e["storage"]]
+        dtype = _dtype(e["dtype"])
+        t = torch.empty(0, dtype=dtype, device=st.device)
+        t.set_(st, e["offset"], e["shape"], e["stride"])
+        out[name] = t
+    return out
