@@ -114,7 +114,8 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
         from weightsync.runtime.writer import WeightWriter
 
         writer = WeightWriter(bound, meta=meta, job=job["job"], timeout_s=job["timeout"], token=job.get("token"),
-                              bucket_bytes=job.get("bucket_bytes", 256 << 20), mode=job.get("mode", "sync"))
+                              bucket_bytes=job.get("bucket_bytes", 256 << 20), mode=job.get("mode", "sync"),
+                              colocate=job.get("colocate", False))
         out.put(("ready", "train", rank))
         for step in range(1, job["steps"] + 1):
             with torch.no_grad():
@@ -184,7 +185,8 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
         from weightsync.runtime.reader import WeightReader
 
         r = WeightReader(instance, meta=meta, job=job["job"], instance_id=inst, instances=job["instances"],
-                         timeout_s=job["timeout"], token=job.get("token"), bucket_bytes=job.get("bucket_bytes", 256 << 20))
+                         timeout_s=job["timeout"], token=job.get("token"), bucket_bytes=job.get("bucket_bytes", 256 << 20),
+                         colocate=job.get("colocate", False))
         out.put(("ready", "infer", inst))
         for step in range(1, job["steps"] + 1):
             if job.get("fault") == "infer-dies" and inst == 0 and step == job["steps"]:

@@ -17,3 +17,11 @@ def test_nccl_separated_bit_exact(model, infer):
     # trainer on cuda:0, the inference instance on cuda:1, over NCCL in a group beside the default one
     job = dict(model=model, train="hf", infer=infer, steps=3, timeout=120.0, gpu_base=1)
     assert_clean(run_job(job), job)
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "qwen3-0.6b"])
+def test_cuda_ipc_colocated_bit_exact(model):
+    # trainer and instance share cuda:0: the worker opens the trainer's weights by CUDA IPC once and
+    # copies device to device every step
+    job = dict(model=model, train="hf", infer="vllm:tp=1", steps=3, timeout=120.0, gpu_base=0, colocate=True)
+    assert_clean(run_job(job), job)

@@ -32,10 +32,16 @@ CASES = [
     dict(model="tiny-qwen3", train="megatron:tp=2", infer="sglang:tp=4,dp=2,dp_attention=1"),
     dict(model="tiny-deepseek-v3", train="hf", infer="sglang:tp=2"),
     dict(model="tiny-qwen3-moe", train="fsdp:dp=2", infer="hf"),
+    # co-located: inference workers open the trainers' shared memory and proxy for them
+    dict(model="tiny-qwen3", train="megatron:tp=2", infer="vllm:tp=2", colocate=True),
+    dict(model="tiny-llama3", train="fsdp:dp=2", infer="vllm:tp=2", instances=2, colocate=True),
+    dict(model="tiny-qwen3-moe", train="megatron:ep=2,dp=2", infer="sglang:tp=2", colocate=True),
+    dict(model="tiny-deepseek-v3", train="hf", infer="hf", instances=2, colocate=True),
 ]
 
 
-@pytest.mark.parametrize("job", CASES, ids=[f"{c['model']}-{c['train']}-{c['infer']}x{c.get('instances', 1)}" for c in CASES])
+@pytest.mark.parametrize("job", CASES, ids=[f"{c['model']}-{c['train']}-{c['infer']}x{c.get('instances', 1)}{'-colo' if c.get('colocate') else ''}"
+                                     for c in CASES])
 def test_end_to_end_bit_exact(job):
     job = dict(job, steps=2)
     assert_clean(run_job(job), job)

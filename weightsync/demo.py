@@ -85,7 +85,8 @@ def _train_loop(rank: int, world: int, port: int, meta: str, cfg: DemoConfig, re
 
         bound = HFTrainEngine(model).bound
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    writers = [WeightWriter(bound, meta=meta, job=job, timeout_s=cfg.timeout_s) for job, _ in _jobs(cfg)]
+    writers = [WeightWriter(bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate)
+               for job, _ in _jobs(cfg)]
     probe = torch.arange(16).remainder(spec.vocab_size).view(1, 16)
     for step in range(1, cfg.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
@@ -155,7 +156,7 @@ def _read_loop(job: str, engine: str, inst: int, instances: int, meta: str, cfg:
         instance = FaithfulInstance(dict(spec.config), engine, device=cfg.device)
     try:
         reader = WeightReader(instance, meta=meta, job=job, instance_id=inst, instances=instances,
-                              timeout_s=cfg.timeout_s)
+                              timeout_s=cfg.timeout_s, colocate=cfg.colocate)
         probe = torch.arange(16).remainder(spec.vocab_size).view(1, 16)
         for step in range(1, cfg.steps + 1):
             t0 = time.perf_counter()
@@ -203,8 +204,6 @@ def run(cfg: DemoConfig, print_fn=print) -> dict:
     from weightsync.spec import load_spec
     from weightsync.transport.group import free_port
 
-    if cfg.colocate:
-        raise ConfigError("demo: --colocate is not wired into the runtime yet (see the README's status)")
     if cfg.steps < 1 or cfg.instances < 1:
         raise ConfigError("demo: --steps and --instances must be at least 1")
     spec = load_spec(cfg.model)
@@ -212,7 +211,10 @@ def run(cfg: DemoConfig, print_fn=print) -> dict:
     if train.engine not in ("fsdp", "hf") or (train.engine == "fsdp" and train.config.get("tp", 1) > 1):
         raise ConfigError(f"demo: training engine {cfg.train!r} is not in the demo yet; use fsdp:dp=N or hf")
     for e in cfg.infer:
-        make_layout(spec, e)  # refuse bad layouts before starting anything
+        world = make_layout(spec, e).world_size * cfg.instances  # refuse bad layouts before starting anything
+        if cfg.colocate and world < train.world_size:
+            raise ConfigError(f"demo: co-located {cfg.instances} x {e} covers {world} GPUs, fewer than the "
+                              f"{train.world_size} training ranks; every training GPU needs an inference worker")
     world = train.world_size
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()

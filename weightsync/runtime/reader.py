@@ -51,14 +51,21 @@ class WeightReader:
         for rank, pairs in enumerate(hashes):
             self.client.post_plan_hashes("infer", rank, pairs, instance=instance_id)
         wait_plan_proven(self.client, timeout_s, participants)
-        address = self.client.lookup("group", timeout=timeout_s)
         backend = trainers[0]["engine_config"].get("backend", "gloo")
-        instance.call(_connect, address, backend, timeout_s, timeout_s=timeout_s * 2)
+        self.colocate = colocate
+        if colocate:
+            link = (self.client.url, job, token)
+            instance.call(_connect_colocated, link, backend, timeout_s, timeout_s=timeout_s * 2)
+        else:
+            address = self.client.lookup("group", timeout=timeout_s)
+            instance.call(_connect, address, backend, timeout_s, timeout_s=timeout_s * 2)
         self.version: int | None = None
         self.last_stats: list[dict] = []
 
     def update(self, step: int) -> int:
         """Receive step ``step`` into every worker; return it once every worker fully holds it."""
+        if self.colocate:  # the trainers' shared weights hold `step` once every trainer announced it
+            self.client.wait_written(step, timeout=self.timeout_s)
         self.version = None  # from here until success the tensors may mix two steps
         self.instance.pause()
         try:
@@ -82,7 +89,7 @@ def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: 
     spec = spec_from_config(model_config)
     planner = shape.planner(spec)
     plans = planner.recv_plan(instance_id, ctx.rank)
-    ctx.state.update(plans=plans, shape=shape, instance=instance_id)
+    ctx.state.update(plans=plans, shape=shape, instance=instance_id, model_config=model_config)
     return hashes_of(plans)
 
 
@@ -100,12 +107,48 @@ def _connect(ctx: WorkerContext, address: str, backend: str, timeout_s: float) -
     ctx.state["transport"] = P2PTransport(group, ranks, timeout_s=timeout_s)
 
 
+def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s: float) -> None:
+    """Join the inference-only group and open the tensors of the training ranks this worker proxies."""
+    import json
+
+    from weightsync.transport.colocated import ColocatedRanks, ColocatedTransport
+    from weightsync.transport.group import free_port, new_group
+    from weightsync.transport.share import import_tensors
+
+    url, job, token = link
+    client = MetaClient(url, job, token=token, timeout=timeout_s)
+    shape: JobShape = ctx.state["shape"]
+    ranks = ColocatedRanks(shape.train_world, shape.infer_world, shape.instances)
+    me = ranks.infer(ctx.state["instance"], ctx.rank)
+    if me == 0:
+        host, port = "127.0.0.1", free_port()
+        client.publish("colocated-group", f"{host}:{port}")
+    else:
+        host, port_s = client.lookup("colocated-group", timeout=timeout_s).rsplit(":", 1)
+        port = int(port_s)
+    device = ctx.device if ctx.device.type == "cuda" else None
+    group = new_group(host, port, me, ranks.world_size, backend, timeout_s, device=device, name="weightsync-colo")
+    planner = shape.planner(spec_from_config(ctx.state["model_config"]))
+    sources, send_plans = {}, {}
+    for t in ranks.proxied_by(me):
+        with open(client.lookup(f"share.{t}", timeout=timeout_s)) as f:
+            sources[t] = import_tensors(json.load(f), cuda_device=device)
+        send_plans[t] = planner.send_plan(t)
+    ctx.state.update(transport=ColocatedTransport(group, ranks, timeout_s=timeout_s), sources=sources,
+                     send_plans=send_plans)
+
+
 def _receive(ctx: WorkerContext, step: int) -> dict[str, Any]:
     import torch
 
     with torch.no_grad():
-        stats = ctx.state["transport"].recv(ctx.state["plans"], ctx.tensors)
-    return {"rank": ctx.rank, "step": step, "bytes": stats.bytes, "seconds": stats.seconds, "buckets": stats.buckets}
+        if "sources" in ctx.state:  # co-located
+            s = ctx.state["transport"].run(ctx.state["plans"], ctx.state["send_plans"], ctx.tensors, ctx.state["sources"])
+            nbytes, buckets, seconds = s.local_bytes + s.recv_bytes, s.local_buckets + s.recv_buckets, s.seconds
+        else:
+            s = ctx.state["transport"].recv(ctx.state["plans"], ctx.tensors)
+            nbytes, buckets, seconds = s.bytes, s.buckets, s.seconds
+    return {"rank": ctx.rank, "step": step, "bytes": nbytes, "seconds": seconds, "buckets": buckets}
 
 
 def _disconnect(ctx: WorkerContext) -> None:

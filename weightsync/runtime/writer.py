@@ -8,6 +8,9 @@ rank's sends, prove the plan (pair hashes), and build the train+inference group.
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from typing import Protocol
 
 import torch
@@ -50,8 +53,6 @@ class WeightWriter:
     ):
         if mode not in ("sync", "async"):
             raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
-        if colocate:
-            raise NotImplementedError("co-located mode is driven by the readers; see weightsync.transport.colocated")
         self.train, self.mode, self.timeout_s = train, mode, timeout_s
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         device = next(iter(train.tensors.values())).device
@@ -66,6 +67,13 @@ class WeightWriter:
         participants = len(trainers) + len(readers)
         self.client.post_plan_hashes("train", train.rank, hashes_of(self.plans))
         wait_plan_proven(self.client, timeout_s, participants)
+        self.last: TransferStats | None = None
+        self.transport: P2PTransport | None = None
+        if colocate:
+            # the inference workers on this GPU copy (and forward) our weights: share them once
+            self.share_path = share_tensors(train.tensors, job, train.rank)
+            self.client.publish(f"share.{train.rank}", self.share_path)
+            return
         self.ranks = JobRanks(self.shape.train_world, self.shape.infer_world, self.shape.instances)
         if train.rank == 0:
             port = free_port(host)
@@ -76,16 +84,20 @@ class WeightWriter:
         group = new_group(host, port, self.ranks.train(train.rank), self.ranks.world_size, self.backend,
                           timeout_s, device=device if device.type == "cuda" else None, name="weightsync")
         self.transport = P2PTransport(group, self.ranks, timeout_s=timeout_s)
-        self.last: TransferStats | None = None
 
     @property
     def bytes_per_step(self) -> int:
         return sum(b.nbytes for bs in self.plans.values() for b in bs)
 
-    def write(self, step: int) -> TransferStats:
-        """Send step ``step``; in sync mode also wait until every instance holds it."""
-        with torch.no_grad():
-            self.last = self.transport.send(self.plans, self.train.tensors)
+    def write(self, step: int) -> TransferStats | None:
+        """Send step ``step``; in sync mode also wait until every instance holds it.
+
+        Co-located, the weights are already shared: announcing the step lets the inference workers
+        copy it, and (sync) waiting for them keeps the optimizer from changing it meanwhile.
+        """
+        if self.transport is not None:
+            with torch.no_grad():
+                self.last = self.transport.send(self.plans, self.train.tensors)
         self.client.written(step, self.train.rank)
         if self.mode == "sync":
             self.client.wait_held(step, range(self.shape.instances), timeout=self.timeout_s)
@@ -93,4 +105,20 @@ class WeightWriter:
 
     def close(self) -> None:
         self.transport = None  # the group dies with its last reference
+
+
+def share_tensors(tensors: dict[str, torch.Tensor], job: str, rank: int) -> str:
+    """Export live tensors (shared memory / CUDA IPC) and write their description to a local file.
+
+    Co-located peers are on this host by definition, so a file is the simplest way to hand over a
+    description too large for a MetaServer field; its path goes through the MetaServer.
+    """
+    from weightsync.transport.share import export_tensors
+
+    path = os.path.join(tempfile.gettempdir(), f"weightsync-{job}-{os.getpid()}-train{rank}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(export_tensors(tensors), f)
+    os.replace(tmp, path)
+    return path
 
