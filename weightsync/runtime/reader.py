@@ -132,7 +132,7 @@ def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s:
     sources, send_plans = {}, {}
     for t in ranks.proxied_by(me):
         with open(client.lookup(f"share.{t}", timeout=timeout_s)) as f:
-            sources[t] = import_tensors(json.load(f), cuda_device=device)
+            sources[t] = import_tensors(json.load(f))  # same host, same GPU numbering
         send_plans[t] = planner.send_plan(t)
     ctx.state.update(transport=ColocatedTransport(group, ranks, timeout_s=timeout_s), sources=sources,
                      send_plans=send_plans)
