@@ -115,7 +115,8 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
 
         writer = WeightWriter(bound, meta=meta, job=job["job"], timeout_s=job["timeout"], token=job.get("token"),
                               bucket_bytes=job.get("bucket_bytes", 256 << 20), mode=job.get("mode", "sync"),
-                              colocate=job.get("colocate", False))
+                              colocate=job.get("colocate", False), transport=job.get("transport", "p2p"),
+                              directory=job.get("directory"))
         out.put(("ready", "train", rank))
         for step in range(1, job["steps"] + 1):
             with torch.no_grad():
@@ -186,7 +187,8 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
 
         r = WeightReader(instance, meta=meta, job=job["job"], instance_id=inst, instances=job["instances"],
                          timeout_s=job["timeout"], token=job.get("token"), bucket_bytes=job.get("bucket_bytes", 256 << 20),
-                         colocate=job.get("colocate", False))
+                         colocate=job.get("colocate", False),
+                         transport=job.get("reader_transport", job.get("transport", "p2p")), directory=job.get("directory"))
         out.put(("ready", "infer", inst))
         for step in range(1, job["steps"] + 1):
             if job.get("fault") == "infer-dies" and inst == 0 and step == job["steps"]:

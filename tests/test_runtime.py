@@ -47,6 +47,21 @@ def test_end_to_end_bit_exact(job):
     assert_clean(run_job(job), job)
 
 
+def test_file_transport_end_to_end(tmp_path):
+    job = dict(model="tiny-qwen3-moe", train="fsdp:dp=2", infer="vllm:tp=2", instances=2, steps=3,
+               transport="file", directory=str(tmp_path), bucket_bytes=8192)
+    assert_clean(run_job(job), job)
+    assert not list(tmp_path.glob("*.safetensors"))  # every file consumed
+
+
+def test_mixed_transports_refused(tmp_path):
+    job = dict(model="tiny-qwen3", train="hf", infer="hf", steps=1, timeout=10.0, transport="file",
+               directory=str(tmp_path), reader_transport="p2p")
+    messages = run_job(job)
+    errors = [m for m in messages if m[0] == "error"]
+    assert errors and "transport" in " ".join(m[4] for m in errors), messages
+
+
 def test_trainer_killed_mid_transfer():
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
                bucket_bytes=2048, fault="train-dies")

@@ -40,6 +40,7 @@ class JobShape:
     instances: int
     colocate: bool
     bucket_bytes: int
+    transport: str = "p2p"
 
     def planner(self, spec: ModelSpec, src: EngineLayout | None = None, dst: EngineLayout | None = None) -> Planner:
         src = src or make_layout(spec, self.train)
@@ -148,6 +149,7 @@ def job_shape(people: list[dict], colocate: bool, bucket_bytes: int) -> JobShape
         infer_world=int(check_agreement(infer, "world", "the inference world size")),
         instances=len({p["instance"] for p in infer}),
         colocate=bool(check_agreement(people, "colocate", "co-location")),
+        transport=str(check_agreement(people, "transport", "the transport")),
         bucket_bytes=int(check_agreement(people, "bucket_bytes", "the bucket budget")),
     )
     if shape.colocate != colocate or shape.bucket_bytes != bucket_bytes:

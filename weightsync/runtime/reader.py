@@ -32,6 +32,8 @@ class WeightReader:
         instances: int,
         token: str | None = None,
         colocate: bool = False,
+        transport: str = "p2p",
+        directory: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 60.0,
     ):
@@ -39,7 +41,7 @@ class WeightReader:
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         self.spec = spec_from_config(instance.model_config)
         dst = make_layout(self.spec, instance.engine)
-        extra = {"colocate": colocate, "bucket_bytes": bucket_bytes, "instances": instances}
+        extra = {"colocate": colocate, "bucket_bytes": bucket_bytes, "instances": instances, "transport": transport}
         self.client.join(instance_id)
         for rank in range(dst.world_size):
             register(self.client, self.spec, "infer", rank, dst, dst.layout(rank), instance=instance_id, extra=extra)
@@ -53,7 +55,11 @@ class WeightReader:
         wait_plan_proven(self.client, timeout_s, participants)
         backend = trainers[0]["engine_config"].get("backend", "gloo")
         self.colocate = colocate
-        if colocate:
+        if transport == "file":
+            if not directory:
+                raise ValueError("the file transport needs a directory")
+            instance.call(_connect_file, directory, timeout_s, timeout_s=timeout_s)
+        elif colocate:
             link = (self.client.url, job, token)
             instance.call(_connect_colocated, link, backend, timeout_s, timeout_s=timeout_s * 2)
         else:
@@ -138,11 +144,22 @@ def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s:
                      send_plans=send_plans)
 
 
+def _connect_file(ctx: WorkerContext, directory: str, timeout_s: float) -> None:
+    from weightsync.transport.file import FileTransport
+
+    ctx.state["transport"] = FileTransport(directory, timeout_s=timeout_s)
+
+
 def _receive(ctx: WorkerContext, step: int) -> dict[str, Any]:
     import torch
 
+    from weightsync.transport.file import FileTransport
+
     with torch.no_grad():
-        if "sources" in ctx.state:  # co-located
+        if isinstance(ctx.state["transport"], FileTransport):
+            s = ctx.state["transport"].recv(ctx.state["plans"], ctx.tensors, step=step)
+            nbytes, buckets, seconds = s.bytes, s.buckets, s.seconds
+        elif "sources" in ctx.state:  # co-located
             s = ctx.state["transport"].run(ctx.state["plans"], ctx.state["send_plans"], ctx.tensors, ctx.state["sources"])
             nbytes, buckets, seconds = s.local_bytes + s.recv_bytes, s.local_buckets + s.recv_buckets, s.seconds
         else:

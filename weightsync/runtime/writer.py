@@ -20,6 +20,7 @@ from weightsync.meta.client import MetaClient
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.job import hashes_of, job_shape, register, wait_plan_proven, wait_side
 from weightsync.spec.model import ModelSpec
+from weightsync.transport.file import FileTransport
 from weightsync.transport.group import free_port, new_group
 from weightsync.transport.p2p import JobRanks, P2PTransport, TransferStats
 
@@ -46,19 +47,24 @@ class WeightWriter:
         token: str | None = None,
         mode: str = "sync",
         colocate: bool = False,
+        transport: str = "p2p",
+        directory: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         backend: str | None = None,
         timeout_s: float = 60.0,
         host: str = "127.0.0.1",
     ):
-        if mode not in ("sync", "async"):
-            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
+        if mode != "sync":
+            raise ValueError(f"mode {mode!r}: only 'sync' is implemented (async is not yet)")
+        if transport not in ("p2p", "file") or (transport == "file" and (not directory or colocate)):
+            raise ValueError("transport is 'p2p' or 'file' (with a directory, not co-located)")
         self.train, self.mode, self.timeout_s = train, mode, timeout_s
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         device = next(iter(train.tensors.values())).device
         self.backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         register(self.client, train.spec, "train", train.rank, train.engine, train.layout,
-                 extra={"colocate": colocate, "bucket_bytes": bucket_bytes, "backend": self.backend})
+                 extra={"colocate": colocate, "bucket_bytes": bucket_bytes, "backend": self.backend,
+                        "transport": transport})
         trainers = wait_side(self.client, "train", timeout_s, count=train.engine.world_size)
         readers = wait_side(self.client, "infer", timeout_s)
         self.shape = job_shape(trainers + readers, colocate, bucket_bytes)
@@ -68,7 +74,11 @@ class WeightWriter:
         self.client.post_plan_hashes("train", train.rank, hashes_of(self.plans))
         wait_plan_proven(self.client, timeout_s, participants)
         self.last: TransferStats | None = None
-        self.transport: P2PTransport | None = None
+        self.transport: P2PTransport | FileTransport | None = None
+        self._step: int | None = None
+        if transport == "file":
+            self.transport = FileTransport(directory, step_fn=lambda: self._step, timeout_s=timeout_s)
+            return
         if colocate:
             # the inference workers on this GPU copy (and forward) our weights: share them once
             self.share_path = share_tensors(train.tensors, job, train.rank)
@@ -95,6 +105,7 @@ class WeightWriter:
         Co-located, the weights are already shared: announcing the step lets the inference workers
         copy it, and (sync) waiting for them keeps the optimizer from changing it meanwhile.
         """
+        self._step = step
         if self.transport is not None:
             with torch.no_grad():
                 self.last = self.transport.send(self.plans, self.train.tensors)

@@ -1,0 +1,285 @@
+"""File transport: a plan's buckets moved through a directory of safetensors files.
+
+The simple, debuggable fallback to :mod:`weightsync.transport.p2p`, with the same interface
+(``send(plans, tensors)`` / ``recv(plans, tensors)`` -> :class:`TransferStats`, failures raise
+:class:`TransportError`), so :class:`~weightsync.runtime.writer.WeightWriter` and
+:class:`~weightsync.runtime.reader.WeightReader` can use either. It needs no process group: only a
+directory both sides see (local disk, tmpfs such as ``/dev/shm``, or a shared mount).
+
+The step. Both ends must name the step being moved, since files of several steps may sit in the
+directory at once (an async writer may run ahead of a reader): pass ``step=`` to ``send``/``recv``,
+or give the transport a ``step_fn`` (a zero-argument callable returning the current step) that is
+consulted when ``step`` is omitted, so a caller can keep the P2P call shape.
+
+One file per (pair, step). For every pair ``(src rank, dst instance, dst rank)`` of its send plan,
+the sender writes ``step{step:09d}.t{src}.i{instance}.r{rank}.safetensors`` holding each bucket's
+packed uint8 buffer (:func:`weightsync.transport.pack.pack`) under the key ``bucket.{index}``, plus
+metadata: format, step, pair, the pair hash (:func:`weightsync.plan.planner.pair_hash`), the bucket
+count and total bytes. The file is streamed bucket by bucket through one reusable buffer (memory
+is bounded by the largest bucket, not the pair) into a hidden temporary name in the same directory
+and then ``os.replace``-d into place, so a reader never sees a partial file: a name that exists is
+complete. A file that already has the final name (an earlier run's, left by a crash) is overwritten.
+
+The receiver polls the directory (``poll_s`` sleep) for its pairs' files of the step, consuming
+each as it appears, in any order: it checks the metadata -- the step, the pair and the pair hash
+must equal its own plan's, and the bucket count and every bucket's size must match -- unpacks every
+bucket into the live tensors in place (:func:`weightsync.transport.pack.unpack`) and deletes the
+file (each pair's file has exactly one consumer). A file that fails a check is left in place for
+inspection and raises :class:`TransportError` naming the pair. If ``timeout_s`` passes with no new
+file arriving, it raises a :class:`TransportError` naming the missing pair(s). Files of other steps
+are ignored (:meth:`FileTransport.sweep` removes old ones).
+
+Caveat: the step is the only thing telling one run's files from another's. Give every run (job) its
+own directory, or never reuse step numbers in one directory, or a reader may consume a stale file
+of the same step left by a crashed earlier run (its pair hash still has to match).
+
+After a failed ``recv`` the destination tensors may mix two steps (some pairs unpacked, some not),
+exactly as after a failed P2P receive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import time
+import uuid
+from typing import Callable, Iterable, Mapping
+
+import torch
+from safetensors import safe_open
+
+from weightsync.plan.planner import Bucket, Pair, pair_hash
+from weightsync.transport.p2p import TransferStats, TransportError, describe
+from weightsync.transport.pack import pack, unpack
+
+FORMAT = "weightsync.file/1"
+_NAME = re.compile(r"^\.?step(\d+)\.t(\d+)\.i(\d+)\.r(\d+)\.safetensors(\..*\.tmp)?$")
+
+Plans = Mapping[Pair, list[Bucket]]
+
+
+def file_name(step: int, pair: Pair) -> str:
+    """The final name of one pair's file of one step (what a reader waits for)."""
+    return f"step{step:09d}.t{pair[0]}.i{pair[1]}.r{pair[2]}.safetensors"
+
+
+def bucket_key(index: int) -> str:
+    return f"bucket.{index}"
+
+
+def _header(step: int, pair: Pair, buckets: list[Bucket], digest: str) -> bytes:
+    """A safetensors header (8-byte length + JSON, space-padded to 8 bytes) for the pair's buckets."""
+    entries: dict[str, object] = {}
+    off = 0
+    for b in buckets:
+        entries[bucket_key(b.index)] = {"dtype": "U8", "shape": [b.nbytes], "data_offsets": [off, off + b.nbytes]}
+        off += b.nbytes
+    entries["__metadata__"] = {
+        "format": FORMAT,
+        "step": str(step),
+        "pair": ",".join(map(str, pair)),
+        "pair_hash": digest,
+        "buckets": str(len(buckets)),
+        "bytes": str(off),
+    }
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+class FileTransport:
+    """Sends or receives one rank's buckets through ``directory``; keep one per rank, reuse every step.
+
+    ``step_fn``: returns the current step when ``send``/``recv`` get no ``step=``. ``timeout_s``: how
+    long a receiver waits with no new file arriving before it gives up. ``poll_s``: the receiver's
+    sleep between looks at the directory.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        step_fn: Callable[[], int] | None = None,
+        *,
+        timeout_s: float = 60.0,
+        poll_s: float = 0.01,
+    ):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if poll_s < 0:
+            raise ValueError(f"poll_s must not be negative, got {poll_s}")
+        self.directory = os.fspath(directory)
+        self.step_fn, self.timeout_s, self.poll_s = step_fn, timeout_s, poll_s
+        os.makedirs(self.directory, exist_ok=True)
+        self._buffer: torch.Tensor | None = None  # the sender's packing buffer, reused every step
+
+    # -- the interface shared with P2PTransport -------------------------------------------------
+    def send(self, plans: Plans, tensors: Mapping[str, torch.Tensor], *, step: int | None = None) -> TransferStats:
+        """Write one file per pair of this training rank's ``send_plan``, packed from its live ``tensors``.
+
+        ``step``: the step being moved (the receivers must ask for the same one); default ``step_fn()``.
+        Returns once every file is in place under its final name.
+        """
+        step = self._step(step)
+        self._check_pairs(plans)
+        start = time.perf_counter()
+        buckets = nbytes = 0
+        for pair in sorted(plans):
+            bs = plans[pair]
+            self._write(step, pair, bs, tensors)
+            buckets += sum(1 for b in bs if b.nbytes > 0)
+            nbytes += sum(b.nbytes for b in bs)
+        return TransferStats(buckets, nbytes, time.perf_counter() - start if plans else 0.0)
+
+    def recv(self, plans: Plans, tensors: Mapping[str, torch.Tensor], *, step: int | None = None) -> TransferStats:
+        """Wait for, check and unpack every pair file of this inference rank's ``recv_plan`` in place.
+
+        ``step``: the step being moved (as the senders named it); default ``step_fn()``. Each file is
+        deleted once unpacked. Raises :class:`TransportError` when ``timeout_s`` passes with no new
+        file, or when a file's metadata disagrees with the plan.
+        """
+        step = self._step(step)
+        self._check_pairs(plans)
+        if not plans:
+            return TransferStats(0, 0, 0.0)
+        start = time.perf_counter()
+        pending = {pair: os.path.join(self.directory, file_name(step, pair)) for pair in sorted(plans)}
+        last_progress = time.monotonic()
+        buckets = nbytes = 0
+        while pending:
+            arrived = [pair for pair, path in pending.items() if os.path.exists(path)]
+            for pair in arrived:
+                b, n = self._consume(step, pair, plans[pair], pending.pop(pair), tensors)
+                buckets, nbytes = buckets + b, nbytes + n
+            if arrived:
+                last_progress = time.monotonic()
+                continue
+            if time.monotonic() - last_progress > self.timeout_s:
+                missing = sorted(pending)
+                names = "; ".join(f"{describe(p)} ({file_name(step, p)})" for p in missing[:4])
+                more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+                raise TransportError(
+                    f"step {step}: no file for {names}{more} in {self.directory} after waiting "
+                    f"{self.timeout_s:g}s with nothing new arriving (is the sender alive and on this step?)",
+                    peer=missing[0][0],
+                    pair=missing[0],
+                )
+            time.sleep(self.poll_s)
+        return TransferStats(buckets, nbytes, time.perf_counter() - start)
+
+    def sweep(self, before_step: int, pairs: Iterable[Pair] | None = None) -> int:
+        """Delete files (final and temporary) of steps earlier than ``before_step``; return how many.
+
+        ``pairs``: only those pairs' files (e.g. a receiver's own plan, which is safe while other
+        receivers still lag behind: each pair's file has one consumer); None: every pair's.
+        """
+        only = None if pairs is None else {tuple(p) for p in pairs}
+        removed = 0
+        for name in os.listdir(self.directory):
+            m = _NAME.match(name)
+            if not m or int(m.group(1)) >= before_step:
+                continue
+            if only is None or (int(m.group(2)), int(m.group(3)), int(m.group(4))) in only:
+                try:
+                    os.unlink(os.path.join(self.directory, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    # -- internals ------------------------------------------------------------------------------
+    def _step(self, step: int | None) -> int:
+        if step is None:
+            if self.step_fn is None:
+                raise ValueError("FileTransport needs the step: pass step= or construct it with a step_fn")
+            step = self.step_fn()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        return step
+
+    @staticmethod
+    def _check_pairs(plans: Plans) -> None:
+        for pair, bs in plans.items():
+            for b in bs:
+                if (b.src_rank, b.dst_instance, b.dst_rank) != tuple(pair):
+                    raise TransportError(f"plan of {describe(pair)} holds bucket {b.index} of another pair", pair=pair)
+
+    def _packing_buffer(self, need: int, device: torch.device) -> torch.Tensor:
+        have = self._buffer
+        if have is None or have.numel() < need or have.device != device:
+            self._buffer = have = torch.empty(need, dtype=torch.uint8, device=device)
+        return have
+
+    def _write(self, step: int, pair: Pair, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> None:
+        final = os.path.join(self.directory, file_name(step, pair))
+        tmp = os.path.join(self.directory, f".{file_name(step, pair)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_header(step, pair, buckets, pair_hash(buckets)))
+                for b in buckets:
+                    if b.nbytes == 0:
+                        continue
+                    buf = pack(b, tensors, out=self._packing_buffer(b.nbytes, device)[: b.nbytes])
+                    host = buf if buf.device.type == "cpu" else buf.cpu()
+                    f.write(host.numpy())
+            os.replace(tmp, final)  # atomic in one directory: the final name appears complete
+        except BaseException as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(e, OSError):
+                raise TransportError(
+                    f"step {step}: writing the file of {describe(pair)} to {final} failed: {e}", pair=pair
+                ) from e
+            raise
+
+    def _consume(
+        self, step: int, pair: Pair, buckets: list[Bucket], path: str, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[int, int]:
+        def bad(why: str, cause: Exception | None = None) -> TransportError:
+            err = TransportError(f"step {step}: the file of {describe(pair)} ({path}) {why}", peer=pair[0], pair=pair)
+            err.__cause__ = cause
+            return err
+
+        try:
+            f = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise bad(f"cannot be read as safetensors: {e}", e) from e
+        with f:
+            meta = f.metadata() or {}
+            want_hash = pair_hash(buckets)
+            checks = [
+                ("format", FORMAT),
+                ("step", str(step)),
+                ("pair", ",".join(map(str, pair))),
+                ("pair_hash", want_hash),
+                ("buckets", str(len(buckets))),
+            ]
+            for key, want in checks:
+                got = meta.get(key)
+                if got != want:
+                    if key == "pair_hash":
+                        raise bad(f"was planned differently: pair hash {got} != this receiver's {want} "
+                                  "(the two ends built different plans)")
+                    raise bad(f"has {key} {got!r}, expected {want!r}")
+            keys = set(f.keys())
+            expect = {bucket_key(b.index) for b in buckets}
+            if keys != expect:
+                raise bad(f"holds buckets {sorted(keys - expect)[:4]} not planned / lacks {sorted(expect - keys)[:4]}")
+            device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+            count = nbytes = 0
+            for b in buckets:
+                if b.nbytes == 0:
+                    continue
+                buf = f.get_tensor(bucket_key(b.index))
+                if buf.dtype != torch.uint8 or buf.numel() != b.nbytes:
+                    raise bad(f"bucket {b.index} has {buf.numel()} {buf.dtype} elements, planned {b.nbytes} bytes")
+                if buf.device != device:
+                    buf = buf.to(device)
+                unpack(b, buf, tensors)
+                count, nbytes = count + 1, nbytes + b.nbytes
+        os.unlink(path)  # consumed: each pair's file has exactly one reader
+        return count, nbytes
