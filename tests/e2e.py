@@ -124,7 +124,7 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
             if job.get("fault") == "train-dies" and rank == 0 and step == job["steps"]:
                 import weightsync.transport.p2p as p2p
 
-                _die_after(p2p, "pack", 2)
+                _die_after(p2p, "pack", 5)  # buckets 0-2 have surely landed by then (window 2)
             if job.get("restart_meta_before") == step:
                 out.put(("need-restart", step))
                 _wait_file(job["restart_flag"], job["timeout"])
@@ -188,7 +188,8 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
         r = WeightReader(instance, meta=meta, job=job["job"], instance_id=inst, instances=job["instances"],
                          timeout_s=job["timeout"], token=job.get("token"), bucket_bytes=job.get("bucket_bytes", 256 << 20),
                          colocate=job.get("colocate", False),
-                         transport=job.get("reader_transport", job.get("transport", "p2p")), directory=job.get("directory"))
+                         transport=job.get("reader_transport", job.get("transport", "p2p")), directory=job.get("directory"),
+                         staged=job.get("staged", False))
         out.put(("ready", "infer", inst))
         for step in range(1, job["steps"] + 1):
             if job.get("fault") == "infer-dies" and inst == 0 and step == job["steps"]:
@@ -196,7 +197,9 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
             try:
                 r.update(step)
             except Exception as e:
-                out.put(("update-failed", inst, step, type(e).__name__, str(e), r.version))
+                # what the instance holds now: still exactly the previous step? (staged readers promise it)
+                intact = not any(instance.call(check_step, spec.name, engine, seed_of(step - 1))) if step > 1 else None
+                out.put(("update-failed", inst, step, type(e).__name__, str(e), r.version, intact))
                 raise
             problems = [p for p in instance.call(check_step, spec.name, engine, seed_of(step)) if p]
             out.put(("updated", inst, step, r.version, problems))

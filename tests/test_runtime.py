@@ -68,11 +68,21 @@ def test_trainer_killed_mid_transfer():
     messages = run_job(job)
     failed = [m for m in messages if m[0] == "update-failed"]
     assert failed, messages
-    _, inst, step, kind, text, version = failed[0]
+    _, inst, step, kind, text, version, intact = failed[0]
     assert step == 2 and kind in ("WorkerError", "TransportError"), failed
     assert "training rank 0" in text or "group rank 0" in text, text
-    assert version is None  # never reports a version it does not fully hold
+    assert version is None and intact is False  # part of step 2 landed: no version is claimed
     assert [m[2] for m in messages if m[0] == "updated"] == [1]
+
+
+def test_staged_reader_keeps_the_old_version_when_a_trainer_dies():
+    job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
+               bucket_bytes=2048, fault="train-dies", staged=True)
+    messages = run_job(job)
+    failed = [m for m in messages if m[0] == "update-failed"]
+    assert failed, messages
+    _, inst, step, kind, text, version, intact = failed[0]
+    assert version == 1 and intact is True  # the live weights are still exactly step 1
 
 
 def test_inference_process_killed():

@@ -4,7 +4,9 @@ It registers every worker (GPU) of its instance, checks the job like the writers
 worker reader per GPU through :meth:`InferenceInstance.call`: each worker plans its own receives,
 joins the train+inference group and, every step, receives its buckets straight into the engine's
 live parameters. ``update(step)`` returns the step every worker now fully holds; after a failed
-update ``version`` is None (the tensors are a mix of two steps) until a later update succeeds.
+update ``version`` is None (the tensors are a mix of two steps) until a later update succeeds --
+unless the reader is ``staged``: then each worker receives into a copy of its tensors (twice the
+memory) and commits only a complete step, so a failed update leaves the old version intact.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ class WeightReader:
         directory: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 60.0,
+        staged: bool = False,
     ):
         self.instance, self.instance_id, self.timeout_s = instance, instance_id, timeout_s
+        self.staged = staged
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         self.spec = spec_from_config(instance.model_config)
         dst = make_layout(self.spec, instance.engine)
@@ -72,10 +76,11 @@ class WeightReader:
         """Receive step ``step`` into every worker; return it once every worker fully holds it."""
         if self.colocate:  # the trainers' shared weights hold `step` once every trainer announced it
             self.client.wait_written(step, timeout=self.timeout_s)
-        self.version = None  # from here until success the tensors may mix two steps
+        if not self.staged:
+            self.version = None  # from here until success the live tensors may mix two steps
         self.instance.pause()
         try:
-            self.last_stats = self.instance.call(_receive, step, timeout_s=self.timeout_s * 2)
+            self.last_stats = self.instance.call(_receive, step, self.staged, timeout_s=self.timeout_s * 2)
             self.instance.after_update()
         finally:
             self.instance.resume()
@@ -150,21 +155,33 @@ def _connect_file(ctx: WorkerContext, directory: str, timeout_s: float) -> None:
     ctx.state["transport"] = FileTransport(directory, timeout_s=timeout_s)
 
 
-def _receive(ctx: WorkerContext, step: int) -> dict[str, Any]:
+def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, Any]:
+    """Receive one step into the live tensors, or (staged) into a copy committed only once complete."""
     import torch
 
+    from weightsync.layout.box import slices
     from weightsync.transport.file import FileTransport
 
+    plans = ctx.state["plans"]
+    targets = ctx.tensors
+    if staged:  # allocated once: the price of keeping the old version intact when a step fails
+        targets = ctx.state.setdefault("stage", {n: torch.empty_like(t) for n, t in ctx.tensors.items()})
     with torch.no_grad():
         if isinstance(ctx.state["transport"], FileTransport):
-            s = ctx.state["transport"].recv(ctx.state["plans"], ctx.tensors, step=step)
+            s = ctx.state["transport"].recv(plans, targets, step=step)
             nbytes, buckets, seconds = s.bytes, s.buckets, s.seconds
         elif "sources" in ctx.state:  # co-located
-            s = ctx.state["transport"].run(ctx.state["plans"], ctx.state["send_plans"], ctx.tensors, ctx.state["sources"])
+            s = ctx.state["transport"].run(plans, ctx.state["send_plans"], targets, ctx.state["sources"])
             nbytes, buckets, seconds = s.local_bytes + s.recv_bytes, s.local_buckets + s.recv_buckets, s.seconds
         else:
-            s = ctx.state["transport"].recv(ctx.state["plans"], ctx.tensors)
+            s = ctx.state["transport"].recv(plans, targets)
             nbytes, buckets, seconds = s.bytes, s.buckets, s.seconds
+        if staged:  # every byte arrived: commit exactly the planned regions (padding stays untouched)
+            for bs in plans.values():
+                for b in bs:
+                    for c in b.copies:
+                        box = slices(c.dst_box)
+                        ctx.tensors[c.dst_tensor][box].copy_(targets[c.dst_tensor][box])
     return {"rank": ctx.rank, "step": step, "bytes": nbytes, "seconds": seconds, "buckets": buckets}
 
 
