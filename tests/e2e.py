@@ -118,6 +118,17 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
                               colocate=job.get("colocate", False), transport=job.get("transport", "p2p"),
                               directory=job.get("directory"))
         out.put(("ready", "train", rank))
+        if job.get("mode") == "async":
+            for step in range(1, job["steps"] + 1):
+                with torch.no_grad():
+                    fill_from(bound.layout, bound.tensors, random_canonical(spec, seed_of(step)))
+                writer.write(step)  # returns at once: staged
+                out.put(("wrote", rank, step))
+                if step == 1:  # let instance 0 pull step 1 before moving on, so instances diverge
+                    writer.client.wait_held(1, [0], timeout=job["timeout"])
+            writer.client.wait_held(job["steps"], range(job["instances"]), timeout=job["timeout"])
+            out.put(("done", "train", rank))
+            return
         for step in range(1, job["steps"] + 1):
             with torch.no_grad():
                 fill_from(bound.layout, bound.tensors, random_canonical(spec, seed_of(step)))
@@ -189,8 +200,17 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
                          timeout_s=job["timeout"], token=job.get("token"), bucket_bytes=job.get("bucket_bytes", 256 << 20),
                          colocate=job.get("colocate", False),
                          transport=job.get("reader_transport", job.get("transport", "p2p")), directory=job.get("directory"),
-                         staged=job.get("staged", False))
+                         staged=job.get("staged", False), mode=job.get("mode", "sync"))
         out.put(("ready", "infer", inst))
+        if job.get("mode") == "async":
+            waits = [1, job["steps"]] if inst == 0 else [job["steps"]]
+            for step in waits:
+                r.client.wait_written(step, timeout=job["timeout"])
+                version = r.pull()
+                problems = [p for p in instance.call(check_step, spec.name, engine, seed_of(version)) if p]
+                out.put(("pulled", inst, version, problems, r.client.summary()))
+            out.put(("done", "infer", inst))
+            return
         for step in range(1, job["steps"] + 1):
             if job.get("fault") == "infer-dies" and inst == 0 and step == job["steps"]:
                 instance.call(_die_in_worker)

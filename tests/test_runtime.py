@@ -62,6 +62,22 @@ def test_mixed_transports_refused(tmp_path):
     assert errors and "transport" in " ".join(m[4] for m in errors), messages
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_async_instances_pull_when_they_choose(staged):
+    job = dict(model="tiny-qwen3", train="fsdp:dp=2", infer="vllm:tp=2", instances=2, steps=3, mode="async",
+               staged=staged)
+    messages = run_job(job)
+    errors = [m for m in messages if m[0] == "error"]
+    assert not errors, errors
+    pulled = [m for m in messages if m[0] == "pulled"]
+    assert sorted((m[1], m[2]) for m in pulled) == [(0, 1), (0, 3), (1, 3)]
+    for _, inst, version, problems, _ in pulled:
+        assert problems == [], f"instance {inst} claims step {version}: {problems}"
+    first = next(m for m in pulled if m[1] == 0 and m[2] == 1)
+    # the MetaServer reports which instance holds which step: instance 0 at 1 while the trainers moved on
+    assert first[4]["held"]["0"] == 1
+
+
 def test_trainer_killed_mid_transfer():
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
                bucket_bytes=2048, fault="train-dies")

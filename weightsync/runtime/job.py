@@ -41,6 +41,7 @@ class JobShape:
     colocate: bool
     bucket_bytes: int
     transport: str = "p2p"
+    mode: str = "sync"
 
     def planner(self, spec: ModelSpec, src: EngineLayout | None = None, dst: EngineLayout | None = None) -> Planner:
         src = src or make_layout(spec, self.train)
@@ -150,6 +151,7 @@ def job_shape(people: list[dict], colocate: bool, bucket_bytes: int) -> JobShape
         instances=len({p["instance"] for p in infer}),
         colocate=bool(check_agreement(people, "colocate", "co-location")),
         transport=str(check_agreement(people, "transport", "the transport")),
+        mode=str(check_agreement(people, "mode", "sync or async mode")),
         bucket_bytes=int(check_agreement(people, "bucket_bytes", "the bucket budget")),
     )
     if shape.colocate != colocate or shape.bucket_bytes != bucket_bytes:

@@ -17,6 +17,7 @@ from weightsync.engines import make_layout
 from weightsync.meta.client import MetaClient
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.instance import InferenceInstance, WorkerContext
+from weightsync.transport.p2p import TransportError
 from weightsync.runtime.job import JobShape, hashes_of, job_shape, register, wait_plan_proven, wait_side
 from weightsync.spec.model import spec_from_config
 
@@ -39,13 +40,16 @@ class WeightReader:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 60.0,
         staged: bool = False,
+        mode: str = "sync",
     ):
         self.instance, self.instance_id, self.timeout_s = instance, instance_id, timeout_s
-        self.staged = staged
+        self.staged, self.mode = staged, mode
+        self._next_pull = 0
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         self.spec = spec_from_config(instance.model_config)
         dst = make_layout(self.spec, instance.engine)
-        extra = {"colocate": colocate, "bucket_bytes": bucket_bytes, "instances": instances, "transport": transport}
+        extra = {"colocate": colocate, "bucket_bytes": bucket_bytes, "instances": instances, "transport": transport,
+                 "mode": mode}
         self.client.join(instance_id)
         for rank in range(dst.world_size):
             register(self.client, self.spec, "infer", rank, dst, dst.layout(rank), instance=instance_id, extra=extra)
@@ -87,6 +91,29 @@ class WeightReader:
         self.version = step
         self.client.held(self.instance_id, step)
         return step
+
+    def pull(self, attempts: int = 5) -> int:
+        """Async mode: receive the latest staged step; return it (pulling again while steps were mixed)."""
+        from weightsync.runtime.pull import claim_pull
+
+        for _ in range(attempts):
+            n = claim_pull(self.client, self.instance_id, self._next_pull)
+            self._next_pull = n + 1
+            if not self.staged:
+                self.version = None
+            self.instance.pause()
+            try:
+                results = self.instance.call(_pull, self.staged, timeout_s=self.timeout_s * 2)
+                self.instance.after_update()
+            finally:
+                self.instance.resume()
+            steps = set().union(*(r["steps"] for r in results))
+            self.last_stats = results
+            if len(steps) == 1:
+                self.version = steps.pop()
+                self.client.held(self.instance_id, self.version)
+                return self.version
+        raise TransportError(f"instance {self.instance_id}: training ranks kept serving different steps")
 
     def close(self) -> None:
         self.instance.call(_disconnect, timeout_s=self.timeout_s)
@@ -155,17 +182,49 @@ def _connect_file(ctx: WorkerContext, directory: str, timeout_s: float) -> None:
     ctx.state["transport"] = FileTransport(directory, timeout_s=timeout_s)
 
 
+def _pull(ctx: WorkerContext, staged: bool) -> dict[str, Any]:
+    """Async pull on a worker: headers (the steps served), then the data; commit when staged and whole."""
+    import torch
+
+    from weightsync.runtime.pull import receive_pull
+
+    plans = ctx.state["plans"]
+    targets = _targets(ctx, staged)
+    with torch.no_grad():
+        steps, s = receive_pull(ctx.state["transport"], plans, targets)
+        if staged and len(steps) == 1:
+            _commit(ctx, plans, targets)
+    return {"rank": ctx.rank, "steps": steps, "bytes": s.bytes, "seconds": s.seconds, "buckets": s.buckets}
+
+
+def _targets(ctx: WorkerContext, staged: bool) -> dict:
+    """Where a step lands: the live tensors, or (staged) a copy allocated once."""
+    import torch
+
+    if not staged:
+        return ctx.tensors
+    return ctx.state.setdefault("stage", {n: torch.empty_like(t) for n, t in ctx.tensors.items()})
+
+
+def _commit(ctx: WorkerContext, plans, targets) -> None:
+    """Copy exactly the planned regions of a complete staged step into the live tensors."""
+    from weightsync.layout.box import slices
+
+    for bs in plans.values():
+        for b in bs:
+            for c in b.copies:
+                box = slices(c.dst_box)
+                ctx.tensors[c.dst_tensor][box].copy_(targets[c.dst_tensor][box])
+
+
 def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, Any]:
     """Receive one step into the live tensors, or (staged) into a copy committed only once complete."""
     import torch
 
-    from weightsync.layout.box import slices
     from weightsync.transport.file import FileTransport
 
     plans = ctx.state["plans"]
-    targets = ctx.tensors
-    if staged:  # allocated once: the price of keeping the old version intact when a step fails
-        targets = ctx.state.setdefault("stage", {n: torch.empty_like(t) for n, t in ctx.tensors.items()})
+    targets = _targets(ctx, staged)
     with torch.no_grad():
         if isinstance(ctx.state["transport"], FileTransport):
             s = ctx.state["transport"].recv(plans, targets, step=step)
@@ -177,11 +236,7 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
             s = ctx.state["transport"].recv(plans, targets)
             nbytes, buckets, seconds = s.bytes, s.buckets, s.seconds
         if staged:  # every byte arrived: commit exactly the planned regions (padding stays untouched)
-            for bs in plans.values():
-                for b in bs:
-                    for c in b.copies:
-                        box = slices(c.dst_box)
-                        ctx.tensors[c.dst_tensor][box].copy_(targets[c.dst_tensor][box])
+            _commit(ctx, plans, targets)
     return {"rank": ctx.rank, "step": step, "bytes": nbytes, "seconds": seconds, "buckets": buckets}
 
 

@@ -18,6 +18,7 @@ import torch
 from weightsync.layout.layout import EngineLayout, Layout
 from weightsync.meta.client import MetaClient
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
+from weightsync.runtime.pull import PullServer
 from weightsync.runtime.job import hashes_of, job_shape, register, wait_plan_proven, wait_side
 from weightsync.spec.model import ModelSpec
 from weightsync.transport.file import FileTransport
@@ -54,17 +55,19 @@ class WeightWriter:
         timeout_s: float = 60.0,
         host: str = "127.0.0.1",
     ):
-        if mode != "sync":
-            raise ValueError(f"mode {mode!r}: only 'sync' is implemented (async is not yet)")
+        if mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
         if transport not in ("p2p", "file") or (transport == "file" and (not directory or colocate)):
             raise ValueError("transport is 'p2p' or 'file' (with a directory, not co-located)")
+        if mode == "async" and (colocate or transport != "p2p"):
+            raise ValueError("async mode runs over the p2p transport, separated (not co-located)")
         self.train, self.mode, self.timeout_s = train, mode, timeout_s
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         device = next(iter(train.tensors.values())).device
         self.backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         register(self.client, train.spec, "train", train.rank, train.engine, train.layout,
                  extra={"colocate": colocate, "bucket_bytes": bucket_bytes, "backend": self.backend,
-                        "transport": transport})
+                        "transport": transport, "mode": mode})
         trainers = wait_side(self.client, "train", timeout_s, count=train.engine.world_size)
         readers = wait_side(self.client, "infer", timeout_s)
         self.shape = job_shape(trainers + readers, colocate, bucket_bytes)
@@ -75,6 +78,7 @@ class WeightWriter:
         wait_plan_proven(self.client, timeout_s, participants)
         self.last: TransferStats | None = None
         self.transport: P2PTransport | FileTransport | None = None
+        self.server: PullServer | None = None
         self._step: int | None = None
         if transport == "file":
             self.transport = FileTransport(directory, step_fn=lambda: self._step, timeout_s=timeout_s)
@@ -94,6 +98,7 @@ class WeightWriter:
         group = new_group(host, port, self.ranks.train(train.rank), self.ranks.world_size, self.backend,
                           timeout_s, device=device if device.type == "cuda" else None, name="weightsync")
         self.transport = P2PTransport(group, self.ranks, timeout_s=timeout_s)
+        self.server = PullServer(self.client, self.transport, self.plans, train.tensors, timeout_s) if mode == "async" else None
 
     @property
     def bytes_per_step(self) -> int:
@@ -104,8 +109,14 @@ class WeightWriter:
 
         Co-located, the weights are already shared: announcing the step lets the inference workers
         copy it, and (sync) waiting for them keeps the optimizer from changing it meanwhile.
+        Async, the step is staged in a snapshot and this returns at once; instances pull it when they
+        choose (:mod:`weightsync.runtime.pull`).
         """
         self._step = step
+        if self.server is not None:
+            self.server.stage(step)
+            self.client.written(step, self.train.rank)
+            return None
         if self.transport is not None:
             with torch.no_grad():
                 self.last = self.transport.send(self.plans, self.train.tensors)
@@ -115,6 +126,8 @@ class WeightWriter:
         return self.last
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
         self.transport = None  # the group dies with its last reference
 
 
