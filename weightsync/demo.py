@@ -66,16 +66,22 @@ def _train_loop(rank: int, world: int, port: int, meta: str, cfg: DemoConfig, re
     torch.set_num_threads(1)
     engine_name = cfg.train.split(":")[0]
     spec = load_spec(cfg.model)
+    cuda = cfg.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)  # training rank r on GPU r
     # the trainer's own default group, as a real trainer has; weightsync builds its group beside it
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     model = build_hf_model(spec, seed=0)
+    if cuda:
+        model = model.to(f"cuda:{rank}")
     if engine_name == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         from weightsync.bind.train import FSDPTrainEngine
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh(cfg.device, (world,), mesh_dim_names=("dp",))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -87,10 +93,11 @@ def _train_loop(rank: int, world: int, port: int, meta: str, cfg: DemoConfig, re
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     writers = [WeightWriter(bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate)
                for job, _ in _jobs(cfg)]
-    probe = torch.arange(16).remainder(spec.vocab_size).view(1, 16)
+    dev = next(model.parameters()).device
+    probe = torch.arange(16, device=dev).remainder(spec.vocab_size).view(1, 16)
     for step in range(1, cfg.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
-        tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=g)
+        tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=g).to(dev)
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         opt.step()
@@ -98,7 +105,7 @@ def _train_loop(rank: int, world: int, port: int, meta: str, cfg: DemoConfig, re
         with torch.no_grad():
             full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                     for n, p in model.state_dict().items()}
-            logits = model(input_ids=probe).logits.detach()
+            logits = model(input_ids=probe).logits.detach().cpu()
         if rank == 0:
             save_file(_canonical_of(spec, full), f"{refdir}/step{step}.safetensors")
             torch.save(logits, f"{refdir}/logits{step}.pt")
@@ -125,16 +132,16 @@ def _canonical_of(spec, full: dict) -> dict:
 
 
 def _reader(job: str, engine: str, inst: int, instances: int, meta: str, cfg: DemoConfig, refdir: str,
-            out: mp.Queue) -> None:
+            out: mp.Queue, gpu: int = 0) -> None:
     try:
-        _read_loop(job, engine, inst, instances, meta, cfg, refdir, out)
+        _read_loop(job, engine, inst, instances, meta, cfg, refdir, out, gpu)
     except BaseException as e:
         out.put(("error", f"instance {inst} of {job}", f"{type(e).__name__}: {e}"))
         raise
 
 
 def _read_loop(job: str, engine: str, inst: int, instances: int, meta: str, cfg: DemoConfig, refdir: str,
-               out: mp.Queue) -> None:
+               out: mp.Queue, gpu: int) -> None:
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
     from weightsync.testing import build_hf_model
@@ -146,6 +153,8 @@ def _read_loop(job: str, engine: str, inst: int, instances: int, meta: str, cfg:
         from weightsync.instances.hf import HFInstance
 
         hf_model = build_hf_model(spec, seed=99)
+        if cfg.device == "cuda":
+            hf_model = hf_model.to(f"cuda:{gpu}")
         with torch.no_grad():
             for p in hf_model.parameters():
                 p.fill_(float("nan"))  # poisoned: a missed byte shows
@@ -153,11 +162,14 @@ def _read_loop(job: str, engine: str, inst: int, instances: int, meta: str, cfg:
     else:
         from weightsync.instances.faithful import FaithfulInstance
 
-        instance = FaithfulInstance(dict(spec.config), engine, device=cfg.device)
+        device = f"cuda:{gpu}" if cfg.device == "cuda" else "cpu"
+        instance = FaithfulInstance(dict(spec.config), engine, device=device)
     try:
         reader = WeightReader(instance, meta=meta, job=job, instance_id=inst, instances=instances,
                               timeout_s=cfg.timeout_s, colocate=cfg.colocate)
         probe = torch.arange(16).remainder(spec.vocab_size).view(1, 16)
+        if hf_model is not None:
+            probe = probe.to(next(hf_model.parameters()).device)
         for step in range(1, cfg.steps + 1):
             t0 = time.perf_counter()
             reader.update(step)
@@ -169,7 +181,7 @@ def _read_loop(job: str, engine: str, inst: int, instances: int, meta: str, cfg:
             if hf_model is not None:
                 with torch.no_grad():
                     logits = hf_model(input_ids=probe).logits
-                logits_equal = torch.equal(logits, torch.load(f"{refdir}/logits{step}.pt"))
+                logits_equal = torch.equal(logits.cpu(), torch.load(f"{refdir}/logits{step}.pt"))
             out.put(("infer", job, inst, step, seconds, end, got, exact, logits_equal, reader.version))
     finally:
         instance.close()
@@ -224,10 +236,16 @@ def run(cfg: DemoConfig, print_fn=print) -> dict:
         port = free_port()
         procs = [ctx.Process(target=_trainer, args=(r, world, port, meta.url, cfg, refdir, out), daemon=True)
                  for r in range(world)]
+        gpu = 0 if cfg.colocate else world  # separated: instances on the GPUs after the trainers'
         for job, engine in _jobs(cfg):
-            # not daemonic: a reader starts its instance's worker processes
-            procs += [ctx.Process(target=_reader, args=(job, engine, i, cfg.instances, meta.url, cfg, refdir, out))
-                      for i in range(cfg.instances)]
+            per = make_layout(spec, engine).world_size
+            for i in range(cfg.instances):
+                # not daemonic: a reader starts its instance's worker processes
+                procs.append(ctx.Process(target=_reader, args=(job, engine, i, cfg.instances, meta.url, cfg, refdir,
+                                                               out, gpu)))
+                gpu = (gpu + per) % world if cfg.colocate else gpu + per
+        if cfg.device == "cuda" and not cfg.colocate and gpu > torch.cuda.device_count():
+            raise ConfigError(f"demo: this set-up needs {gpu} GPUs, {torch.cuda.device_count()} visible")
         for p in procs:
             p.start()
         expected = cfg.steps * len(cfg.infer) * cfg.instances
