@@ -41,7 +41,7 @@ from weightsync.instances import (
     rebuild_error,
 )
 from weightsync.layout.materialize import TORCH_DTYPES
-from weightsync.runtime.instance import WorkerContext
+from weightsync.runtime.instance import NoEngineHooks, WorkerContext
 from weightsync.spec.model import load_spec
 
 _STOP = -1
@@ -130,7 +130,7 @@ def _shutdown(procs: list, conns: list, grace_s: float = 5.0) -> None:
             pass
 
 
-class FaithfulInstance:
+class FaithfulInstance(NoEngineHooks):
     """Layout-faithful stand-in for a vLLM / SGLang instance (see the module docstring).
 
     ``model``: a preset name, a config.json path or an HF config dict. ``engine``: a layout string
@@ -223,15 +223,6 @@ class FaithfulInstance:
                 self._fail(f"rank {rank} is gone (exit code {self._procs[rank].exitcode})")
                 raise WorkerDied(f"rank {rank} of {self.engine} is gone (exit code {self._procs[rank].exitcode})") from None
         return self._gather(seq, self.timeout_s if timeout_s is None else timeout_s, getattr(fn, "__qualname__", repr(fn)))
-
-    def pause(self) -> None:
-        pass
-
-    def resume(self) -> None:
-        pass
-
-    def after_update(self) -> None:
-        pass
 
     def close(self) -> None:
         if self._broken is None:

@@ -15,7 +15,7 @@ import torch
 from weightsync.bind import hf_config_dict
 from weightsync.bind.infer import HFInferenceEngine
 from weightsync.instances import InstanceError
-from weightsync.runtime.instance import WorkerContext
+from weightsync.runtime.instance import NoEngineHooks, WorkerContext
 from weightsync.spec.model import SUPPORTED_ARCHITECTURES, spec_from_config
 
 #: the config.json keys spec_from_config reads (for any supported architecture)
@@ -71,7 +71,7 @@ def spec_config(module: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-class HFInstance:
+class HFInstance(NoEngineHooks):
     """A live transformers model (world size 1, engine ``hf``); ``call`` runs ``fn`` here, on rank 0.
 
     ``fn(ctx, *args)`` gets the live parameters / buffers (writes land in the model) and runs under
@@ -105,15 +105,6 @@ class HFInstance:
             raise InstanceError(f"{self!r} is closed")
         with torch.no_grad():
             return [fn(self._ctx, *args)]
-
-    def pause(self) -> None:
-        pass
-
-    def resume(self) -> None:
-        pass
-
-    def after_update(self) -> None:
-        pass
 
     def close(self) -> None:
         self._closed = True

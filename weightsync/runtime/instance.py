@@ -57,3 +57,16 @@ class InferenceInstance(Protocol):
         """Recompute tensors the engine derives from loaded weights (e.g. SGLang's MLA w_kc/w_vc)."""
 
     def close(self) -> None: ...
+
+
+class NoEngineHooks:
+    """For instances with no generation to pause and nothing derived from weights (plain tensors)."""
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def after_update(self) -> None:
+        pass
