@@ -51,7 +51,15 @@ def build_trainer(spec, train: str, rank: int, world: int):
         from weightsync.testing import build_hf_model
 
         model = build_hf_model(spec, seed=0)
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        tp = engine.config.get("tp", 1)
+        if tp > 1:  # torchtitan-style TP first, then FSDP over dp (2-D mesh, tp fastest)
+            from test_fsdp_layout import _apply_tp
+
+            mesh2 = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+            _apply_tp(model, mesh2["tp"], spec.tie_word_embeddings)
+            mesh = mesh2["dp"]
+        else:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -32,6 +32,7 @@ CASES = [
     dict(model="tiny-qwen3", train="megatron:tp=2", infer="sglang:tp=4,dp=2,dp_attention=1"),
     dict(model="tiny-deepseek-v3", train="hf", infer="sglang:tp=2"),
     dict(model="tiny-qwen3-moe", train="fsdp:dp=2", infer="hf"),
+    dict(model="tiny-qwen2", train="fsdp:dp=2,tp=2", infer="vllm:tp=1", instances=2),
     # co-located: inference workers open the trainers' shared memory and proxy for them
     dict(model="tiny-qwen3", train="megatron:tp=2", infer="vllm:tp=2", colocate=True),
     dict(model="tiny-llama3", train="fsdp:dp=2", infer="vllm:tp=2", instances=2, colocate=True),
