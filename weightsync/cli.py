@@ -49,6 +49,12 @@ def _demo(args: argparse.Namespace) -> int:
     return main_from_args(args)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from weightsync.bench.run import main_from_args
+
+    return main_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightsync", description="Move RL trainer weights to inference engines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -76,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a tiny model and sync it into inference instances, verifying each step")
     add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
+
+    from weightsync.bench.run import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="time weight syncs on GPUs against the link ceilings (GPU host)")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     return p
 
 

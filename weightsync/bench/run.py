@@ -1,0 +1,374 @@
+"""``weightsync bench``: time real weight syncs on GPUs and the link ceilings they depend on, in one run.
+
+Weights are random bf16 tensors in the model's exact shapes, held by engine-layout tensors on the
+GPUs (no download): each canonical tensor is generated on the GPU from a seed of (name, step), so a
+trainer rank and an inference rank can both produce any region of it, and the last step is checked
+bit for bit. Every step runs the real runtime -- MetaServer, WeightWriter per training rank,
+WeightReader per instance driving layout-faithful worker processes -- and is timed from the first
+``write`` call to the last ``update`` return.
+
+In the same run it measures the ceiling the scenario depends on: NCCL send/recv between the
+scenario's GPU pair with the plan's own message sizes (separated), or the device-to-device copy
+bandwidth (co-located), and reports the floor (the busiest GPU's bytes over that ceiling) and the
+efficiency (floor / median time). Baselines (naive, bucketed, checkpoint-engine) are not built yet.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import queue
+import statistics
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Scenario:
+    train: str
+    infer: str
+    instances: int
+    colocate: bool
+    gpus: int
+
+
+SCENARIOS = {
+    "colo-1gpu": Scenario("hf", "vllm:tp=1", 1, True, 1),
+    "sep-1to1": Scenario("hf", "vllm:tp=1", 1, False, 2),
+    "colo-pp2-tp2": Scenario("megatron:pp=2", "vllm:tp=2", 1, True, 2),
+    "sep-tp2-tp2": Scenario("megatron:tp=2", "vllm:tp=2", 1, False, 4),
+    "sep-fsdp2-2x1": Scenario("fsdp:dp=2", "vllm:tp=1", 2, False, 4),
+    "colo-tp2pp2-tp4": Scenario("megatron:tp=2,pp=2", "vllm:tp=4", 1, True, 4),
+}
+
+
+def canonical_region(name: str, shape: tuple[int, ...], dtype: torch.dtype, step: int, box, device) -> torch.Tensor:
+    """A region of canonical tensor ``name`` at ``step``: the same bits on any rank that asks."""
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()) * 1000 + step)
+    full = torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+    return full[tuple(slice(o, o + n) for o, n in box)]
+
+
+def fill(layout, tensors: dict, spec, step: int) -> None:
+    """Write step ``step``'s canonical data into a rank's local tensors, following its pieces."""
+    from weightsync.layout.materialize import TORCH_DTYPES, local_view
+
+    with torch.no_grad():
+        for name, t in layout.tensors.items():
+            live = tensors[name]
+            for p in t.pieces:
+                c = spec.by_name[p.canonical]
+                src = canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], step, p.canon_box, live.device)
+                local_view(live, p).copy_(src)
+
+
+def check(ctx, model: str, engine: str, step: int) -> bool:
+    """On an inference worker: every piece holds step ``step``'s data, bit for bit."""
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import TORCH_DTYPES, local_view
+    from weightsync.spec import load_spec
+
+    spec = load_spec(model)
+    layout = make_layout(spec, engine).layout(ctx.rank)
+    for name, t in layout.tensors.items():
+        for p in t.pieces:
+            c = spec.by_name[p.canonical]
+            want = canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], step, p.canon_box, ctx.device)
+            if not torch.equal(local_view(ctx.tensors[name], p), want.to(TORCH_DTYPES[t.dtype])):
+                return False
+    return True
+
+
+def _copy_ceiling(ctx, nbytes: int) -> float:
+    """Device-to-device copy bandwidth on this worker's GPU, bytes copied per second (median of 5)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device).random_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize(ctx.device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize(ctx.device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:])
+
+
+def _pair_bandwidth(ctx, nbytes: int, message: int) -> float | None:
+    """NCCL bandwidth from worker 1 to worker 0 over the workers' own group (median of 3 rounds)."""
+    g = ctx.state["transport"].group
+    if ctx.rank > 1:
+        return None
+    buf = torch.empty(message, dtype=torch.uint8, device=ctx.device)
+    times = []
+    for _ in range(4):
+        torch.cuda.synchronize(ctx.device)
+        t0 = time.perf_counter()
+        for _ in range(nbytes // message):
+            (g.recv([buf], 1, 9) if ctx.rank == 0 else g.send([buf], 0, 9)).wait()
+        torch.cuda.synchronize(ctx.device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:])
+
+
+def _peak(ctx) -> int:
+    return torch.cuda.max_memory_allocated(ctx.device)
+
+
+def _link_recv(ctx, sizes: list[int], peer: int) -> None:
+    g = ctx.state["transport"].group
+    buf = torch.empty(max(sizes), dtype=torch.uint8, device=ctx.device)
+    for _ in range(3):
+        for s in sizes:
+            g.recv([buf[:s]], peer, 7).wait()
+    torch.cuda.synchronize(ctx.device)
+
+
+# -- processes --------------------------------------------------------------------------------------
+
+
+def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float) -> None:
+    try:
+        from weightsync.bind import Bound
+        from weightsync.engines import make_layout
+        from weightsync.layout.materialize import TORCH_DTYPES
+        from weightsync.runtime.writer import WeightWriter
+        from weightsync.spec import load_spec
+
+        torch.cuda.set_device(rank)
+        spec = load_spec(model)
+        engine = make_layout(spec, scen.train)
+        layout = engine.layout(rank)
+        tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=f"cuda:{rank}")
+                   for n, t in layout.tensors.items()}
+        writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", timeout_s=timeout,
+                              colocate=scen.colocate)
+        peak = 0
+        for step in range(steps + 1):  # step 0 warms up
+            fill(layout, tensors, spec, step)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out.put(("start", rank, step, time.time()))
+            writer.write(step)
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        sent = writer.bytes_per_step
+        link = None
+        if not scen.colocate and rank == 0 and writer.transport is not None:
+            # the ceiling: the same messages, raw, over the same communicator
+            sizes = [b.nbytes for bs in writer.plans.values() for b in bs]
+            peer = writer.ranks.infer(0, 0)
+            bufs = torch.empty(max(sizes), dtype=torch.uint8, device=f"cuda:{rank}")
+            out.put(("link-ready", rank, sizes, peer_rank_in_group(writer)))
+            times = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for s in sizes:
+                    writer.transport.group.send([bufs[:s]], peer, 7).wait()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            link = sum(sizes) / statistics.median(times)
+        out.put(("train-done", rank, sent, link, peak))
+    except BaseException as e:
+        import traceback
+
+        out.put(("error", f"train {rank}", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def peer_rank_in_group(writer) -> int:
+    return writer.ranks.train(writer.train.rank)
+
+
+def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
+            link_in: mp.Queue) -> None:
+    instance = None
+    try:
+        from weightsync.instances.faithful import FaithfulInstance
+        from weightsync.runtime.reader import WeightReader
+        from weightsync.spec import load_spec
+
+        spec = load_spec(model)
+        instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}", fill=float("nan"))
+        reader = WeightReader(instance, meta=meta, job="bench", instance_id=inst, instances=scen.instances,
+                              timeout_s=timeout, colocate=scen.colocate)
+        peak = 0
+        for step in range(steps + 1):
+            if step == steps:  # transient memory of one step, beyond the weights (outside the timed steps' pace)
+                base = instance.call(_reset_peak)
+            reader.update(step)
+            out.put(("end", inst, step, time.time(), sum(s["bytes"] for s in reader.last_stats)))
+        peak = max(p - b for p, b in zip(instance.call(_peak), base))
+        exact = all(instance.call(check, model, scen.infer, steps))
+        copy_bw = instance.call(_copy_ceiling, 1 << 30)[0] if scen.colocate else None
+        nvlink = None
+        if scen.colocate and instance.world_size > 1:  # cross-GPU pieces move between workers over NCCL
+            nvlink = instance.call(_pair_bandwidth, 1 << 30, 256 << 20)[0]
+        if not scen.colocate and inst == 0:
+            _, _, sizes, trainer_group_rank = link_in.get(timeout=timeout)
+            instance.call(_link_recv_rank0, sizes, trainer_group_rank)
+        out.put(("infer-done", inst, exact, copy_bw, peak, nvlink))
+    except BaseException as e:
+        import traceback
+
+        out.put(("error", f"instance {inst}", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if instance is not None:
+            instance.close()
+
+
+def _reset_peak(ctx) -> int:
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    return torch.cuda.memory_allocated(ctx.device)
+
+
+def _link_recv_rank0(ctx, sizes: list[int], peer: int) -> None:
+    if ctx.rank == 0:
+        _link_recv(ctx, sizes, peer)
+
+
+# -- driver -----------------------------------------------------------------------------------------
+
+
+def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0) -> dict:
+    from weightsync.engines import make_layout
+    from weightsync.meta.server import MetaServer
+    from weightsync.spec import load_spec
+
+    if scenario not in SCENARIOS:
+        raise ConfigError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    scen = SCENARIOS[scenario]
+    if torch.cuda.device_count() < scen.gpus:
+        raise ConfigError(f"{scenario} needs {scen.gpus} GPUs, {torch.cuda.device_count()} visible")
+    spec = load_spec(model)
+    train = make_layout(spec, scen.train)
+    infer = make_layout(spec, scen.infer)
+    ctx = mp.get_context("spawn")
+    out, link_q = ctx.Queue(), ctx.Queue()
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    moved = {}
+    result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
+                    "instances": scen.instances, "colocate": scen.colocate, "errors": []}
+    with MetaServer(port=0) as meta:
+        procs = [ctx.Process(target=_trainer, args=(r, scen, model, steps, meta.url, out, timeout))
+                 for r in range(train.world_size)]
+        for i in range(scen.instances):
+            gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
+            procs.append(ctx.Process(target=_reader, args=(i, gpu, scen, model, steps, meta.url, out, timeout, link_q)))
+        for p in procs:
+            p.start()
+        done_t, done_i, train_info, infer_info = 0, 0, [], []
+        deadline = time.monotonic() + timeout * (steps + 4)
+        while (done_t < train.world_size or done_i < scen.instances) and time.monotonic() < deadline:
+            try:
+                msg = out.get(timeout=1.0)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    result["errors"].append("a bench process died")
+                    break
+                continue
+            kind = msg[0]
+            if kind == "start":
+                starts[msg[2]] = min(starts.get(msg[2], msg[3]), msg[3])
+            elif kind == "end":
+                ends[msg[2]] = max(ends.get(msg[2], 0.0), msg[3])
+                moved[msg[2]] = moved.get(msg[2], 0) + msg[4]
+            elif kind == "link-ready":
+                link_q.put(msg)
+            elif kind == "train-done":
+                done_t += 1
+                train_info.append(msg)
+            elif kind == "infer-done":
+                done_i += 1
+                infer_info.append(msg)
+            elif kind == "error":
+                result["errors"].append(f"{msg[1]}: {msg[2]}")
+                break
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    times = [ends[s] - starts[s] for s in range(1, steps + 1) if s in ends and s in starts]
+    if result["errors"] or len(times) < steps:
+        result["errors"].append(f"only {len(times)} of {steps} timed steps completed")
+        return result
+    bytes_moved = moved[steps]
+    per_gpu = moved_per_gpu(train, infer, scen)
+    busiest = max(local + remote for local, remote in per_gpu.values())
+    if scen.colocate:
+        ceiling = min(m[3] for m in infer_info if m[3])
+        nvlink = min((m[5] for m in infer_info if m[5]), default=None)
+        # same-GPU bytes at copy speed and cross-GPU bytes over NVLink can overlap: the slower one bounds
+        floor = max(max(local / ceiling, remote / nvlink if nvlink else 0.0) for local, remote in per_gpu.values())
+        ceiling_name = "device copy (bytes copied/s); NVLink between workers for cross-GPU pieces"
+        result["nvlink_bytes_per_s"] = nvlink
+    else:
+        ceiling = min(m[3] for m in train_info if m[3])
+        floor = busiest / ceiling
+        ceiling_name = "NCCL send/recv, same messages, same communicator"
+    median = statistics.median(times)
+    result.update(
+        bytes_moved=bytes_moved,
+        median_seconds=median,
+        min_seconds=min(times),
+        max_seconds=max(times),
+        step_seconds=times,
+        ceiling_bytes_per_s=ceiling,
+        ceiling=ceiling_name,
+        floor_seconds=floor,
+        efficiency=floor / median,
+        verified=all(m[2] for m in infer_info),
+        peak_transient_bytes=max([m[4] for m in train_info] + [m[4] for m in infer_info]),
+    )
+    return result
+
+
+def moved_per_gpu(train, infer, scen: Scenario) -> dict[int, tuple[int, int]]:
+    """(same-GPU bytes, bytes from other GPUs) each GPU must receive (the busiest one bounds the step)."""
+    from weightsync.plan.planner import Planner
+    from weightsync.plan.topology import Topology
+
+    make = Topology.colocated if scen.colocate else Topology.separated
+    topo = make(train.world_size, infer.world_size, scen.instances)
+    planner = Planner(train, infer, scen.instances, topo)
+    per: dict[int, tuple[int, int]] = {}
+    for inst in range(scen.instances):
+        for r in range(infer.world_size):
+            gpu = topo.infer_gpu(inst, r)
+            local, remote = per.get(gpu, (0, 0))
+            for c in planner.recv_copies(inst, r):
+                if topo.train_gpu(c.src_rank) == gpu:
+                    local += c.nbytes
+                else:
+                    remote += c.nbytes
+            per[gpu] = (local, remote)
+    return per
+
+
+def main_from_args(args) -> int:
+    results = [run(s, args.model, args.steps, args.timeout) for s in args.scenario]
+    if args.json:
+        print(json.dumps(results if len(results) > 1 else results[0]))
+    else:
+        for r in results:
+            if r.get("errors"):
+                print(f"{r['scenario']} {r['model']}: FAILED: {r['errors']}")
+                continue
+            print(f"{r['scenario']} {r['model']}: {r['bytes_moved'] / 1e9:.2f} GB, median {r['median_seconds'] * 1e3:.1f} ms "
+                  f"[{r['min_seconds'] * 1e3:.1f}-{r['max_seconds'] * 1e3:.1f}], floor {r['floor_seconds'] * 1e3:.1f} ms, "
+                  f"efficiency {r['efficiency']:.2f}, peak transient {r['peak_transient_bytes'] / 2**20:.0f} MiB, "
+                  f"verified {r['verified']}")
+    return 0 if all(not r.get("errors") and r.get("verified") for r in results) else 1
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--scenario", action="append", required=True, choices=sorted(SCENARIOS))
+    p.add_argument("--model", default="qwen3-8b")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", action="store_true")
