@@ -10,7 +10,9 @@ WeightReader per instance driving layout-faithful worker processes -- and is tim
 In the same run it measures the ceiling the scenario depends on: NCCL send/recv between the
 scenario's GPU pair with the plan's own message sizes (separated), or the device-to-device copy
 bandwidth (co-located), and reports the floor (the busiest GPU's bytes over that ceiling) and the
-efficiency (floor / median time). Baselines (naive, bucketed, checkpoint-engine) are not built yet.
+efficiency (floor / median time). Then, in the same processes, over the same group and GPUs, the
+baselines of :mod:`weightsync.bench.baselines` (separated scenarios; checkpoint-engine and the
+co-located baselines are not built yet), each timed the same way and checked bit for bit.
 """
 
 from __future__ import annotations
@@ -131,7 +133,11 @@ def _link_recv(ctx, sizes: list[int], peer: int) -> None:
 # -- processes --------------------------------------------------------------------------------------
 
 
-def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float) -> None:
+BASELINE_STEP = 1000  # baseline steps carry other data than ours, so a stale tensor cannot pass the check
+
+
+def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
+             baselines: tuple[str, ...] = ()) -> None:
     try:
         from weightsync.bind import Bound
         from weightsync.engines import make_layout
@@ -173,6 +179,21 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             link = sum(sizes) / statistics.median(times)
+        base = {}
+        if not scen.colocate:
+            from datetime import timedelta
+
+            from weightsync.bench.baselines import sync_step
+
+            dst = make_layout(spec, scen.infer)
+            for kind in baselines:
+                for step in range(steps + 1):
+                    fill(layout, tensors, spec, BASELINE_STEP + step)
+                    torch.cuda.synchronize()
+                    out.put(("bstart", kind, step, time.time()))
+                    sync_step(kind, writer.transport.group, writer.ranks, engine, dst, train_rank=rank, tensors=tensors,
+                              device=torch.device("cuda", rank), timeout=timedelta(seconds=timeout))
+                    torch.cuda.synchronize()
         out.put(("train-done", rank, sent, link, peak))
     except BaseException as e:
         import traceback
@@ -185,7 +206,7 @@ def peer_rank_in_group(writer) -> int:
 
 
 def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
-            link_in: mp.Queue) -> None:
+            link_in: mp.Queue, baselines: tuple[str, ...] = ()) -> None:
     instance = None
     try:
         from weightsync.instances.faithful import FaithfulInstance
@@ -211,6 +232,12 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
         if not scen.colocate and inst == 0:
             _, _, sizes, trainer_group_rank = link_in.get(timeout=timeout)
             instance.call(_link_recv_rank0, sizes, trainer_group_rank)
+        if not scen.colocate:
+            for kind in baselines:
+                ends = instance.call(_baseline_worker, kind, model, scen, inst, steps, timeout, timeout_s=timeout * (steps + 2))
+                for step in range(steps + 1):
+                    out.put(("bend", kind, step, max(e[0][step] for e in ends)))
+                out.put(("bverified", kind, all(e[1] for e in ends)))
         out.put(("infer-done", inst, exact, copy_bw, peak, nvlink))
     except BaseException as e:
         import traceback
@@ -226,6 +253,26 @@ def _reset_peak(ctx) -> int:
     return torch.cuda.memory_allocated(ctx.device)
 
 
+def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, steps: int, timeout: float):
+    """On an inference worker: take part in ``steps + 1`` baseline syncs; end times and a final bit check."""
+    from datetime import timedelta
+
+    from weightsync.bench.baselines import sync_step
+    from weightsync.engines import make_layout
+    from weightsync.spec import load_spec
+
+    spec = load_spec(model)
+    src, dst = make_layout(spec, scen.train), make_layout(spec, scen.infer)
+    transport = ctx.state["transport"]
+    ends = []
+    for _ in range(steps + 1):
+        sync_step(kind, transport.group, transport.ranks, src, dst, infer=(inst, ctx.rank), tensors=ctx.tensors,
+                  device=ctx.device, timeout=timedelta(seconds=timeout))
+        torch.cuda.synchronize(ctx.device)
+        ends.append(time.time())
+    return ends, check(ctx, model, scen.infer, BASELINE_STEP + steps)
+
+
 def _link_recv_rank0(ctx, sizes: list[int], peer: int) -> None:
     if ctx.rank == 0:
         _link_recv(ctx, sizes, peer)
@@ -234,7 +281,8 @@ def _link_recv_rank0(ctx, sizes: list[int], peer: int) -> None:
 # -- driver -----------------------------------------------------------------------------------------
 
 
-def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0) -> dict:
+def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
+        baselines: tuple[str, ...] = ("naive", "bucketed")) -> dict:
     from weightsync.engines import make_layout
     from weightsync.meta.server import MetaServer
     from weightsync.spec import load_spec
@@ -250,16 +298,20 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0) -> di
     ctx = mp.get_context("spawn")
     out, link_q = ctx.Queue(), ctx.Queue()
     starts: dict[int, float] = {}
+    bstarts: dict = {}
+    bends: dict = {}
+    bverified: dict = {}
     ends: dict[int, float] = {}
     moved = {}
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
                     "instances": scen.instances, "colocate": scen.colocate, "errors": []}
     with MetaServer(port=0) as meta:
-        procs = [ctx.Process(target=_trainer, args=(r, scen, model, steps, meta.url, out, timeout))
+        procs = [ctx.Process(target=_trainer, args=(r, scen, model, steps, meta.url, out, timeout, baselines))
                  for r in range(train.world_size)]
         for i in range(scen.instances):
             gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
-            procs.append(ctx.Process(target=_reader, args=(i, gpu, scen, model, steps, meta.url, out, timeout, link_q)))
+            procs.append(ctx.Process(target=_reader, args=(i, gpu, scen, model, steps, meta.url, out, timeout, link_q,
+                                                           baselines)))
         for p in procs:
             p.start()
         done_t, done_i, train_info, infer_info = 0, 0, [], []
@@ -278,6 +330,14 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0) -> di
             elif kind == "end":
                 ends[msg[2]] = max(ends.get(msg[2], 0.0), msg[3])
                 moved[msg[2]] = moved.get(msg[2], 0) + msg[4]
+            elif kind == "bstart":
+                key = (msg[1], msg[2])
+                bstarts[key] = min(bstarts.get(key, msg[3]), msg[3])
+            elif kind == "bend":
+                key = (msg[1], msg[2])
+                bends[key] = max(bends.get(key, 0.0), msg[3])
+            elif kind == "bverified":
+                bverified[msg[1]] = bverified.get(msg[1], True) and msg[2]
             elif kind == "link-ready":
                 link_q.put(msg)
             elif kind == "train-done":
@@ -325,6 +385,16 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0) -> di
         verified=all(m[2] for m in infer_info),
         peak_transient_bytes=max([m[4] for m in train_info] + [m[4] for m in infer_info]),
     )
+    result["baselines"] = {}
+    for kind in baselines:
+        bt = [bends[kind, s] - bstarts[kind, s] for s in range(1, steps + 1) if (kind, s) in bends and (kind, s) in bstarts]
+        if scen.colocate or len(bt) < steps:
+            result["baselines"][kind] = {"ran": False, "why": "co-located baselines are not built yet" if scen.colocate
+                                         else f"only {len(bt)} steps completed"}
+            continue
+        m = statistics.median(bt)
+        result["baselines"][kind] = {"ran": True, "median_seconds": m, "min_seconds": min(bt), "max_seconds": max(bt),
+                                     "verified": bverified.get(kind, False), "speedup": m / median}
     return result
 
 
@@ -351,7 +421,8 @@ def moved_per_gpu(train, infer, scen: Scenario) -> dict[int, tuple[int, int]]:
 
 
 def main_from_args(args) -> int:
-    results = [run(s, args.model, args.steps, args.timeout) for s in args.scenario]
+    baselines = tuple(b for b in args.baselines.split(",") if b)
+    results = [run(s, args.model, args.steps, args.timeout, baselines) for s in args.scenario]
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0]))
     else:
@@ -363,6 +434,12 @@ def main_from_args(args) -> int:
                   f"[{r['min_seconds'] * 1e3:.1f}-{r['max_seconds'] * 1e3:.1f}], floor {r['floor_seconds'] * 1e3:.1f} ms, "
                   f"efficiency {r['efficiency']:.2f}, peak transient {r['peak_transient_bytes'] / 2**20:.0f} MiB, "
                   f"verified {r['verified']}")
+            for kind, b in r.get("baselines", {}).items():
+                if b["ran"]:
+                    print(f"  {kind}: median {b['median_seconds'] * 1e3:.1f} ms, weightsync {b['speedup']:.2f}x faster, "
+                          f"verified {b['verified']}")
+                else:
+                    print(f"  {kind}: not run ({b['why']})")
     return 0 if all(not r.get("errors") and r.get("verified") for r in results) else 1
 
 
@@ -371,4 +448,5 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="qwen3-8b")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--baselines", default="naive,bucketed", help="comma-separated: naive,bucketed (or empty)")
     p.add_argument("--json", action="store_true")
