@@ -127,3 +127,12 @@ def test_mismatched_models_refused():
         Planner(make_layout(a, "hf"), make_layout(b, "hf"))
     with pytest.raises(PlanError, match="instances"):
         Planner(make_layout(a, "hf"), make_layout(a, "hf"), instances=0)
+
+
+def test_overlap_detection_beyond_neighbours():
+    from weightsync.plan.planner import _disjoint
+
+    tiles = {((r, 10), (c, 5)) for r in range(0, 100, 10) for c in (0, 5)}
+    assert _disjoint(tiles)
+    assert not _disjoint(tiles | {((50, 5), (2, 2))})  # overlaps a tile that is not its sorted neighbour
+    assert not _disjoint({((0, 100), (0, 5)), ((10, 5), (0, 10)), ((50, 5), (2, 2))})

@@ -309,12 +309,15 @@ class Planner:
 
 
 def _disjoint(boxes: set[Box]) -> bool:
-    items = sorted(boxes)
-    if len(items) <= 1:
-        return True
-    if len(items) > 64:  # tiling sources (TP/FSDP shards) are disjoint by construction; check cheaply
-        return all(intersect(a, b) is None for a, b in zip(items, items[1:]))
-    return all(intersect(a, b) is None for i, a in enumerate(items) for b in items[i + 1 :])
+    """Whether no two boxes overlap: a sweep along dim 0, comparing only boxes whose rows overlap."""
+    active: list[Box] = []
+    for b in sorted(boxes):
+        start = b[0][0]
+        active = [a for a in active if a[0][0] + a[0][1] > start]
+        if any(intersect(a, b) is not None for a in active):
+            return False
+        active.append(b)
+    return True
 
 
 def _grid(box: Box, parts: set[Box]) -> list[Box]:
