@@ -17,9 +17,9 @@ from weightsync.engines import make_layout
 from weightsync.meta.client import MetaClient
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.instance import InferenceInstance, WorkerContext
-from weightsync.transport.p2p import TransportError
 from weightsync.runtime.job import JobShape, hashes_of, job_shape, register, wait_plan_proven, wait_side
 from weightsync.spec.model import spec_from_config
+from weightsync.transport.p2p import TransportError
 
 
 class WeightReader:
@@ -42,6 +42,10 @@ class WeightReader:
         staged: bool = False,
         mode: str = "sync",
     ):
+        if mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
+        if mode == "async" and (colocate or transport != "p2p"):
+            raise ValueError("async mode runs over the p2p transport, separated (not co-located)")
         self.instance, self.instance_id, self.timeout_s = instance, instance_id, timeout_s
         self.staged, self.mode = staged, mode
         self._next_pull = 0
@@ -78,6 +82,8 @@ class WeightReader:
 
     def update(self, step: int) -> int:
         """Receive step ``step`` into every worker; return it once every worker fully holds it."""
+        if self.mode != "sync":
+            raise ValueError("update(step) is for sync mode; in async mode call pull()")
         if self.colocate:  # the trainers' shared weights hold `step` once every trainer announced it
             self.client.wait_written(step, timeout=self.timeout_s)
         if not self.staged:
@@ -96,6 +102,8 @@ class WeightReader:
         """Async mode: receive the latest staged step; return it (pulling again while steps were mixed)."""
         from weightsync.runtime.pull import claim_pull
 
+        if self.mode != "async":
+            raise ValueError("pull() is for async mode; in sync mode call update(step)")
         for _ in range(attempts):
             n = claim_pull(self.client, self.instance_id, self._next_pull)
             self._next_pull = n + 1

@@ -18,8 +18,8 @@ import torch
 from weightsync.layout.layout import EngineLayout, Layout
 from weightsync.meta.client import MetaClient
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
-from weightsync.runtime.pull import PullServer
 from weightsync.runtime.job import hashes_of, job_shape, register, wait_plan_proven, wait_side
+from weightsync.runtime.pull import PullServer
 from weightsync.spec.model import ModelSpec
 from weightsync.transport.file import FileTransport
 from weightsync.transport.group import free_port, new_group
