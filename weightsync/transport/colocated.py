@@ -37,7 +37,7 @@ from weightsync.errors import ConfigError
 from weightsync.layout.box import box_shape, slices
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Topology
-from weightsync.transport.p2p import TransportError, describe, order_key
+from weightsync.transport.p2p import TransportError, describe, ensure_buffers, order_key
 from weightsync.transport.pack import pack, unpack
 
 Plans = Mapping[Pair, list[Bucket]]
@@ -350,13 +350,4 @@ class ColocatedTransport:
         return torch.device("cpu")
 
     def _ensure_buffers(self, need: int, device: torch.device) -> None:
-        if self.buffer_bytes is not None and need > self.buffer_bytes:
-            raise TransportError(
-                f"a bucket of {need} bytes exceeds the {self.buffer_bytes}-byte buffers; "
-                "plan with a bucket budget no larger than the buffers"
-            )
-        size = self.buffer_bytes or need
-        have = self._buffers[0] if self._buffers else None
-        if have is not None and len(self._buffers) == self.window and have.numel() >= size and have.device == device:
-            return
-        self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.window)]
+        self._buffers = ensure_buffers(self._buffers, self.window, need, self.buffer_bytes, device)

@@ -183,14 +183,23 @@ class P2PTransport:
         )
 
     def _ensure_buffers(self, need: int, device: torch.device) -> None:
-        """``window`` reusable buffers on the tensors' device, allocated once (or grown once)."""
-        if self.buffer_bytes is not None and need > self.buffer_bytes:
-            raise TransportError(
-                f"a bucket of {need} bytes exceeds the {self.buffer_bytes}-byte buffers; "
-                "plan with a bucket budget no larger than the buffers"
-            )
-        size = self.buffer_bytes or need
-        have = self._buffers[0] if self._buffers else None
-        if have is not None and len(self._buffers) == self.window and have.numel() >= size and have.device == device:
-            return
-        self._buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.window)]
+        self._buffers = ensure_buffers(self._buffers, self.window, need, self.buffer_bytes, device)
+
+
+def ensure_buffers(
+    buffers: list[torch.Tensor], window: int, need: int, fixed: int | None, device: torch.device
+) -> list[torch.Tensor]:
+    """``window`` reusable uint8 buffers on ``device``, allocated once (or grown once): the transient memory.
+
+    ``fixed`` caps their size; a bucket larger than that is refused rather than allocated.
+    """
+    if fixed is not None and need > fixed:
+        raise TransportError(
+            f"a bucket of {need} bytes exceeds the {fixed}-byte buffers; "
+            "plan with a bucket budget no larger than the buffers"
+        )
+    size = fixed or need
+    have = buffers[0] if buffers else None
+    if have is not None and len(buffers) == window and have.numel() >= size and have.device == device:
+        return buffers
+    return [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(window)]
