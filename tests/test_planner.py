@@ -136,3 +136,22 @@ def test_overlap_detection_beyond_neighbours():
     assert _disjoint(tiles)
     assert not _disjoint(tiles | {((50, 5), (2, 2))})  # overlaps a tile that is not its sorted neighbour
     assert not _disjoint({((0, 100), (0, 5)), ((10, 5), (0, 10)), ((50, 5), (2, 2))})
+
+
+def test_segments_merge_stacked_experts_and_keep_the_buffer_layout():
+    from weightsync.transport.pack import segments
+
+    spec = load_spec("tiny-qwen3-moe")
+    planner = Planner(make_layout(spec, "hf"), make_layout(spec, "vllm:tp=1"))
+    plans = planner.recv_plan(0, 0)
+    buckets = [b for bs in plans.values() for b in bs]
+    expert_copies = [c for b in buckets for c in b.copies if ".experts." in c.canonical]
+    expert_runs = [s for b in buckets for s in segments(b) if ".experts." in s.dst_tensor]
+    assert len(expert_copies) == 4 * 8 * 3
+    assert len(expert_runs) == 4 * 2  # per layer one w13 run and one w2 run, not 3 copies per expert
+    for b in buckets:  # segments tile the buffer exactly, in order
+        off = 0
+        for seg in segments(b):
+            assert seg.offset == off
+            off += seg.nbytes
+        assert off == b.nbytes

@@ -254,14 +254,15 @@ class Planner:
 
     # -- buckets --------------------------------------------------------------------------------
     def buckets(self, copies: Iterable[Copy]) -> dict[Pair, list[Bucket]]:
-        """Group copies per (src, dst) pair in a canonical order and pack them into bounded buckets."""
+        """Group copies per (src, dst) pair in one deterministic order and pack them into bounded buckets."""
         pairs: dict[Pair, list[Copy]] = {}
         for c in copies:
             pairs.setdefault((c.src_rank, c.dst_instance, c.dst_rank), []).append(c)
-        order = self.spec.order
         out = {}
         for pair in sorted(pairs):
-            items = sorted(pairs[pair], key=lambda c: (order[c.canonical], c.canon_box, c.dst_tensor, c.src_tensor))
+            # destination order: copies into one tensor sit back to back, so adjacent boxes (stacked
+            # experts, [gate; up] halves, row slabs) merge into single copies (transport.pack.segments)
+            items = sorted(pairs[pair], key=lambda c: (c.dst_tensor, c.dst_box, c.src_tensor, c.src_box))
             out[pair] = self._pack(pair, items)
         return out
 

@@ -34,11 +34,11 @@ import torch
 from torch.distributed import ProcessGroup
 
 from weightsync.errors import ConfigError
-from weightsync.layout.box import box_shape, slices
+from weightsync.layout.box import slices
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Topology
 from weightsync.transport.p2p import TransportError, describe, ensure_buffers, order_key
-from weightsync.transport.pack import pack, unpack
+from weightsync.transport.pack import pack, segments, unpack
 
 Plans = Mapping[Pair, list[Bucket]]
 
@@ -305,10 +305,10 @@ class ColocatedTransport:
     @staticmethod
     def _local(b: Bucket, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
         """Pack-free: each box straight from the trainer's view into mine (cast to my dtype)."""
-        for c in b.copies:
-            shape = box_shape(c.canon_box)  # the boxes differ only by leading size-1 dims
-            region = dst[c.dst_tensor][slices(c.dst_box)].view(shape)
-            region.copy_(src[c.src_tensor][slices(c.src_box)].view(shape))
+        for seg in segments(b):  # adjacent boxes merged: one copy per run, not per canonical piece
+            region = dst[seg.dst_tensor][slices(seg.dst_box)]
+            # same elements in the same row-major order; reshape is a view wherever strides allow
+            region.copy_(src[seg.src_tensor][slices(seg.src_box)].reshape(region.shape))
 
     def _finish(
         self, kind: str, b: Bucket, peer: int, work, buf: torch.Tensor, dst: Mapping[str, torch.Tensor]

@@ -7,11 +7,12 @@ in place, converting dtype where the destination differs (as loading a checkpoin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
-from weightsync.layout.box import box_shape, slices
+from weightsync.layout.box import Box, slices
 from weightsync.layout.materialize import TORCH_DTYPES
 from weightsync.plan.planner import Bucket
 
@@ -20,26 +21,89 @@ def bucket_bytes(bucket: Bucket) -> int:
     return sum(c.nbytes for c in bucket.copies)
 
 
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A run of a bucket's copies that are adjacent in both tensors: moved with one copy each way."""
+
+    src_tensor: str
+    src_box: Box
+    dst_tensor: str
+    dst_box: Box
+    dtype: str
+    offset: int  # in the bucket's buffer
+    nbytes: int
+
+
+def _extend(a: Box, b: Box) -> Box | None:
+    """``a`` and ``b`` joined when ``b`` continues ``a`` in row-major order, else None.
+
+    True when, at the first dimension where they differ, ``b`` starts where ``a`` ends, every earlier
+    dimension has extent 1 at the same offset, and every later one is the same range: then the
+    flattened bytes of the joined box are those of ``a`` followed by those of ``b``.
+    """
+    if len(a) != len(b):
+        return None
+    for d, ((ao, an), (bo, bn)) in enumerate(zip(a, b)):
+        if (ao, an) == (bo, bn) and an == 1:
+            continue
+        if bo != ao + an or a[d + 1 :] != b[d + 1 :]:
+            return None
+        return a[:d] + ((ao, an + bn),) + a[d + 1 :]
+    return None
+
+
+def _join(a: Segment, b: Segment) -> Segment | None:
+    if (a.src_tensor, a.dst_tensor, a.dtype) != (b.src_tensor, b.dst_tensor, b.dtype):
+        return None
+    src = _extend(a.src_box, b.src_box)
+    dst = _extend(a.dst_box, b.dst_box) if src is not None else None
+    if dst is None:
+        return None
+    return Segment(a.src_tensor, src, a.dst_tensor, dst, a.dtype, a.offset, a.nbytes + b.nbytes)
+
+
+_SEGMENTS: dict[int, tuple[Bucket, list[Segment]]] = {}
+
+
+def segments(bucket: Bucket) -> list[Segment]:
+    """The bucket's copies merged into as few segments as the tensors allow (computed once per bucket).
+
+    The buffer layout is unchanged: a segment's bytes are exactly its copies' bytes back to back, so
+    a sender and a receiver may merge differently and still agree. Stacked experts, [gate; up]
+    halves and consecutive rows become one copy instead of thousands of small ones.
+    """
+    got = _SEGMENTS.get(id(bucket))
+    if got is not None and got[0] is bucket:
+        return got[1]
+    out: list[Segment] = []
+    off = 0
+    for c in bucket.copies:
+        out.append(Segment(c.src_tensor, c.src_box, c.dst_tensor, c.dst_box, c.dtype, off, c.nbytes))
+        off += c.nbytes
+        # reduce like a stack, so halves that joined can join their neighbour in turn ([gate; up] of
+        # expert e, then experts e and e+1)
+        while len(out) >= 2 and (joined := _join(out[-2], out[-1])) is not None:
+            out[-2:] = [joined]
+    if len(_SEGMENTS) > 100_000:  # plans are reused every step; this only bounds a pathological caller
+        _SEGMENTS.clear()
+    _SEGMENTS[id(bucket)] = (bucket, out)
+    return out
+
+
 def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """Gather the bucket's source boxes into ``out`` (a uint8 buffer, allocated when None)."""
     n = bucket_bytes(bucket)
     if out is None:
         out = torch.empty(n, dtype=torch.uint8, device=next(iter(sources.values())).device)
-    off = 0
-    for c in bucket.copies:
-        size = c.nbytes
-        src = sources[c.src_tensor][slices(c.src_box)]
-        dst = out[off : off + size].view(TORCH_DTYPES[c.dtype]).view(box_shape(c.canon_box))
+    for seg in segments(bucket):
+        src = sources[seg.src_tensor][slices(seg.src_box)]
+        dst = out[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype])
         dst.view(src.shape).copy_(src)
-        off += size
     return out[:n]
 
 
 def unpack(bucket: Bucket, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> None:
     """Scatter a packed buffer into the destination tensors in place."""
-    off = 0
-    for c in bucket.copies:
-        size = c.nbytes
-        region = targets[c.dst_tensor][slices(c.dst_box)]
-        region.copy_(buffer[off : off + size].view(TORCH_DTYPES[c.dtype]).view(region.shape))
-        off += size
+    for seg in segments(bucket):
+        region = targets[seg.dst_tensor][slices(seg.dst_box)]
+        region.copy_(buffer[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype]).view(region.shape))
