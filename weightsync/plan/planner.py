@@ -8,8 +8,9 @@ cut into stripes spread over them, so data-parallel replicas share the sending. 
 depends only on that key, a sender and a receiver compute the same copies independently, each in
 time proportional to its own pieces.
 
-Copies are grouped per (sender, receiver) pair, sorted by destination tensor and box (so adjacent boxes merge into one copy), split to fit the bucket
-budget and packed into buckets; each pair's buckets hash to a digest both ends can compare.
+Copies are grouped per (sender, receiver) pair, sorted by destination tensor and box (so adjacent
+boxes merge into one copy), split to fit the bucket budget and packed into buckets; each pair's
+buckets hash to a digest both ends can compare.
 """
 
 from __future__ import annotations

@@ -94,11 +94,6 @@ class ModelSpec:
     def by_name(self) -> dict[str, TensorSpec]:
         return {t.name: t for t in self.tensors}
 
-    @cached_property
-    def order(self) -> dict[str, int]:
-        """Position of each canonical tensor: a stable sort key shared by all ranks."""
-        return {t.name: i for i, t in enumerate(self.tensors)}
-
     def tensor(self, name: str) -> TensorSpec:
         try:
             return self.by_name[name]
