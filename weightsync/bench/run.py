@@ -1,9 +1,9 @@
 """``weightsync bench``: time real weight syncs on GPUs and the link ceilings they depend on, in one run.
 
 Weights are random bf16 tensors in the model's exact shapes, held by engine-layout tensors on the
-GPUs (no download): each canonical tensor is generated on the GPU from a seed of (name, step), so a
-trainer rank and an inference rank can both produce any region of it, and the last step is checked
-bit for bit. Every step runs the real runtime -- MetaServer, WeightWriter per training rank,
+GPUs (no download): each canonical tensor is generated on the GPU from a seed of its name, so a
+trainer rank and an inference rank can both produce any region of it; each step doubles every value
+(exact in bf16), so every step moves new bits, and the last step is checked bit for bit. Every step runs the real runtime -- MetaServer, WeightWriter per training rank,
 WeightReader per instance driving layout-faithful worker processes -- and is timed from the first
 ``write`` call to the last ``update`` return.
 
@@ -49,15 +49,15 @@ SCENARIOS = {
 }
 
 
-def canonical_region(name: str, shape: tuple[int, ...], dtype: torch.dtype, step: int, box, device) -> torch.Tensor:
-    """A region of canonical tensor ``name`` at ``step``: the same bits on any rank that asks."""
-    g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()) * 1000 + step)
+def canonical_region(name: str, shape: tuple[int, ...], dtype: torch.dtype, box, device) -> torch.Tensor:
+    """A region of canonical tensor ``name``'s base data: the same bits on any rank that asks."""
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
     full = torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
     return full[tuple(slice(o, o + n) for o, n in box)]
 
 
-def fill(layout, tensors: dict, spec, step: int) -> None:
-    """Write step ``step``'s canonical data into a rank's local tensors, following its pieces."""
+def init_weights(layout, tensors: dict, spec) -> None:
+    """Write the base data into a rank's local tensors, following its pieces (once: it is slow for MoE)."""
     from weightsync.layout.materialize import TORCH_DTYPES, local_view
 
     with torch.no_grad():
@@ -65,12 +65,18 @@ def fill(layout, tensors: dict, spec, step: int) -> None:
             live = tensors[name]
             for p in t.pieces:
                 c = spec.by_name[p.canonical]
-                src = canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], step, p.canon_box, live.device)
-                local_view(live, p).copy_(src)
+                local_view(live, p).copy_(canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], p.canon_box, live.device))
 
 
-def check(ctx, model: str, engine: str, step: int) -> bool:
-    """On an inference worker: every piece holds step ``step``'s data, bit for bit."""
+def advance(tensors: dict) -> None:
+    """Make the next step's weights: every value doubled (exact in bf16), so each step's bits differ."""
+    with torch.no_grad():
+        for t in tensors.values():
+            t.mul_(2)
+
+
+def check(ctx, model: str, engine: str, doublings: int) -> bool:
+    """On an inference worker: every piece holds the base data doubled ``doublings`` times, bit for bit."""
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import TORCH_DTYPES, local_view
     from weightsync.spec import load_spec
@@ -80,8 +86,9 @@ def check(ctx, model: str, engine: str, step: int) -> bool:
     for name, t in layout.tensors.items():
         for p in t.pieces:
             c = spec.by_name[p.canonical]
-            want = canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], step, p.canon_box, ctx.device)
-            if not torch.equal(local_view(ctx.tensors[name], p), want.to(TORCH_DTYPES[t.dtype])):
+            want = canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], p.canon_box, ctx.device)
+            want = want.to(TORCH_DTYPES[t.dtype]) * (2 ** doublings)
+            if not torch.equal(local_view(ctx.tensors[name], p), want):
                 return False
     return True
 
@@ -133,9 +140,6 @@ def _link_recv(ctx, sizes: list[int], peer: int) -> None:
 # -- processes --------------------------------------------------------------------------------------
 
 
-BASELINE_STEP = 1000  # baseline steps carry other data than ours, so a stale tensor cannot pass the check
-
-
 def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
              baselines: tuple[str, ...] = ()) -> None:
     try:
@@ -154,8 +158,9 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
         writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", timeout_s=timeout,
                               colocate=scen.colocate)
         peak = 0
+        init_weights(layout, tensors, spec)
         for step in range(steps + 1):  # step 0 warms up
-            fill(layout, tensors, spec, step)
+            advance(tensors)  # step s holds the base data doubled s + 1 times
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -188,7 +193,7 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
             dst = make_layout(spec, scen.infer)
             for kind in baselines:
                 for step in range(steps + 1):
-                    fill(layout, tensors, spec, BASELINE_STEP + step)
+                    advance(tensors)
                     torch.cuda.synchronize()
                     out.put(("bstart", kind, step, time.time()))
                     sync_step(kind, writer.transport.group, writer.ranks, engine, dst, train_rank=rank, tensors=tensors,
@@ -224,7 +229,7 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
             reader.update(step)
             out.put(("end", inst, step, time.time(), sum(s["bytes"] for s in reader.last_stats)))
         peak = max(p - b for p, b in zip(instance.call(_peak), base))
-        exact = all(instance.call(check, model, scen.infer, steps))
+        exact = all(instance.call(check, model, scen.infer, steps + 1))
         copy_bw = instance.call(_copy_ceiling, 1 << 30)[0] if scen.colocate else None
         nvlink = None
         if scen.colocate and instance.world_size > 1:  # cross-GPU pieces move between workers over NCCL
@@ -233,8 +238,10 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
             _, _, sizes, trainer_group_rank = link_in.get(timeout=timeout)
             instance.call(_link_recv_rank0, sizes, trainer_group_rank)
         if not scen.colocate:
-            for kind in baselines:
-                ends = instance.call(_baseline_worker, kind, model, scen, inst, steps, timeout, timeout_s=timeout * (steps + 2))
+            for k, kind in enumerate(baselines):
+                doublings = (steps + 1) * (k + 2)  # ours, then each baseline, advanced steps + 1 times each
+                ends = instance.call(_baseline_worker, kind, model, scen, inst, steps, timeout, doublings,
+                                     timeout_s=timeout * (steps + 2))
                 for step in range(steps + 1):
                     out.put(("bend", kind, step, max(e[0][step] for e in ends)))
                 out.put(("bverified", kind, all(e[1] for e in ends)))
@@ -253,7 +260,8 @@ def _reset_peak(ctx) -> int:
     return torch.cuda.memory_allocated(ctx.device)
 
 
-def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, steps: int, timeout: float):
+def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, steps: int, timeout: float,
+                     doublings: int):
     """On an inference worker: take part in ``steps + 1`` baseline syncs; end times and a final bit check."""
     from datetime import timedelta
 
@@ -270,7 +278,7 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
                   device=ctx.device, timeout=timedelta(seconds=timeout))
         torch.cuda.synchronize(ctx.device)
         ends.append(time.time())
-    return ends, check(ctx, model, scen.infer, BASELINE_STEP + steps)
+    return ends, check(ctx, model, scen.infer, doublings)
 
 
 def _link_recv_rank0(ctx, sizes: list[int], peer: int) -> None:

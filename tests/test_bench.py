@@ -1,0 +1,32 @@
+"""The bench's data: any rank regenerates any region, and each step's bits differ (the GPU runs use it)."""
+
+import torch
+
+from weightsync.bench.run import SCENARIOS, advance, check, init_weights, moved_per_gpu
+from weightsync.engines import make_layout
+from weightsync.layout.materialize import TORCH_DTYPES
+from weightsync.runtime.instance import WorkerContext
+from weightsync.spec import load_spec
+
+
+def test_doubling_steps_are_checked_exactly():
+    spec = load_spec("tiny-qwen3-moe")
+    engine = make_layout(spec, "vllm:tp=2,ep=2")
+    layout = engine.layout(1)
+    tensors = {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype]) for n, t in layout.tensors.items()}
+    init_weights(layout, tensors, spec)
+    for _ in range(3):
+        advance(tensors)
+    ctx = WorkerContext(rank=1, device=torch.device("cpu"), tensors=tensors)
+    assert check(ctx, spec.name, "vllm:tp=2,ep=2", 3)
+    assert not check(ctx, spec.name, "vllm:tp=2,ep=2", 2)  # a stale step never passes
+
+
+def test_floor_inputs_split_local_and_remote_bytes():
+    spec = load_spec("qwen3-8b")
+    s = SCENARIOS["colo-pp2-tp2"]
+    per = moved_per_gpu(make_layout(spec, s.train), make_layout(spec, s.infer), s)
+    assert set(per) == {0, 1}
+    assert all(local > 0 and remote > 0 for local, remote in per.values())
+    s = SCENARIOS["sep-1to1"]
+    assert moved_per_gpu(make_layout(spec, s.train), make_layout(spec, s.infer), s) == {1: (0, spec.nbytes)}
