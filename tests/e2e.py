@@ -29,6 +29,24 @@ def seed_of(step: int) -> int:
     return 100 + step
 
 
+FP32_SCALE = 1 + 3 / 512  # moves bf16 values off the bf16 grid by ~3/4 ulp: the receiver must round to nearest
+
+
+def step_canonical(spec, step: int, fp32: bool = False) -> dict:
+    """The canonical weights of a step as the trainer holds them (fp32 master weights when ``fp32``)."""
+    canonical = random_canonical(spec, seed_of(step))
+    if fp32:
+        canonical = {n: t.float() * FP32_SCALE for n, t in canonical.items()}
+    return canonical
+
+
+def expected_canonical(spec, step: int, fp32: bool = False) -> dict:
+    """What an inference engine loading that step from a checkpoint holds, in canonical dtypes."""
+    from weightsync.layout.materialize import TORCH_DTYPES
+
+    return {n: t.to(TORCH_DTYPES[spec.by_name[n].dtype]) for n, t in step_canonical(spec, step, fp32).items()}
+
+
 # -- trainers ---------------------------------------------------------------------------------------
 
 
@@ -40,6 +58,8 @@ def build_trainer(spec, train: str, rank: int, world: int):
         from weightsync.testing import build_hf_model
 
         model = build_hf_model(spec, seed=0)
+        if os.environ.get("WEIGHTSYNC_E2E_FP32"):
+            model = model.float()
         if torch.cuda.is_available() and os.environ.get("WEIGHTSYNC_E2E_DEVICE") == "cuda":
             model = model.to(f"cuda:{rank}")
         return HFTrainEngine(model).bound
@@ -51,6 +71,8 @@ def build_trainer(spec, train: str, rank: int, world: int):
         from weightsync.testing import build_hf_model
 
         model = build_hf_model(spec, seed=0)
+        if os.environ.get("WEIGHTSYNC_E2E_FP32"):
+            model = model.float()  # FSDP2 mixed precision keeps fp32 sharded master weights
         tp = engine.config.get("tp", 1)
         if tp > 1:  # torchtitan-style TP first, then FSDP over dp (2-D mesh, tp fastest)
             from test_fsdp_layout import _apply_tp
@@ -112,6 +134,8 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
     try:
         if job.get("gpu_base") is not None:
             os.environ["WEIGHTSYNC_E2E_DEVICE"] = "cuda"
+        if job.get("fp32"):
+            os.environ["WEIGHTSYNC_E2E_FP32"] = "1"
         import torch.distributed as dist
 
         torch.set_num_threads(1)
@@ -129,7 +153,7 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
         if job.get("mode") == "async":
             for step in range(1, job["steps"] + 1):
                 with torch.no_grad():
-                    fill_from(bound.layout, bound.tensors, random_canonical(spec, seed_of(step)))
+                    fill_from(bound.layout, bound.tensors, step_canonical(spec, step))
                 writer.write(step)  # returns at once: staged
                 out.put(("wrote", rank, step))
                 if step == 1:  # let instance 0 pull step 1 before moving on, so instances diverge
@@ -139,7 +163,7 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
             return
         for step in range(1, job["steps"] + 1):
             with torch.no_grad():
-                fill_from(bound.layout, bound.tensors, random_canonical(spec, seed_of(step)))
+                fill_from(bound.layout, bound.tensors, step_canonical(spec, step, job.get("fp32", False)))
             if job.get("fault") == "train-dies" and rank == 0 and step == job["steps"]:
                 import weightsync.transport.p2p as p2p
 
@@ -165,10 +189,10 @@ def _wait_file(path: str, timeout: float) -> None:
 # -- readers ----------------------------------------------------------------------------------------
 
 
-def check_step(ctx, model: str, engine: str, seed: int) -> str:
+def check_step(ctx, model: str, engine: str, step: int, fp32: bool = False) -> str:
     """On a worker: '' when every local tensor is bit-exact (padding still NaN), else the first problem."""
     spec = load_spec(model)
-    want = scatter(make_layout(spec, engine).layout(ctx.rank), random_canonical(spec, seed))
+    want = scatter(make_layout(spec, engine).layout(ctx.rank), expected_canonical(spec, step, fp32))
     for name, exp in want.items():
         got = ctx.tensors[name].detach().cpu()
         if not (torch.equal(got.isnan(), exp.isnan()) and torch.equal(got.nan_to_num(), exp.nan_to_num())):
@@ -215,7 +239,7 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
             for step in waits:
                 r.client.wait_written(step, timeout=job["timeout"])
                 version = r.pull()
-                problems = [p for p in instance.call(check_step, spec.name, engine, seed_of(version)) if p]
+                problems = [p for p in instance.call(check_step, spec.name, engine, version) if p]
                 out.put(("pulled", inst, version, problems, r.client.summary()))
             out.put(("done", "infer", inst))
             return
@@ -226,10 +250,10 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
                 r.update(step)
             except Exception as e:
                 # what the instance holds now: still exactly the previous step? (staged readers promise it)
-                intact = not any(instance.call(check_step, spec.name, engine, seed_of(step - 1))) if step > 1 else None
+                intact = not any(instance.call(check_step, spec.name, engine, step - 1)) if step > 1 else None
                 out.put(("update-failed", inst, step, type(e).__name__, str(e), r.version, intact))
                 raise
-            problems = [p for p in instance.call(check_step, spec.name, engine, seed_of(step)) if p]
+            problems = [p for p in instance.call(check_step, spec.name, engine, step, job.get("fp32", False)) if p]
             out.put(("updated", inst, step, r.version, problems))
         out.put(("done", "infer", inst))
     except BaseException as e:

@@ -33,6 +33,9 @@ CASES = [
     dict(model="tiny-deepseek-v3", train="hf", infer="sglang:tp=2"),
     dict(model="tiny-qwen3-moe", train="fsdp:dp=2", infer="hf"),
     dict(model="tiny-qwen2", train="fsdp:dp=2,tp=2", infer="vllm:tp=1", instances=2),
+    # fp32 master weights travel as fp32; receivers round to nearest as a checkpoint load does
+    dict(model="tiny-qwen3", train="fsdp:dp=2", infer="vllm:tp=2", fp32=True),
+    dict(model="tiny-deepseek-v3", train="hf", infer="sglang:tp=2", fp32=True),
     # co-located: inference workers open the trainers' shared memory and proxy for them
     dict(model="tiny-qwen3", train="megatron:tp=2", infer="vllm:tp=2", colocate=True),
     dict(model="tiny-llama3", train="fsdp:dp=2", infer="vllm:tp=2", instances=2, colocate=True),
@@ -42,6 +45,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("job", CASES, ids=[f"{c['model']}-{c['train']}-{c['infer']}x{c.get('instances', 1)}{'-colo' if c.get('colocate') else ''}"
+                                     f"{'-fp32' if c.get('fp32') else ''}"
                                      for c in CASES])
 def test_end_to_end_bit_exact(job):
     job = dict(job, steps=2)

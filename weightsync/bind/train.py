@@ -32,7 +32,14 @@ class HFTrainEngine(LiveEngine):
     def __init__(self, module: torch.nn.Module, spec: ModelSpec | None = None):
         spec = spec or hf_module_spec(module)
         self.module = module
-        self.bound: Bound = bind(HFLayout(spec), 0, module_tensors(module), where=f"hf rank 0 ({spec.name})")
+        live = module_tensors(module)
+        engine = HFLayout(spec, fp32=fp32_master(spec, live.values()))
+        self.bound: Bound = bind(engine, 0, live, where=f"{engine.describe()} rank 0 ({spec.name})")
+
+
+def fp32_master(spec: ModelSpec, tensors) -> int:
+    """1 when a trainer keeps fp32 weights of a lower-precision model (mixed precision's master copy)."""
+    return int(spec.dtype != "float32" and all(t.dtype == torch.float32 for t in tensors if t.is_floating_point()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,7 +116,7 @@ class FSDPTrainEngine(LiveEngine):
             raise ConfigError(f"fsdp: this process is not in the parameters' device mesh {mesh}")
         dp = mesh.size(dp_dim)
         tp = 1 if tp_dim is None else mesh.size(tp_dim)
-        engine = FSDPLayout(spec, dp=dp, tp=tp)
+        engine = FSDPLayout(spec, dp=dp, tp=tp, fp32=fp32_master(spec, live.values()))
         rank = engine.mesh.rank({"dp": coord[dp_dim], "tp": 0 if tp_dim is None else coord[tp_dim]})
         local = {n: (t._local_tensor if isinstance(t, DTensor) else t) for n, t in live.items()}
         self.mesh = mesh

@@ -90,9 +90,9 @@ def restrict(piece: Piece, region: Box) -> Piece | None:
 
 class FSDPLayout(EngineLayout):
     engine = "fsdp"
-    keys = ("dp", "tp")
+    keys = ("dp", "tp", "fp32")
 
-    def __init__(self, spec: ModelSpec, dp: int = 1, tp: int = 1):
+    def __init__(self, spec: ModelSpec, dp: int = 1, tp: int = 1, fp32: int = 0):
         if dp < 1 or tp < 1:
             raise ConfigError(f"fsdp: dp and tp must be at least 1, got dp={dp}, tp={tp}")
         self.dp, self.tp = dp, tp
@@ -100,7 +100,7 @@ class FSDPLayout(EngineLayout):
             self._check_tp(spec, tp)
         self.mesh = Mesh("fsdp", [("tp", tp), ("dp", dp)])
         super().__init__(spec, [self.mesh])
-        self._hf = HFLayout(spec)
+        self._hf = HFLayout(spec, fp32=fp32)  # fp32=1: fp32 master weights (FSDP2 mixed precision)
         self._everyone = self.mesh.group()
 
     @staticmethod
@@ -125,7 +125,7 @@ class FSDPLayout(EngineLayout):
 
     @property
     def config(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp}
+        return {"dp": self.dp, "tp": self.tp, **self._hf.config}
 
     def tp_dim(self, tensor: str) -> int | None:
         """The dim TP shards local tensor ``tensor`` on, or None when it is replicated over ``tp``."""

@@ -18,13 +18,27 @@ from weightsync.spec.model import ModelSpec
 
 
 class HFLayout(EngineLayout):
-    engine = "hf"
-    keys = ()
+    """``fp32=1``: the trainer keeps fp32 (master) weights of a bf16 model; they travel as fp32 and the
+    receiver rounds them to its dtype, exactly as loading an fp32 checkpoint would."""
 
-    def __init__(self, spec: ModelSpec):
+    engine = "hf"
+    keys = ("fp32",)
+
+    def __init__(self, spec: ModelSpec, fp32: int = 0):
         self.mesh = Mesh("hf", [("rank", 1)])
         super().__init__(spec, [self.mesh])
         self._all = self.mesh.group()
+        self.fp32 = bool(fp32)
+
+    @property
+    def config(self) -> dict[str, int]:
+        return {"fp32": 1} if self.fp32 else {}
+
+    def _dtype(self, canonical: str) -> str:
+        """The in-memory dtype: fp32 everywhere with ``fp32``; DeepSeek's router always (transformers keeps it)."""
+        if self.fp32 or (self.spec.architecture == "DeepseekV3ForCausalLM" and canonical.endswith(".mlp.gate.weight")):
+            return "float32"
+        return self.spec.tensor(canonical).dtype
 
     def canonical_names(self, rank: int) -> Iterable[str]:
         return (t.name for t in self.spec.tensors)
@@ -39,12 +53,11 @@ class HFLayout(EngineLayout):
             prefix = f"model.layers.{layer}.mlp.experts."
             if proj == "down_proj":
                 shape = (L.num_experts,) + t.shape
-                yield Shard(self._all, Piece(prefix + "down_proj", ((e, 1),) + full_box(t.shape), canonical, full_box(t.shape)), shape, t.dtype)
+                yield Shard(self._all, Piece(prefix + "down_proj", ((e, 1),) + full_box(t.shape), canonical, full_box(t.shape)), shape, self._dtype(canonical))
             else:
                 I, H = t.shape
                 row = 0 if proj == "gate_proj" else I
                 shape = (L.num_experts, 2 * I, H)
-                yield Shard(self._all, Piece(prefix + "gate_up_proj", ((e, 1), (row, I), (0, H)), canonical, full_box(t.shape)), shape, t.dtype)
+                yield Shard(self._all, Piece(prefix + "gate_up_proj", ((e, 1), (row, I), (0, H)), canonical, full_box(t.shape)), shape, self._dtype(canonical))
             return
-        fp32_router = spec.architecture == "DeepseekV3ForCausalLM" and canonical.endswith(".mlp.gate.weight")
-        yield whole(self._all, canonical, spec, canonical, "float32" if fp32_router else None)
+        yield whole(self._all, canonical, spec, canonical, self._dtype(canonical))
