@@ -102,10 +102,14 @@ def test_hf_wrong_model_raises():
     module.config.moe_intermediate_size = 16
     with pytest.raises(LayoutMismatch, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: live shape \[8, 64, 64\], derived \[8, 32, 64\]"):
         HFTrainEngine(module)
-    # dtype: an fp32 copy of a bf16-config model
+    # dtype: an all-fp32 copy of a bf16-config model is a trainer's fp32 master weights ...
     module.config.moe_intermediate_size = 32
-    with pytest.raises(LayoutMismatch, match="live dtype float32, derived bfloat16"):
-        HFTrainEngine(module.float())
+    assert HFTrainEngine(module.float()).engine.describe() == "hf:fp32=1"
+    # ... but one tensor in another dtype than the rest is a mismatch, named
+    mixed = build_hf_model(spec)
+    mixed.model.norm.weight.data = mixed.model.norm.weight.data.float()
+    with pytest.raises(LayoutMismatch, match="model.norm.weight: live dtype float32, derived bfloat16"):
+        HFTrainEngine(mixed)
 
 
 def test_fsdp_engine_refuses_unsharded_module():

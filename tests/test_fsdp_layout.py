@@ -221,7 +221,7 @@ def test_registry_and_config_errors():
     spec = load_spec("tiny-llama3")
     lay = make_layout(spec, "fsdp:dp=2,tp=2")
     assert isinstance(lay, FSDPLayout) and lay.describe() == "fsdp:dp=2,tp=2" and lay.world_size == 4
-    assert FSDPLayout.keys == ("dp", "tp") and FSDPLayout.engine == "fsdp"
+    assert FSDPLayout.keys == ("dp", "tp", "fp32") and FSDPLayout.engine == "fsdp"
     assert make_layout(spec, "fsdp").world_size == 1
     bad = [
         ("tiny-llama3", "fsdp:pp=2"),
