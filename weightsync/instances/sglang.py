@@ -141,6 +141,12 @@ class SGLangInstance:
             self.sgl.begin_weight_update()
             self._session = True
 
+    def set_version(self, step: int) -> None:
+        """Report the weight version to the engine where it has the API (documented; not run here)."""
+        update = getattr(self.sgl, "update_weight_version", None)
+        if update is not None:
+            update(str(step))
+
     def after_update(self) -> None:
         self._call(_post_load_weights, self.timeout_s)
 

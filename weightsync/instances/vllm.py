@@ -138,6 +138,12 @@ class VLLMInstance:
         if resume is not None:
             resume()
 
+    def set_version(self, step: int) -> None:
+        """Report the weight version to the engine where it has the API (documented; not run here)."""
+        update = getattr(self.llm, "update_weight_version", None)
+        if update is not None:
+            update(str(step))
+
     def after_update(self) -> None:
         self.llm.collective_rpc(_worker_after_update, timeout=self.timeout_s)
 

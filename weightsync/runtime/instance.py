@@ -56,6 +56,9 @@ class InferenceInstance(Protocol):
     def after_update(self) -> None:
         """Recompute tensors the engine derives from loaded weights (e.g. SGLang's MLA w_kc/w_vc)."""
 
+    def set_version(self, step: int) -> None:
+        """Tell the engine which weight version it now serves (vLLM/SGLang ``update_weight_version``)."""
+
     def close(self) -> None: ...
 
 
@@ -69,4 +72,7 @@ class NoEngineHooks:
         pass
 
     def after_update(self) -> None:
+        pass
+
+    def set_version(self, step: int) -> None:
         pass

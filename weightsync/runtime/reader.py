@@ -95,6 +95,7 @@ class WeightReader:
         finally:
             self.instance.resume()
         self.version = step
+        self.instance.set_version(step)
         self.client.held(self.instance_id, step)
         return step
 
@@ -119,6 +120,7 @@ class WeightReader:
             self.last_stats = results
             if len(steps) == 1:
                 self.version = steps.pop()
+                self.instance.set_version(self.version)
                 self.client.held(self.instance_id, self.version)
                 return self.version
         raise TransportError(f"instance {self.instance_id}: training ranks kept serving different steps")
