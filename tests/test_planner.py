@@ -155,3 +155,24 @@ def test_segments_merge_stacked_experts_and_keep_the_buffer_layout():
             assert seg.offset == off
             off += seg.nbytes
         assert off == b.nbytes
+
+
+def test_direct_view_is_the_packed_bytes_in_place():
+    from weightsync.transport.pack import direct_view
+
+    spec = load_spec("tiny-llama3")
+    src_engine, dst_engine = make_layout(spec, "hf"), make_layout(spec, "vllm:tp=1")
+    planner = Planner(src_engine, dst_engine, bucket_bytes=4096)
+    canonical = random_canonical(spec, seed=5)
+    src = scatter(src_engine.layout(0), canonical)
+    direct = 0
+    for b in (b for bs in planner.send_plan(0).values() for b in bs):
+        view = direct_view(b, src, sending=True)
+        if view is None:
+            continue
+        direct += 1
+        assert torch.equal(view, pack(b, src))  # the same bytes the buffer would hold ...
+        seg_tensor = next(c.src_tensor for c in b.copies)
+        storage = src[seg_tensor].untyped_storage().data_ptr()
+        assert view.untyped_storage().data_ptr() == storage  # ... read in place, no copy
+    assert direct > 10

@@ -39,7 +39,7 @@ from torch.distributed import ProcessGroup
 
 from weightsync.errors import WeightSyncError
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.transport.pack import pack, unpack
+from weightsync.transport.pack import direct_view, pack, unpack
 
 
 class TransportError(WeightSyncError):
@@ -140,18 +140,21 @@ class P2PTransport:
             return TransferStats(0, 0, 0.0)
         self._ensure_buffers(max(b.nbytes for b in ops), next(iter(tensors.values())).device)
         start = time.perf_counter()
-        inflight: deque[tuple[Bucket, int, object, torch.Tensor]] = deque()
+        inflight: deque[tuple[Bucket, int, object, torch.Tensor | None]] = deque()
         for k, b in enumerate(ops):
             if len(inflight) == self.window:
                 self._finish(*inflight.popleft(), tensors, sending)
-            buf = self._buffers[k % self.window][: b.nbytes]  # the slot bucket k - window just freed
             peer = peer_of((b.src_rank, b.dst_instance, b.dst_rank))
+            direct = direct_view(b, tensors, sending)  # zero-copy: the bytes already lie contiguous in place
+            buf = self._buffers[k % self.window][: b.nbytes]  # the slot bucket k - window just freed
             try:
                 if sending:
-                    pack(b, tensors, out=buf)
-                    work = self.group.send([buf], peer, b.index)
+                    if direct is None:
+                        pack(b, tensors, out=buf)
+                    work = self.group.send([buf if direct is None else direct], peer, b.index)
                 else:
-                    work = self.group.recv([buf], peer, b.index)
+                    work = self.group.recv([buf if direct is None else direct], peer, b.index)
+                    buf = None if direct is not None else buf  # nothing to unpack
             except RuntimeError as e:  # a peer already known dead fails at post time
                 raise self._error(b, peer, sending, e) from e
             inflight.append((b, peer, work, buf))
@@ -160,13 +163,13 @@ class P2PTransport:
         return TransferStats(len(ops), sum(b.nbytes for b in ops), time.perf_counter() - start)
 
     def _finish(
-        self, b: Bucket, peer: int, work, buf: torch.Tensor, tensors: Mapping[str, torch.Tensor], sending: bool
+        self, b: Bucket, peer: int, work, buf: torch.Tensor | None, tensors: Mapping[str, torch.Tensor], sending: bool
     ) -> None:
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as e:  # gloo: connection reset / closed by peer, or timed out
             raise self._error(b, peer, sending, e) from e
-        if not sending:
+        if not sending and buf is not None:
             unpack(b, buf, tensors)
 
     def _error(self, b: Bucket, peer: int, sending: bool, cause: Exception) -> TransportError:

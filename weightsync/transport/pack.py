@@ -107,3 +107,21 @@ def unpack(bucket: Bucket, buffer: torch.Tensor, targets: Mapping[str, torch.Ten
     for seg in segments(bucket):
         region = targets[seg.dst_tensor][slices(seg.dst_box)]
         region.copy_(buffer[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype]).view(region.shape))
+
+
+def direct_view(bucket: Bucket, tensors: Mapping[str, torch.Tensor], sending: bool) -> torch.Tensor | None:
+    """The bucket's bytes as they lie in place, when no pack/unpack is needed; else None.
+
+    True when the whole bucket is one segment whose region is contiguous in this side's tensor and
+    already in the wire dtype: then sending from it (or receiving into it) moves exactly the bytes
+    the packed buffer would hold, with no copy at either end.
+    """
+    segs = segments(bucket)
+    if len(segs) != 1:
+        return None
+    seg = segs[0]
+    name, box = (seg.src_tensor, seg.src_box) if sending else (seg.dst_tensor, seg.dst_box)
+    region = tensors[name][slices(box)]
+    if region.dtype != TORCH_DTYPES[seg.dtype] or not region.is_contiguous():
+        return None
+    return region.view(-1).view(torch.uint8)
