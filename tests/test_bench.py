@@ -30,3 +30,11 @@ def test_floor_inputs_split_local_and_remote_bytes():
     assert all(local > 0 and remote > 0 for local, remote in per.values())
     s = SCENARIOS["sep-1to1"]
     assert moved_per_gpu(make_layout(spec, s.train), make_layout(spec, s.infer), s) == {1: (0, spec.nbytes)}
+
+
+def test_results_record_where_they_were_measured():
+    from weightsync.bench.run import environment
+
+    env = environment()
+    assert {"date", "gpus", "torch", "nccl", "weightsync", "commit"} <= env.keys()
+    assert env["torch"] == torch.__version__

@@ -312,7 +312,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     ends: dict[int, float] = {}
     moved = {}
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
-                    "instances": scen.instances, "colocate": scen.colocate, "errors": []}
+                    "instances": scen.instances, "colocate": scen.colocate, "errors": [], **environment()}
     with MetaServer(port=0) as meta:
         procs = [ctx.Process(target=_trainer, args=(r, scen, model, steps, meta.url, out, timeout, baselines))
                  for r in range(train.world_size)]
@@ -404,6 +404,29 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         result["baselines"][kind] = {"ran": True, "median_seconds": m, "min_seconds": min(bt), "max_seconds": max(bt),
                                      "verified": bverified.get(kind, False), "speedup": m / median}
     return result
+
+
+def environment() -> dict:
+    """Where and with what a result was measured (recorded with every result)."""
+    import datetime
+    import subprocess
+
+    from weightsync import __version__
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+        "weightsync": __version__,
+        "commit": commit,
+    }
 
 
 def moved_per_gpu(train, infer, scen: Scenario) -> dict[int, tuple[int, int]]:
