@@ -192,7 +192,6 @@ def test_beside_the_default_group():
 
 def _check_fault(case: dict, bad_rank: int, must_raise: set[int]) -> None:
     """The ranks in ``must_raise`` raise a TransportError naming ``bad_rank`` within the timeout; none hangs."""
-    started = time.monotonic()
     got, codes = run_job(case, deadline_s=STALL_S + 10)
     if "die" in case:
         assert codes[bad_rank] == 3, f"the faulty process should have crashed, exit codes {codes}"

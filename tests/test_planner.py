@@ -30,7 +30,7 @@ DESTS = {
 
 def execute(planner: Planner, canonical, seed_poison=float("nan")):
     """Run every receiver's plan; return (destination tensors, per-element write counts)."""
-    src, dst, spec = planner.src, planner.dst, planner.spec
+    src, dst = planner.src, planner.dst
     sources = {r: scatter(src.layout(r), canonical, fill=7.0) for r in range(src.world_size)}
     dests, counts = {}, {}
     recv_pairs = {}

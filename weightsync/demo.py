@@ -192,19 +192,13 @@ def _verify(ctx, ref_path: str, engine: str, model_config: dict) -> bool:
     from safetensors.torch import load_file
 
     from weightsync.engines import make_layout
-    from weightsync.layout.materialize import TORCH_DTYPES, local_view
+    from weightsync.layout.box import slices
     from weightsync.spec import spec_from_config
+    from weightsync.testing import holds
 
-    spec = spec_from_config(model_config)
     ref = load_file(ref_path)
-    layout = make_layout(spec, engine).layout(ctx.rank)
-    for name, t in layout.tensors.items():
-        live = ctx.tensors[name]
-        for p in t.pieces:
-            want = ref[p.canonical][tuple(slice(o, o + n) for o, n in p.canon_box)].to(TORCH_DTYPES[t.dtype])
-            if not torch.equal(local_view(live, p).cpu(), want):
-                return False
-    return True
+    layout = make_layout(spec_from_config(model_config), engine).layout(ctx.rank)
+    return holds(layout, ctx.tensors, lambda p: ref[p.canonical][slices(p.canon_box)])
 
 
 # -- the driver -------------------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from weightsync.layout.box import slices
-from weightsync.layout.layout import EngineLayout
+from weightsync.layout.layout import EngineLayout, Layout, Piece
 from weightsync.layout.materialize import TORCH_DTYPES, local_view
 from weightsync.spec.model import ModelSpec
 
@@ -69,3 +71,15 @@ def build_hf_model(spec: ModelSpec, seed: int | None = None):
     if seed is not None:
         torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[spec.dtype])
+
+
+def holds(layout: Layout, tensors: dict[str, torch.Tensor], expected: Callable[[Piece], torch.Tensor]) -> bool:
+    """Whether every piece of a rank's live tensors equals ``expected(piece)`` (its canonical region),
+    bit for bit, after the cast to the local tensor's dtype that a checkpoint load would do."""
+    for name, t in layout.tensors.items():
+        live = tensors[name]
+        for p in t.pieces:
+            want = expected(p).to(device=live.device, dtype=TORCH_DTYPES[t.dtype])
+            if not torch.equal(local_view(live, p), want):
+                return False
+    return True

@@ -78,19 +78,17 @@ def advance(tensors: dict) -> None:
 def check(ctx, model: str, engine: str, doublings: int) -> bool:
     """On an inference worker: every piece holds the base data doubled ``doublings`` times, bit for bit."""
     from weightsync.engines import make_layout
-    from weightsync.layout.materialize import TORCH_DTYPES, local_view
+    from weightsync.layout.materialize import TORCH_DTYPES
     from weightsync.spec import load_spec
+    from weightsync.testing import holds
 
     spec = load_spec(model)
-    layout = make_layout(spec, engine).layout(ctx.rank)
-    for name, t in layout.tensors.items():
-        for p in t.pieces:
-            c = spec.by_name[p.canonical]
-            want = canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], p.canon_box, ctx.device)
-            want = want.to(TORCH_DTYPES[t.dtype]) * (2 ** doublings)
-            if not torch.equal(local_view(ctx.tensors[name], p), want):
-                return False
-    return True
+
+    def expected(p):
+        c = spec.by_name[p.canonical]
+        return canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], p.canon_box, ctx.device) * (2 ** doublings)
+
+    return holds(make_layout(spec, engine).layout(ctx.rank), ctx.tensors, expected)
 
 
 def _copy_ceiling(ctx, nbytes: int) -> float:
@@ -129,6 +127,9 @@ def _peak(ctx) -> int:
 
 
 def _link_recv(ctx, sizes: list[int], peer: int) -> None:
+    """Worker 0 receives the link-ceiling messages (3 rounds) the trainer sends; other workers idle."""
+    if ctx.rank != 0:
+        return
     g = ctx.state["transport"].group
     buf = torch.empty(max(sizes), dtype=torch.uint8, device=ctx.device)
     for _ in range(3):
@@ -174,7 +175,7 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
             sizes = [b.nbytes for bs in writer.plans.values() for b in bs]
             peer = writer.ranks.infer(0, 0)
             bufs = torch.empty(max(sizes), dtype=torch.uint8, device=f"cuda:{rank}")
-            out.put(("link-ready", rank, sizes, peer_rank_in_group(writer)))
+            out.put(("link-ready", rank, sizes, writer.ranks.train(rank)))
             times = []
             for _ in range(3):
                 torch.cuda.synchronize()
@@ -206,10 +207,6 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
         out.put(("error", f"train {rank}", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def peer_rank_in_group(writer) -> int:
-    return writer.ranks.train(writer.train.rank)
-
-
 def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
             link_in: mp.Queue, baselines: tuple[str, ...] = ()) -> None:
     instance = None
@@ -236,7 +233,7 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
             nvlink = instance.call(_pair_bandwidth, 1 << 30, 256 << 20)[0]
         if not scen.colocate and inst == 0:
             _, _, sizes, trainer_group_rank = link_in.get(timeout=timeout)
-            instance.call(_link_recv_rank0, sizes, trainer_group_rank)
+            instance.call(_link_recv, sizes, trainer_group_rank)
         if not scen.colocate:
             for k, kind in enumerate(baselines):
                 doublings = (steps + 1) * (k + 2)  # ours, then each baseline, advanced steps + 1 times each
@@ -279,11 +276,6 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
         torch.cuda.synchronize(ctx.device)
         ends.append(time.time())
     return ends, check(ctx, model, scen.infer, doublings)
-
-
-def _link_recv_rank0(ctx, sizes: list[int], peer: int) -> None:
-    if ctx.rank == 0:
-        _link_recv(ctx, sizes, peer)
 
 
 # -- driver -----------------------------------------------------------------------------------------

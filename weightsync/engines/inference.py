@@ -17,7 +17,6 @@ from weightsync.engines.common import EXPERT_RE, LAYER_RE, cols, even, pad_to, r
 from weightsync.errors import ConfigError
 from weightsync.layout.box import full_box
 from weightsync.layout.layout import EngineLayout, Group, Mesh, Piece, Shard
-from weightsync.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)

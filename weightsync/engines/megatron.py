@@ -339,7 +339,7 @@ class MegatronLayout(EngineLayout):
             yield from self._gated_fc1(groups, lambda r: tensor.format(fc="linear_fc1"), base, canonical, parts)
 
     def _layer_shards(self, canonical: str, i: int, rest: str, stage: int, pre: str) -> Iterator[Shard]:
-        spec, a, layer, tp = self.spec, self.spec.attention, self.spec.layers[i], self.tp
+        a, layer, tp = self.spec.attention, self.spec.layers[i], self.tp
 
         def tp_group(r: int) -> Group:
             return self.dense.group(tp=r, pp=stage)

@@ -62,7 +62,7 @@ class SGLangLayout(TPInferenceLayout):
         self.dp_attention, self.dp_lm_head = dp_attention, dp_lm_head
         self.fuse_shared_expert = bool(fuse_shared)
         if dp_attention:
-            world, A = tp, tp // dp
+            A = tp // dp
             full = Mesh("tp", [("tp", tp)])
             attn = Mesh("attn", [("atp", A), ("adp", dp)])
             moe = Mesh("moe", [("mtp", tp // ep), ("ep", ep)])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from weightsync.errors import ConfigError, LayoutMismatch
-from weightsync.layout.box import Box, box_numel, fmt_box
+from weightsync.layout.box import Box, box_numel
 from weightsync.spec.model import DTYPE_SIZES, ModelSpec
 
 
@@ -224,6 +224,3 @@ def check_live(
     if problems:
         raise LayoutMismatch(f"layout mismatch{at}:\n  " + "\n  ".join(problems))
 
-
-def describe_piece(p: Piece) -> str:
-    return f"{p.tensor}{fmt_box(p.local_box)} <- {p.canonical}{fmt_box(p.canon_box)}"

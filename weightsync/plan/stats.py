@@ -38,15 +38,20 @@ class PlanStats:
         return d
 
 
+def canonical_bytes(planner: Planner, copies) -> int:
+    """Bytes of copies counted in the canonical dtype (what bytes_needed counts), whatever the wire dtype."""
+    spec = planner.spec
+    return sum(c.numel * DTYPE_SIZES[spec.by_name[c.canonical].dtype] for c in copies)
+
+
 def _summarize(
     planner: Planner, scope: str, plans: dict[Pair, list[Bucket]], bytes_needed: int, seconds: float, links: LinkModel
 ) -> PlanStats:
     send: dict[int, int] = defaultdict(int)
     recv: dict[str, int] = defaultdict(int)
     all_buckets = [b for bs in plans.values() for b in bs]
-    sizes = {t.name: DTYPE_SIZES[t.dtype] for t in planner.spec.tensors}
     for b in all_buckets:  # counted in the canonical dtype, like bytes_needed
-        n = sum(c.numel * sizes[c.canonical] for c in b.copies)
+        n = canonical_bytes(planner, b.copies)
         send[b.src_rank] += n
         recv[f"{b.dst_instance}:{b.dst_rank}"] += n
     sent = sum(send.values())
@@ -93,8 +98,7 @@ def rank_stats(planner: Planner, scope: str, links: LinkModel = LinkModel()) -> 
     t0 = time.perf_counter()
     if parts[0] == "train" and len(parts) == 2:
         plans = planner.send_plan(int(parts[1]))
-        sizes = {t.name: DTYPE_SIZES[t.dtype] for t in planner.spec.tensors}
-        needed = sum(c.numel * sizes[c.canonical] for bs in plans.values() for b in bs for c in b.copies)
+        needed = sum(canonical_bytes(planner, b.copies) for bs in plans.values() for b in bs)
     elif parts[0] == "infer" and len(parts) == 3:
         inst, rank = int(parts[1]), int(parts[2])
         plans = planner.recv_plan(inst, rank)

@@ -41,10 +41,6 @@ class Topology:
     def host(self, gpu: int) -> int:
         return gpu // self.gpus_per_host
 
-    @property
-    def num_gpus(self) -> int:
-        return self.train_world if self.colocate else self.train_world + self.infer_world * self.instances
-
     def nearest(self, instance: int, rank: int, candidates: Sequence[tuple[T, int]]) -> Sequence[tuple[T, int]]:
         """The candidates (item, training rank) on the same GPU, else the same host, else all."""
         gpu = self.infer_gpu(instance, rank)

@@ -58,10 +58,6 @@ def layout_digest(layout: Layout) -> str:
     return h.hexdigest()
 
 
-def model_config(spec: ModelSpec) -> dict[str, Any]:
-    return dict(spec.config)
-
-
 def first_difference(mine: ModelSpec, theirs: ModelSpec) -> str:
     """The first canonical tensor whose name, shape or dtype differs, in words."""
     a, b = mine.by_name, theirs.by_name
@@ -91,7 +87,7 @@ def register(
     try:
         client.register(
             role, rank, instance=instance, host=socket.gethostname(), layout_digest=layout_digest(layout),
-            spec_digest=spec.digest, version=__version__, engine_config=config, model_config=model_config(spec),
+            spec_digest=spec.digest, version=__version__, engine_config=config, model_config=dict(spec.config),
         )
     except MetaError as e:
         if e.status != 409:

@@ -137,7 +137,7 @@ def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: 
     spec = spec_from_config(model_config)
     planner = shape.planner(spec)
     plans = planner.recv_plan(instance_id, ctx.rank)
-    ctx.state.update(plans=plans, shape=shape, instance=instance_id, model_config=model_config)
+    ctx.state.update(plans=plans, shape=shape, instance=instance_id, planner=planner)
     return hashes_of(plans)
 
 
@@ -176,7 +176,7 @@ def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s:
         port = int(port_s)
     device = ctx.device if ctx.device.type == "cuda" else None
     group = new_group(host, port, me, ranks.world_size, backend, timeout_s, device=device, name="weightsync-colo")
-    planner = shape.planner(spec_from_config(ctx.state["model_config"]))
+    planner = ctx.state["planner"]  # the one _plan built: its caches serve the proxied send plans too
     sources, send_plans = {}, {}
     for t in ranks.proxied_by(me):
         with open(client.lookup(f"share.{t}", timeout=timeout_s)) as f:
