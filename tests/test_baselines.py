@@ -64,3 +64,74 @@ def test_baseline_moves_the_right_bits(case):
         p.join(120)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     assert failures.empty(), failures.get()
+
+
+# -- co-located: hand-over through exported buffers (shared memory on CPU, CUDA IPC on GPU) --------
+
+
+def _colo_member(role: str, rank: int, port: int, meta: str, case: tuple, failures) -> None:
+    from torch.distributed import TCPStore
+
+    from weightsync.bench.baselines import ColocatedTrainer, ColocatedWorker
+    from weightsync.meta.client import MetaClient
+
+    model, train, infer, kind = case
+    torch.set_num_threads(1)
+    spec = load_spec(model)
+    src, dst = make_layout(spec, train), make_layout(spec, infer)
+    store = TCPStore("127.0.0.1", port, is_master=role == "train" and rank == 0, timeout=timedelta(seconds=60),
+                     wait_for_workers=False)
+    client = MetaClient(meta, "colo-baseline", timeout=60)
+    wait = timedelta(seconds=60)
+    for step in range(2):  # the second step must overwrite the first everywhere
+        canonical = random_canonical(spec, seed=30 + step)
+        if role == "train":
+            tensors = scatter(src.layout(rank), canonical, fill=0.0)
+            if step == 0:
+                side = ColocatedTrainer(kind, src, rank, tensors, store, dst.world_size, client.publish)
+            else:  # new values in the same (exported) storage, as an optimizer step leaves them
+                for n, t in tensors.items():
+                    side.tensors[n].copy_(t)
+            side.step(step, wait)
+        else:
+            if step == 0:
+                live = {n: torch.full(t.shape, float("nan"), dtype=getattr(torch, t.dtype))
+                        for n, t in dst.layout(rank).tensors.items()}
+                side = ColocatedWorker(kind, src, dst.layout(rank), rank, live, store,
+                                       lambda key: client.lookup(key, timeout=60))
+            side.step(step, wait)
+            want = scatter(dst.layout(rank), canonical, fill=float("nan"))
+            for n, t in side.tensors.items():
+                if not (torch.equal(t.isnan(), want[n].isnan()) and torch.equal(t.nan_to_num(), want[n].nan_to_num())):
+                    failures.put(f"worker {rank} step {step}: {n}")
+            store.set(f"checked{rank}/{step}", "1")
+    if role == "train" and rank == 0:
+        store.wait([f"checked{j}/1" for j in range(dst.world_size)], wait)
+
+
+@pytest.mark.parametrize("kind", ["naive", "bucketed"])
+def test_colocated_baseline_moves_the_right_bits(kind):
+    from weightsync.meta.server import MetaServer
+
+    case = ("tiny-qwen3", "megatron:pp=2", "vllm:tp=2", kind)
+    spec = load_spec(case[0])
+    ctx = mp.get_context("spawn")
+    failures = ctx.Queue()
+    port = free_port()
+    with MetaServer(port=0) as meta:
+        procs = [ctx.Process(target=_colo_member, args=(role, r, port, meta.url, case, failures))
+                 for role, n in (("train", make_layout(spec, case[1]).world_size), ("infer", 2)) for r in range(n)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert failures.empty(), failures.get()
+
+
+def test_colocated_baselines_refuse_split_training_tensors():
+    from weightsync.bench.baselines import colocated_buckets
+    from weightsync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="split over training ranks"):
+        colocated_buckets("bucketed", make_layout(load_spec("tiny-qwen3"), "megatron:tp=2"))

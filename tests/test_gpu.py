@@ -25,3 +25,41 @@ def test_cuda_ipc_colocated_bit_exact(model):
     # copies device to device every step
     job = dict(model=model, train="hf", infer="vllm:tp=1", steps=3, timeout=120.0, gpu_base=0, colocate=True)
     assert_clean(run_job(job), job)
+
+
+@pytest.mark.parametrize("scenario", ["sep-1to1", "colo-1gpu", "colo-pp2-tp2"])
+def test_bench_scenarios_bit_exact_with_baselines(scenario):
+    # the bench's own runs on a small model: ours (stream-ordered NCCL, coalesced both-way units, CUDA IPC)
+    # and every baseline must leave exactly the trainer's bits on every inference rank
+    from weightsync.bench.run import run
+
+    r = run(scenario, "qwen3-0.6b", steps=2, timeout=120.0, baselines=("naive", "bucketed"))
+    assert not r["errors"], r["errors"]
+    assert r["verified"], r
+    for kind, b in r["baselines"].items():
+        assert b["ran"] and b["verified"], (kind, b)
+
+
+def test_nccl_inference_process_killed_fails_the_trainer_in_bounded_time():
+    import time
+
+    job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=1", steps=2, timeout=10.0, gpu_base=1,
+               bucket_bytes=2048, fault="infer-dies")
+    t0 = time.monotonic()
+    messages = run_job(job)
+    train_errors = [m for m in messages if m[0] == "error" and m[1] == "train"]
+    assert train_errors, messages
+    assert train_errors[0][3] in ("TransportError", "MetaAborted", "MetaTimeout"), train_errors
+    assert time.monotonic() - t0 < 120
+
+
+def test_nccl_trainer_killed_mid_transfer_reports_no_version():
+    job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=1", steps=2, timeout=10.0, gpu_base=1,
+               bucket_bytes=2048, fault="train-dies")
+    messages = run_job(job)
+    failed = [m for m in messages if m[0] == "update-failed"]
+    assert failed, messages
+    _, inst, step, kind, text, version, intact = failed[0]
+    assert step == 2 and kind in ("WorkerError", "TransportError", "WorkerDied", "WorkerTimeout"), failed
+    assert version is None  # whatever landed, no step is claimed
+    assert [m[2] for m in messages if m[0] == "updated"] == [1]

@@ -10,15 +10,27 @@ Both need every member of the group to take part in each broadcast (that is how 
 side calls the same function with its role; trainers pass their live tensors, inference workers
 theirs. The gather uses point-to-point messages to rank 0 in one fixed order (deadlock-free: rank 0
 receives them in exactly the order each sender sends them).
+
+Co-located (trainer and inference workers share the GPUs), the same two hand the full tensors over by
+CUDA IPC instead of a broadcast, as slime and verl do: each training rank gathers the canonical tensors
+it holds into a bucket buffer on its GPU, and every inference worker slices its parts out of it
+(across NVLink when the buffer lives on another GPU), then acknowledges. We are generous to them: two
+bucket buffers per training GPU are exported once and reused (they open fresh IPC handles for every
+bucket), and the ready/ack signals go through one TCPStore (they use HTTP or Ray calls).
 """
 
 from __future__ import annotations
 
 from typing import Mapping
 
+import json
+import os
+import tempfile
+
 import torch
 import torch.distributed as dist
 
+from weightsync.errors import ConfigError
 from weightsync.layout.box import slices
 from weightsync.layout.layout import EngineLayout
 from weightsync.layout.materialize import TORCH_DTYPES, local_view
@@ -86,13 +98,9 @@ def sync_step(
         return
     if kind != "bucketed":
         raise ValueError(f"unknown baseline {kind!r}")
-    for bucket in _buckets(spec):
-        size = sum(t.nbytes for t in bucket)
-        buf = torch.empty(size, dtype=torch.uint8, device=device)
-        views, off = [], 0
-        for t in bucket:
-            views.append(buf[off:off + t.nbytes].view(TORCH_DTYPES[t.dtype]).view(t.shape))
-            off += t.nbytes
+    for bucket in _buckets(spec.tensors, BUCKET_BYTES):
+        buf = torch.empty(sum(t.nbytes for t in bucket), dtype=torch.uint8, device=device)
+        views = _views(buf, bucket)
         for t, v in zip(bucket, views):
             _gather_into(group, src, train_rank, tensors, t.name, v, timeout)
         _broadcast(group, buf, timeout)
@@ -101,10 +109,20 @@ def sync_step(
                 _scatter_from(dst_layout, tensors, t.name, v)
 
 
-def _buckets(spec) -> list[list]:
+def _views(buf: torch.Tensor, bucket: list) -> list[torch.Tensor]:
+    """The bucket's full tensors, back to back in ``buf``."""
+    views, off = [], 0
+    for t in bucket:
+        views.append(buf[off:off + t.nbytes].view(TORCH_DTYPES[t.dtype]).view(t.shape))
+        off += t.nbytes
+    return views
+
+
+def _buckets(tensors, limit: int) -> list[list]:
+    """Consecutive canonical tensors cut into buckets of at most ``limit`` bytes (one tensor alone when larger)."""
     out, cur, size = [], [], 0
-    for t in spec.tensors:
-        if cur and size + t.nbytes > BUCKET_BYTES:
+    for t in tensors:
+        if cur and size + t.nbytes > limit:
             out.append(cur)
             cur, size = [], 0
         cur.append(t)
@@ -112,3 +130,99 @@ def _buckets(spec) -> list[list]:
     if cur:
         out.append(cur)
     return out
+
+
+# -- co-located: hand-over by CUDA IPC ----------------------------------------------------------------
+
+SLOTS = 2  # bucket buffers per training GPU: the trainer fills one while the workers read the other
+
+
+def colocated_buckets(kind: str, src: EngineLayout) -> dict[int, list[list]]:
+    """Per training rank, the canonical tensors it holds whole, cut the ``kind`` way (naive: one per bucket)."""
+    if kind not in ("naive", "bucketed"):
+        raise ValueError(f"unknown baseline {kind!r}")
+    owned: dict[int, list] = {}
+    for t in src.spec.tensors:
+        whole = [r for r in range(src.world_size) if _covered(src, t, r)]
+        if not whole:
+            raise ConfigError(f"the co-located baselines hand over tensors a training rank holds whole; {t.name} is "
+                              "split over training ranks (training TP/EP > 1 is not built)")
+        owned.setdefault(whole[0], []).append(t)
+    return {r: _buckets(ts, BUCKET_BYTES if kind == "bucketed" else 0) for r, ts in sorted(owned.items())}
+
+
+def _mine(src: EngineLayout, canonical: str, rank: int) -> list:
+    return [s.piece for s in src.shards(canonical) if rank in src.group_ranks(s.group)]
+
+
+def _covered(src: EngineLayout, t, rank: int) -> bool:
+    """Whether training rank ``rank`` alone holds every element of canonical tensor ``t``."""
+    import math
+
+    return sum(math.prod(n for _, n in p.canon_box) for p in _mine(src, t.name, rank)) >= math.prod(t.shape)
+
+
+def _key(kind: str, step: int, rank: int, k: int, what: str) -> str:
+    return f"{kind}/{step}/{rank}/{k}/{what}"
+
+
+class ColocatedTrainer:
+    """A training rank's side: export two bucket buffers once, then fill them bucket by bucket every step."""
+
+    def __init__(self, kind: str, src: EngineLayout, rank: int, tensors: Mapping[str, torch.Tensor], store,
+                 workers: int, publish) -> None:
+        from weightsync.transport.share import export_tensors
+
+        self.kind, self.src, self.rank, self.tensors, self.store, self.workers = kind, src, rank, tensors, store, workers
+        self.buckets = colocated_buckets(kind, src).get(rank, [])
+        size = max((sum(t.nbytes for t in b) for b in self.buckets), default=1)
+        device = next(iter(tensors.values())).device
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
+        for j in range(workers):  # a CUDA IPC description serves one importing process
+            path = os.path.join(tempfile.gettempdir(), f"weightsync-bench-{kind}-{os.getpid()}-{rank}-{j}.json")
+            with open(path, "w") as f:
+                json.dump(export_tensors({str(i): s for i, s in enumerate(self.slots)}), f)
+            publish(f"bench-colo.{kind}.{rank}.{j}", path)
+
+    def step(self, step: int, timeout) -> None:
+        acked = lambda k: [_key(self.kind, step, self.rank, k, f"ack{j}") for j in range(self.workers)]  # noqa: E731
+        for k, bucket in enumerate(self.buckets):
+            if k >= SLOTS:
+                self.store.wait(acked(k - SLOTS), timeout)
+            for t, v in zip(bucket, _views(self.slots[k % SLOTS], bucket)):
+                for p in _mine(self.src, t.name, self.rank):
+                    v[slices(p.canon_box)].copy_(local_view(self.tensors[p.tensor], p))
+            _sync(self.slots[0].device)  # another process reads the buffer next
+            self.store.set(_key(self.kind, step, self.rank, k, "ready"), "1")
+        for k in range(max(0, len(self.buckets) - SLOTS), len(self.buckets)):
+            self.store.wait(acked(k), timeout)
+
+
+class ColocatedWorker:
+    """An inference worker's side: open every training rank's buffers once; every step slice each bucket out."""
+
+    def __init__(self, kind: str, src: EngineLayout, dst_layout, worker: int, tensors: Mapping[str, torch.Tensor],
+                 store, lookup) -> None:
+        from weightsync.transport.share import import_tensors
+
+        self.kind, self.dst_layout, self.worker, self.tensors, self.store = kind, dst_layout, worker, tensors, store
+        self.buckets = colocated_buckets(kind, src)
+        self.slots = {}
+        for r in self.buckets:
+            with open(lookup(f"bench-colo.{kind}.{r}.{worker}")) as f:
+                opened = import_tensors(json.load(f))
+            self.slots[r] = [opened[str(i)] for i in range(SLOTS)]
+
+    def step(self, step: int, timeout) -> None:
+        for r, buckets in self.buckets.items():  # one training rank after the other, as an engine serves requests
+            for k, bucket in enumerate(buckets):
+                self.store.wait([_key(self.kind, step, r, k, "ready")], timeout)
+                for t, v in zip(bucket, _views(self.slots[r][k % SLOTS], bucket)):
+                    _scatter_from(self.dst_layout, self.tensors, t.name, v)
+                _sync(next(iter(self.tensors.values())).device)
+                self.store.set(_key(self.kind, step, r, k, f"ack{self.worker}"), "1")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -142,7 +142,7 @@ def _link_recv(ctx, sizes: list[int], peer: int) -> None:
 
 
 def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
-             baselines: tuple[str, ...] = ()) -> None:
+             baselines: tuple[str, ...] = (), store_port: int = 0) -> None:
     try:
         from weightsync.bind import Bound
         from weightsync.engines import make_layout
@@ -185,8 +185,9 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             link = sum(sizes) / statistics.median(times)
-        base = {}
-        if not scen.colocate:
+        if baselines and scen.colocate:
+            _colocated_baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines)
+        elif baselines:
             from datetime import timedelta
 
             from weightsync.bench.baselines import sync_step
@@ -207,8 +208,43 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
         out.put(("error", f"train {rank}", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+def _store(port: int, is_master: bool, timeout: float):
+    """The TCPStore the co-located baselines signal through (training rank 0 serves it)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def _colocated_baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines):
+    """Training side of the co-located baselines: each kind in turn, ``steps + 1`` syncs each."""
+    from datetime import timedelta
+
+    from weightsync.bench.baselines import ColocatedTrainer
+
+    store = _store(store_port, rank == 0, timeout)
+    workers = scen.instances * make_layout_world(engine.spec, scen.infer)
+    wait = timedelta(seconds=timeout)
+    for kind in baselines:
+        side = ColocatedTrainer(kind, engine, rank, tensors, store, workers, writer.client.publish)
+        for step in range(steps + 1):
+            advance(tensors)
+            torch.cuda.synchronize()
+            out.put(("bstart", kind, step, time.time()))
+            side.step(step, wait)
+    if rank == 0:  # keep serving the store until every worker is through
+        store.wait([f"{baselines[-1]}/done{j}" for j in range(workers)], wait)
+
+
+def make_layout_world(spec, engine: str) -> int:
+    from weightsync.engines import make_layout
+
+    return make_layout(spec, engine).world_size
+
+
 def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
-            link_in: mp.Queue, baselines: tuple[str, ...] = ()) -> None:
+            link_in: mp.Queue, baselines: tuple[str, ...] = (), store_port: int = 0) -> None:
     instance = None
     try:
         from weightsync.instances.faithful import FaithfulInstance
@@ -224,7 +260,8 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
             if step == steps:  # transient memory of one step, beyond the weights (outside the timed steps' pace)
                 base = instance.call(_reset_peak)
             reader.update(step)
-            out.put(("end", inst, step, time.time(), sum(s["bytes"] for s in reader.last_stats)))
+            out.put(("end", inst, step, time.time(), sum(s["bytes"] for s in reader.last_stats),
+                     max(s["seconds"] for s in reader.last_stats)))
         peak = max(p - b for p, b in zip(instance.call(_peak), base))
         exact = all(instance.call(check, model, scen.infer, steps + 1))
         copy_bw = instance.call(_copy_ceiling, 1 << 30)[0] if scen.colocate else None
@@ -234,14 +271,13 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
         if not scen.colocate and inst == 0:
             _, _, sizes, trainer_group_rank = link_in.get(timeout=timeout)
             instance.call(_link_recv, sizes, trainer_group_rank)
-        if not scen.colocate:
-            for k, kind in enumerate(baselines):
-                doublings = (steps + 1) * (k + 2)  # ours, then each baseline, advanced steps + 1 times each
-                ends = instance.call(_baseline_worker, kind, model, scen, inst, steps, timeout, doublings,
-                                     timeout_s=timeout * (steps + 2))
-                for step in range(steps + 1):
-                    out.put(("bend", kind, step, max(e[0][step] for e in ends)))
-                out.put(("bverified", kind, all(e[1] for e in ends)))
+        for k, kind in enumerate(baselines):
+            doublings = (steps + 1) * (k + 2)  # ours, then each baseline, advanced steps + 1 times each
+            ends = instance.call(_baseline_worker, kind, model, scen, inst, steps, timeout, doublings,
+                                 (meta, store_port), timeout_s=timeout * (steps + 2))
+            for step in range(steps + 1):
+                out.put(("bend", kind, step, max(e[0][step] for e in ends)))
+            out.put(("bverified", kind, all(e[1] for e in ends)))
         out.put(("infer-done", inst, exact, copy_bw, peak, nvlink))
     except BaseException as e:
         import traceback
@@ -258,23 +294,36 @@ def _reset_peak(ctx) -> int:
 
 
 def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, steps: int, timeout: float,
-                     doublings: int):
+                     doublings: int, link: tuple[str, int]):
     """On an inference worker: take part in ``steps + 1`` baseline syncs; end times and a final bit check."""
     from datetime import timedelta
 
-    from weightsync.bench.baselines import sync_step
+    from weightsync.bench.baselines import ColocatedWorker, sync_step
     from weightsync.engines import make_layout
+    from weightsync.meta.client import MetaClient
     from weightsync.spec import load_spec
 
     spec = load_spec(model)
     src, dst = make_layout(spec, scen.train), make_layout(spec, scen.infer)
-    transport = ctx.state["transport"]
+    wait = timedelta(seconds=timeout)
+    if scen.colocate:
+        meta, port = link
+        store = _store(port, False, timeout)
+        client = MetaClient(meta, "bench", timeout=timeout)
+        side = ColocatedWorker(kind, src, dst.layout(ctx.rank), inst * dst.world_size + ctx.rank, ctx.tensors, store,
+                               lambda key: client.lookup(key, timeout=timeout))
+        one = lambda: side.step(step, wait)  # noqa: E731
+    else:
+        transport = ctx.state["transport"]
+        one = lambda: sync_step(kind, transport.group, transport.ranks, src, dst, infer=(inst, ctx.rank),  # noqa: E731
+                                tensors=ctx.tensors, device=ctx.device, timeout=wait)
     ends = []
-    for _ in range(steps + 1):
-        sync_step(kind, transport.group, transport.ranks, src, dst, infer=(inst, ctx.rank), tensors=ctx.tensors,
-                  device=ctx.device, timeout=timedelta(seconds=timeout))
+    for step in range(steps + 1):
+        one()
         torch.cuda.synchronize(ctx.device)
         ends.append(time.time())
+    if scen.colocate:
+        store.set(f"{kind}/done{inst * dst.world_size + ctx.rank}", "1")  # training rank 0 may stop serving the store
     return ends, check(ctx, model, scen.infer, doublings)
 
 
@@ -303,15 +352,19 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     bverified: dict = {}
     ends: dict[int, float] = {}
     moved = {}
+    transfer: dict[int, float] = {}  # per step: the slowest worker's time inside the transport
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
                     "instances": scen.instances, "colocate": scen.colocate, "errors": [], **environment()}
     with MetaServer(port=0) as meta:
-        procs = [ctx.Process(target=_trainer, args=(r, scen, model, steps, meta.url, out, timeout, baselines))
+        from weightsync.transport.group import free_port
+
+        store_port = free_port()
+        procs = [ctx.Process(target=_trainer, args=(r, scen, model, steps, meta.url, out, timeout, baselines, store_port))
                  for r in range(train.world_size)]
         for i in range(scen.instances):
             gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
             procs.append(ctx.Process(target=_reader, args=(i, gpu, scen, model, steps, meta.url, out, timeout, link_q,
-                                                           baselines)))
+                                                           baselines, store_port)))
         for p in procs:
             p.start()
         done_t, done_i, train_info, infer_info = 0, 0, [], []
@@ -330,6 +383,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
             elif kind == "end":
                 ends[msg[2]] = max(ends.get(msg[2], 0.0), msg[3])
                 moved[msg[2]] = moved.get(msg[2], 0) + msg[4]
+                transfer[msg[2]] = max(transfer.get(msg[2], 0.0), msg[5])
             elif kind == "bstart":
                 key = (msg[1], msg[2])
                 bstarts[key] = min(bstarts.get(key, msg[3]), msg[3])
@@ -378,6 +432,8 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         min_seconds=min(times),
         max_seconds=max(times),
         step_seconds=times,
+        transfer_seconds=[transfer[s] for s in range(1, steps + 1)],
+        transfer_median_seconds=statistics.median(transfer[s] for s in range(1, steps + 1)),
         ceiling_bytes_per_s=ceiling,
         ceiling=ceiling_name,
         floor_seconds=floor,
@@ -388,9 +444,8 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     result["baselines"] = {}
     for kind in baselines:
         bt = [bends[kind, s] - bstarts[kind, s] for s in range(1, steps + 1) if (kind, s) in bends and (kind, s) in bstarts]
-        if scen.colocate or len(bt) < steps:
-            result["baselines"][kind] = {"ran": False, "why": "co-located baselines are not built yet" if scen.colocate
-                                         else f"only {len(bt)} steps completed"}
+        if len(bt) < steps:
+            result["baselines"][kind] = {"ran": False, "why": f"only {len(bt)} steps completed"}
             continue
         m = statistics.median(bt)
         result["baselines"][kind] = {"ran": True, "median_seconds": m, "min_seconds": min(bt), "max_seconds": max(bt),

@@ -23,6 +23,7 @@ copies); correctness does not depend on it -- any plan runs, with more group tra
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -37,8 +38,8 @@ from weightsync.errors import ConfigError
 from weightsync.layout.box import slices
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Topology
-from weightsync.transport.p2p import TransportError, describe, ensure_buffers, order_key
-from weightsync.transport.pack import pack, segments, unpack
+from weightsync.transport.p2p import TransportError, describe, ensure_buffers, on_gpu, order_key, retire, settle
+from weightsync.transport.pack import direct_view, pack, segments, unpack
 
 Plans = Mapping[Pair, list[Bucket]]
 
@@ -141,6 +142,12 @@ class ColocatedStats:
 
 
 _LOCAL, _SEND, _RECV = "local", "send", "recv"
+UNIT_OPS = 2  # remote operations posted as one NCCL group (a send and a receive between two workers)
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 class ColocatedTransport:
@@ -194,6 +201,8 @@ class ColocatedTransport:
         self.timeout = timedelta(seconds=timeout_s)
         self.buffer_bytes = buffer_bytes
         self._buffers: list[torch.Tensor] = []
+        self._coalescing: bool | None = None
+        self._stream: torch.cuda.Stream | None = None
 
     # -- the step -------------------------------------------------------------------------------
     def run(
@@ -212,35 +221,116 @@ class ColocatedTransport:
         """
         ops = self._ops(recv_plans, send_plans_by_train_rank, src_tensors_by_train_rank)
         start = time.perf_counter()
-        remote = [b for kind, b, _ in ops if kind != _LOCAL]
-        if remote:
-            dev = self._device(dst_tensors, src_tensors_by_train_rank)
-            self._ensure_buffers(max(b.nbytes for b in remote), dev)
+        dev = self._device(dst_tensors, src_tensors_by_train_rank)
+        ordered = on_gpu(dev)
+        units = self._units([op for op in ops if op[0] != _LOCAL], dev)
+        if units:
+            need = max(b.nbytes for unit in units for _, b, _ in unit)
+            self._ensure_buffers(need, dev)
+        free = list(self._buffers)
         counts = {_LOCAL: [0, 0], _SEND: [0, 0], _RECV: [0, 0]}
-        inflight: deque = deque()
-        k = 0
-        for kind, b, peer in ops:
+        for kind, b, _ in ops:
             counts[kind][0] += 1
             counts[kind][1] += b.nbytes
-            if kind == _LOCAL:
-                self._local(b, src_tensors_by_train_rank[b.src_rank], dst_tensors)
-                continue
+        # same-GPU copies on their own stream, so they overlap the NVLink traffic of the remote units
+        side = self._side_stream(dev) if ordered else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side) if side is not None else _nothing():
+            for kind, b, _ in ops:
+                if kind == _LOCAL:
+                    self._local(b, src_tensors_by_train_rank[b.src_rank], dst_tensors)
+        inflight: deque = deque()
+        posted: list = []
+        for unit in units:
             if len(inflight) == self.window:
-                self._finish(*inflight.popleft(), dst_tensors)
-            buf = self._buffers[k % self.window][: b.nbytes]  # the slot operation k - window freed
-            k += 1
+                free += self._finish(inflight.popleft(), dst_tensors, ordered)
+            inflight.append(self._post(unit, src_tensors_by_train_rank, dst_tensors, free, dev, posted))
+        while inflight:
+            free += self._finish(inflight.popleft(), dst_tensors, ordered)
+        if side is not None:
+            torch.cuda.current_stream(dev).wait_stream(side)
+        if ordered:
+            settle(posted, self.timeout.total_seconds(), dev)
+        return ColocatedStats(*counts[_LOCAL], *counts[_SEND], *counts[_RECV], time.perf_counter() - start)
+
+    def _units(self, remote: list, dev: torch.device) -> list[list]:
+        """Remote operations cut into units posted together: on NCCL, the consecutive ones of one bucket
+        index (at most ``UNIT_OPS``) form one group, so a send and a receive between two workers run at
+        once, both ways over NVLink, instead of one after the other on the pair's stream."""
+        if not remote:
+            return []
+        if not self._coalesce(dev):
+            return [[op] for op in remote]
+        units: list[list] = [[remote[0]]]
+        for op in remote[1:]:
+            last = units[-1]
+            if op[1].index == last[0][1].index and len(last) < UNIT_OPS:
+                last.append(op)
+            else:
+                units.append([op])
+        return units
+
+    def _post(self, unit: list, src: Mapping[int, Mapping[str, torch.Tensor]], dst: Mapping[str, torch.Tensor],
+              free: list[torch.Tensor], dev: torch.device, posted: list) -> tuple:
+        """Post one unit (as one NCCL group when coalescing); return what retiring it needs."""
+        coalesce = len(unit) > 1
+        if coalesce:
+            self.group._start_coalescing(dev)
+        works, held = [], []
+        for kind, b, peer in unit:
+            sending = kind == _SEND
+            tensors = src[b.src_rank] if sending else dst
+            buf = direct_view(b, tensors, sending)  # zero-copy when the bytes lie contiguous in place
+            slot = free.pop() if buf is None else None
+            if slot is not None:
+                buf = slot[: b.nbytes]
+                if sending:
+                    pack(b, tensors, out=buf)
             try:
-                if kind == _SEND:
-                    pack(b, src_tensors_by_train_rank[b.src_rank], out=buf)
-                    work = self.group.send([buf], peer, b.index)
-                else:
-                    work = self.group.recv([buf], peer, b.index)
+                work = self.group.send([buf], peer, b.index) if sending else self.group.recv([buf], peer, b.index)
             except RuntimeError as e:  # a peer already known dead fails at post time
                 raise self._error(kind, b, peer, e) from e
-            inflight.append((kind, b, peer, work, buf))
-        while inflight:
-            self._finish(*inflight.popleft(), dst_tensors)
-        return ColocatedStats(*counts[_LOCAL], *counts[_SEND], *counts[_RECV], time.perf_counter() - start)
+            works.append(work)
+            held.append((kind, b, peer, slot))
+        if coalesce:
+            works = [self.group._end_coalescing(dev)]
+        kind, b, peer = unit[0]
+        posted.extend((w, lambda e, kind=kind, b=b, peer=peer: self._error(kind, b, peer, e)) for w in works)
+        return works, held
+
+    def _finish(self, entry: tuple, dst: Mapping[str, torch.Tensor], ordered: bool) -> list[torch.Tensor]:
+        """Retire a unit: order what follows after it, unpack its receives; return its freed buffers."""
+        works, held = entry
+        for w in works:
+            try:
+                retire(w, self.timeout, ordered)
+            except (RuntimeError, TimeoutError) as e:  # gloo: connection reset / closed by peer, or timed out
+                kind, b, peer, _ = held[0]
+                raise self._error(kind, b, peer, e) from e
+        freed = []
+        for kind, b, _, slot in held:
+            if slot is None:
+                continue
+            if kind == _RECV:
+                unpack(b, slot[: b.nbytes], dst)
+            freed.append(slot)
+        return freed
+
+    def _coalesce(self, dev: torch.device) -> bool:
+        if self._coalescing is None:
+            backend = self.group._get_backend(dev) if on_gpu(dev) else None
+            self._coalescing = bool(backend is not None and getattr(backend, "supports_coalescing", False))
+            if self._coalescing:
+                # coalesced P2P runs on the whole group's communicator, which NCCL builds in a call every
+                # member makes: build it now, in a collective every worker reaches in its first step
+                self.group.allreduce([torch.zeros(1, device=dev)]).wait()
+        return self._coalescing
+
+    def _side_stream(self, dev: torch.device) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        return self._stream
 
     # -- internals ------------------------------------------------------------------------------
     def _ops(
@@ -310,18 +400,6 @@ class ColocatedTransport:
             # same elements in the same row-major order; reshape is a view wherever strides allow
             region.copy_(src[seg.src_tensor][slices(seg.src_box)].reshape(region.shape))
 
-    def _finish(
-        self, kind: str, b: Bucket, peer: int, work, buf: torch.Tensor, dst: Mapping[str, torch.Tensor]
-    ) -> None:
-        try:
-            done = work.wait(timeout=self.timeout)
-        except RuntimeError as e:  # gloo: connection reset / closed by peer, or timed out
-            raise self._error(kind, b, peer, e) from e
-        if done is False:
-            raise self._error(kind, b, peer, TimeoutError("wait timed out"))
-        if kind == _RECV:
-            unpack(b, buf, dst)
-
     def _error(self, kind: str, b: Bucket, peer: int, cause: Exception) -> TransportError:
         pair = (b.src_rank, b.dst_instance, b.dst_rank)
         if kind == _SEND:
@@ -350,4 +428,5 @@ class ColocatedTransport:
         return torch.device("cpu")
 
     def _ensure_buffers(self, need: int, device: torch.device) -> None:
-        self._buffers = ensure_buffers(self._buffers, self.window, need, self.buffer_bytes, device)
+        slots = self.window * (UNIT_OPS if self._coalesce(device) else 1)
+        self._buffers = ensure_buffers(self._buffers, slots, need, self.buffer_bytes, device)
