@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Run bench scenarios on the GPU host and keep the raw JSON: benchmarks/run.sh OUTDIR MODEL SCENARIO...
+# (each scenario in its own process, with a time limit, so one failure does not cost the others)
+set -u
+out=$1; model=$2; shift 2
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+mkdir -p "$out"
+for s in "$@"; do
+  t0=$(date +%s)
+  timeout "${BENCH_LIMIT:-240}" python3 -m weightsync bench --scenario "$s" --model "$model" --steps "${STEPS:-5}" \
+    --baselines "${BASELINES:-naive,bucketed}" --timeout "${BENCH_TIMEOUT:-120}" --json \
+    > "$out/$s-$model.json" 2> "$out/$s-$model.err"
+  echo "== $s $model: exit $? in $(( $(date +%s) - t0 )) s"
+  python3 benchmarks/summary.py "$out/$s-$model.json" || tail -c 1500 "$out/$s-$model.err"
+done
