@@ -5,6 +5,10 @@ set -u
 out=$1; model=$2; shift 2
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$out"
+if [ -d .whl ] && [ ! -d /tmp/site/checkpoint_engine ]; then  # carried wheels: checkpoint-engine 0.4.2 and its needs
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 for s in "$@"; do
   t0=$(date +%s)
   timeout "${BENCH_LIMIT:-240}" python3 -m weightsync bench --scenario "$s" --model "$model" --steps "${STEPS:-5}" \

@@ -11,9 +11,15 @@ def line(r: dict) -> str:
          f"[{r['min_seconds'] * 1e3:.1f}-{r['max_seconds'] * 1e3:.1f}] transfer {r.get('transfer_median_seconds', 0) * 1e3:.1f} ms "
          f"floor {r['floor_seconds'] * 1e3:.1f} eff {r['efficiency']:.2f} peak {r['peak_transient_bytes'] / 2**20:.0f} MiB "
          f"verified {r['verified']}")
+    if r.get("phase_median_seconds"):
+        s += "\n   phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["phase_median_seconds"].items())
     for k, b in r.get("baselines", {}).items():
-        s += (f"\n   {k}: {b['median_seconds'] * 1e3:.1f} ms ({b['speedup']:.2f}x) verified {b['verified']}" if b.get("ran")
-              else f"\n   {k}: not run ({b.get('why')})")
+        if not b.get("ran") or "median_seconds" not in b:
+            s += f"\n   {k}: not run ({b.get('why') or b.get('error')})"
+            continue
+        s += f"\n   {k}: {b['median_seconds'] * 1e3:.1f} ms ({b['speedup']:.2f}x) verified {b['verified']}"
+        if "median_seconds_without_h2d" in b:
+            s += f"; without H2D {b['median_seconds_without_h2d'] * 1e3:.1f} ms ({b['speedup_without_h2d']:.2f}x)"
     return s
 
 

@@ -11,8 +11,9 @@ In the same run it measures the ceiling the scenario depends on: NCCL send/recv 
 scenario's GPU pair with the plan's own message sizes (separated), or the device-to-device copy
 bandwidth (co-located), and reports the floor (the busiest GPU's bytes over that ceiling) and the
 efficiency (floor / median time). Then, in the same processes, over the same group and GPUs, the
-baselines of :mod:`weightsync.bench.baselines` (separated scenarios; checkpoint-engine and the
-co-located baselines are not built yet), each timed the same way and checked bit for bit.
+baselines of :mod:`weightsync.bench.baselines` (naive and bucketed; separated over NCCL, co-located
+by CUDA IPC), each timed the same way and checked bit for bit; then checkpoint-engine in its own
+processes on the same GPUs (:mod:`weightsync.bench.ckpt_engine`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.errors import ConfigError
+
+
+CHECKPOINT_ENGINE = "checkpoint-engine"
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,8 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
             out.put(("start", rank, step, time.time()))
             writer.write(step)
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
+            if step and rank == 0:
+                out.put(("phases", "writer", writer.last_timing))
         sent = writer.bytes_per_step
         link = None
         if not scen.colocate and rank == 0 and writer.transport is not None:
@@ -262,6 +268,8 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
             reader.update(step)
             out.put(("end", inst, step, time.time(), sum(s["bytes"] for s in reader.last_stats),
                      max(s["seconds"] for s in reader.last_stats)))
+            if step and inst == 0:
+                out.put(("phases", "reader", reader.last_timing))
         peak = max(p - b for p, b in zip(instance.call(_peak), base))
         exact = all(instance.call(check, model, scen.infer, steps + 1))
         copy_bw = instance.call(_copy_ceiling, 1 << 30)[0] if scen.colocate else None
@@ -344,6 +352,11 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     spec = load_spec(model)
     train = make_layout(spec, scen.train)
     infer = make_layout(spec, scen.infer)
+    unknown = set(baselines) - {"naive", "bucketed", CHECKPOINT_ENGINE}
+    if unknown:
+        raise ConfigError(f"unknown baselines {sorted(unknown)}; known: naive, bucketed, {CHECKPOINT_ENGINE}")
+    ours_too = baselines  # the baselines that run in our processes, after our steps
+    baselines = tuple(b for b in baselines if b != CHECKPOINT_ENGINE)
     ctx = mp.get_context("spawn")
     out, link_q = ctx.Queue(), ctx.Queue()
     starts: dict[int, float] = {}
@@ -353,6 +366,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     ends: dict[int, float] = {}
     moved = {}
     transfer: dict[int, float] = {}  # per step: the slowest worker's time inside the transport
+    phases: dict[str, list[float]] = {}  # where a step's time goes (training rank 0, instance 0), per timed step
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
                     "instances": scen.instances, "colocate": scen.colocate, "errors": [], **environment()}
     with MetaServer(port=0) as meta:
@@ -392,6 +406,9 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
                 bends[key] = max(bends.get(key, 0.0), msg[3])
             elif kind == "bverified":
                 bverified[msg[1]] = bverified.get(msg[1], True) and msg[2]
+            elif kind == "phases":
+                for name, sec in msg[2].items():
+                    phases.setdefault(f"{msg[1]}.{name}", []).append(sec)
             elif kind == "link-ready":
                 link_q.put(msg)
             elif kind == "train-done":
@@ -434,6 +451,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         step_seconds=times,
         transfer_seconds=[transfer[s] for s in range(1, steps + 1)],
         transfer_median_seconds=statistics.median(transfer[s] for s in range(1, steps + 1)),
+        phase_median_seconds={k: statistics.median(v) for k, v in sorted(phases.items())},
         ceiling_bytes_per_s=ceiling,
         ceiling=ceiling_name,
         floor_seconds=floor,
@@ -450,6 +468,15 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         m = statistics.median(bt)
         result["baselines"][kind] = {"ran": True, "median_seconds": m, "min_seconds": min(bt), "max_seconds": max(bt),
                                      "verified": bverified.get(kind, False), "speedup": m / median}
+    if CHECKPOINT_ENGINE in ours_too:  # its own processes on the same GPUs, once ours have exited
+        from weightsync.bench.ckpt_engine import run_checkpoint_engine
+
+        ce = run_checkpoint_engine(model, scenario, steps, timeout)
+        if ce.get("ran") and "median_seconds" in ce:
+            ce["speedup"] = ce["median_seconds"] / median
+            if ce.get("median_seconds_without_h2d"):
+                ce["speedup_without_h2d"] = ce["median_seconds_without_h2d"] / median
+        result["baselines"][CHECKPOINT_ENGINE] = ce
     return result
 
 
@@ -526,5 +553,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="qwen3-8b")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--baselines", default="naive,bucketed", help="comma-separated: naive,bucketed (or empty)")
+    p.add_argument("--baselines", default="naive,bucketed",
+                   help=f"comma-separated: naive,bucketed,{CHECKPOINT_ENGINE} (or empty); {CHECKPOINT_ENGINE} needs "
+                        "checkpoint-engine==0.4.2 importable")
     p.add_argument("--json", action="store_true")

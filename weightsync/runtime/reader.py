@@ -11,6 +11,7 @@ memory) and commits only a complete step, so a failed update leaves the old vers
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from weightsync.engines import make_layout
@@ -79,24 +80,32 @@ class WeightReader:
             instance.call(_connect, address, backend, timeout_s, timeout_s=timeout_s * 2)
         self.version: int | None = None
         self.last_stats: list[dict] = []
+        #: seconds the last update spent waiting for the trainers (co-located), in the workers (of which
+        #: ``transport`` in the slowest worker's transport) and reporting the step held
+        self.last_timing: dict[str, float] = {}
 
     def update(self, step: int) -> int:
         """Receive step ``step`` into every worker; return it once every worker fully holds it."""
         if self.mode != "sync":
             raise ValueError("update(step) is for sync mode; in async mode call pull()")
+        t0 = time.perf_counter()
         if self.colocate:  # the trainers' shared weights hold `step` once every trainer announced it
             self.client.wait_written(step, timeout=self.timeout_s)
         if not self.staged:
             self.version = None  # from here until success the live tensors may mix two steps
+        t1 = time.perf_counter()
         self.instance.pause()
         try:
             self.last_stats = self.instance.call(_receive, step, self.staged, timeout_s=self.timeout_s * 2)
             self.instance.after_update()
         finally:
             self.instance.resume()
+        t2 = time.perf_counter()
         self.version = step
         self.instance.set_version(step)
         self.client.held(self.instance_id, step)
+        self.last_timing = {"wait_written": t1 - t0, "workers": t2 - t1, "held": time.perf_counter() - t2,
+                            "transport": max(s["seconds"] for s in self.last_stats)}
         return step
 
     def pull(self, attempts: int = 5) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from typing import Protocol
 
 import torch
@@ -77,6 +78,8 @@ class WeightWriter:
         self.client.post_plan_hashes("train", train.rank, hashes_of(self.plans))
         wait_plan_proven(self.client, timeout_s, participants)
         self.last: TransferStats | None = None
+        #: seconds the last write spent sending, announcing the step and (sync) waiting until it is held
+        self.last_timing: dict[str, float] = {}
         self.transport: P2PTransport | FileTransport | None = None
         self.server: PullServer | None = None
         self._step: int | None = None
@@ -117,12 +120,16 @@ class WeightWriter:
             self.server.stage(step)
             self.client.written(step, self.train.rank)
             return None
+        t0 = time.perf_counter()
         if self.transport is not None:
             with torch.no_grad():
                 self.last = self.transport.send(self.plans, self.train.tensors)
+        t1 = time.perf_counter()
         self.client.written(step, self.train.rank)
+        t2 = time.perf_counter()
         if self.mode == "sync":
             self.client.wait_held(step, range(self.shape.instances), timeout=self.timeout_s)
+        self.last_timing = {"send": t1 - t0, "written": t2 - t1, "wait_held": time.perf_counter() - t2}
         return self.last
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ from weightsync.errors import ConfigError
 from weightsync.layout.box import slices
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Topology
+from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.p2p import TransportError, describe, ensure_buffers, on_gpu, order_key, retire, settle
 from weightsync.transport.pack import direct_view, pack, segments, unpack
 
@@ -202,6 +203,7 @@ class ColocatedTransport:
         self.buffer_bytes = buffer_bytes
         self._buffers: list[torch.Tensor] = []
         self._coalescing: bool | None = None
+        self._graphs = CopyGraphs()  # the same-GPU copies, and each bucket's pack / unpack, replayed on CUDA
         self._stream: torch.cuda.Stream | None = None
 
     # -- the step -------------------------------------------------------------------------------
@@ -228,6 +230,8 @@ class ColocatedTransport:
             need = max(b.nbytes for unit in units for _, b, _ in unit)
             self._ensure_buffers(need, dev)
         free = list(self._buffers)
+        self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(),
+                           {str(i): b for i, b in enumerate(self._buffers)})
         counts = {_LOCAL: [0, 0], _SEND: [0, 0], _RECV: [0, 0]}
         for kind, b, _ in ops:
             counts[kind][0] += 1
@@ -236,10 +240,15 @@ class ColocatedTransport:
         side = self._side_stream(dev) if ordered else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side) if side is not None else _nothing():
-            for kind, b, _ in ops:
-                if kind == _LOCAL:
-                    self._local(b, src_tensors_by_train_rank[b.src_rank], dst_tensors)
+        local = [b for kind, b, _ in ops if kind == _LOCAL]
+
+        def copy_local() -> None:
+            for b in local:
+                self._local(b, src_tensors_by_train_rank[b.src_rank], dst_tensors)
+
+        if local:
+            with torch.cuda.stream(side) if side is not None else _nothing():
+                self._graphs.run(recv_plans, "local", copy_local, dev)
         inflight: deque = deque()
         posted: list = []
         for unit in units:
@@ -286,7 +295,7 @@ class ColocatedTransport:
             if slot is not None:
                 buf = slot[: b.nbytes]
                 if sending:
-                    pack(b, tensors, out=buf)
+                    self._graphs.run(b, ("pack", slot.data_ptr()), lambda b=b, t=tensors, o=buf: pack(b, t, out=o), dev)
             try:
                 work = self.group.send([buf], peer, b.index) if sending else self.group.recv([buf], peer, b.index)
             except RuntimeError as e:  # a peer already known dead fails at post time
@@ -313,7 +322,7 @@ class ColocatedTransport:
             if slot is None:
                 continue
             if kind == _RECV:
-                unpack(b, slot[: b.nbytes], dst)
+                self._graphs.run(b, ("unpack", slot.data_ptr()), lambda b=b, i=slot[: b.nbytes]: unpack(b, i, dst), slot.device)
             freed.append(slot)
         return freed
 

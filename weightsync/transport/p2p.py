@@ -51,6 +51,7 @@ from torch.distributed import ProcessGroup
 
 from weightsync.errors import WeightSyncError
 from weightsync.plan.planner import Bucket, Pair
+from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.pack import direct_view, pack, unpack
 
 
@@ -123,6 +124,7 @@ class P2PTransport:
         self.timeout = timedelta(seconds=timeout_s)
         self.buffer_bytes = buffer_bytes  # a fixed cap; None: as large as the largest bucket seen
         self._buffers: list[torch.Tensor] = []
+        self._graphs = CopyGraphs()  # pack / unpack of each bucket, replayed every step on CUDA
 
     def send(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> TransferStats:
         """Ship every bucket of this training rank's ``send_plan`` from its live ``tensors``."""
@@ -153,6 +155,7 @@ class P2PTransport:
         device = next(iter(tensors.values())).device
         ordered = on_gpu(device)
         self._ensure_buffers(max(b.nbytes for b in ops), device)
+        self._graphs.begin(tensors, {"buffers": self._buffers[0]})
         start = time.perf_counter()
         inflight: deque[tuple[Bucket, int, object, torch.Tensor | None]] = deque()
         posted: list[tuple[object, Callable[[Exception], TransportError]]] = []
@@ -165,7 +168,7 @@ class P2PTransport:
             try:
                 if sending:
                     if direct is None:
-                        pack(b, tensors, out=buf)
+                        self._graphs.run(b, ("pack", buf.data_ptr()), lambda b=b, t=tensors, o=buf: pack(b, t, out=o), device)
                     work = self.group.send([buf if direct is None else direct], peer, b.index)
                 else:
                     work = self.group.recv([buf if direct is None else direct], peer, b.index)
@@ -189,7 +192,7 @@ class P2PTransport:
         except (RuntimeError, TimeoutError) as e:  # gloo: connection reset / closed by peer, or timed out
             raise self._error(b, peer, sending, e) from e
         if not sending and buf is not None:
-            unpack(b, buf, tensors)
+            self._graphs.run(b, ("unpack", buf.data_ptr()), lambda b=b, i=buf, t=tensors: unpack(b, i, t), buf.device)
 
     def _error(self, b: Bucket, peer: int, sending: bool, cause: Exception) -> TransportError:
         pair = (b.src_rank, b.dst_instance, b.dst_rank)
