@@ -167,7 +167,11 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
             if job.get("fault") == "train-dies" and rank == 0 and step == job["steps"]:
                 import weightsync.transport.p2p as p2p
 
-                _die_after(p2p, "pack", 5)  # buckets 0-2 have surely landed by then (window 2)
+                if torch.cuda.is_available() and os.environ.get("WEIGHTSYNC_E2E_DEVICE") == "cuda":
+                    # pack/unpack replay CUDA graphs from step 2 on: die once step 2 is posted, not landed
+                    _die_after(p2p, "settle", 1)
+                else:
+                    _die_after(p2p, "pack", 5)  # buckets 0-2 have surely landed by then (window 2)
             if job.get("restart_meta_before") == step:
                 out.put(("need-restart", step))
                 _wait_file(job["restart_flag"], job["timeout"])
@@ -203,7 +207,10 @@ def check_step(ctx, model: str, engine: str, step: int, fp32: bool = False) -> s
 def _die_in_worker(ctx) -> None:
     import weightsync.transport.p2p as p2p
 
-    _die_after(p2p, "unpack", 2)
+    if ctx.device.type == "cuda":  # unpack replays a CUDA graph by now: die with step 2's receives posted
+        _die_after(p2p, "settle", 1)
+    else:
+        _die_after(p2p, "unpack", 2)
 
 
 def reader(inst: int, meta: str, job: dict, out) -> None:

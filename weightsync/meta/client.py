@@ -1,4 +1,4 @@
-"""MetaClient: one method per MetaServer route, over urllib (no extra dependency).
+"""MetaClient: one method per MetaServer route, over http.client keep-alive connections (no extra dependency).
 
 Every call has a deadline (``timeout`` seconds from the call). Connection errors and 503 answers
 (server down, restarting or stopping) are retried with backoff until that deadline, which is safe
@@ -13,6 +13,7 @@ import http.client
 import json
 import random
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -50,41 +51,78 @@ class MetaUnavailable(MetaTimeout):
 _RETRY = (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError)
 
 
+class _Connection(http.client.HTTPConnection):
+    """No Nagle: a request's header and body writes must not wait for the server's delayed ACK (40 ms)."""
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class MetaClient:
     """Talks to one job on one MetaServer."""
 
     def __init__(self, url: str, job: str, token: str | None = None, timeout: float = 30.0):
         self.url, self.job, self.token, self.timeout = url.rstrip("/"), job, token, timeout
         self._job_path = f"/v1/jobs/{urllib.parse.quote(job, safe='')}"
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"MetaServer url must be http://host:port, got {url!r}")
+        self._host, self._port, self._prefix = parts.hostname, parts.port or 80, parts.path.rstrip("/")
+        self._local = threading.local()  # one keep-alive connection per thread using this client
 
     # -- plumbing -------------------------------------------------------------------------------
+    def _connection(self, socket_s: float) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection (reused: no connect per request) and whether it was reused."""
+        conn = getattr(self._local, "conn", None)
+        reused = conn is not None
+        if conn is None:
+            conn = self._local.conn = _Connection(self._host, self._port, timeout=socket_s)
+        conn.timeout = socket_s
+        if conn.sock is not None:
+            conn.sock.settimeout(socket_s)
+        return conn, reused
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
     def _request(self, method: str, path: str, body: Mapping | None = None, query: Mapping | None = None,
                  deadline: float | None = None, poll_s: float = 0.0) -> Any:
         """One request, retried on connection errors and 503 until ``deadline``; 4xx raises MetaError."""
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout
-        url = self.url + path
+        target = self._prefix + path
         if query:
-            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+            target += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"} if data is not None else {}
         if self.token is not None:
             headers["Authorization"] = f"Bearer {self.token}"
         delay = BACKOFF_START_S
         while True:  # at least one attempt, even with a deadline already past
-            req = urllib.request.Request(url, data=data, method=method, headers=headers)
             socket_s = max(deadline - time.monotonic(), poll_s + SOCKET_MARGIN_S)
+            conn, reused = self._connection(socket_s)
             try:
-                with urllib.request.urlopen(req, timeout=socket_s) as resp:
-                    raw = resp.read()
-                    ctype = resp.headers.get("Content-Type", "")
-                return json.loads(raw) if ctype.startswith("application/json") else raw.decode()
-            except urllib.error.HTTPError as e:
-                msg, aborted = _error_message(e)
-                if e.code != 503:
+                conn.request(method, target, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                if resp.will_close:
+                    self._drop_connection()
+                if resp.status < 400:
+                    ctype = resp.getheader("Content-Type", "")
+                    return json.loads(raw) if ctype.startswith("application/json") else raw.decode()
+                msg, aborted = _error_message(resp.status, resp.reason, raw)
+                if resp.status != 503:
                     kind = MetaAborted if aborted else MetaError
-                    raise kind(f"{method} {path}: {msg}", e.code) from None
+                    raise kind(f"{method} {path}: {msg}", resp.status) from None
                 last = f"503 {msg}"
+                self._drop_connection()  # a stopping server: the retry must reach whichever server listens next
             except _RETRY as e:
+                self._drop_connection()
+                if reused:  # the server closed an idle kept-alive connection: try again at once, on a new one
+                    continue
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() >= deadline:
                 raise MetaUnavailable(f"MetaServer {self.url} unreachable until the deadline: {last}")
@@ -199,10 +237,10 @@ class MetaClient:
         return self._poll(f"{self._job_path}/rendezvous/{urllib.parse.quote(name, safe='')}", {}, timeout)["address"]
 
 
-def _error_message(e: urllib.error.HTTPError) -> tuple[str, bool]:
+def _error_message(status: int, reason: str, raw: bytes) -> tuple[str, bool]:
     """The server's message and whether it reports an aborted job."""
     try:
-        got = json.loads(e.read())
+        got = json.loads(raw)
         return str(got["error"]), "aborted" in got
     except Exception:
-        return f"HTTP {e.code} {e.reason}", False
+        return f"HTTP {status} {reason}", False

@@ -733,7 +733,12 @@ def _check_params(params: dict[str, str]) -> dict[str, Any]:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One request per connection (HTTP/1.0); every answer, errors included, is JSON or metrics text."""
+    """HTTP/1.1 keep-alive (a step's few requests reuse one connection: no connect, no new thread each);
+    every answer, errors included, is JSON or metrics text. A connection whose request body was not read
+    (an error before it) is closed, so its bytes can never be taken for the next request."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # the header and body writes of an answer go out at once
 
     server: "_HTTPServer"
     server_version = f"weightsync-meta/{__version__}"
@@ -766,11 +771,15 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             data, ctype = json.dumps(payload).encode(), "application/json"
         self.server.count(self.route, status)
+        if self.server.coord.closing:  # a kept-alive connection must not outlive this server
+            self.close_connection = True
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
@@ -812,6 +821,7 @@ class _Handler(BaseHTTPRequestHandler):
         return body
 
     def _dispatch(self, method: str) -> None:
+        self._body_read = self.headers.get("Content-Length", "0").strip() in ("", "0")
         url = urlsplit(self.path)
         parts = url.path.strip("/").split("/") if url.path.strip("/") else []
         try:
@@ -836,17 +846,19 @@ class _Handler(BaseHTTPRequestHandler):
             self.route = f"{method} /" + "/".join(template)
             params = _check_params(params)
             body = self._body() if method == "POST" else {}
+            self._body_read = True
             if self.server.coord.closing:
                 raise HTTPError(503, "server stopping; retry")
             self._send(200, fn(params, url.query, body))
         except HTTPError as e:
-            if e.status == 413 or e.status == 411:
+            if e.status == 413 or e.status == 411 or not self._body_read:
                 self.close_connection = True
             self._send(e.status, {"error": str(e), **e.extra})
         except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client went away or stalled
             self.close_connection = True
         except Exception as e:  # a bug: say so, keep serving
             traceback.print_exc(file=sys.stderr)
+            self.close_connection = True
             self._send(500, {"error": f"internal error: {type(e).__name__}"})
 
 

@@ -203,6 +203,7 @@ class ColocatedTransport:
         self.buffer_bytes = buffer_bytes
         self._buffers: list[torch.Tensor] = []
         self._coalescing: bool | None = None
+        self._checked: tuple | None = None  # (plans, their validated operations in the global order)
         self._graphs = CopyGraphs()  # the same-GPU copies, and each bucket's pack / unpack, replayed on CUDA
         self._stream: torch.cuda.Stream | None = None
 
@@ -221,8 +222,13 @@ class ColocatedTransport:
         :attr:`proxied`; its buckets addressed to me are the same local copies my recv plan lists
         (checked, and done once).
         """
-        ops = self._ops(recv_plans, send_plans_by_train_rank, src_tensors_by_train_rank)
         start = time.perf_counter()
+        plans = (recv_plans, send_plans_by_train_rank)
+        if self._checked is None or any(a is not b for a, b in zip(self._checked[0], plans)):
+            # validating and ordering is pure Python over every bucket (hashing and comparing them):
+            # done once for the plans a worker keeps, not every step
+            self._checked = (plans, self._ops(recv_plans, send_plans_by_train_rank, src_tensors_by_train_rank))
+        ops = self._checked[1]
         dev = self._device(dst_tensors, src_tensors_by_train_rank)
         ordered = on_gpu(dev)
         units = self._units([op for op in ops if op[0] != _LOCAL], dev)
