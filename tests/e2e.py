@@ -168,8 +168,9 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
                 import weightsync.transport.p2p as p2p
 
                 if torch.cuda.is_available() and os.environ.get("WEIGHTSYNC_E2E_DEVICE") == "cuda":
-                    # pack/unpack replay CUDA graphs from step 2 on: die once step 2 is posted, not landed
-                    _die_after(p2p, "settle", 1)
+                    # pack replays a CUDA graph from step 2 on, so die while posting step 2's fifth bucket
+                    # (direct_view is looked at for every bucket, graphed or not)
+                    _die_after(p2p, "direct_view", 5)
                 else:
                     _die_after(p2p, "pack", 5)  # buckets 0-2 have surely landed by then (window 2)
             if job.get("restart_meta_before") == step:

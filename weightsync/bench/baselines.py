@@ -64,12 +64,25 @@ def _gather_into(group, src: EngineLayout, train_rank: int | None, tensors: Mapp
             group.send([local_view(tensors[p.tensor], p).to(full.dtype).contiguous()], 0, GATHER_TAG).wait(timeout=timeout)
 
 
+_PIECES: dict[int, tuple[object, dict[str, list]]] = {}
+
+
+def _pieces_of(dst_layout) -> dict[str, list]:
+    """canonical name -> [(local tensor, piece)] of a layout, indexed once (MoE layouts hold ~10^4 pieces)."""
+    got = _PIECES.get(id(dst_layout))
+    if got is None or got[0] is not dst_layout:
+        index: dict[str, list] = {}
+        for name, t in dst_layout.tensors.items():
+            for p in t.pieces:
+                index.setdefault(p.canonical, []).append((name, p))
+        got = _PIECES[id(dst_layout)] = (dst_layout, index)
+    return got[1]
+
+
 def _scatter_from(dst_layout, tensors: Mapping[str, torch.Tensor], canonical: str, full: torch.Tensor) -> None:
     """An inference rank slices its pieces of one canonical tensor out of the full tensor."""
-    for name, t in dst_layout.tensors.items():
-        for p in t.pieces:
-            if p.canonical == canonical:
-                local_view(tensors[name], p).copy_(full[slices(p.canon_box)])
+    for name, p in _pieces_of(dst_layout).get(canonical, ()):
+        local_view(tensors[name], p).copy_(full[slices(p.canon_box)])
 
 
 def sync_step(
