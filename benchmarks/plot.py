@@ -24,7 +24,7 @@ def main(results: Path, out: Path) -> None:
         seen[key] = seen.get(key, 0) + 1
         labels.append(key + (f"\nrun {seen[key]}" if seen[key] > 1 else ""))
     series = {"floor": [r["floor_seconds"] for r in runs], "weightsync": [r["median_seconds"] for r in runs]}
-    for kind in ("naive", "bucketed"):
+    for kind in ("naive", "bucketed", "checkpoint-engine"):
         series[kind] = [r.get("baselines", {}).get(kind, {}).get("median_seconds") for r in runs]
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(runs)), 4))
     width = 0.8 / len(series)
@@ -33,7 +33,8 @@ def main(results: Path, out: Path) -> None:
         ys = [v * 1e3 for v in values if v is not None]
         ax.bar(xs, ys, width, label=name)
     ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(runs))], labels, fontsize=8)
-    ax.set_ylabel("ms per sync (median)")
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per sync (median, log scale)")
     ax.set_title("Time per weight sync on 2 x H200 (lower is better; a missing bar was not run)", fontsize=10)
     ax.legend()
     fig.tight_layout()

@@ -12,7 +12,7 @@ fi
 for s in "$@"; do
   t0=$(date +%s)
   timeout "${BENCH_LIMIT:-240}" python3 -m weightsync bench --scenario "$s" --model "$model" --steps "${STEPS:-5}" \
-    --baselines "${BASELINES:-naive,bucketed}" --timeout "${BENCH_TIMEOUT:-120}" --json \
+    --baselines "${BASELINES-naive,bucketed}" --timeout "${BENCH_TIMEOUT:-120}" --json \
     > "$out/$s-$model.json" 2> "$out/$s-$model.err"
   echo "== $s $model: exit $? in $(( $(date +%s) - t0 )) s"
   python3 benchmarks/summary.py "$out/$s-$model.json" || tail -c 1500 "$out/$s-$model.err"

@@ -270,10 +270,10 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
         instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}", fill=float("nan"))
         reader = WeightReader(instance, meta=meta, job="bench", instance_id=inst, instances=scen.instances,
                               timeout_s=timeout, colocate=scen.colocate)
-        peak = 0
+        # memory beyond the weights over all steps: the transport's buffers (allocated in the first step and
+        # kept) and anything a step allocates on top
+        base = instance.call(_reset_peak)
         for step in range(steps + 1):
-            if step == steps:  # transient memory of one step, beyond the weights (outside the timed steps' pace)
-                base = instance.call(_reset_peak)
             reader.update(step)
             out.put(("end", inst, step, time.time(), sum(s["bytes"] for s in reader.last_stats),
                      max(s["seconds"] for s in reader.last_stats)))
@@ -492,15 +492,18 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
 def environment() -> dict:
     """Where and with what a result was measured (recorded with every result)."""
     import datetime
+    import os
     import subprocess
 
     from weightsync import __version__
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit = os.environ.get("WEIGHTSYNC_COMMIT")  # a copied tree's .git can be stale: let the caller say
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    timeout=5).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
     nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
