@@ -21,9 +21,11 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider
 
-# On the GPU host: its own python3 holds a CUDA torch (the .venv's torch is a CPU build).
+# On the GPU host: its own python3 holds a CUDA torch (the .venv's torch is a CPU build). Wheels carried
+# in .whl (checkpoint-engine 0.4.2 and its needs, for its baseline's tests) are installed beside it.
 test-gpu:
-	NCCL_NVLS_ENABLE=0 PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu -p no:cacheprovider -rs
+	if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; fi
+	NCCL_NVLS_ENABLE=0 PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pytest -q -m gpu -p no:cacheprovider -rs
 
 clean:
 	rm -rf .venv

@@ -484,3 +484,47 @@ def test_broken_state_file_refuses_to_start(tmp_path):
     path.write_text("{half a file")
     with pytest.raises(Exception, match="cannot read MetaServer state"):
         MetaServer(state_path=str(path)).start()
+
+
+def test_requests_share_one_kept_alive_connection(server):
+    c = MetaClient(server.url, "job")
+    c.health()
+    conn = c._local.conn
+    c.register("train", 0, address="a:1")
+    c.join(0)
+    c.held(0, 1)
+    assert c._local.conn is conn and conn.sock is not None  # no reconnect between a step's requests
+    with pytest.raises(MetaError, match="goes back"):
+        c.held(0, 0)  # an error answer keeps the client usable
+    assert c.summary()["held"] == {"0": 1}
+
+
+def test_a_connection_closed_underneath_is_replaced_at_once(monkeypatch):
+    import weightsync.meta.server as meta_server
+
+    monkeypatch.setattr(meta_server._Handler, "timeout", 0.2)  # the server drops idle connections fast
+    with MetaServer().start() as server:
+        c = MetaClient(server.url, "job", timeout=5)
+        c.join(0)
+        time.sleep(0.6)  # the server has closed our kept-alive connection by now
+        t0 = time.monotonic()
+        c.held(0, 3)
+        assert time.monotonic() - t0 < 1.0  # retried on a new connection without a backoff sleep
+        c._local.conn.sock.close()  # and a socket closed on our side
+        c.held(0, 4)
+        assert c.summary()["held"] == {"0": 4}
+
+
+def test_a_request_body_left_unread_never_becomes_the_next_request():
+    # 401 before the body is read: the server must close the connection rather than parse the body
+    # as a request (keep-alive)
+    with MetaServer(token="t0k").start() as server, socket.create_connection(("127.0.0.1", server.port)) as s:
+        body = b'{"step": 1}'
+        junk = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        s.sendall(b"POST /v1/jobs/j/instances/0/held HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+                  b"Content-Length: " + str(len(body) + len(junk)).encode() + b"\r\n\r\n" + body + junk)
+        s.settimeout(5)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data.count(b"HTTP/1.") == 1, data  # one answer, then the connection closed

@@ -364,8 +364,17 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     unknown = set(baselines) - {"naive", "bucketed", CHECKPOINT_ENGINE}
     if unknown:
         raise ConfigError(f"unknown baselines {sorted(unknown)}; known: naive, bucketed, {CHECKPOINT_ENGINE}")
-    ours_too = baselines  # the baselines that run in our processes, after our steps
-    baselines = tuple(b for b in baselines if b != CHECKPOINT_ENGINE)
+    requested = baselines
+    skipped: dict[str, str] = {}
+    if scen.colocate:  # the co-located hand-over needs whole tensors on a training rank (no TP gather built)
+        from weightsync.bench.baselines import colocated_buckets
+
+        for kind in set(baselines) - {CHECKPOINT_ENGINE}:
+            try:
+                colocated_buckets(kind, train)
+            except ConfigError as e:
+                skipped[kind] = str(e)
+    baselines = tuple(b for b in baselines if b != CHECKPOINT_ENGINE and b not in skipped)  # run in our processes
     ctx = mp.get_context("spawn")
     out, link_q = ctx.Queue(), ctx.Queue()
     starts: dict[int, float] = {}
@@ -468,7 +477,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         verified=all(m[2] for m in infer_info),
         peak_transient_bytes=max([m[4] for m in train_info] + [m[4] for m in infer_info]),
     )
-    result["baselines"] = {}
+    result["baselines"] = {kind: {"ran": False, "why": why} for kind, why in skipped.items()}
     for kind in baselines:
         bt = [bends[kind, s] - bstarts[kind, s] for s in range(1, steps + 1) if (kind, s) in bends and (kind, s) in bstarts]
         if len(bt) < steps:
@@ -477,7 +486,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         m = statistics.median(bt)
         result["baselines"][kind] = {"ran": True, "median_seconds": m, "min_seconds": min(bt), "max_seconds": max(bt),
                                      "verified": bverified.get(kind, False), "speedup": m / median}
-    if CHECKPOINT_ENGINE in ours_too:  # its own processes on the same GPUs, once ours have exited
+    if CHECKPOINT_ENGINE in requested:  # its own processes on the same GPUs, once ours have exited
         from weightsync.bench.ckpt_engine import run_checkpoint_engine
 
         ce = run_checkpoint_engine(model, scenario, steps, timeout)

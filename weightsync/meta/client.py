@@ -80,7 +80,11 @@ class MetaClient:
             conn = self._local.conn = _Connection(self._host, self._port, timeout=socket_s)
         conn.timeout = socket_s
         if conn.sock is not None:
-            conn.sock.settimeout(socket_s)
+            try:
+                conn.sock.settimeout(socket_s)
+            except OSError:  # closed underneath: start over on a new connection
+                self._drop_connection()
+                return self._connection(socket_s)
         return conn, reused
 
     def _drop_connection(self) -> None:

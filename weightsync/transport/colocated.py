@@ -168,15 +168,26 @@ class ColocatedTransport:
     process's operations strictly in posting order, since X is then the oldest on both), and by
     induction every transfer does. What would break this is ordering sends and receives separately
     (say, all sends first): two workers each sending to the other with full windows would each wait
-    for a receive the other has not posted yet. Local copies never wait on anyone: they run inline,
-    synchronously, between postings, take no window slot and so do not change the argument.
+    for a receive the other has not posted yet. Local copies never wait on anyone and take no window
+    slot, so they do not change the argument.
 
-    Memory: ``window`` uint8 buffers as large as the largest remote bucket, reused across steps;
-    local copies use none.
+    On NCCL the operations go in *units*: consecutive operations of one bucket index (at most
+    ``UNIT_OPS``), posted as one NCCL group, so that a worker's send to a peer and its receive from
+    that peer run at once, both ways over NVLink, instead of one after the other on the pair's stream
+    (measured: 1.7x the bytes per second). A unit is a contiguous stretch of the worker's list and the
+    operations of a group progress independently, so the argument holds with units for operations:
+    the units before X's hold only earlier transfers. The window counts units, and, as in
+    :mod:`weightsync.transport.p2p`, it is kept by CUDA streams rather than the CPU. Local copies
+    run on a stream of their own, overlapping the NVLink traffic, and every group of copies (the
+    local ones, each bucket's pack and unpack) replays a CUDA graph (:mod:`weightsync.transport.graphs`).
 
-    Failures never hang: every wait has ``timeout_s``; a dead or stalled peer raises
-    :class:`TransportError` naming its group rank (``.peer``), the pair and the bucket. After that
-    the group's state is unknown: discard it.
+    Memory: ``window`` x ``UNIT_OPS`` uint8 buffers (``window`` on CPU) as large as the largest remote
+    bucket, reused across steps; local copies use none.
+
+    Failures never hang: on CPU every wait has ``timeout_s``; on CUDA the final watch raises once no
+    unit has completed for ``timeout_s``. A dead or stalled peer raises :class:`TransportError` naming
+    its group rank (``.peer``), the pair and the bucket. After that the group's state is unknown:
+    discard it.
     """
 
     def __init__(
@@ -288,11 +299,11 @@ class ColocatedTransport:
 
     def _post(self, unit: list, src: Mapping[int, Mapping[str, torch.Tensor]], dst: Mapping[str, torch.Tensor],
               free: list[torch.Tensor], dev: torch.device, posted: list) -> tuple:
-        """Post one unit (as one NCCL group when coalescing); return what retiring it needs."""
-        coalesce = len(unit) > 1
-        if coalesce:
-            self.group._start_coalescing(dev)
-        works, held = [], []
+        """Post one unit (as one NCCL group when coalescing); return what retiring it needs.
+
+        Every pack of the unit is queued before its first operation is posted, so whatever point of
+        the group NCCL orders its stream after, the packed bytes are ready by then."""
+        held, bufs = [], []
         for kind, b, peer in unit:
             sending = kind == _SEND
             tensors = src[b.src_rank] if sending else dst
@@ -302,12 +313,17 @@ class ColocatedTransport:
                 buf = slot[: b.nbytes]
                 if sending:
                     self._graphs.run(b, ("pack", slot.data_ptr()), lambda b=b, t=tensors, o=buf: pack(b, t, out=o), dev)
+            held.append((kind, b, peer, slot))
+            bufs.append(buf)
+        coalesce = len(unit) > 1
+        if coalesce:
+            self.group._start_coalescing(dev)
+        works = []
+        for (kind, b, peer, _), buf in zip(held, bufs):
             try:
-                work = self.group.send([buf], peer, b.index) if sending else self.group.recv([buf], peer, b.index)
+                works.append(self.group.send([buf], peer, b.index) if kind == _SEND else self.group.recv([buf], peer, b.index))
             except RuntimeError as e:  # a peer already known dead fails at post time
                 raise self._error(kind, b, peer, e) from e
-            works.append(work)
-            held.append((kind, b, peer, slot))
         if coalesce:
             works = [self.group._end_coalescing(dev)]
         kind, b, peer = unit[0]
