@@ -155,7 +155,7 @@ class P2PTransport:
         device = next(iter(tensors.values())).device
         ordered = on_gpu(device)
         self._ensure_buffers(max(b.nbytes for b in ops), device)
-        self._graphs.begin(tensors, {"buffers": self._buffers[0]})
+        self._graphs.begin(tensors, {str(i): b for i, b in enumerate(self._buffers)})
         start = time.perf_counter()
         inflight: deque[tuple[Bucket, int, object, torch.Tensor | None]] = deque()
         posted: list[tuple[object, Callable[[Exception], TransportError]]] = []
