@@ -1,9 +1,11 @@
 """The bench's data: any rank regenerates any region, and each step's bits differ (the GPU runs use it)."""
 
+import pytest
 import torch
 
 from weightsync.bench.run import SCENARIOS, advance, check, init_weights, moved_per_gpu
 from weightsync.engines import make_layout
+from weightsync.errors import ConfigError
 from weightsync.layout.materialize import TORCH_DTYPES
 from weightsync.runtime.instance import WorkerContext
 from weightsync.spec import load_spec
@@ -38,3 +40,25 @@ def test_results_record_where_they_were_measured():
     env = environment()
     assert {"date", "gpus", "torch", "nccl", "weightsync", "commit"} <= env.keys()
     assert env["torch"] == torch.__version__
+
+
+def test_every_scenario_plans_and_places_on_its_gpus():
+    # the 4-GPU scenarios have not run on a GPU yet: at least their plans, GPU placement and the
+    # co-located baselines' applicability are checked here
+    from weightsync.bench.baselines import colocated_buckets
+
+    spec = load_spec("qwen3-8b")
+    for name, s in SCENARIOS.items():
+        train, infer = make_layout(spec, s.train), make_layout(spec, s.infer)
+        per = moved_per_gpu(train, infer, s)
+        assert set(per) <= set(range(s.gpus)), (name, per)
+        # every instance receives the whole model once, from its own GPU or from the others
+        assert sum(local + remote for local, remote in per.values()) >= s.instances * spec.nbytes, name
+        if not s.colocate:
+            continue
+        if train.config.get("tp", 1) > 1:  # no TP gather in the co-located baselines: reported as not run
+            with pytest.raises(ConfigError, match="split over training ranks"):
+                colocated_buckets("bucketed", train)
+        else:  # every canonical tensor handed over exactly once
+            buckets = colocated_buckets("bucketed", train)
+            assert sorted(t.name for bs in buckets.values() for b in bs for t in b) == sorted(spec.by_name), name
