@@ -22,6 +22,7 @@ import json
 import multiprocessing as mp
 import queue
 import statistics
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -384,6 +385,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     ends: dict[int, float] = {}
     moved = {}
     transfer: dict[int, float] = {}  # per step: the slowest worker's time inside the transport
+    reported: dict[int, int] = {}  # per step: instances that reported it
     phases: dict[str, list[float]] = {}  # where a step's time goes (training rank 0, instance 0), per timed step
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
                     "instances": scen.instances, "colocate": scen.colocate, "errors": [], **environment()}
@@ -416,6 +418,13 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
                 ends[msg[2]] = max(ends.get(msg[2], 0.0), msg[3])
                 moved[msg[2]] = moved.get(msg[2], 0) + msg[4]
                 transfer[msg[2]] = max(transfer.get(msg[2], 0.0), msg[5])
+                reported[msg[2]] = reported.get(msg[2], 0) + 1
+                if msg[2] == steps and reported[msg[2]] == scen.instances:  # ours are done; baselines may take long
+                    ours = [ends[s] - starts[s] for s in range(1, steps + 1) if s in starts and s in ends]
+                    if ours:
+                        print(json.dumps({"scenario": scenario, "model": model, "partial": "weightsync steps done",
+                                          "median_seconds": statistics.median(ours), "step_seconds": ours}),
+                              file=sys.stderr, flush=True)
             elif kind == "bstart":
                 key = (msg[1], msg[2])
                 bstarts[key] = min(bstarts.get(key, msg[3]), msg[3])
