@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import json
+import math
 import os
 import tempfile
 
@@ -170,8 +171,6 @@ def _mine(src: EngineLayout, canonical: str, rank: int) -> list:
 
 def _covered(src: EngineLayout, t, rank: int) -> bool:
     """Whether training rank ``rank`` alone holds every element of canonical tensor ``t``."""
-    import math
-
     return sum(math.prod(n for _, n in p.canon_box) for p in _mine(src, t.name, rank)) >= math.prod(t.shape)
 
 

@@ -238,9 +238,10 @@ def _colocated_baselines_train(rank, scen, engine, tensors, writer, store_port, 
     from datetime import timedelta
 
     from weightsync.bench.baselines import ColocatedTrainer
+    from weightsync.engines import make_layout
 
     store = _store(store_port, rank == 0, timeout)
-    workers = scen.instances * make_layout_world(engine.spec, scen.infer)
+    workers = scen.instances * make_layout(engine.spec, scen.infer).world_size
     wait = timedelta(seconds=timeout)
     for kind in baselines:
         side = ColocatedTrainer(kind, engine, rank, tensors, store, workers, writer.client.publish)
@@ -251,12 +252,6 @@ def _colocated_baselines_train(rank, scen, engine, tensors, writer, store_port, 
             side.step(step, wait)
     if rank == 0:  # keep serving the store until every worker is through
         store.wait([f"{baselines[-1]}/done{j}" for j in range(workers)], wait)
-
-
-def make_layout_world(spec, engine: str) -> int:
-    from weightsync.engines import make_layout
-
-    return make_layout(spec, engine).world_size
 
 
 def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
