@@ -115,6 +115,20 @@ def test_inference_process_killed():
     assert train_errors[0][3] == "TransportError", train_errors
 
 
+@pytest.mark.parametrize("side", ["writer", "reader"])
+def test_transient_memory_over_budget_refused_before_any_transfer(side):
+    # buffers are window x the largest bucket (x2 co-located): with 4 KiB buckets, a 5 KiB budget is too small
+    job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", steps=1, timeout=10.0, bucket_bytes=4096,
+               colocate=side == "reader")
+    job["memory_budget" if side == "writer" else "reader_memory_budget"] = 5000
+    messages = run_job(job)
+    assert not [m for m in messages if m[0] in ("wrote", "updated")], messages
+    errors = [m for m in messages if m[0] == "error"]
+    assert {m[1] for m in errors} == {"train", "infer"}, errors  # the whole job stops, not just the refuser
+    text = " ".join(m[4] for m in errors)
+    assert "memory budget of 5000 bytes" in text and "bucket_bytes <=" in text, text
+
+
 def test_mismatched_model_refused_before_any_transfer():
     job = dict(model="tiny-qwen3", infer_model="tiny-llama3", train="hf", infer="hf", steps=1, timeout=10.0)
     messages = run_job(job)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.errors import ConfigError
+from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 
 
 CHECKPOINT_ENGINE = "checkpoint-engine"
@@ -480,6 +481,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         efficiency=floor / median,
         verified=all(m[2] for m in infer_info),
         peak_transient_bytes=max([m[4] for m in train_info] + [m[4] for m in infer_info]),
+        memory_budget_bytes=DEFAULT_MEMORY_BUDGET,  # the writers' and readers' default, checked at set-up
     )
     result["baselines"] = {kind: {"ran": False, "why": why} for kind, why in skipped.items()}
     for kind in baselines:

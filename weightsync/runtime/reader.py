@@ -18,9 +18,19 @@ from weightsync.engines import make_layout
 from weightsync.meta.client import MetaClient
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.instance import InferenceInstance, WorkerContext
-from weightsync.runtime.job import JobShape, hashes_of, job_shape, register, wait_plan_proven, wait_side
+from weightsync.runtime.job import (
+    DEFAULT_MEMORY_BUDGET,
+    JobShape,
+    enforce_memory_budget,
+    hashes_of,
+    job_shape,
+    register,
+    wait_plan_proven,
+    wait_side,
+)
 from weightsync.spec.model import spec_from_config
-from weightsync.transport.p2p import TransportError
+from weightsync.transport.colocated import UNIT_OPS
+from weightsync.transport.p2p import DEFAULT_WINDOW, TransportError
 
 
 class WeightReader:
@@ -39,6 +49,7 @@ class WeightReader:
         transport: str = "p2p",
         directory: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
         timeout_s: float = 60.0,
         staged: bool = False,
         mode: str = "sync",
@@ -61,9 +72,13 @@ class WeightReader:
         readers = wait_side(self.client, "infer", timeout_s, count=instances * dst.world_size)
         trainers = wait_side(self.client, "train", timeout_s)
         self.shape = job_shape(trainers + readers, colocate, bucket_bytes)
-        hashes = instance.call(_plan, self.shape, dict(instance.model_config), instance_id, timeout_s=timeout_s)
+        planned = instance.call(_plan, self.shape, dict(instance.model_config), instance_id, timeout_s=timeout_s)
+        if transport == "p2p":  # each worker keeps buffers as large as the largest bucket it moves
+            slots = DEFAULT_WINDOW * (UNIT_OPS if colocate else 1)
+            for rank, (_, largest) in enumerate(planned):
+                enforce_memory_budget(self.client, memory_budget, slots, largest, f"instance {instance_id} rank {rank}")
         participants = len(trainers) + len(readers)
-        for rank, pairs in enumerate(hashes):
+        for rank, (pairs, _) in enumerate(planned):
             self.client.post_plan_hashes("infer", rank, pairs, instance=instance_id)
         wait_plan_proven(self.client, timeout_s, participants)
         backend = trainers[0]["engine_config"].get("backend", "gloo")
@@ -141,13 +156,23 @@ class WeightReader:
 # -- functions run on every worker of the instance ------------------------------------------------
 
 
-def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: int) -> dict:
-    """Plan this worker's receives; keep the plan; return its pair hashes."""
+def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: int) -> tuple[dict, int]:
+    """Plan this worker's receives; keep the plan; return its pair hashes and the largest bucket it will
+    buffer (co-located: the cross-GPU ones, received or sent for the training rank it proxies)."""
     spec = spec_from_config(model_config)
     planner = shape.planner(spec)
     plans = planner.recv_plan(instance_id, ctx.rank)
     ctx.state.update(plans=plans, shape=shape, instance=instance_id, planner=planner)
-    return hashes_of(plans)
+    buckets = [b for bs in plans.values() for b in bs]
+    if shape.colocate:
+        from weightsync.transport.colocated import ColocatedRanks
+
+        ranks = ColocatedRanks(shape.train_world, shape.infer_world, shape.instances)
+        me = ranks.infer(instance_id, ctx.rank)
+        sent = [b for t in ranks.proxied_by(me) for bs in planner.send_plan(t).values() for b in bs]
+        buckets = [b for b in buckets + sent
+                   if ranks.proxy(b.src_rank) != ranks.infer(b.dst_instance, b.dst_rank)]  # local copies need none
+    return hashes_of(plans), max((b.nbytes for b in buckets), default=0)
 
 
 def _connect(ctx: WorkerContext, address: str, backend: str, timeout_s: float) -> None:

@@ -19,12 +19,20 @@ import torch
 from weightsync.layout.layout import EngineLayout, Layout
 from weightsync.meta.client import MetaClient
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
-from weightsync.runtime.job import hashes_of, job_shape, register, wait_plan_proven, wait_side
+from weightsync.runtime.job import (
+    DEFAULT_MEMORY_BUDGET,
+    enforce_memory_budget,
+    hashes_of,
+    job_shape,
+    register,
+    wait_plan_proven,
+    wait_side,
+)
 from weightsync.runtime.pull import PullServer
 from weightsync.spec.model import ModelSpec
 from weightsync.transport.file import FileTransport
 from weightsync.transport.group import free_port, new_group
-from weightsync.transport.p2p import JobRanks, P2PTransport, TransferStats
+from weightsync.transport.p2p import DEFAULT_WINDOW, JobRanks, P2PTransport, TransferStats
 
 
 class TrainSide(Protocol):
@@ -52,6 +60,7 @@ class WeightWriter:
         transport: str = "p2p",
         directory: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
         backend: str | None = None,
         timeout_s: float = 60.0,
         host: str = "127.0.0.1",
@@ -74,6 +83,9 @@ class WeightWriter:
         self.shape = job_shape(trainers + readers, colocate, bucket_bytes)
         planner = self.shape.planner(train.spec, src=train.engine)
         self.plans = planner.send_plan(train.rank)
+        if transport == "p2p" and not colocate:  # co-located, the inference workers hold the buffers
+            largest = max((b.nbytes for bs in self.plans.values() for b in bs), default=0)
+            enforce_memory_budget(self.client, memory_budget, DEFAULT_WINDOW, largest, f"training rank {train.rank}")
         participants = len(trainers) + len(readers)
         self.client.post_plan_hashes("train", train.rank, hashes_of(self.plans))
         wait_plan_proven(self.client, timeout_s, participants)

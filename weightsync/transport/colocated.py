@@ -39,7 +39,16 @@ from weightsync.layout.box import slices
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Topology
 from weightsync.transport.graphs import CopyGraphs
-from weightsync.transport.p2p import TransportError, describe, ensure_buffers, on_gpu, order_key, retire, settle
+from weightsync.transport.p2p import (
+    DEFAULT_WINDOW,
+    TransportError,
+    describe,
+    ensure_buffers,
+    on_gpu,
+    order_key,
+    retire,
+    settle,
+)
 from weightsync.transport.pack import direct_view, pack, segments, unpack
 
 Plans = Mapping[Pair, list[Bucket]]
@@ -195,7 +204,7 @@ class ColocatedTransport:
         group: ProcessGroup,
         ranks: ColocatedRanks,
         *,
-        window: int = 2,
+        window: int = DEFAULT_WINDOW,
         timeout_s: float = 60.0,
         buffer_bytes: int | None = None,
     ):

@@ -55,6 +55,9 @@ from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.pack import direct_view, pack, unpack
 
 
+DEFAULT_WINDOW = 2  # transfers in flight per rank, each with its buffer (pack k+1 overlaps transfer k)
+
+
 class TransportError(WeightSyncError):
     """A transfer failed or timed out: the peer died, stalled, or the plans disagree."""
 
@@ -112,7 +115,7 @@ class P2PTransport:
         group: ProcessGroup,
         ranks: JobRanks,
         *,
-        window: int = 2,
+        window: int = DEFAULT_WINDOW,
         timeout_s: float = 60.0,
         buffer_bytes: int | None = None,
     ):
