@@ -73,7 +73,7 @@ class WeightWriter:
             raise ValueError("async mode runs over the p2p transport, separated (not co-located)")
         self.train, self.mode, self.timeout_s = train, mode, timeout_s
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
-        device = next(iter(train.tensors.values())).device
+        device = self._device = next(iter(train.tensors.values())).device
         self.backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         register(self.client, train.spec, "train", train.rank, train.engine, train.layout,
                  extra={"colocate": colocate, "bucket_bytes": bucket_bytes, "backend": self.backend,
@@ -136,6 +136,11 @@ class WeightWriter:
         if self.transport is not None:
             with torch.no_grad():
                 self.last = self.transport.send(self.plans, self.train.tensors)
+        elif self._device.type == "cuda":
+            # co-located: other processes read the weights as soon as we announce them, outside any stream
+            # order of ours, so the optimizer's kernels must have finished first (p2p sends are ordered
+            # after them by the stream; the file transport's copies to host wait for them)
+            torch.cuda.synchronize(self._device)
         t1 = time.perf_counter()
         self.client.written(step, self.train.rank)
         t2 = time.perf_counter()
