@@ -15,9 +15,7 @@ import random
 import socket
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any, Iterable, Mapping
 
 from weightsync import __version__
@@ -48,7 +46,7 @@ class MetaUnavailable(MetaTimeout):
     """The deadline passed while the server could not be reached (down, restarting, stopping)."""
 
 
-_RETRY = (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError)
+_RETRY = (http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError)
 
 
 class _Connection(http.client.HTTPConnection):
