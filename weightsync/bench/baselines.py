@@ -209,6 +209,17 @@ class ColocatedTrainer:
         for k in range(max(0, len(self.buckets) - SLOTS), len(self.buckets)):
             self.store.wait(acked(k), timeout)
 
+    def finish(self, timeout) -> None:
+        """Say this rank is through; training rank 0 serves the store, so it waits for every trainer and worker."""
+        self.store.set(_done(self.kind, f"train{self.rank}"), "1")
+        if self.rank == 0:
+            self.store.wait([_done(self.kind, f"train{r}") for r in range(self.src.world_size)]
+                            + [_done(self.kind, f"worker{j}") for j in range(self.workers)], timeout)
+
+
+def _done(kind: str, who: str) -> str:
+    return f"{kind}/done/{who}"
+
 
 class ColocatedWorker:
     """An inference worker's side: open every training rank's buffers once; every step slice each bucket out."""
@@ -233,6 +244,10 @@ class ColocatedWorker:
                     _scatter_from(self.dst_layout, self.tensors, t.name, v)
                 _sync(next(iter(self.tensors.values())).device)
                 self.store.set(_key(self.kind, step, r, k, f"ack{self.worker}"), "1")
+
+    def finish(self) -> None:
+        """Say this worker is through (training rank 0 may stop serving the store once everyone did)."""
+        self.store.set(_done(self.kind, f"worker{self.worker}"), "1")
 
 
 def _sync(device: torch.device) -> None:

@@ -251,8 +251,7 @@ def _colocated_baselines_train(rank, scen, engine, tensors, writer, store_port, 
             torch.cuda.synchronize()
             out.put(("bstart", kind, step, time.time()))
             side.step(step, wait)
-    if rank == 0:  # keep serving the store until every worker is through
-        store.wait([f"{baselines[-1]}/done{j}" for j in range(workers)], wait)
+        side.finish(wait)  # rank 0 serves the store: it waits until every trainer and worker is through
 
 
 def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
@@ -337,7 +336,7 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
         torch.cuda.synchronize(ctx.device)
         ends.append(time.time())
     if scen.colocate:
-        store.set(f"{kind}/done{inst * dst.world_size + ctx.rank}", "1")  # training rank 0 may stop serving the store
+        side.finish()
     return ends, check(ctx, model, scen.infer, doublings)
 
 
