@@ -57,7 +57,12 @@ def test_baseline_moves_the_right_bits(case):
     ctx = mp.get_context("spawn")
     failures = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_member, args=(r, port, case, failures)) for r in range(world)]
+    _run_all(ctx, _member, [(r, port, case, failures) for r in range(world)], failures)
+
+
+def _run_all(ctx, target, arg_lists: list[tuple], failures) -> None:
+    """One spawned process per argument tuple; every one must exit cleanly and report no failure."""
+    procs = [ctx.Process(target=target, args=args) for args in arg_lists]
     for p in procs:
         p.start()
     for p in procs:
@@ -121,14 +126,9 @@ def test_colocated_baseline_moves_the_right_bits(kind):
     failures = ctx.Queue()
     port = free_port()
     with MetaServer(port=0) as meta:
-        procs = [ctx.Process(target=_colo_member, args=(role, r, port, meta.url, case, failures))
-                 for role, n in (("train", make_layout(spec, case[1]).world_size), ("infer", 2)) for r in range(n)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    assert failures.empty(), failures.get()
+        _run_all(ctx, _colo_member, [(role, r, port, meta.url, case, failures)
+                                     for role, n in (("train", make_layout(spec, case[1]).world_size), ("infer", 2))
+                                     for r in range(n)], failures)
 
 
 def test_colocated_baselines_refuse_split_training_tensors():

@@ -197,7 +197,7 @@ class ColocatedTrainer:
             publish(f"bench-colo.{kind}.{rank}.{j}", path)
 
     def step(self, step: int, timeout) -> None:
-        acked = lambda k: [_key(self.kind, step, self.rank, k, f"ack{j}") for j in range(self.workers)]  # noqa: E731
+        acked = lambda k: [_key(self.kind, step, self.rank, k, f"ack{j}") for j in range(self.workers)]
         for k, bucket in enumerate(self.buckets):
             if k >= SLOTS:
                 self.store.wait(acked(k - SLOTS), timeout)

@@ -32,7 +32,6 @@ import torch
 from weightsync.errors import ConfigError
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 
-
 CHECKPOINT_ENGINE = "checkpoint-engine"
 
 
@@ -202,22 +201,8 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             link = sum(sizes) / statistics.median(times)
-        if baselines and scen.colocate:
-            _colocated_baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines)
-        elif baselines:
-            from datetime import timedelta
-
-            from weightsync.bench.baselines import sync_step
-
-            dst = make_layout(spec, scen.infer)
-            for kind in baselines:
-                for step in range(steps + 1):
-                    advance(tensors)
-                    torch.cuda.synchronize()
-                    out.put(("bstart", kind, step, time.time()))
-                    sync_step(kind, writer.transport.group, writer.ranks, engine, dst, train_rank=rank, tensors=tensors,
-                              device=torch.device("cuda", rank), timeout=timedelta(seconds=timeout))
-                    torch.cuda.synchronize()
+        if baselines:
+            _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines)
         out.put(("train-done", rank, sent, link, peak))
     except BaseException as e:
         import traceback
@@ -234,24 +219,34 @@ def _store(port: int, is_master: bool, timeout: float):
     return TCPStore("127.0.0.1", port, is_master=is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def _colocated_baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines):
-    """Training side of the co-located baselines: each kind in turn, ``steps + 1`` syncs each."""
+def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines):
+    """Training side of the baselines: each kind in turn, ``steps + 1`` syncs each, over the same group
+    (separated) or through the co-located hand-over."""
     from datetime import timedelta
 
-    from weightsync.bench.baselines import ColocatedTrainer
+    from weightsync.bench.baselines import ColocatedTrainer, sync_step
     from weightsync.engines import make_layout
 
-    store = _store(store_port, rank == 0, timeout)
-    workers = scen.instances * make_layout(engine.spec, scen.infer).world_size
     wait = timedelta(seconds=timeout)
+    dst = make_layout(engine.spec, scen.infer)
+    store = _store(store_port, rank == 0, timeout) if scen.colocate else None
     for kind in baselines:
-        side = ColocatedTrainer(kind, engine, rank, tensors, store, workers, writer.client.publish)
+        if scen.colocate:
+            side = ColocatedTrainer(kind, engine, rank, tensors, store, scen.instances * dst.world_size,
+                                    writer.client.publish)
+            one = lambda step, side=side: side.step(step, wait)
+        else:
+            one = lambda step, kind=kind: sync_step(
+                kind, writer.transport.group, writer.ranks, engine, dst, train_rank=rank, tensors=tensors,
+                device=torch.device("cuda", rank), timeout=wait)
         for step in range(steps + 1):
             advance(tensors)
             torch.cuda.synchronize()
             out.put(("bstart", kind, step, time.time()))
-            side.step(step, wait)
-        side.finish(wait)  # rank 0 serves the store: it waits until every trainer and worker is through
+            one(step)
+            torch.cuda.synchronize()
+        if scen.colocate:
+            side.finish(wait)  # rank 0 serves the store: it waits until every trainer and worker is through
 
 
 def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
@@ -325,10 +320,10 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
         client = MetaClient(meta, "bench", timeout=timeout)
         side = ColocatedWorker(kind, src, dst.layout(ctx.rank), inst * dst.world_size + ctx.rank, ctx.tensors, store,
                                lambda key: client.lookup(key, timeout=timeout))
-        one = lambda: side.step(step, wait)  # noqa: E731
+        one = lambda: side.step(step, wait)
     else:
         transport = ctx.state["transport"]
-        one = lambda: sync_step(kind, transport.group, transport.ranks, src, dst, infer=(inst, ctx.rank),  # noqa: E731
+        one = lambda: sync_step(kind, transport.group, transport.ranks, src, dst, infer=(inst, ctx.rank),
                                 tensors=ctx.tensors, device=ctx.device, timeout=wait)
     ends = []
     for step in range(steps + 1):

@@ -75,6 +75,11 @@ class Bucket:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.copies)
 
+    @property
+    def pair(self) -> tuple[int, int, int]:
+        """(src rank, dst instance, dst rank): the :data:`Pair` this bucket travels between."""
+        return (self.src_rank, self.dst_instance, self.dst_rank)
+
 
 Pair = tuple[int, int, int]  # (src rank, dst instance, dst rank)
 

@@ -24,35 +24,28 @@ from weightsync.plan.planner import Bucket, Pair, Planner, pair_hash
 from weightsync.plan.topology import Topology
 from weightsync.spec.model import ModelSpec, spec_from_config
 
-
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes a transport may keep on a GPU beyond the weights
 
 
-def check_memory_budget(budget: int | None, slots: int, largest: int, who: str) -> int:
+def enforce_memory_budget(client: MetaClient, budget: int | None, slots: int, largest: int, who: str) -> int:
     """Refuse, before any byte moves, a transport whose buffers would exceed ``budget``; return their bytes.
 
     A transport keeps ``slots`` reusable buffers, each as large as the ``largest`` bucket it moves (see
     :func:`weightsync.transport.p2p.ensure_buffers`): that, allocated in the first step and kept, is
     all the GPU memory a step needs beyond the weights (a staged reader's copy of its weights and
-    an async writer's snapshot are chosen on top of it). ``None``: no budget.
+    an async writer's snapshot are chosen on top of it). ``None``: no budget. A refusal aborts the
+    whole job, so every peer stops at once.
     """
     need = slots * largest
     if budget is not None and need > budget:
-        raise ConfigError(
+        reason = (
             f"{who}: the transport would keep {slots} buffers of {largest} bytes (its largest bucket) = {need} "
             f"bytes beyond the weights, over the memory budget of {budget} bytes; plan smaller buckets "
             f"(bucket_bytes <= {budget // slots}) or raise memory_budget"
         )
+        client.abort(reason)
+        raise ConfigError(reason)
     return need
-
-
-def enforce_memory_budget(client: MetaClient, budget: int | None, slots: int, largest: int, who: str) -> int:
-    """:func:`check_memory_budget`, aborting the whole job on refusal so every peer stops at once."""
-    try:
-        return check_memory_budget(budget, slots, largest, who)
-    except ConfigError as e:
-        client.abort(str(e))
-        raise
 
 
 class JobMismatch(WeightSyncError):

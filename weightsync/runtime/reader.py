@@ -29,7 +29,7 @@ from weightsync.runtime.job import (
     wait_side,
 )
 from weightsync.spec.model import spec_from_config
-from weightsync.transport.colocated import UNIT_OPS
+from weightsync.transport.colocated import buffer_slots
 from weightsync.transport.p2p import DEFAULT_WINDOW, TransportError
 
 
@@ -74,7 +74,7 @@ class WeightReader:
         self.shape = job_shape(trainers + readers, colocate, bucket_bytes)
         planned = instance.call(_plan, self.shape, dict(instance.model_config), instance_id, timeout_s=timeout_s)
         if transport == "p2p":  # each worker keeps buffers as large as the largest bucket it moves
-            slots = DEFAULT_WINDOW * (UNIT_OPS if colocate else 1)
+            slots = buffer_slots(DEFAULT_WINDOW) if colocate else DEFAULT_WINDOW
             for rank, (_, largest) in enumerate(planned):
                 enforce_memory_budget(self.client, memory_budget, slots, largest, f"instance {instance_id} rank {rank}")
         participants = len(trainers) + len(readers)
@@ -164,14 +164,14 @@ def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: 
     plans = planner.recv_plan(instance_id, ctx.rank)
     ctx.state.update(plans=plans, shape=shape, instance=instance_id, planner=planner)
     buckets = [b for bs in plans.values() for b in bs]
-    if shape.colocate:
+    if shape.colocate:  # plus what it sends for the training rank it proxies; local copies need no buffer
         from weightsync.transport.colocated import ColocatedRanks
 
         ranks = ColocatedRanks(shape.train_world, shape.infer_world, shape.instances)
-        me = ranks.infer(instance_id, ctx.rank)
-        sent = [b for t in ranks.proxied_by(me) for bs in planner.send_plan(t).values() for b in bs]
-        buckets = [b for b in buckets + sent
-                   if ranks.proxy(b.src_rank) != ranks.infer(b.dst_instance, b.dst_rank)]  # local copies need none
+        send_plans = {t: planner.send_plan(t) for t in ranks.proxied_by(ranks.infer(instance_id, ctx.rank))}
+        ctx.state["send_plans"] = send_plans
+        buckets = [b for b in buckets + [b for ps in send_plans.values() for bs in ps.values() for b in bs]
+                   if ranks.sender(b.pair) != ranks.receiver(b.pair)]
     return hashes_of(plans), max((b.nbytes for b in buckets), default=0)
 
 
@@ -210,14 +210,11 @@ def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s:
         port = int(port_s)
     device = ctx.device if ctx.device.type == "cuda" else None
     group = new_group(host, port, me, ranks.world_size, backend, timeout_s, device=device, name="weightsync-colo")
-    planner = ctx.state["planner"]  # the one _plan built: its caches serve the proxied send plans too
-    sources, send_plans = {}, {}
-    for t in ranks.proxied_by(me):
+    sources = {}
+    for t in ctx.state["send_plans"]:  # the training ranks this worker proxies (_plan planned their sends)
         with open(client.lookup(f"share.{t}", timeout=timeout_s)) as f:
             sources[t] = import_tensors(json.load(f))  # same host, same GPU numbering
-        send_plans[t] = planner.send_plan(t)
-    ctx.state.update(transport=ColocatedTransport(group, ranks, timeout_s=timeout_s), sources=sources,
-                     send_plans=send_plans)
+    ctx.state.update(transport=ColocatedTransport(group, ranks, timeout_s=timeout_s), sources=sources)
 
 
 def _connect_file(ctx: WorkerContext, directory: str, timeout_s: float) -> None:

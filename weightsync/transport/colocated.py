@@ -44,6 +44,7 @@ from weightsync.transport.p2p import (
     TransportError,
     describe,
     ensure_buffers,
+    first_line,
     on_gpu,
     order_key,
     retire,
@@ -153,6 +154,11 @@ class ColocatedStats:
 
 _LOCAL, _SEND, _RECV = "local", "send", "recv"
 UNIT_OPS = 2  # remote operations posted as one NCCL group (a send and a receive between two workers)
+
+
+def buffer_slots(window: int, coalescing: bool = True) -> int:
+    """Buffers a worker keeps: one per remote operation in flight (``window`` units of ``UNIT_OPS`` on NCCL)."""
+    return window * (UNIT_OPS if coalescing else 1)
 
 
 @contextlib.contextmanager
@@ -441,7 +447,7 @@ class ColocatedTransport:
             region.copy_(src[seg.src_tensor][slices(seg.src_box)].reshape(region.shape))
 
     def _error(self, kind: str, b: Bucket, peer: int, cause: Exception) -> TransportError:
-        pair = (b.src_rank, b.dst_instance, b.dst_rank)
+        pair = b.pair
         if kind == _SEND:
             what = (
                 f"sending bucket {b.index} ({b.nbytes} bytes) of {describe(pair)}, "
@@ -449,10 +455,9 @@ class ColocatedTransport:
             )
         else:
             what = f"receiving bucket {b.index} ({b.nbytes} bytes) of {describe(pair)} from the proxy"
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         return TransportError(
             f"group rank {self.me}: {what} group rank {peer} failed "
-            f"(wait timeout {self.timeout.total_seconds():g}s): {first}",
+            f"(wait timeout {self.timeout.total_seconds():g}s): {first_line(cause)}",
             peer=peer,
             pair=pair,
             bucket=b.index,
@@ -468,5 +473,5 @@ class ColocatedTransport:
         return torch.device("cpu")
 
     def _ensure_buffers(self, need: int, device: torch.device) -> None:
-        slots = self.window * (UNIT_OPS if self._coalesce(device) else 1)
+        slots = buffer_slots(self.window, self._coalesce(device))
         self._buffers = ensure_buffers(self._buffers, slots, need, self.buffer_bytes, device)

@@ -202,7 +202,7 @@ class FileTransport:
     def _check_pairs(plans: Plans) -> None:
         for pair, bs in plans.items():
             for b in bs:
-                if (b.src_rank, b.dst_instance, b.dst_rank) != tuple(pair):
+                if b.pair != tuple(pair):
                     raise TransportError(f"plan of {describe(pair)} holds bucket {b.index} of another pair", pair=pair)
 
     def _packing_buffer(self, need: int, device: torch.device) -> torch.Tensor:

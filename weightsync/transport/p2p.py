@@ -54,7 +54,6 @@ from weightsync.plan.planner import Bucket, Pair
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.pack import direct_view, pack, unpack
 
-
 DEFAULT_WINDOW = 2  # transfers in flight per rank, each with its buffer (pack k+1 overlaps transfer k)
 
 
@@ -101,6 +100,12 @@ class TransferStats:
 def order_key(b: Bucket) -> tuple[int, int, int, int]:
     """The one global order every rank walks its buckets in (see the module docstring)."""
     return (b.index, b.src_rank, b.dst_instance, b.dst_rank)
+
+
+def first_line(cause: Exception) -> str:
+    """The first line of an exception's message (backend errors run to many), or its type when empty."""
+    text = str(cause).strip()
+    return text.splitlines()[0] if text else type(cause).__name__
 
 
 def describe(pair: Pair) -> str:
@@ -165,7 +170,7 @@ class P2PTransport:
         for k, b in enumerate(ops):
             if len(inflight) == self.window:
                 self._finish(*inflight.popleft(), tensors, sending, ordered)
-            peer = peer_of((b.src_rank, b.dst_instance, b.dst_rank))
+            peer = peer_of(b.pair)
             direct = direct_view(b, tensors, sending)  # zero-copy: the bytes already lie contiguous in place
             buf = self._buffers[k % self.window][: b.nbytes]  # the slot bucket k - window just freed
             try:
@@ -198,13 +203,12 @@ class P2PTransport:
             self._graphs.run(b, ("unpack", buf.data_ptr()), lambda b=b, i=buf, t=tensors: unpack(b, i, t), buf.device)
 
     def _error(self, b: Bucket, peer: int, sending: bool, cause: Exception) -> TransportError:
-        pair = (b.src_rank, b.dst_instance, b.dst_rank)
+        pair = b.pair
         verb = "sending" if sending else "receiving"
         way = "to" if sending else "from"
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         return TransportError(
             f"group rank {self.group.rank()}: {verb} bucket {b.index} ({b.nbytes} bytes) of {describe(pair)} "
-            f"{way} group rank {peer} failed (wait timeout {self.timeout.total_seconds():g}s): {first}",
+            f"{way} group rank {peer} failed (wait timeout {self.timeout.total_seconds():g}s): {first_line(cause)}",
             peer=peer,
             pair=pair,
             bucket=b.index,
