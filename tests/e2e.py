@@ -168,12 +168,9 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
             if job.get("fault") == "train-dies" and rank == 0 and step == job["steps"]:
                 import weightsync.transport.p2p as p2p
 
-                if torch.cuda.is_available() and os.environ.get("WEIGHTSYNC_E2E_DEVICE") == "cuda":
-                    # pack replays a CUDA graph from step 2 on, so die while posting step 2's fifth bucket
-                    # (direct_view is looked at for every bucket, graphed or not)
-                    _die_after(p2p, "direct_view", 5)
-                else:
-                    _die_after(p2p, "pack", 5)  # buckets 0-2 have surely landed by then (window 2)
+                # die while posting the last step's fifth bucket: buckets 0-2 have surely landed by then
+                # (window 2); post() runs for every bucket (packing may be a graph replay, or not needed)
+                _die_after(p2p, "post", 5)
             if job.get("restart_meta_before") == step:
                 out.put(("need-restart", step))
                 _wait_file(job["restart_flag"], job["timeout"])

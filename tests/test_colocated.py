@@ -31,6 +31,7 @@ from weightsync.testing import random_canonical
 from weightsync.transport import colocated, share
 from weightsync.transport.colocated import ColocatedRanks, ColocatedTransport, proxy_of
 from weightsync.transport.group import free_port, new_group
+from weightsync.transport.pack import DIRECT_MIN_BYTES
 from weightsync.transport.p2p import TransportError, order_key
 
 TIMEOUT_S = 4.0
@@ -224,7 +225,7 @@ def trainer(case: dict, t: int, path: str, cmds, results) -> None:
 
 def _die_after(calls: int) -> None:
     """Vanish (no cleanup, like a crash) on the ``calls + 1``-th pack of this process."""
-    real, count = colocated.pack, [0]
+    real, count = colocated.pack_segments, [0]
 
     def dying(*args, **kwargs):
         count[0] += 1
@@ -232,7 +233,7 @@ def _die_after(calls: int) -> None:
             os._exit(3)
         return real(*args, **kwargs)
 
-    colocated.pack = dying
+    colocated.pack_segments = dying
 
 
 def worker(case: dict, g: int, port: int, paths: list[str], cmds, results) -> None:
@@ -247,7 +248,8 @@ def worker(case: dict, g: int, port: int, paths: list[str], cmds, results) -> No
             with open(paths[t]) as f:
                 srcs[t] = share.import_tensors(json.load(f))
         pg = new_group("127.0.0.1", port, g, ranks.world_size, timeout_s=30)
-        transport = ColocatedTransport(pg, ranks, window=case.get("window", 2), timeout_s=TIMEOUT_S)
+        transport = ColocatedTransport(pg, ranks, window=case.get("window", 2), timeout_s=TIMEOUT_S,
+                                       direct_min=case.get("direct_min", DIRECT_MIN_BYTES))
         recv_plans = planner.recv_plan(i, j)
         send_plans = {t: planner.send_plan(t) for t in srcs}
         dsts = {
@@ -370,6 +372,11 @@ CASES = {
     "qwen3-moe megatron:ep=2,dp=2 -> sglang:tp=2": dict(
         model="tiny-qwen3-moe", train="megatron:ep=2,dp=2", infer="sglang:tp=2", instances=1, budget=16 << 10,
         window=3, expect_remote=True,
+    ),
+    # segments of 256 bytes and more travel alone, in place where contiguous (8 MiB for real models)
+    "qwen3 megatron:pp=2 -> vllm:tp=2, in place": dict(
+        model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, budget=16 << 10,
+        expect_remote=True, direct_min=256,
     ),
 }
 

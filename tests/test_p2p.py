@@ -27,6 +27,7 @@ from weightsync.spec import load_spec
 from weightsync.testing import random_canonical
 from weightsync.transport import p2p
 from weightsync.transport.group import free_port, new_group
+from weightsync.transport.pack import DIRECT_MIN_BYTES
 from weightsync.transport.p2p import JobRanks, P2PTransport, TransportError, order_key
 
 TIMEOUT_S = 4.0  # every wait in the transport; a fault must surface within this (plus slack)
@@ -76,9 +77,10 @@ def worker(case: dict, role: str, who: tuple[int, ...], port: int, results) -> N
                 base, size, local = case["ports"][1 + who[0]], dst.world_size, who[1]
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{base}", rank=local, world_size=size)
         pg = new_group("127.0.0.1", port, group_rank, ranks.world_size, timeout_s=30)
-        transport = P2PTransport(pg, ranks, window=case.get("window", 2), timeout_s=TIMEOUT_S)
+        transport = P2PTransport(pg, ranks, window=case.get("window", 2), timeout_s=TIMEOUT_S,
+                                 direct_min=case.get("direct_min", DIRECT_MIN_BYTES))
         if case.get("die") == (role, who):
-            _die_after("pack" if role == "train" else "unpack", case["die_after"])
+            _die_after("pack_segments" if role == "train" else "unpack_segments", case["die_after"])
         if case.get("stall") == (role, who):  # alive, in the group, but never posts its side
             time.sleep(STALL_S)
             results.put((group_rank, "stalled", ""))
@@ -165,11 +167,17 @@ CASES = {
     "qwen3 hf -> vllm:tp=2 x2": dict(
         model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=2, budget=16 << 10
     ),
+    # segments of 256 bytes and more travel as messages of their own, sent from / received into the
+    # live tensors wherever they lie contiguous there (a few bytes stand for the 8 MiB of real models)
+    "qwen3 hf -> vllm:tp=2, in place": dict(
+        model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=1, budget=16 << 10, direct_min=256
+    ),
     "qwen3-moe vllm:tp=2 -> sglang:tp=2": dict(  # an inference layout as the source too
         model="tiny-qwen3-moe", train="vllm:tp=2", infer="sglang:tp=2", instances=1, budget=32 << 10
     ),
     "llama3 fsdp:dp=2 -> vllm:tp=4, 512 B buckets": dict(  # ~400 buckets a sender, many copies split
-        model="tiny-llama3", train="fsdp:dp=2", infer="vllm:tp=4", instances=1, budget=512, window=3
+        model="tiny-llama3", train="fsdp:dp=2", infer="vllm:tp=4", instances=1, budget=512, window=3,
+        direct_min=64,
     ),
 }
 

@@ -12,6 +12,7 @@ memory) and commits only a complete step, so a failed update leaves the old vers
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from weightsync.engines import make_layout
@@ -92,11 +93,13 @@ class WeightReader:
             instance.call(_connect_colocated, link, backend, timeout_s, timeout_s=timeout_s * 2)
         else:
             address = self.client.lookup("group", timeout=timeout_s)
-            instance.call(_connect, address, backend, timeout_s, timeout_s=timeout_s * 2)
+            instance.call(_connect, address, backend, timeout_s, mode == "sync", timeout_s=timeout_s * 2)
         self.version: int | None = None
+        self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-held")
+        self._announced: Future | None = None
         self.last_stats: list[dict] = []
         #: seconds the last update spent waiting for the trainers (co-located), in the workers (of which
-        #: ``transport`` in the slowest worker's transport) and reporting the step held
+        #: ``transport`` in the slowest worker's transport) and handing the step's ``held`` report over
         self.last_timing: dict[str, float] = {}
 
     def update(self, step: int) -> int:
@@ -104,6 +107,7 @@ class WeightReader:
         if self.mode != "sync":
             raise ValueError("update(step) is for sync mode; in async mode call pull()")
         t0 = time.perf_counter()
+        self._check_announced(wait=False)
         if self.colocate:  # the trainers' shared weights hold `step` once every trainer announced it
             self.client.wait_written(step, timeout=self.timeout_s)
         if not self.staged:
@@ -118,7 +122,7 @@ class WeightReader:
         t2 = time.perf_counter()
         self.version = step
         self.instance.set_version(step)
-        self.client.held(self.instance_id, step)
+        self._announce(step)
         self.last_timing = {"wait_written": t1 - t0, "workers": t2 - t1, "held": time.perf_counter() - t2,
                             "transport": max(s["seconds"] for s in self.last_stats)}
         return step
@@ -145,12 +149,31 @@ class WeightReader:
             if len(steps) == 1:
                 self.version = steps.pop()
                 self.instance.set_version(self.version)
-                self.client.held(self.instance_id, self.version)
+                self._announce(self.version)
                 return self.version
         raise TransportError(f"instance {self.instance_id}: training ranks kept serving different steps")
 
+    def _announce(self, step: int) -> None:
+        """Report ``step`` held to the MetaServer off the critical path: the workers already hold it
+        whole, so the instance may serve it now; the trainers, waiting for the report before they
+        overwrite their weights, see it one round trip later. Reports go out in order, one at a time;
+        one that failed raises at the next update (the trainers meanwhile time out waiting for it)."""
+        self._check_announced(wait=False)
+        self._announced = self._announcer.submit(self.client.held, self.instance_id, step)
+
+    def _check_announced(self, wait: bool) -> None:
+        """Raise the last report's error once it is known (at once when ``wait``: block for it)."""
+        f = self._announced
+        if f is not None and (wait or f.done()):
+            self._announced = None
+            f.result(timeout=self.timeout_s)
+
     def close(self) -> None:
-        self.instance.call(_disconnect, timeout_s=self.timeout_s)
+        try:
+            self._check_announced(wait=True)
+        finally:
+            self._announcer.shutdown(wait=False)
+            self.instance.call(_disconnect, timeout_s=self.timeout_s)
 
 
 # -- functions run on every worker of the instance ------------------------------------------------
@@ -175,8 +198,9 @@ def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: 
     return hashes_of(plans), max((b.nbytes for b in buckets), default=0)
 
 
-def _connect(ctx: WorkerContext, address: str, backend: str, timeout_s: float) -> None:
-    """Join the train+inference group (built once, reused every step)."""
+def _connect(ctx: WorkerContext, address: str, backend: str, timeout_s: float, coalesce: bool) -> None:
+    """Join the train+inference group (built once, reused every step); ``coalesce`` in sync jobs, where
+    every rank runs every step (see :func:`weightsync.transport.p2p.coalescing`)."""
     from weightsync.transport.group import new_group
     from weightsync.transport.p2p import JobRanks, P2PTransport
 
@@ -186,7 +210,7 @@ def _connect(ctx: WorkerContext, address: str, backend: str, timeout_s: float) -
     me = ranks.infer(ctx.state["instance"], ctx.rank)
     device = ctx.device if ctx.device.type == "cuda" else None
     group = new_group(host, int(port), me, ranks.world_size, backend, timeout_s, device=device, name="weightsync")
-    ctx.state["transport"] = P2PTransport(group, ranks, timeout_s=timeout_s)
+    ctx.state["transport"] = P2PTransport(group, ranks, timeout_s=timeout_s, coalesce=coalesce)
 
 
 def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s: float) -> None:

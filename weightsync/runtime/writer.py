@@ -112,7 +112,8 @@ class WeightWriter:
             port = int(port_s)
         group = new_group(host, port, self.ranks.train(train.rank), self.ranks.world_size, self.backend,
                           timeout_s, device=device if device.type == "cuda" else None, name="weightsync")
-        self.transport = P2PTransport(group, self.ranks, timeout_s=timeout_s)
+        # sync jobs run every rank every step, so each bucket's messages can go as one NCCL group
+        self.transport = P2PTransport(group, self.ranks, timeout_s=timeout_s, coalesce=mode == "sync")
         self.server = PullServer(self.client, self.transport, self.plans, train.tensors, timeout_s) if mode == "async" else None
 
     @property

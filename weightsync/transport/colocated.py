@@ -9,8 +9,8 @@ gets a *proxy*, the inference worker that opened those tensors and acts for it:
   group; every box is ``copy_``-ed straight from the trainer's view into my tensor's view
   (device-to-device on GPU, converting dtype as unpacking would; bitwise the same result as
   pack -> unpack, which goes source dtype -> buffer -> destination dtype in the same single cast);
-- a bucket whose source rank I proxy for another worker is SENT by me, packed from the trainer's
-  memory, on the trainer's behalf;
+- a bucket whose source rank I proxy for another worker is SENT by me, straight from the trainer's
+  memory where it lies contiguous there, else packed from it, on the trainer's behalf;
 - a bucket for me whose source another worker proxies is RECEIVED from that proxy.
 
 Remote buckets move over a group of the inference workers only (group rank ``i*W + j``): NCCL
@@ -42,15 +42,17 @@ from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.p2p import (
     DEFAULT_WINDOW,
     TransportError,
+    coalescing,
     describe,
     ensure_buffers,
     first_line,
     on_gpu,
     order_key,
+    post,
     retire,
     settle,
 )
-from weightsync.transport.pack import direct_view, pack, segments, unpack
+from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, pack_segments, segments, stage, unpack_segments
 
 Plans = Mapping[Pair, list[Bucket]]
 
@@ -196,8 +198,9 @@ class ColocatedTransport:
     run on a stream of their own, overlapping the NVLink traffic, and every group of copies (the
     local ones, each bucket's pack and unpack) replays a CUDA graph (:mod:`weightsync.transport.graphs`).
 
-    Memory: ``window`` x ``UNIT_OPS`` uint8 buffers (``window`` on CPU) as large as the largest remote
-    bucket, reused across steps; local copies use none.
+    Memory: ``window`` x ``UNIT_OPS`` uint8 buffers (``window`` on CPU) as large as the most a remote
+    bucket stages (messages moved in place take none; at most the largest remote bucket), reused
+    across steps; local copies use none.
 
     Failures never hang: on CPU every wait has ``timeout_s``; on CUDA the final watch raises once no
     unit has completed for ``timeout_s``. A dead or stalled peer raises :class:`TransportError` naming
@@ -213,6 +216,7 @@ class ColocatedTransport:
         window: int = DEFAULT_WINDOW,
         timeout_s: float = 60.0,
         buffer_bytes: int | None = None,
+        direct_min: int = DIRECT_MIN_BYTES,
     ):
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
@@ -227,6 +231,7 @@ class ColocatedTransport:
         self.proxied = ranks.proxied_by(self.me)
         self.timeout = timedelta(seconds=timeout_s)
         self.buffer_bytes = buffer_bytes
+        self.direct_min = direct_min  # segments this large travel alone (pack.messages): the same on every rank
         self._buffers: list[torch.Tensor] = []
         self._coalescing: bool | None = None
         self._checked: tuple | None = None  # (plans, their validated operations in the global order)
@@ -257,13 +262,17 @@ class ColocatedTransport:
         ops = self._checked[1]
         dev = self._device(dst_tensors, src_tensors_by_train_rank)
         ordered = on_gpu(dev)
+        self._coalesce(dev)  # first step: every worker, remote work or not, builds the NCCL communicator
+        self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values())
         units = self._units([op for op in ops if op[0] != _LOCAL], dev)
+        stagings = {}
+        for kind, b, _ in (op for unit in units for op in unit):
+            tensors = src_tensors_by_train_rank[b.src_rank] if kind == _SEND else dst_tensors
+            stagings[kind, b] = self._graphs.memo(
+                b, kind, lambda b=b, t=tensors, s=kind == _SEND: stage(b, t, s, self.direct_min))
         if units:
-            need = max(b.nbytes for unit in units for _, b, _ in unit)
-            self._ensure_buffers(need, dev)
+            self._ensure_buffers(max(st.nbytes for st in stagings.values()), dev)
         free = list(self._buffers)
-        self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(),
-                           {str(i): b for i, b in enumerate(self._buffers)})
         counts = {_LOCAL: [0, 0], _SEND: [0, 0], _RECV: [0, 0]}
         for kind, b, _ in ops:
             counts[kind][0] += 1
@@ -286,7 +295,7 @@ class ColocatedTransport:
         for unit in units:
             if len(inflight) == self.window:
                 free += self._finish(inflight.popleft(), dst_tensors, ordered)
-            inflight.append(self._post(unit, src_tensors_by_train_rank, dst_tensors, free, dev, posted))
+            inflight.append(self._post(unit, stagings, src_tensors_by_train_rank, dst_tensors, free, dev, posted))
         while inflight:
             free += self._finish(inflight.popleft(), dst_tensors, ordered)
         if side is not None:
@@ -312,35 +321,28 @@ class ColocatedTransport:
                 units.append([op])
         return units
 
-    def _post(self, unit: list, src: Mapping[int, Mapping[str, torch.Tensor]], dst: Mapping[str, torch.Tensor],
+    def _post(self, unit: list, stagings: Mapping[tuple[str, Bucket], Staging],
+              src: Mapping[int, Mapping[str, torch.Tensor]], dst: Mapping[str, torch.Tensor],
               free: list[torch.Tensor], dev: torch.device, posted: list) -> tuple:
         """Post one unit (as one NCCL group when coalescing); return what retiring it needs.
 
         Every pack of the unit is queued before its first operation is posted, so whatever point of
         the group NCCL orders its stream after, the packed bytes are ready by then."""
-        held, bufs = [], []
+        held, items = [], []
         for kind, b, peer in unit:
             sending = kind == _SEND
             tensors = src[b.src_rank] if sending else dst
-            buf = direct_view(b, tensors, sending)  # zero-copy when the bytes lie contiguous in place
-            slot = free.pop() if buf is None else None
-            if slot is not None:
-                buf = slot[: b.nbytes]
-                if sending:
-                    self._graphs.run(b, ("pack", slot.data_ptr()), lambda b=b, t=tensors, o=buf: pack(b, t, out=o), dev)
-            held.append((kind, b, peer, slot))
-            bufs.append(buf)
-        coalesce = len(unit) > 1
-        if coalesce:
-            self.group._start_coalescing(dev)
-        works = []
-        for (kind, b, peer, _), buf in zip(held, bufs):
-            try:
-                works.append(self.group.send([buf], peer, b.index) if kind == _SEND else self.group.recv([buf], peer, b.index))
-            except RuntimeError as e:  # a peer already known dead fails at post time
-                raise self._error(kind, b, peer, e) from e
-        if coalesce:
-            works = [self.group._end_coalescing(dev)]
+            slot, st = free.pop(), stagings[kind, b]
+            if sending and st.staged:  # graphs are keyed by the buffer's address: the copies write there
+                self._graphs.run(b, ("pack", slot.data_ptr()),
+                                 lambda st=st, t=tensors, o=slot: pack_segments(st.staged, t, o), dev)
+            held.append((kind, b, peer, slot, st))
+            items.extend((t, peer, b.index, sending) for t in st.tensors(slot))
+        try:
+            works = post(self.group, items, dev, self._coalesce(dev))
+        except RuntimeError as e:  # a peer already known dead fails at post time
+            kind, b, peer = unit[0]
+            raise self._error(kind, b, peer, e) from e
         kind, b, peer = unit[0]
         posted.extend((w, lambda e, kind=kind, b=b, peer=peer: self._error(kind, b, peer, e)) for w in works)
         return works, held
@@ -352,25 +354,17 @@ class ColocatedTransport:
             try:
                 retire(w, self.timeout, ordered)
             except (RuntimeError, TimeoutError) as e:  # gloo: connection reset / closed by peer, or timed out
-                kind, b, peer, _ = held[0]
+                kind, b, peer, _, _ = held[0]
                 raise self._error(kind, b, peer, e) from e
-        freed = []
-        for kind, b, _, slot in held:
-            if slot is None:
-                continue
-            if kind == _RECV:
-                self._graphs.run(b, ("unpack", slot.data_ptr()), lambda b=b, i=slot[: b.nbytes]: unpack(b, i, dst), slot.device)
-            freed.append(slot)
-        return freed
+        for kind, b, _, slot, st in held:
+            if kind == _RECV and st.staged:
+                self._graphs.run(b, ("unpack", slot.data_ptr()),
+                                 lambda st=st, i=slot: unpack_segments(st.staged, i, dst), slot.device)
+        return [slot for _, _, _, slot, _ in held]
 
     def _coalesce(self, dev: torch.device) -> bool:
-        if self._coalescing is None:
-            backend = self.group._get_backend(dev) if on_gpu(dev) else None
-            self._coalescing = bool(backend is not None and getattr(backend, "supports_coalescing", False))
-            if self._coalescing:
-                # coalesced P2P runs on the whole group's communicator, which NCCL builds in a call every
-                # member makes: build it now, in a collective every worker reaches in its first step
-                self.group.allreduce([torch.zeros(1, device=dev)]).wait()
+        if self._coalescing is None:  # every worker gets here in its first step (see coalescing())
+            self._coalescing = coalescing(self.group, dev, initialized=False)
         return self._coalescing
 
     def _side_stream(self, dev: torch.device) -> torch.cuda.Stream:

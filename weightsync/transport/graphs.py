@@ -17,8 +17,11 @@ as they are.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class CopyGraphs:
@@ -26,6 +29,7 @@ class CopyGraphs:
 
     def __init__(self) -> None:
         self._graphs: dict[tuple[int, Hashable], tuple[object, torch.cuda.CUDAGraph]] = {}
+        self._memo: dict[tuple[int, Hashable], tuple[object, object]] = {}
         self._where: tuple[int, ...] | None = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -34,6 +38,7 @@ class CopyGraphs:
         where = tuple(t.data_ptr() for m in tensor_maps for t in m.values())
         if where != self._where:
             self._graphs.clear()
+            self._memo.clear()
             self._where = where
 
     def run(self, owner: object, tag: Hashable, copies: Callable[[], None], device: torch.device) -> None:
@@ -48,6 +53,15 @@ class CopyGraphs:
         if got is None or got[0] is not owner:
             got = self._graphs[key] = (owner, self._capture(copies, device))
         got[1].replay()
+
+    def memo(self, owner: object, tag: Hashable, build: Callable[[], T]) -> T:
+        """``build()`` -- something derived from the tensors' addresses, such as views into them -- kept
+        for ``owner`` under ``tag`` until the tensors move, like the graphs (on CPU too)."""
+        key = (id(owner), tag)
+        got = self._memo.get(key)
+        if got is None or got[0] is not owner:
+            got = self._memo[key] = (owner, build())
+        return got[1]  # type: ignore[return-value]
 
     def _capture(self, copies: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
         if self._stream is None:

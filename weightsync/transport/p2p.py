@@ -1,13 +1,16 @@
 """Point-to-point transport: a rank's planned buckets moved over a process group with isend/irecv.
 
-Each bucket travels as one packed, contiguous uint8 buffer (see :mod:`weightsync.transport.pack`):
-the sender gathers its boxes into a buffer and sends it; the receiver receives into a buffer and
-scatters it into the live destination tensors in place. Gloo needs contiguous tensors (a
-non-contiguous send fails on the sender and leaves the receiver hanging), so we never send views.
+Each bucket travels as a few messages (see :mod:`weightsync.transport.pack`): a large segment that
+lies contiguous in the live tensor is sent from it, or received into it, in place; the rest is
+packed into a buffer by the sender and unpacked from one by the receiver. Gloo needs contiguous
+tensors (a non-contiguous send fails on the sender and leaves the receiver hanging), so only
+contiguous views are ever posted. With ``coalesce`` (NCCL, sync jobs) a bucket's messages go as one
+NCCL group: one operation to wait for, NCCL's per-message cost paid once.
 
-Memory is bounded: a rank holds ``window`` buffers, each as large as its largest bucket (which the
-planner's bucket budget bounds), allocated once and reused by every later step. At most ``window``
-transfers are outstanding per rank; packing bucket k overlaps the transfer of bucket k-1.
+Memory is bounded: a rank holds ``window`` buffers, each as large as the most any bucket stages
+(at most its largest bucket, which the planner's bucket budget bounds), allocated once and reused
+by every later step. At most ``window`` buckets are outstanding per rank; packing bucket k overlaps
+the transfer of bucket k-1.
 
 Deadlock freedom. Every rank walks its own buckets in ONE global order, the key
 ``(bucket.index, src_rank, dst_instance, dst_rank)``, which both ends of a pair compute identically
@@ -52,7 +55,7 @@ from torch.distributed import ProcessGroup
 from weightsync.errors import WeightSyncError
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.transport.graphs import CopyGraphs
-from weightsync.transport.pack import direct_view, pack, unpack
+from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, pack_segments, stage, unpack_segments
 
 DEFAULT_WINDOW = 2  # transfers in flight per rank, each with its buffer (pack k+1 overlaps transfer k)
 
@@ -123,6 +126,8 @@ class P2PTransport:
         window: int = DEFAULT_WINDOW,
         timeout_s: float = 60.0,
         buffer_bytes: int | None = None,
+        coalesce: bool = False,
+        direct_min: int = DIRECT_MIN_BYTES,
     ):
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
@@ -131,8 +136,11 @@ class P2PTransport:
         self.group, self.ranks, self.window = group, ranks, window
         self.timeout = timedelta(seconds=timeout_s)
         self.buffer_bytes = buffer_bytes  # a fixed cap; None: as large as the largest bucket seen
+        self.direct_min = direct_min  # segments this large travel alone (pack.messages): the same on every rank
         self._buffers: list[torch.Tensor] = []
         self._graphs = CopyGraphs()  # pack / unpack of each bucket, replayed every step on CUDA
+        self.coalesce = coalesce
+        self._initialized = False
 
     def send(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> TransferStats:
         """Ship every bucket of this training rank's ``send_plan`` from its live ``tensors``."""
@@ -158,33 +166,33 @@ class P2PTransport:
                     pair=pair,
                 )
         ops = sorted((b for buckets in plans.values() for b in buckets if b.nbytes > 0), key=order_key)
+        device = next(iter(tensors.values())).device if tensors else (self.group.bound_device_id or torch.device("cpu"))
+        ordered = on_gpu(device)
+        coalesce = self.coalesce and coalescing(self.group, device, self._initialized)
+        self._initialized = True
         if not ops:
             return TransferStats(0, 0, 0.0)
-        device = next(iter(tensors.values())).device
-        ordered = on_gpu(device)
-        self._ensure_buffers(max(b.nbytes for b in ops), device)
-        self._graphs.begin(tensors, {str(i): b for i, b in enumerate(self._buffers)})
+        self._graphs.begin(tensors)  # graphs and views of these tensors stay valid while they stay put
+        stagings = [self._graphs.memo(b, sending, lambda b=b: stage(b, tensors, sending, self.direct_min))
+                    for b in ops]
+        self._ensure_buffers(max(st.nbytes for st in stagings), device)
         start = time.perf_counter()
-        inflight: deque[tuple[Bucket, int, object, torch.Tensor | None]] = deque()
+        inflight: deque[tuple[Bucket, int, list, Staging, torch.Tensor]] = deque()
         posted: list[tuple[object, Callable[[Exception], TransportError]]] = []
-        for k, b in enumerate(ops):
+        for k, (b, st) in enumerate(zip(ops, stagings)):
             if len(inflight) == self.window:
                 self._finish(*inflight.popleft(), tensors, sending, ordered)
             peer = peer_of(b.pair)
-            direct = direct_view(b, tensors, sending)  # zero-copy: the bytes already lie contiguous in place
-            buf = self._buffers[k % self.window][: b.nbytes]  # the slot bucket k - window just freed
+            slot = self._buffers[k % self.window]  # the buffer bucket k - window just freed
             try:
-                if sending:
-                    if direct is None:
-                        self._graphs.run(b, ("pack", buf.data_ptr()), lambda b=b, t=tensors, o=buf: pack(b, t, out=o), device)
-                    work = self.group.send([buf if direct is None else direct], peer, b.index)
-                else:
-                    work = self.group.recv([buf if direct is None else direct], peer, b.index)
-                    buf = None if direct is not None else buf  # nothing to unpack
+                if sending and st.staged:  # graphs are keyed by the buffer's address: the copies write there
+                    self._graphs.run(b, ("pack", slot.data_ptr()),
+                                     lambda st=st, o=slot: pack_segments(st.staged, tensors, o), device)
+                works = post(self.group, [(t, peer, b.index, sending) for t in st.tensors(slot)], device, coalesce)
             except RuntimeError as e:  # a peer already known dead fails at post time
                 raise self._error(b, peer, sending, e) from e
-            inflight.append((b, peer, work, buf))
-            posted.append((work, lambda e, b=b, peer=peer: self._error(b, peer, sending, e)))
+            inflight.append((b, peer, works, st, slot))
+            posted.extend((w, lambda e, b=b, peer=peer: self._error(b, peer, sending, e)) for w in works)
         while inflight:
             self._finish(*inflight.popleft(), tensors, sending, ordered)
         if ordered:
@@ -192,15 +200,17 @@ class P2PTransport:
         return TransferStats(len(ops), sum(b.nbytes for b in ops), time.perf_counter() - start)
 
     def _finish(
-        self, b: Bucket, peer: int, work, buf: torch.Tensor | None, tensors: Mapping[str, torch.Tensor],
-        sending: bool, ordered: bool,
+        self, b: Bucket, peer: int, works: list, st: Staging, slot: torch.Tensor,
+        tensors: Mapping[str, torch.Tensor], sending: bool, ordered: bool,
     ) -> None:
         try:
-            retire(work, self.timeout, ordered)
+            for work in works:
+                retire(work, self.timeout, ordered)
         except (RuntimeError, TimeoutError) as e:  # gloo: connection reset / closed by peer, or timed out
             raise self._error(b, peer, sending, e) from e
-        if not sending and buf is not None:
-            self._graphs.run(b, ("unpack", buf.data_ptr()), lambda b=b, i=buf, t=tensors: unpack(b, i, t), buf.device)
+        if not sending and st.staged:
+            self._graphs.run(b, ("unpack", slot.data_ptr()),
+                             lambda st=st, i=slot: unpack_segments(st.staged, i, tensors), slot.device)
 
     def _error(self, b: Bucket, peer: int, sending: bool, cause: Exception) -> TransportError:
         pair = b.pair
@@ -221,6 +231,36 @@ class P2PTransport:
 def on_gpu(device: torch.device) -> bool:
     """Whether transfers on ``device`` are ordered by CUDA streams (NCCL) rather than by the CPU (gloo)."""
     return device.type == "cuda"
+
+
+def coalescing(group: ProcessGroup, device: torch.device, initialized: bool) -> bool:
+    """Whether ``group`` can post several operations as one NCCL group on ``device``.
+
+    Coalesced point-to-point operations run on the whole group's communicator, which NCCL builds in
+    a call every member makes: the first call (``initialized`` False) builds it with an all-reduce,
+    so every member must make that first call in the same step (sync jobs: every rank runs every step).
+    """
+    if not on_gpu(device):
+        return False
+    backend = group._get_backend(device)
+    if not getattr(backend, "supports_coalescing", False):
+        return False
+    if not initialized:
+        group.allreduce([torch.zeros(1, device=device)]).wait()
+    return True
+
+
+def post(group: ProcessGroup, ops: Sequence[tuple[torch.Tensor, int, int, bool]], device: torch.device,
+         coalesce: bool) -> list:
+    """Post ``(tensor, peer, tag, sending)`` operations; when ``coalesce``, as one NCCL group (one work
+    for all of them: NCCL runs them at once and pays its per-operation cost once), on the whole
+    group's communicator even for one operation, so a rank's transfers never spread over two."""
+    if coalesce:
+        group._start_coalescing(device)
+    works = [group.send([t], peer, tag) if sending else group.recv([t], peer, tag) for t, peer, tag, sending in ops]
+    if coalesce:
+        works = [group._end_coalescing(device)]
+    return works
 
 
 def retire(work, timeout: timedelta, ordered: bool) -> None:

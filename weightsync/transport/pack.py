@@ -1,14 +1,20 @@
-"""Pack a bucket's source boxes into one flat byte buffer and unpack it into destination views.
+"""A bucket's bytes on the wire: its layout, the messages it is cut into, and packing where needed.
 
-The buffer layout is the bucket's copies back to back, each in its wire dtype (the source's), so
-both ends derive offsets from the plan alone. Unpacking copies into the live destination tensors
-in place, converting dtype where the destination differs (as loading a checkpoint would).
+The bucket's *buffer layout* is its copies back to back, each in its wire dtype (the source's), so
+both ends derive every offset from the plan alone; copies adjacent in both tensors merge into
+*segments*. The layout is cut into *messages* (:func:`messages`): each large segment alone, the small
+ones between them together. Each end then moves each message in place when it holds that message's
+one segment contiguous in the wire dtype -- NCCL reads the trainer's tensor or writes the engine's
+directly -- and otherwise through a buffer it packs (sender) or unpacks (receiver), converting dtype
+where the destination differs (as loading a checkpoint would). So a bucket costs no copy at all
+where both layouts agree (hf -> vLLM TP=1: every large segment), one where only one does (a column
+half of a row-parallel weight), and the buffer holds only the staged messages.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
 
 import torch
 
@@ -95,33 +101,106 @@ def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], out: torch.Tensor 
     n = bucket_bytes(bucket)
     if out is None:
         out = torch.empty(n, dtype=torch.uint8, device=next(iter(sources.values())).device)
-    for seg in segments(bucket):
-        src = sources[seg.src_tensor][slices(seg.src_box)]
-        dst = out[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype])
-        dst.view(src.shape).copy_(src)
+    pack_segments(segments(bucket), sources, out)
     return out[:n]
 
 
 def unpack(bucket: Bucket, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> None:
     """Scatter a packed buffer into the destination tensors in place."""
-    for seg in segments(bucket):
+    unpack_segments(segments(bucket), buffer, targets)
+
+
+def pack_segments(segs: Sequence[Segment], sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    """Gather ``segs`` into their places in ``out`` (the bucket's whole buffer)."""
+    for seg in segs:
+        src = sources[seg.src_tensor][slices(seg.src_box)]
+        out[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype]).view(src.shape).copy_(src)
+
+
+def unpack_segments(segs: Sequence[Segment], buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> None:
+    """Scatter ``segs`` from their places in ``buffer`` (the bucket's whole buffer) into the targets."""
+    for seg in segs:
         region = targets[seg.dst_tensor][slices(seg.dst_box)]
         region.copy_(buffer[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype]).view(region.shape))
 
 
-def direct_view(bucket: Bucket, tensors: Mapping[str, torch.Tensor], sending: bool) -> torch.Tensor | None:
-    """The bucket's bytes as they lie in place, when no pack/unpack is needed; else None.
+DIRECT_MIN_BYTES = 8 << 20  # a segment this large travels as a message of its own
 
-    True when the whole bucket is one segment whose region is contiguous in this side's tensor and
-    already in the wire dtype: then sending from it (or receiving into it) moves exactly the bytes
-    the packed buffer would hold, with no copy at either end.
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A stretch ``[offset, offset + nbytes)`` of a bucket's buffer layout sent as one send/recv."""
+
+    offset: int
+    nbytes: int
+    segments: tuple[Segment, ...]
+
+
+def messages(bucket: Bucket, direct_min: int = DIRECT_MIN_BYTES) -> list[Message]:
+    """The bucket cut into messages: each segment of at least ``direct_min`` bytes alone, the runs of
+    smaller segments between them together.
+
+    A pure function of the bucket, so both ends cut it the same way; each end then decides for itself
+    whether a message moves in place (:func:`stage`). Large segments alone let NCCL read and write
+    the live tensors directly; small ones go together so no message is tiny.
     """
-    segs = segments(bucket)
-    if len(segs) != 1:
-        return None
-    seg = segs[0]
+    out: list[Message] = []
+    run: list[Segment] = []
+
+    def close() -> None:
+        if run:
+            out.append(Message(run[0].offset, sum(s.nbytes for s in run), tuple(run)))
+            run.clear()
+
+    for seg in segments(bucket):
+        if seg.nbytes >= direct_min:
+            close()
+            out.append(Message(seg.offset, seg.nbytes, (seg,)))
+        else:
+            run.append(seg)
+    close()
+    return out
+
+
+def in_place(seg: Segment, tensors: Mapping[str, torch.Tensor], sending: bool) -> torch.Tensor | None:
+    """The segment's bytes as they lie in this side's tensor (a uint8 view), or None when they are
+    strided or in another dtype than the wire's, so they must go through the buffer."""
     name, box = (seg.src_tensor, seg.src_box) if sending else (seg.dst_tensor, seg.dst_box)
     region = tensors[name][slices(box)]
     if region.dtype != TORCH_DTYPES[seg.dtype] or not region.is_contiguous():
         return None
     return region.view(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class Staging:
+    """How one side moves one bucket: per message, a view of its bytes in place or ``(offset, nbytes)``
+    in the buffer; the segments to pack there before sending / unpack from there after receiving,
+    at their buffer offsets; and the buffer bytes the bucket needs (the staged messages back to back)."""
+
+    posts: tuple[torch.Tensor | tuple[int, int], ...]
+    staged: tuple[Segment, ...]
+    nbytes: int
+
+    def tensors(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The tensor to send from / receive into for each message, staged ones in ``buffer``."""
+        return [p if isinstance(p, torch.Tensor) else buffer[p[0] : p[0] + p[1]] for p in self.posts]
+
+
+def stage(bucket: Bucket, tensors: Mapping[str, torch.Tensor], sending: bool,
+          direct_min: int = DIRECT_MIN_BYTES) -> Staging:
+    """Each message of ``bucket`` (:func:`messages`; both ends must pass the same ``direct_min``) in
+    place when this side holds its one segment contiguous in the wire dtype, else through the buffer,
+    where only such messages take room."""
+    posts: list[torch.Tensor | tuple[int, int]] = []
+    staged: list[Segment] = []
+    at = 0
+    for m in messages(bucket, direct_min):
+        view = in_place(m.segments[0], tensors, sending) if len(m.segments) == 1 else None
+        if view is None:
+            posts.append((at, m.nbytes))
+            staged.extend(replace(s, offset=at + s.offset - m.offset) for s in m.segments)
+            at += m.nbytes
+        else:
+            posts.append(view)
+    return Staging(tuple(posts), tuple(staged), at)
