@@ -224,8 +224,8 @@ def trainer(case: dict, t: int, path: str, cmds, results) -> None:
 
 
 def _die_after(calls: int) -> None:
-    """Vanish (no cleanup, like a crash) on the ``calls + 1``-th pack of this process."""
-    real, count = colocated.pack_segments, [0]
+    """Vanish (no cleanup, like a crash) on the ``calls + 1``-th unit this process posts from now on."""
+    real, count = colocated.post, [0]
 
     def dying(*args, **kwargs):
         count[0] += 1
@@ -233,7 +233,7 @@ def _die_after(calls: int) -> None:
             os._exit(3)
         return real(*args, **kwargs)
 
-    colocated.pack_segments = dying
+    colocated.post = dying
 
 
 def worker(case: dict, g: int, port: int, paths: list[str], cmds, results) -> None:
@@ -416,7 +416,7 @@ def _run_steps(case: dict, tmp_path) -> None:
 
 
 def test_proxy_dying_mid_step_fails_the_others_fast(tmp_path):
-    """Worker 1 (proxy of training rank 1) crashes after a few sends of step 2: every other worker
+    """Worker 1 (proxy of training rank 1) crashes after posting two units of step 2: every other worker
     raises a TransportError naming a peer within the timeout; nobody hangs."""
     case = {**CASES["llama3 fsdp:dp=2 -> vllm:tp=2 x2 (cross-GPU through the group)"], "seeds": [31, 32],
             "die": 1, "die_step": 32, "die_after": 2}

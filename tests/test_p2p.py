@@ -80,7 +80,7 @@ def worker(case: dict, role: str, who: tuple[int, ...], port: int, results) -> N
         transport = P2PTransport(pg, ranks, window=case.get("window", 2), timeout_s=TIMEOUT_S,
                                  direct_min=case.get("direct_min", DIRECT_MIN_BYTES))
         if case.get("die") == (role, who):
-            _die_after("pack_segments" if role == "train" else "unpack_segments", case["die_after"])
+            _die_after("pack_pairs" if role == "train" else "unpack_pairs", case["die_after"])
         if case.get("stall") == (role, who):  # alive, in the group, but never posts its side
             time.sleep(STALL_S)
             results.put((group_rank, "stalled", ""))

@@ -35,7 +35,6 @@ import torch
 from torch.distributed import ProcessGroup
 
 from weightsync.errors import ConfigError
-from weightsync.layout.box import slices
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Topology
 from weightsync.transport.graphs import CopyGraphs
@@ -52,7 +51,7 @@ from weightsync.transport.p2p import (
     retire,
     settle,
 )
-from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, pack_segments, segments, stage, unpack_segments
+from weightsync.transport.pack import DIRECT_MIN_BYTES, Pairs, Staging, direct_pairs, pack_pairs, segments, stage, unpack_pairs
 
 Plans = Mapping[Pair, list[Bucket]]
 
@@ -283,13 +282,13 @@ class ColocatedTransport:
             side.wait_stream(torch.cuda.current_stream(dev))
         local = [b for kind, b, _ in ops if kind == _LOCAL]
 
-        def copy_local() -> None:
-            for b in local:
-                self._local(b, src_tensors_by_train_rank[b.src_rank], dst_tensors)
+        def local_pairs() -> Pairs:  # pack-free: each run straight from the trainer's view into mine
+            src = src_tensors_by_train_rank
+            return [p for b in local for p in direct_pairs(segments(b), src[b.src_rank], dst_tensors)]
 
         if local:
             with torch.cuda.stream(side) if side is not None else _nothing():
-                self._graphs.run(recv_plans, "local", copy_local, dev)
+                self._graphs.run(recv_plans, "local", local_pairs, dev)
         inflight: deque = deque()
         posted: list = []
         for unit in units:
@@ -335,7 +334,7 @@ class ColocatedTransport:
             slot, st = free.pop(), stagings[kind, b]
             if sending and st.staged:  # graphs are keyed by the buffer's address: the copies write there
                 self._graphs.run(b, ("pack", slot.data_ptr()),
-                                 lambda st=st, t=tensors, o=slot: pack_segments(st.staged, t, o), dev)
+                                 lambda st=st, t=tensors, o=slot: pack_pairs(st.staged, t, o), dev)
             held.append((kind, b, peer, slot, st))
             items.extend((t, peer, b.index, sending) for t in st.tensors(slot))
         try:
@@ -359,7 +358,7 @@ class ColocatedTransport:
         for kind, b, _, slot, st in held:
             if kind == _RECV and st.staged:
                 self._graphs.run(b, ("unpack", slot.data_ptr()),
-                                 lambda st=st, i=slot: unpack_segments(st.staged, i, dst), slot.device)
+                                 lambda st=st, i=slot: unpack_pairs(st.staged, i, dst), slot.device)
         return [slot for _, _, _, slot, _ in held]
 
     def _coalesce(self, dev: torch.device) -> bool:
@@ -431,14 +430,6 @@ class ColocatedTransport:
             raise TransportError(f"group rank {me}: no opened tensors of training rank(s) {sorted(missing)}")
         ops.sort(key=lambda op: order_key(op[1]))
         return ops
-
-    @staticmethod
-    def _local(b: Bucket, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> None:
-        """Pack-free: each box straight from the trainer's view into mine (cast to my dtype)."""
-        for seg in segments(b):  # adjacent boxes merged: one copy per run, not per canonical piece
-            region = dst[seg.dst_tensor][slices(seg.dst_box)]
-            # same elements in the same row-major order; reshape is a view wherever strides allow
-            region.copy_(src[seg.src_tensor][slices(seg.src_box)].reshape(region.shape))
 
     def _error(self, kind: str, b: Bucket, peer: int, cause: Exception) -> TransportError:
         pair = b.pair

@@ -1,17 +1,20 @@
-"""A step's fixed device copies replayed as CUDA graphs: one launch where Python issued hundreds.
+"""A step's fixed copies, batched into one kernel and replayed as CUDA graphs.
 
 Packing a bucket, unpacking it and the co-located same-GPU copies are the same copies between the
 same addresses every step (the plan, the live tensors and the transport's buffers do not change), and
-they are many: a Qwen3-8B step is ~400 segments a side, each a ``copy_`` costing 10-20 us of Python
-and launch time, so the CPU, not the GPU, set the pace (measured: the copies of one co-located step
-took ~13 ms of host time for ~8 ms of device work). Captured once and replayed, each group of copies
-is one launch and runs back to back on the GPU.
+they are many: a Qwen3-8B step is ~400 segments a side, a Qwen3-30B-A3B step ~18,000 (each expert's
+half of a fused weight is a run of its own). As one ``copy_`` each they cost 10-20 us of Python and
+~3 us of launch apiece, so the CPU and the launches, not the bytes, set the pace (measured: the copies
+of one co-located 8B step took ~13 ms of host time for ~8 ms of device work). So each group of copies
+is turned once into a :class:`~weightsync.transport.batch_copy.BatchedCopy` -- a table of tiles
+copied by one kernel launch -- and, on CUDA, that launch is captured once and replayed as a graph.
+On CPU the same tables run through its reference executor, so CPU tests cover them.
 
-A graph holds raw addresses, so :meth:`CopyGraphs.begin` drops every graph as soon as any tensor it
-may touch moved (an engine that reallocated its weights gets fresh graphs, never stale ones).
-Captures use ``thread_local`` error mode: NCCL's watchdog thread queries events meanwhile, which a
-global-mode capture would count as an error. Only CUDA tensors are captured; on CPU the copies run
-as they are.
+Tables and graphs hold raw addresses, so :meth:`CopyGraphs.begin` drops them all as soon as any
+tensor they may touch moved (an engine that reallocated its weights gets fresh ones, never stale
+ones); buffers are part of the key instead (their address is in the tag). Captures use
+``thread_local`` error mode: NCCL's watchdog thread queries events meanwhile, which a global-mode
+capture would count as an error.
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from typing import TypeVar
 
 import torch
 
+from weightsync.transport.batch_copy import BatchedCopy
+from weightsync.transport.pack import Pairs
+
 T = TypeVar("T")
 
 
 class CopyGraphs:
-    """Graphs of copy sequences, keyed by the caller, valid while the tensors stay where they are."""
+    """Batched copies and their graphs, keyed by the caller, valid while the tensors stay where they are."""
 
     def __init__(self) -> None:
-        self._graphs: dict[tuple[int, Hashable], tuple[object, torch.cuda.CUDAGraph]] = {}
+        self._graphs: dict[tuple[int, Hashable], tuple[object, BatchedCopy, torch.cuda.CUDAGraph | None]] = {}
         self._memo: dict[tuple[int, Hashable], tuple[object, object]] = {}
         self._where: tuple[int, ...] | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -41,18 +47,21 @@ class CopyGraphs:
             self._memo.clear()
             self._where = where
 
-    def run(self, owner: object, tag: Hashable, copies: Callable[[], None], device: torch.device) -> None:
-        """Run ``copies`` -- the copies of ``owner`` (a bucket, a plan) named ``tag`` -- on the current
-        stream: replayed from its graph, captured on first use. The graph keeps ``owner`` alive, so
-        its identity cannot pass to another object."""
-        if device.type != "cuda":
-            copies()
-            return
+    def run(self, owner: object, tag: Hashable, pairs: Callable[[], Pairs], device: torch.device) -> None:
+        """Do the copies ``pairs()`` lists -- the copies of ``owner`` (a bucket, a plan) named ``tag`` --
+        on the current stream: batched into one kernel and, on CUDA, replayed from its graph, both
+        built on first use. The entry keeps ``owner`` alive, so its identity cannot pass to another
+        object."""
         key = (id(owner), tag)
         got = self._graphs.get(key)
         if got is None or got[0] is not owner:
-            got = self._graphs[key] = (owner, self._capture(copies, device))
-        got[1].replay()
+            batch = BatchedCopy(pairs())  # built outside the capture: it uploads its table
+            graph = self._capture(batch.run, device) if device.type == "cuda" else None
+            got = self._graphs[key] = (owner, batch, graph)
+        if got[2] is not None:
+            got[2].replay()
+        else:
+            got[1].run()
 
     def memo(self, owner: object, tag: Hashable, build: Callable[[], T]) -> T:
         """``build()`` -- something derived from the tensors' addresses, such as views into them -- kept
@@ -64,6 +73,7 @@ class CopyGraphs:
         return got[1]  # type: ignore[return-value]
 
     def _capture(self, copies: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+        """``copies`` captured on a side stream ordered after the current one."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         graph = torch.cuda.CUDAGraph()

@@ -55,7 +55,7 @@ from torch.distributed import ProcessGroup
 from weightsync.errors import WeightSyncError
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.transport.graphs import CopyGraphs
-from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, pack_segments, stage, unpack_segments
+from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, pack_pairs, stage, unpack_pairs
 
 DEFAULT_WINDOW = 2  # transfers in flight per rank, each with its buffer (pack k+1 overlaps transfer k)
 
@@ -187,7 +187,7 @@ class P2PTransport:
             try:
                 if sending and st.staged:  # graphs are keyed by the buffer's address: the copies write there
                     self._graphs.run(b, ("pack", slot.data_ptr()),
-                                     lambda st=st, o=slot: pack_segments(st.staged, tensors, o), device)
+                                     lambda st=st, o=slot: pack_pairs(st.staged, tensors, o), device)
                 works = post(self.group, [(t, peer, b.index, sending) for t in st.tensors(slot)], device, coalesce)
             except RuntimeError as e:  # a peer already known dead fails at post time
                 raise self._error(b, peer, sending, e) from e
@@ -210,7 +210,7 @@ class P2PTransport:
             raise self._error(b, peer, sending, e) from e
         if not sending and st.staged:
             self._graphs.run(b, ("unpack", slot.data_ptr()),
-                             lambda st=st, i=slot: unpack_segments(st.staged, i, tensors), slot.device)
+                             lambda st=st, i=slot: unpack_pairs(st.staged, i, tensors), slot.device)
 
     def _error(self, b: Bucket, peer: int, sending: bool, cause: Exception) -> TransportError:
         pair = b.pair

@@ -110,18 +110,49 @@ def unpack(bucket: Bucket, buffer: torch.Tensor, targets: Mapping[str, torch.Ten
     unpack_segments(segments(bucket), buffer, targets)
 
 
-def pack_segments(segs: Sequence[Segment], sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
-    """Gather ``segs`` into their places in ``out`` (the bucket's whole buffer)."""
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination view, source view): the copies of a step
+
+
+def pack_pairs(segs: Sequence[Segment], sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> Pairs:
+    """The copies gathering ``segs`` into their places in ``out`` (the bucket's buffer)."""
+    pairs = []
     for seg in segs:
         src = sources[seg.src_tensor][slices(seg.src_box)]
-        out[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype]).view(src.shape).copy_(src)
+        pairs.append((out[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype]).view(src.shape), src))
+    return pairs
+
+
+def unpack_pairs(segs: Sequence[Segment], buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> Pairs:
+    """The copies scattering ``segs`` from their places in ``buffer`` into the targets (converting dtype)."""
+    pairs = []
+    for seg in segs:
+        region = targets[seg.dst_tensor][slices(seg.dst_box)]
+        pairs.append((region, buffer[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype]).view(region.shape)))
+    return pairs
+
+
+def direct_pairs(segs: Sequence[Segment], sources: Mapping[str, torch.Tensor],
+                 targets: Mapping[str, torch.Tensor]) -> Pairs:
+    """The copies moving ``segs`` straight from the sources into the targets (same process, no buffer):
+    the same elements in the same row-major order, shaped as each side's box."""
+    return [(targets[seg.dst_tensor][slices(seg.dst_box)], sources[seg.src_tensor][slices(seg.src_box)])
+            for seg in segs]
+
+
+def copy_pairs(pairs: Pairs) -> None:
+    """Do ``pairs`` one ``copy_`` at a time (views shaped apart go through a reshape)."""
+    for dst, src in pairs:
+        dst.copy_(src if src.shape == dst.shape else src.reshape(dst.shape))
+
+
+def pack_segments(segs: Sequence[Segment], sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    """Gather ``segs`` into their places in ``out`` (the bucket's whole buffer)."""
+    copy_pairs(pack_pairs(segs, sources, out))
 
 
 def unpack_segments(segs: Sequence[Segment], buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> None:
     """Scatter ``segs`` from their places in ``buffer`` (the bucket's whole buffer) into the targets."""
-    for seg in segs:
-        region = targets[seg.dst_tensor][slices(seg.dst_box)]
-        region.copy_(buffer[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype]).view(region.shape))
+    copy_pairs(unpack_pairs(segs, buffer, targets))
 
 
 DIRECT_MIN_BYTES = 8 << 20  # a segment this large travels as a message of its own
