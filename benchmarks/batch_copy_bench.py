@@ -172,6 +172,8 @@ def main() -> None:
         args.b_copies, args.b_rows, args.pool_gib = 60, 128, 1 / 32
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "repeats": args.repeats}

@@ -80,6 +80,11 @@ class Bucket:
         """(src rank, dst instance, dst rank): the :data:`Pair` this bucket travels between."""
         return (self.src_rank, self.dst_instance, self.dst_rank)
 
+    def __hash__(self) -> int:
+        # the header only: equal buckets have equal headers, and hashing every copy (a 30B bucket holds
+        # hundreds) cost tens of milliseconds a step wherever buckets key a dict or a set
+        return hash((self.src_rank, self.dst_instance, self.dst_rank, self.index, len(self.copies)))
+
 
 Pair = tuple[int, int, int]  # (src rank, dst instance, dst rank)
 

@@ -99,7 +99,8 @@ class WeightReader:
         self._announced: Future | None = None
         self.last_stats: list[dict] = []
         #: seconds the last update spent waiting for the trainers (co-located), in the workers (of which
-        #: ``transport`` in the slowest worker's transport) and handing the step's ``held`` report over
+        #: ``transport`` in the slowest worker's transport, ``posting`` until its CPU had posted everything)
+        #: and handing the step's ``held`` report over
         self.last_timing: dict[str, float] = {}
 
     def update(self, step: int) -> int:
@@ -124,7 +125,8 @@ class WeightReader:
         self.instance.set_version(step)
         self._announce(step)
         self.last_timing = {"wait_written": t1 - t0, "workers": t2 - t1, "held": time.perf_counter() - t2,
-                            "transport": max(s["seconds"] for s in self.last_stats)}
+                            "transport": max(s["seconds"] for s in self.last_stats),
+                            "posting": max(s["posted"] for s in self.last_stats)}
         return step
 
     def pull(self, attempts: int = 5) -> int:
@@ -293,16 +295,17 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
     with torch.no_grad():
         if isinstance(ctx.state["transport"], FileTransport):
             s = ctx.state["transport"].recv(plans, targets, step=step)
-            nbytes, buckets, seconds = s.bytes, s.buckets, s.seconds
+            nbytes, buckets, seconds, posted = s.bytes, s.buckets, s.seconds, s.posted
         elif "sources" in ctx.state:  # co-located
             s = ctx.state["transport"].run(plans, ctx.state["send_plans"], targets, ctx.state["sources"])
             nbytes, buckets, seconds = s.local_bytes + s.recv_bytes, s.local_buckets + s.recv_buckets, s.seconds
+            posted = s.posted
         else:
             s = ctx.state["transport"].recv(plans, targets)
-            nbytes, buckets, seconds = s.bytes, s.buckets, s.seconds
+            nbytes, buckets, seconds, posted = s.bytes, s.buckets, s.seconds, s.posted
         if staged:  # every byte arrived: commit exactly the planned regions (padding stays untouched)
             _commit(ctx, plans, targets)
-    return {"rank": ctx.rank, "step": step, "bytes": nbytes, "seconds": seconds, "buckets": buckets}
+    return {"rank": ctx.rank, "step": step, "bytes": nbytes, "seconds": seconds, "posted": posted, "buckets": buckets}
 
 
 def _disconnect(ctx: WorkerContext) -> None:

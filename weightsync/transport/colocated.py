@@ -151,6 +151,7 @@ class ColocatedStats:
     recv_buckets: int
     recv_bytes: int
     seconds: float
+    posted: float = 0.0  # seconds until the CPU had posted everything (the GPU works on after that)
 
 
 _LOCAL, _SEND, _RECV = "local", "send", "recv"
@@ -267,7 +268,7 @@ class ColocatedTransport:
         stagings = {}
         for kind, b, _ in (op for unit in units for op in unit):
             tensors = src_tensors_by_train_rank[b.src_rank] if kind == _SEND else dst_tensors
-            stagings[kind, b] = self._graphs.memo(
+            stagings[kind, id(b)] = self._graphs.memo(
                 b, kind, lambda b=b, t=tensors, s=kind == _SEND: stage(b, t, s, self.direct_min))
         if units:
             self._ensure_buffers(max(st.nbytes for st in stagings.values()), dev)
@@ -299,9 +300,11 @@ class ColocatedTransport:
             free += self._finish(inflight.popleft(), dst_tensors, ordered)
         if side is not None:
             torch.cuda.current_stream(dev).wait_stream(side)
+        done_posting = time.perf_counter() - start
         if ordered:
             settle(posted, self.timeout.total_seconds(), dev)
-        return ColocatedStats(*counts[_LOCAL], *counts[_SEND], *counts[_RECV], time.perf_counter() - start)
+        return ColocatedStats(*counts[_LOCAL], *counts[_SEND], *counts[_RECV], time.perf_counter() - start,
+                              done_posting)
 
     def _units(self, remote: list, dev: torch.device) -> list[list]:
         """Remote operations cut into units posted together: on NCCL, the consecutive ones of one bucket
@@ -320,7 +323,7 @@ class ColocatedTransport:
                 units.append([op])
         return units
 
-    def _post(self, unit: list, stagings: Mapping[tuple[str, Bucket], Staging],
+    def _post(self, unit: list, stagings: Mapping[tuple[str, int], Staging],
               src: Mapping[int, Mapping[str, torch.Tensor]], dst: Mapping[str, torch.Tensor],
               free: list[torch.Tensor], dev: torch.device, posted: list) -> tuple:
         """Post one unit (as one NCCL group when coalescing); return what retiring it needs.
@@ -331,7 +334,7 @@ class ColocatedTransport:
         for kind, b, peer in unit:
             sending = kind == _SEND
             tensors = src[b.src_rank] if sending else dst
-            slot, st = free.pop(), stagings[kind, b]
+            slot, st = free.pop(), stagings[kind, id(b)]
             if sending and st.staged:  # graphs are keyed by the buffer's address: the copies write there
                 self._graphs.run(b, ("pack", slot.data_ptr()),
                                  lambda st=st, t=tensors, o=slot: pack_pairs(st.staged, t, o), dev)

@@ -93,7 +93,9 @@ def new_group(
         dev = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        opts.is_high_priority_stream = False
+        # NCCL's kernels go first wherever SMs free up: copies queued beside them (co-located same-GPU
+        # copies, thousands of CTAs) would otherwise hold every SM and delay the link's traffic
+        opts.is_high_priority_stream = True
         impl = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         pg._set_default_backend(ProcessGroup.BackendType.NCCL)
         pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, impl)

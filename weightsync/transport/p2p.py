@@ -98,6 +98,7 @@ class TransferStats:
     buckets: int
     bytes: int
     seconds: float
+    posted: float = 0.0  # seconds until the CPU had posted everything (the GPU works on after that)
 
 
 def order_key(b: Bucket) -> tuple[int, int, int, int]:
@@ -195,9 +196,10 @@ class P2PTransport:
             posted.extend((w, lambda e, b=b, peer=peer: self._error(b, peer, sending, e)) for w in works)
         while inflight:
             self._finish(*inflight.popleft(), tensors, sending, ordered)
+        done_posting = time.perf_counter() - start
         if ordered:
             settle(posted, self.timeout.total_seconds(), device)
-        return TransferStats(len(ops), sum(b.nbytes for b in ops), time.perf_counter() - start)
+        return TransferStats(len(ops), sum(b.nbytes for b in ops), time.perf_counter() - start, done_posting)
 
     def _finish(
         self, b: Bucket, peer: int, works: list, st: Staging, slot: torch.Tensor,
