@@ -94,9 +94,10 @@ def run_case(name: str, pairs: Pairs, dst_buffers: list[torch.Tensor], device: t
         for d, s in pairs:
             d.copy_(s)
 
-    report(results, name, "loop", timed(loop, device, args.repeats), nbytes, ceiling)
     graphs = device.type == "cuda"
-    if graphs:
+    if not args.batched_only:
+        report(results, name, "loop", timed(loop, device, args.repeats), nbytes, ceiling)
+    if graphs and not args.batched_only:
         t0 = time.perf_counter()
         g = captured(loop, device)
         capture_s = time.perf_counter() - t0
@@ -112,7 +113,8 @@ def run_case(name: str, pairs: Pairs, dst_buffers: list[torch.Tensor], device: t
         report(results, name, "batched-graph", timed(g.replay, device, args.repeats), nbytes, ceiling)
         del g
     results[name].update(copies=len(pairs), bytes=nbytes, tiles=bc.tiles, groups=bc.groups, fallback=bc.fallback,
-                         build_s=build_s, verified=ok, **({"loop_capture_s": capture_s} if graphs else {}))
+                         build_s=build_s, verified=ok,
+                         **({"loop_capture_s": capture_s} if graphs and not args.batched_only else {}))
     print(f"{name:9s} {len(pairs)} copies -> {bc.tiles} tiles {bc.groups}, built in {build_s:.2f} s, "
           f"verified {ok}", flush=True)
     if not ok:
@@ -164,9 +166,17 @@ def main() -> None:
     p.add_argument("--b-rows", type=int, default=2048, help="rows of case B's [rows, 768] bf16 matrices")
     p.add_argument("--pool-gib", type=float, default=6.0, help="case B's source pool")
     p.add_argument("--tile-bytes", type=int, default=0, help="BatchedCopy tile size (0: its default)")
+    p.add_argument("--block", type=int, default=0, help="the kernel's BLOCK (0: its default)")
+    p.add_argument("--warps", type=int, default=0, help="the kernel's num_warps (0: its default)")
+    p.add_argument("--batched-only", action="store_true", help="skip the copy_ loops (tuning runs)")
     p.add_argument("--small", action="store_true", help="tiny sizes: check the script (on CPU too)")
     p.add_argument("--json", default="", help="also write the summary here")
     args = p.parse_args()
+    from weightsync.transport import batch_copy
+
+    batch_copy.BLOCK = args.block or batch_copy.BLOCK  # read at every launch
+    batch_copy.NUM_WARPS = args.warps or batch_copy.NUM_WARPS
+    results_config = {"block": batch_copy.BLOCK, "warps": batch_copy.NUM_WARPS}
     if args.small:
         args.ceiling_gib, args.a_copies, args.a_mb = 1 / 16, 8, 1.0
         args.b_copies, args.b_rows, args.pool_gib = 60, 128, 1 / 32
@@ -176,7 +186,7 @@ def main() -> None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     "repeats": args.repeats}
+                     "repeats": args.repeats, **results_config}
     t_start = time.perf_counter()
 
     ceiling = measure_ceiling(device, int(args.ceiling_gib * 2**30), args.repeats, results)

@@ -354,3 +354,18 @@ def test_views_shaped_apart(device):
     assert torch.equal(half, src[:4, 4:12].reshape(-1))
     assert torch.equal(wide[:, :6], src[:3, :8].reshape(4, 6))
     assert wide[:, 6:].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU host: make test-gpu)")
+@pytest.mark.parametrize("programs", [1, 3, 1000])
+def test_cuda_capped_programs_loop_over_every_tile(programs):
+    """With at most ``programs`` CTAs each loops over its share of the tiles: every byte still lands."""
+    g = torch.Generator().manual_seed(9)
+    src = _rand((256, 768), torch.bfloat16, "cuda", g)
+    dst = _poisoned((256, 768), torch.bfloat16, "cuda")
+    batch = BatchedCopy([(dst[:, :384], src[:, 384:]), (dst[:, 384:], src[:, :384])], tile_bytes=4096,
+                        programs=programs)
+    assert batch.tiles > 3
+    batch.run()
+    assert torch.equal(dst[:, :384], src[:, 384:]) and torch.equal(dst[:, 384:], src[:, :384])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 from typing import Iterable, Iterator
 
@@ -70,10 +70,12 @@ class Bucket:
     dst_rank: int
     index: int  # position among this pair's buckets
     copies: tuple[Copy, ...]
+    # derived from ``copies`` once: transports read it for every bucket every step, and summing a 30B
+    # bucket's copies each time cost tens of milliseconds a step
+    nbytes: int = field(init=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.copies)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum(c.nbytes for c in self.copies))
 
     @property
     def pair(self) -> tuple[int, int, int]:

@@ -129,7 +129,8 @@ class BatchedCopy:
     possibly of different dtypes (those are copied with ``copy_``).
     """
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], tile_bytes: int = TILE_BYTES) -> None:
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], tile_bytes: int = TILE_BYTES,
+                 programs: int | None = None) -> None:
         if not 1 <= tile_bytes <= 1 << 30:
             raise ValueError(f"tile_bytes must be in [1, 2**30], got {tile_bytes}")
         self._pairs = [(d, s) for d, s in pairs]  # keeps every address valid while we exist
@@ -140,6 +141,7 @@ class BatchedCopy:
         if self.device is not None and self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"BatchedCopy runs on cpu or cuda tensors, not {self.device}")
         self.tile_bytes = tile_bytes
+        self.programs = programs  # None: one program per tile; else at most this many, each looping
         self._fallback: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.skipped = 0
         groups: dict[int, list[Tile]] = {a: [] for a in ALIGNS}
@@ -183,7 +185,7 @@ class BatchedCopy:
                 n = host.shape[0]
                 self._launches.append((table[start : start + n], min(a, 8), a, n))  # 48-byte rows: 16-aligned
                 start += n
-                kernel[(1,)](noop, W=min(a, 8), ALIGN=a, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                kernel[(1,)](noop, 1, W=min(a, 8), ALIGN=a, BLOCK=BLOCK, num_warps=NUM_WARPS)
             torch.cuda.current_stream().synchronize()  # the pageable H2D copy is done before any run
             self._table = table
 
@@ -196,7 +198,8 @@ class BatchedCopy:
                 kernel = _kernel()
                 with torch.cuda.device(self.device):
                     for table, w, a, n in self._launches:
-                        kernel[(n,)](table, W=w, ALIGN=a, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                        grid = n if self.programs is None else min(n, self.programs)
+                        kernel[(grid,)](table, n, W=w, ALIGN=a, BLOCK=BLOCK, num_warps=NUM_WARPS)
         else:
             for table in self._host.values():
                 _memmove_tiles(table)
@@ -246,54 +249,56 @@ def _kernel():
     import triton.language as tl  # a module global: the jitted body resolves ``tl`` there
 
     @triton.jit
-    def copy_tiles(table, W: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
-        # one program per tile; every field is in bytes and a multiple of ALIGN (the table's group)
-        row = table + tl.program_id(0).to(tl.int64) * 6
-        src = tl.multiple_of(tl.load(row), ALIGN)
-        dst = tl.multiple_of(tl.load(row + 1), ALIGN)
-        nrows = tl.load(row + 2)
-        row_bytes = tl.multiple_of(tl.load(row + 3), ALIGN)
-        src_stride = tl.multiple_of(tl.load(row + 4), ALIGN)
-        dst_stride = tl.multiple_of(tl.load(row + 5), ALIGN)
-        if W == 8:
-            sp = src.to(tl.pointer_type(tl.int64))
-            dp = dst.to(tl.pointer_type(tl.int64))
-        elif W == 4:
-            sp = src.to(tl.pointer_type(tl.int32))
-            dp = dst.to(tl.pointer_type(tl.int32))
-        elif W == 2:
-            sp = src.to(tl.pointer_type(tl.int16))
-            dp = dst.to(tl.pointer_type(tl.int16))
-        else:
-            sp = src.to(tl.pointer_type(tl.int8))
-            dp = dst.to(tl.pointer_type(tl.int8))
-        # the hint must sit on the pointers too: axis analysis may not see through int_to_ptr
-        sp = tl.multiple_of(sp, ALIGN)
-        dp = tl.multiple_of(dp, ALIGN)
-        ncols = row_bytes // W  # elements per row; strides in elements
-        s_step = src_stride // W
-        d_step = dst_stride // W
-        cols = tl.arange(0, BLOCK)
-        if ncols >= BLOCK:
-            # long rows (one-row chunks, wide rows): contiguous BLOCKs along each row, vectorizable
-            for r in range(nrows):
-                s_row = sp + r * s_step
-                d_row = dp + r * d_step
-                for c in range(0, ncols, BLOCK):
-                    o = c + cols
-                    m = o < ncols
-                    tl.store(d_row + o, tl.load(s_row + o, mask=m), mask=m)
-        else:
-            # short rows: BLOCK elements of the tile at a time, spanning rows (a tile is < 2**31 bytes)
-            n = (nrows * ncols).to(tl.int32)
-            nc = ncols.to(tl.int32)
-            for i in range(0, n, BLOCK):
-                idx = i + cols
-                r = idx // nc
-                c = (idx - r * nc).to(tl.int64)
-                r = r.to(tl.int64)
-                m = idx < n
-                tl.store(dp + (r * d_step + c), tl.load(sp + (r * s_step + c), mask=m), mask=m)
+    def copy_tiles(table, n_tiles, W: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+        # program p copies tiles p, p + P, p + 2P, ... (P programs: one per tile unless capped); every
+        # field is in bytes and a multiple of ALIGN (the table's group)
+        for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+            row = table + t * 6  # t < 2**31 / 6: tables are far smaller
+            src = tl.multiple_of(tl.load(row), ALIGN)
+            dst = tl.multiple_of(tl.load(row + 1), ALIGN)
+            nrows = tl.load(row + 2)
+            row_bytes = tl.multiple_of(tl.load(row + 3), ALIGN)
+            src_stride = tl.multiple_of(tl.load(row + 4), ALIGN)
+            dst_stride = tl.multiple_of(tl.load(row + 5), ALIGN)
+            if W == 8:
+                sp = src.to(tl.pointer_type(tl.int64))
+                dp = dst.to(tl.pointer_type(tl.int64))
+            elif W == 4:
+                sp = src.to(tl.pointer_type(tl.int32))
+                dp = dst.to(tl.pointer_type(tl.int32))
+            elif W == 2:
+                sp = src.to(tl.pointer_type(tl.int16))
+                dp = dst.to(tl.pointer_type(tl.int16))
+            else:
+                sp = src.to(tl.pointer_type(tl.int8))
+                dp = dst.to(tl.pointer_type(tl.int8))
+            # the hint must sit on the pointers too: axis analysis may not see through int_to_ptr
+            sp = tl.multiple_of(sp, ALIGN)
+            dp = tl.multiple_of(dp, ALIGN)
+            ncols = row_bytes // W  # elements per row; strides in elements
+            s_step = src_stride // W
+            d_step = dst_stride // W
+            cols = tl.arange(0, BLOCK)
+            if ncols >= BLOCK:
+                # long rows (one-row chunks, wide rows): contiguous BLOCKs along each row, vectorizable
+                for r in range(nrows):
+                    s_row = sp + r * s_step
+                    d_row = dp + r * d_step
+                    for c in range(0, ncols, BLOCK):
+                        o = c + cols
+                        m = o < ncols
+                        tl.store(d_row + o, tl.load(s_row + o, mask=m), mask=m)
+            else:
+                # short rows: BLOCK elements of the tile at a time, spanning rows (a tile is < 2**31 bytes)
+                n = (nrows * ncols).to(tl.int32)
+                nc = ncols.to(tl.int32)
+                for i in range(0, n, BLOCK):
+                    idx = i + cols
+                    r = idx // nc
+                    c = (idx - r * nc).to(tl.int64)
+                    r = r.to(tl.int64)
+                    m = idx < n
+                    tl.store(dp + (r * d_step + c), tl.load(sp + (r * s_step + c), mask=m), mask=m)
 
     _KERNEL = copy_tiles
     return _KERNEL

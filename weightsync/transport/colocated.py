@@ -163,6 +163,10 @@ def buffer_slots(window: int, coalescing: bool = True) -> int:
     return window * (UNIT_OPS if coalescing else 1)
 
 
+def half_the_sms(dev: torch.device) -> int:
+    return max(1, torch.cuda.get_device_properties(dev).multi_processor_count // 2)
+
+
 @contextlib.contextmanager
 def _nothing():
     yield
@@ -288,8 +292,12 @@ class ColocatedTransport:
             return [p for b in local for p in direct_pairs(segments(b), src[b.src_rank], dst_tensors)]
 
         if local:
+            # beside NVLink traffic, the copies take half the SMs: NCCL's kernels then start at once
+            # instead of behind thousands of copy CTAs (measured: 4 GiB both ways with 4 GiB copied
+            # alongside took 15.9 ms with the copy on every SM, 15.0 on half, 14.2 without the copy)
+            programs = half_the_sms(dev) if units and ordered else None
             with torch.cuda.stream(side) if side is not None else _nothing():
-                self._graphs.run(recv_plans, "local", local_pairs, dev)
+                self._graphs.run(recv_plans, "local", local_pairs, dev, programs)
         inflight: deque = deque()
         posted: list = []
         for unit in units:
