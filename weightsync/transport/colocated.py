@@ -310,7 +310,7 @@ class ColocatedTransport:
             torch.cuda.current_stream(dev).wait_stream(side)
         done_posting = time.perf_counter() - start
         if ordered:
-            settle(posted, self.timeout.total_seconds(), dev)
+            settle(posted, self.timeout.total_seconds(), dev, self.group)
         return ColocatedStats(*counts[_LOCAL], *counts[_SEND], *counts[_RECV], time.perf_counter() - start,
                               done_posting)
 

@@ -92,7 +92,9 @@ def new_group(
             raise RuntimeError("this torch build has no NCCL")
         dev = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        # NCCL's watchdog only backs the transports' own timeout up (theirs raises a TransportError and
+        # aborts the group cleanly); firing first, it would kill the process instead
+        opts._timeout = timedelta(seconds=3 * timeout_s + 30)
         # NCCL's kernels go first wherever SMs free up: copies queued beside them (co-located same-GPU
         # copies, thousands of CTAs) would otherwise hold every SM and delay the link's traffic
         opts.is_high_priority_stream = True

@@ -198,7 +198,7 @@ class P2PTransport:
             self._finish(*inflight.popleft(), tensors, sending, ordered)
         done_posting = time.perf_counter() - start
         if ordered:
-            settle(posted, self.timeout.total_seconds(), device)
+            settle(posted, self.timeout.total_seconds(), device, self.group)
         return TransferStats(len(ops), sum(b.nbytes for b in ops), time.perf_counter() - start, done_posting)
 
     def _finish(
@@ -278,12 +278,14 @@ def retire(work, timeout: timedelta, ordered: bool) -> None:
 
 
 def settle(posted: Sequence[tuple[object, Callable[[Exception], Exception]]], timeout_s: float,
-           device: torch.device, poll_s: float = 20e-6) -> None:
+           device: torch.device, group: ProcessGroup, poll_s: float = 20e-6) -> None:
     """Block the CPU until the current stream's work so far (every unpack) and every posted operation completed.
 
     ``posted`` lists ``(work, error)`` in posting order, ``error(cause)`` building the exception for
     that operation. Raises the first incomplete operation's error once none has completed for
-    ``timeout_s`` (a dead or stalled peer), so a step can be slow but never hangs.
+    ``timeout_s`` (a dead or stalled peer), so a step can be slow but never hangs -- after aborting
+    ``group``: its kernels still waiting on the peer exit, so the current stream, which waits on them,
+    runs on (else the engine's next kernel on it would hang behind them). The group is unusable then.
     """
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
@@ -293,8 +295,17 @@ def settle(posted: Sequence[tuple[object, Callable[[Exception], Exception]]], ti
             i, last = i + 1, time.monotonic()
         if time.monotonic() - last > timeout_s:
             _, error = posted[min(i, len(posted) - 1)]
+            abort(group)
             raise error(TimeoutError(f"no transfer completed for {timeout_s:g}s"))
         time.sleep(poll_s)
+
+
+def abort(group: ProcessGroup) -> None:
+    """Abort ``group``'s communicators (NCCL: pending kernels exit); best effort, the caller is failing."""
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001 - an older torch, or torn down already: the caller's error matters
+        pass
 
 
 def ensure_buffers(
