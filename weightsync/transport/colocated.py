@@ -267,15 +267,18 @@ class ColocatedTransport:
         dev = self._device(dst_tensors, src_tensors_by_train_rank)
         ordered = on_gpu(dev)
         self._coalesce(dev)  # first step: every worker, remote work or not, builds the NCCL communicator
-        self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values())
+        # graphs and views stay valid while the tensors and buffers stay put
+        buffers = {str(i): b for i, b in enumerate(self._buffers)}
+        self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(), buffers)
         units = self._units([op for op in ops if op[0] != _LOCAL], dev)
         stagings = {}
         for kind, b, _ in (op for unit in units for op in unit):
             tensors = src_tensors_by_train_rank[b.src_rank] if kind == _SEND else dst_tensors
             stagings[kind, id(b)] = self._graphs.memo(
                 b, kind, lambda b=b, t=tensors, s=kind == _SEND: stage(b, t, s, self.direct_min))
-        if units:
-            self._ensure_buffers(max(st.nbytes for st in stagings.values()), dev)
+        if units and self._ensure_buffers(max(st.nbytes for st in stagings.values()), dev):
+            buffers = {str(i): b for i, b in enumerate(self._buffers)}  # new (first step, or grown)
+            self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(), buffers)
         free = list(self._buffers)
         counts = {_LOCAL: [0, 0], _SEND: [0, 0], _RECV: [0, 0]}
         for kind, b, _ in ops:
@@ -343,7 +346,7 @@ class ColocatedTransport:
             sending = kind == _SEND
             tensors = src[b.src_rank] if sending else dst
             slot, st = free.pop(), stagings[kind, id(b)]
-            if sending and st.staged:  # graphs are keyed by the buffer's address: the copies write there
+            if sending and st.staged:
                 self._graphs.run(b, ("pack", slot.data_ptr()),
                                  lambda st=st, t=tensors, o=slot: pack_pairs(st.staged, t, o), dev)
             held.append((kind, b, peer, slot, st))
@@ -468,6 +471,8 @@ class ColocatedTransport:
                 return t.device
         return torch.device("cpu")
 
-    def _ensure_buffers(self, need: int, device: torch.device) -> None:
-        slots = buffer_slots(self.window, self._coalesce(device))
-        self._buffers = ensure_buffers(self._buffers, slots, need, self.buffer_bytes, device)
+    def _ensure_buffers(self, need: int, device: torch.device) -> bool:
+        """Buffers for ``need`` bytes; True when they were (re)allocated."""
+        have, slots = self._buffers, buffer_slots(self.window, self._coalesce(device))
+        self._buffers = ensure_buffers(have, slots, need, self.buffer_bytes, device)
+        return self._buffers is not have

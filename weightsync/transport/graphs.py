@@ -11,8 +11,8 @@ copied by one kernel launch -- and, on CUDA, that launch is captured once and re
 On CPU the same tables run through its reference executor, so CPU tests cover them.
 
 Tables and graphs hold raw addresses, so :meth:`CopyGraphs.begin` drops them all as soon as any
-tensor they may touch moved (an engine that reallocated its weights gets fresh ones, never stale
-ones); buffers are part of the key instead (their address is in the tag). Captures use
+tensor they may touch -- the live weights and the transport's buffers -- moved (an engine that
+reallocated its weights gets fresh ones, never stale ones). Captures use
 ``thread_local`` error mode: NCCL's watchdog thread queries events meanwhile, which a global-mode
 capture would count as an error.
 """

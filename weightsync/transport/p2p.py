@@ -173,10 +173,12 @@ class P2PTransport:
         self._initialized = True
         if not ops:
             return TransferStats(0, 0, 0.0)
-        self._graphs.begin(tensors)  # graphs and views of these tensors stay valid while they stay put
+        # graphs and views stay valid while the tensors and buffers stay put
+        self._graphs.begin(tensors, self._buffer_map())
         stagings = [self._graphs.memo(b, sending, lambda b=b: stage(b, tensors, sending, self.direct_min))
                     for b in ops]
-        self._ensure_buffers(max(st.nbytes for st in stagings), device)
+        if self._ensure_buffers(max(st.nbytes for st in stagings), device):
+            self._graphs.begin(tensors, self._buffer_map())  # new buffers (first step, or grown)
         start = time.perf_counter()
         inflight: deque[tuple[Bucket, int, list, Staging, torch.Tensor]] = deque()
         posted: list[tuple[object, Callable[[Exception], TransportError]]] = []
@@ -186,7 +188,7 @@ class P2PTransport:
             peer = peer_of(b.pair)
             slot = self._buffers[k % self.window]  # the buffer bucket k - window just freed
             try:
-                if sending and st.staged:  # graphs are keyed by the buffer's address: the copies write there
+                if sending and st.staged:
                     self._graphs.run(b, ("pack", slot.data_ptr()),
                                      lambda st=st, o=slot: pack_pairs(st.staged, tensors, o), device)
                 works = post(self.group, [(t, peer, b.index, sending) for t in st.tensors(slot)], device, coalesce)
@@ -226,8 +228,14 @@ class P2PTransport:
             bucket=b.index,
         )
 
-    def _ensure_buffers(self, need: int, device: torch.device) -> None:
-        self._buffers = ensure_buffers(self._buffers, self.window, need, self.buffer_bytes, device)
+    def _ensure_buffers(self, need: int, device: torch.device) -> bool:
+        """Buffers for ``need`` bytes; True when they were (re)allocated."""
+        have = self._buffers
+        self._buffers = ensure_buffers(have, self.window, need, self.buffer_bytes, device)
+        return self._buffers is not have
+
+    def _buffer_map(self) -> dict[str, torch.Tensor]:
+        return {str(i): b for i, b in enumerate(self._buffers)}
 
 
 def on_gpu(device: torch.device) -> bool:
