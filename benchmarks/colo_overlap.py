@@ -109,7 +109,8 @@ def main() -> None:
               f"copy {res['copy']*1e3:.2f} ms ({res['local_bytes'] / 1e9 / res['copy']:.0f} GB/s), "
               f"both {res['both']*1e3:.2f} ms (sum {1e3*(res['link'] + res['copy']):.2f}, "
               f"max {1e3*max(res['link'], res['copy']):.2f}); with the copy on at most P CTAs: "
-              + ", ".join(f"P={p} copy {res[f'copy-{p}']*1e3:.2f} both {res[f'both-{p}']*1e3:.2f}" for p in (33, 66, 132)))
+              + ", ".join(f"P={p} copy {res[f'copy-{p}'] * 1e3:.2f} both {res[f'both-{p}'] * 1e3:.2f}"
+                          for p in (33, 66, 132)))
     print(json.dumps(got))
 
 

@@ -51,7 +51,16 @@ from weightsync.transport.p2p import (
     retire,
     settle,
 )
-from weightsync.transport.pack import DIRECT_MIN_BYTES, Pairs, Staging, direct_pairs, pack_pairs, segments, stage, unpack_pairs
+from weightsync.transport.pack import (
+    DIRECT_MIN_BYTES,
+    Pairs,
+    Staging,
+    direct_pairs,
+    pack_pairs,
+    segments,
+    stage,
+    unpack_pairs,
+)
 
 Plans = Mapping[Pair, list[Bucket]]
 

@@ -127,7 +127,8 @@ def unpack_pairs(segs: Sequence[Segment], buffer: torch.Tensor, targets: Mapping
     pairs = []
     for seg in segs:
         region = targets[seg.dst_tensor][slices(seg.dst_box)]
-        pairs.append((region, buffer[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype]).view(region.shape)))
+        wire = buffer[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype])
+        pairs.append((region, wire.view(region.shape)))
     return pairs
 
 
