@@ -167,3 +167,28 @@ def test_meta_server_restart_between_steps(tmp_path):
     finally:
         pass
     assert_clean(messages, job)
+
+
+def test_held_reports_go_out_in_order_and_a_failed_one_raises_later():
+    """The reader posts ``held`` from a background thread: the server sees every report, in order, and
+    one the server refuses (here: an instance that never joined) raises at the reader's next check."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.meta.client import MetaClient, MetaError
+    from weightsync.meta.server import MetaServer
+    from weightsync.runtime.reader import WeightReader
+
+    with MetaServer(port=0) as server:
+        reader = WeightReader.__new__(WeightReader)  # only the reporting half: no engine, no workers
+        reader.client, reader.instance_id, reader.timeout_s = MetaClient(server.url, "j"), 0, 10.0
+        reader._announcer, reader._announced = ThreadPoolExecutor(1), None
+        reader.client.join(0)
+        for step in (1, 2, 3):  # out of order, the server would refuse the lower step
+            reader._announce(step)
+        reader._check_announced(wait=True)
+        assert reader.client.summary()["held"] == {"0": 3}
+        reader.instance_id = 5  # never joined: the server refuses its report
+        reader._announce(4)
+        with pytest.raises(MetaError):
+            reader._check_announced(wait=True)
+        reader._announcer.shutdown()
