@@ -74,10 +74,10 @@ def _run_all(ctx, target, arg_lists: list[tuple], failures) -> None:
 # -- co-located: hand-over through exported buffers (shared memory on CPU, CUDA IPC on GPU) --------
 
 
-def _colo_member(role: str, rank: int, port: int, meta: str, case: tuple, failures) -> None:
+def _colo_member(role: str, rank: int, port: int, meta: str, case: tuple, failures, group_port: int = 0) -> None:
     from torch.distributed import TCPStore
 
-    from weightsync.bench.baselines import ColocatedTrainer, ColocatedWorker
+    from weightsync.bench.baselines import ColocatedTrainer, ColocatedWorker, needs_training_group
     from weightsync.meta.client import MetaClient
 
     model, train, infer, kind = case
@@ -87,13 +87,16 @@ def _colo_member(role: str, rank: int, port: int, meta: str, case: tuple, failur
     store = TCPStore("127.0.0.1", port, is_master=role == "train" and rank == 0, timeout=timedelta(seconds=60),
                      wait_for_workers=False)
     client = MetaClient(meta, "colo-baseline", timeout=60)
+    group = None
+    if role == "train" and needs_training_group(src):  # the trainers gather split tensors over their own group
+        group = new_group("127.0.0.1", group_port, rank, src.world_size, "gloo", 60, name="train")
     wait = timedelta(seconds=60)
     for step in range(2):  # the second step must overwrite the first everywhere
         canonical = random_canonical(spec, seed=30 + step)
         if role == "train":
             tensors = scatter(src.layout(rank), canonical, fill=0.0)
             if step == 0:
-                side = ColocatedTrainer(kind, src, rank, tensors, store, dst.world_size, client.publish)
+                side = ColocatedTrainer(kind, src, rank, tensors, store, dst.world_size, client.publish, group)
             else:  # new values in the same (exported) storage, as an optimizer step leaves them
                 for n, t in tensors.items():
                     side.tensors[n].copy_(t)
@@ -117,23 +120,30 @@ def _colo_member(role: str, rank: int, port: int, meta: str, case: tuple, failur
 
 
 @pytest.mark.parametrize("kind", ["naive", "bucketed"])
-def test_colocated_baseline_moves_the_right_bits(kind):
+@pytest.mark.parametrize("train", ["megatron:pp=2", "megatron:tp=2", "fsdp:dp=2"])
+def test_colocated_baseline_moves_the_right_bits(kind, train):
+    """Whole tensors on a training rank (PP), or split over the training ranks and gathered to their
+    owner first (TP, FSDP), handed over to TP=2 workers: every worker bit-exact, two steps."""
     from weightsync.meta.server import MetaServer
 
-    case = ("tiny-qwen3", "megatron:pp=2", "vllm:tp=2", kind)
+    case = ("tiny-qwen3", train, "vllm:tp=2", kind)
     spec = load_spec(case[0])
     ctx = mp.get_context("spawn")
     failures = ctx.Queue()
-    port = free_port()
+    port, group_port = free_port(), free_port()
     with MetaServer(port=0) as meta:
-        _run_all(ctx, _colo_member, [(role, r, port, meta.url, case, failures)
+        _run_all(ctx, _colo_member, [(role, r, port, meta.url, case, failures, group_port)
                                      for role, n in (("train", make_layout(spec, case[1]).world_size), ("infer", 2))
                                      for r in range(n)], failures)
 
 
-def test_colocated_baselines_refuse_split_training_tensors():
-    from weightsync.bench.baselines import colocated_buckets
+def test_colocated_baselines_need_a_group_for_split_training_tensors():
+    from weightsync.bench.baselines import ColocatedTrainer, needs_training_group
     from weightsync.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="split over training ranks"):
-        colocated_buckets("bucketed", make_layout(load_spec("tiny-qwen3"), "megatron:tp=2"))
+    spec = load_spec("tiny-qwen3")
+    assert not needs_training_group(make_layout(spec, "megatron:pp=2"))
+    tp2 = make_layout(spec, "megatron:tp=2")
+    assert needs_training_group(tp2)
+    with pytest.raises(ConfigError, match="group of the training ranks"):
+        ColocatedTrainer("bucketed", tp2, 0, scatter(tp2.layout(0), random_canonical(spec, 1)), None, 2, None)

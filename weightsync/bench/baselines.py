@@ -12,9 +12,11 @@ theirs. The gather uses point-to-point messages to rank 0 in one fixed order (de
 receives them in exactly the order each sender sends them).
 
 Co-located (trainer and inference workers share the GPUs), the same two hand the full tensors over by
-CUDA IPC instead of a broadcast, as slime and verl do: each training rank gathers the canonical tensors
-it holds into a bucket buffer on its GPU, and every inference worker slices its parts out of it
-(across NVLink when the buffer lives on another GPU), then acknowledges. We are generous to them: two
+CUDA IPC instead of a broadcast, as slime and verl do: the training rank owning a canonical tensor (the
+lowest one holding any of it) gathers it whole into a bucket buffer on its GPU -- shards held by other
+training ranks (TP, EP, FSDP) come over a group of the training ranks, as their all-gathers do -- and
+every inference worker slices its parts out of it (across NVLink when the buffer lives on another
+GPU), then acknowledges. We are generous to them: two
 bucket buffers per training GPU are exported once and reused (they open fresh IPC handles for every
 bucket), and the ready/ack signals go through one TCPStore (they use HTTP or Ray calls).
 """
@@ -24,7 +26,6 @@ from __future__ import annotations
 from typing import Mapping
 
 import json
-import math
 import os
 import tempfile
 
@@ -47,22 +48,34 @@ def _broadcast(group, tensor: torch.Tensor, timeout) -> None:
     group.broadcast([tensor], opts).wait(timeout=timeout)
 
 
+def _sources(src: EngineLayout, canonical: str, root: int) -> list[tuple[int, object]]:
+    """(training rank, its piece) sending each distinct box of ``canonical`` to ``root``: the root
+    itself where it holds the box (a replica, or a tied weight's second copy, counts once), else the
+    lowest rank holding it."""
+    holders: dict[tuple, list[tuple[int, object]]] = {}
+    for shard in src.shards(canonical):
+        for r in src.group_ranks(shard.group):
+            holders.setdefault(shard.piece.canon_box, []).append((r, shard.piece))
+    return [next((h for h in hs if h[0] == root), min(hs, key=lambda h: h[0])) for hs in holders.values()]
+
+
 def _gather_into(group, src: EngineLayout, train_rank: int | None, tensors: Mapping[str, torch.Tensor] | None,
-                 canonical: str, full: torch.Tensor, timeout) -> None:
-    """Training rank 0 assembles ``full`` from the first holder of every shard; the holders send."""
+                 canonical: str, full: torch.Tensor, timeout, root: int = 0) -> None:
+    """Training rank ``root`` assembles ``full`` from one holder of every box (:func:`_sources`); the
+    holders send (call on every training rank; ``full`` matters on the root only, elsewhere just its
+    dtype). Group rank r is training rank r."""
     if train_rank is None:
         return
-    for shard in src.shards(canonical):
-        holder = min(src.group_ranks(shard.group))
-        p = shard.piece
-        if holder == 0 and train_rank == 0:
+    for holder, p in _sources(src, canonical, root):
+        if holder == root and train_rank == root:
             full[slices(p.canon_box)].copy_(local_view(tensors[p.tensor], p))
-        elif train_rank == 0:
+        elif train_rank == root:
             buf = torch.empty(tuple(n for _, n in p.canon_box), dtype=full.dtype, device=full.device)
             group.recv([buf], holder, GATHER_TAG).wait(timeout=timeout)
             full[slices(p.canon_box)].copy_(buf)
         elif train_rank == holder:
-            group.send([local_view(tensors[p.tensor], p).to(full.dtype).contiguous()], 0, GATHER_TAG).wait(timeout=timeout)
+            shard_data = local_view(tensors[p.tensor], p).to(full.dtype).contiguous()
+            group.send([shard_data], root, GATHER_TAG).wait(timeout=timeout)
 
 
 _PIECES: dict[int, tuple[object, dict[str, list]]] = {}
@@ -152,26 +165,24 @@ SLOTS = 2  # bucket buffers per training GPU: the trainer fills one while the wo
 
 
 def colocated_buckets(kind: str, src: EngineLayout) -> dict[int, list[list]]:
-    """Per training rank, the canonical tensors it holds whole, cut the ``kind`` way (naive: one per bucket)."""
+    """Per owning training rank (the lowest holding any of a canonical tensor), its tensors cut the
+    ``kind`` way (naive: one per bucket)."""
     if kind not in ("naive", "bucketed"):
         raise ValueError(f"unknown baseline {kind!r}")
     owned: dict[int, list] = {}
     for t in src.spec.tensors:
-        whole = [r for r in range(src.world_size) if _covered(src, t, r)]
-        if not whole:
-            raise ConfigError(f"the co-located baselines hand over tensors a training rank holds whole; {t.name} is "
-                              "split over training ranks (training TP/EP > 1 is not built)")
-        owned.setdefault(whole[0], []).append(t)
+        owned.setdefault(_owner(src, t.name), []).append(t)
     return {r: _buckets(ts, BUCKET_BYTES if kind == "bucketed" else 0) for r, ts in sorted(owned.items())}
 
 
-def _mine(src: EngineLayout, canonical: str, rank: int) -> list:
-    return [s.piece for s in src.shards(canonical) if rank in src.group_ranks(s.group)]
+def _owner(src: EngineLayout, canonical: str) -> int:
+    return min(r for s in src.shards(canonical) for r in src.group_ranks(s.group))
 
 
-def _covered(src: EngineLayout, t, rank: int) -> bool:
-    """Whether training rank ``rank`` alone holds every element of canonical tensor ``t``."""
-    return sum(math.prod(n for _, n in p.canon_box) for p in _mine(src, t.name, rank)) >= math.prod(t.shape)
+def needs_training_group(src: EngineLayout) -> bool:
+    """Whether some canonical tensor's owner lacks part of it (then the trainers gather over a group)."""
+    return any(r != owner for t in src.spec.tensors
+               for owner in [_owner(src, t.name)] for r, _ in _sources(src, t.name, owner))
 
 
 def _key(kind: str, step: int, rank: int, k: int, what: str) -> str:
@@ -179,17 +190,25 @@ def _key(kind: str, step: int, rank: int, k: int, what: str) -> str:
 
 
 class ColocatedTrainer:
-    """A training rank's side: export two bucket buffers once, then fill them bucket by bucket every step."""
+    """A training rank's side: export two bucket buffers once, then every step walk every owner's buckets
+    in one order, filling its own (gathering the shards other ranks hold) and sending its shards of the
+    others'. ``group`` joins the training ranks (group rank = training rank); needed only when
+    :func:`needs_training_group`."""
 
     def __init__(self, kind: str, src: EngineLayout, rank: int, tensors: Mapping[str, torch.Tensor], store,
-                 workers: int, publish) -> None:
+                 workers: int, publish, group=None) -> None:
         from weightsync.transport.share import export_tensors
 
+        if group is None and needs_training_group(src):
+            raise ConfigError("the co-located baselines gather tensors split over training ranks over a group "
+                              "of the training ranks: pass one")
         self.kind, self.src, self.rank, self.tensors, self.store, self.workers = kind, src, rank, tensors, store, workers
-        self.buckets = colocated_buckets(kind, src).get(rank, [])
+        self.group = group
+        self.all_buckets = colocated_buckets(kind, src)
+        self.buckets = self.all_buckets.get(rank, [])
         size = max((sum(t.nbytes for t in b) for b in self.buckets), default=1)
-        device = next(iter(tensors.values())).device
-        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
+        self.device = next(iter(tensors.values())).device
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(SLOTS)]
         for j in range(workers):  # a CUDA IPC description serves one importing process
             path = os.path.join(tempfile.gettempdir(), f"weightsync-bench-{kind}-{os.getpid()}-{rank}-{j}.json")
             with open(path, "w") as f:
@@ -198,14 +217,19 @@ class ColocatedTrainer:
 
     def step(self, step: int, timeout) -> None:
         acked = lambda k: [_key(self.kind, step, self.rank, k, f"ack{j}") for j in range(self.workers)]
-        for k, bucket in enumerate(self.buckets):
-            if k >= SLOTS:
-                self.store.wait(acked(k - SLOTS), timeout)
-            for t, v in zip(bucket, _views(self.slots[k % SLOTS], bucket)):
-                for p in _mine(self.src, t.name, self.rank):
-                    v[slices(p.canon_box)].copy_(local_view(self.tensors[p.tensor], p))
-            _sync(self.slots[0].device)  # another process reads the buffer next
-            self.store.set(_key(self.kind, step, self.rank, k, "ready"), "1")
+        for owner, buckets in self.all_buckets.items():  # every trainer in the same order: sends meet receives
+            for k, bucket in enumerate(buckets):
+                if owner != self.rank:  # my shards of another owner's tensors, if any
+                    for t in bucket:
+                        dtype_only = torch.empty(0, dtype=TORCH_DTYPES[t.dtype], device=self.device)
+                        _gather_into(self.group, self.src, self.rank, self.tensors, t.name, dtype_only, timeout, owner)
+                    continue
+                if k >= SLOTS:
+                    self.store.wait(acked(k - SLOTS), timeout)
+                for t, v in zip(bucket, _views(self.slots[k % SLOTS], bucket)):
+                    _gather_into(self.group, self.src, self.rank, self.tensors, t.name, v, timeout, owner)
+                _sync(self.device)  # another process reads the buffer next
+                self.store.set(_key(self.kind, step, self.rank, k, "ready"), "1")
         for k in range(max(0, len(self.buckets) - SLOTS), len(self.buckets)):
             self.store.wait(acked(k), timeout)
 

@@ -224,16 +224,25 @@ def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out
     (separated) or through the co-located hand-over."""
     from datetime import timedelta
 
-    from weightsync.bench.baselines import ColocatedTrainer, sync_step
+    from weightsync.bench.baselines import ColocatedTrainer, needs_training_group, sync_step
     from weightsync.engines import make_layout
 
     wait = timedelta(seconds=timeout)
     dst = make_layout(engine.spec, scen.infer)
     store = _store(store_port, rank == 0, timeout) if scen.colocate else None
+    group = None
+    if scen.colocate and needs_training_group(engine):  # shards split over trainers are gathered, as slime does
+        from weightsync.transport.group import free_port, new_group
+
+        if rank == 0:
+            writer.client.publish("bench-train-group", f"127.0.0.1:{free_port()}")
+        host, port = writer.client.lookup("bench-train-group", timeout=timeout).rsplit(":", 1)
+        group = new_group(host, int(port), rank, engine.world_size, "nccl", timeout, device=torch.device("cuda", rank),
+                          name="bench-train")
     for kind in baselines:
         if scen.colocate:
             side = ColocatedTrainer(kind, engine, rank, tensors, store, scen.instances * dst.world_size,
-                                    writer.client.publish)
+                                    writer.client.publish, group)
             one = lambda step, side=side: side.step(step, wait)
         else:
             one = lambda step, kind=kind: sync_step(
@@ -356,16 +365,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     if unknown:
         raise ConfigError(f"unknown baselines {sorted(unknown)}; known: naive, bucketed, {CHECKPOINT_ENGINE}")
     requested = baselines
-    skipped: dict[str, str] = {}
-    if scen.colocate:  # the co-located hand-over needs whole tensors on a training rank (no TP gather built)
-        from weightsync.bench.baselines import colocated_buckets
-
-        for kind in set(baselines) - {CHECKPOINT_ENGINE}:
-            try:
-                colocated_buckets(kind, train)
-            except ConfigError as e:
-                skipped[kind] = str(e)
-    baselines = tuple(b for b in baselines if b != CHECKPOINT_ENGINE and b not in skipped)  # run in our processes
+    baselines = tuple(b for b in baselines if b != CHECKPOINT_ENGINE)  # run in our processes
     ctx = mp.get_context("spawn")
     out, link_q = ctx.Queue(), ctx.Queue()
     starts: dict[int, float] = {}
@@ -477,7 +477,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         peak_transient_bytes=max([m[4] for m in train_info] + [m[4] for m in infer_info]),
         memory_budget_bytes=DEFAULT_MEMORY_BUDGET,  # the writers' and readers' default, checked at set-up
     )
-    result["baselines"] = {kind: {"ran": False, "why": why} for kind, why in skipped.items()}
+    result["baselines"] = {}
     for kind in baselines:
         bt = [bends[kind, s] - bstarts[kind, s] for s in range(1, steps + 1) if (kind, s) in bends and (kind, s) in bstarts]
         if len(bt) < steps:
