@@ -118,7 +118,7 @@ def _megatron(spec, want, rank: int):
 
 def _die_after(module, name: str, count: int) -> None:
     """Fault injection: the process exits abruptly inside the ``count``-th call of ``module.name``."""
-    real = getattr(module, name)
+    real = getattr(module, name)  # AttributeError when the hook point is renamed: the test must fail then
     calls = [0]
 
     def wrapped(*a, **k):
@@ -206,10 +206,10 @@ def check_step(ctx, model: str, engine: str, step: int, fp32: bool = False) -> s
 def _die_in_worker(ctx) -> None:
     import weightsync.transport.p2p as p2p
 
-    if ctx.device.type == "cuda":  # unpack replays a CUDA graph by now: die with step 2's receives posted
+    if ctx.device.type == "cuda":  # die with the step's receives all posted, waiting for them
         _die_after(p2p, "settle", 1)
-    else:
-        _die_after(p2p, "unpack", 2)
+    else:  # die mid-step, the first bucket received (gloo: the CPU waits bucket by bucket)
+        _die_after(p2p, "post", 2)
 
 
 def reader(inst: int, meta: str, job: dict, out) -> None:

@@ -113,6 +113,9 @@ def test_inference_process_killed():
     train_errors = [m for m in messages if m[0] == "error" and m[1] == "train"]
     assert train_errors, messages
     assert train_errors[0][3] == "TransportError", train_errors
+    # the worker died inside step 2's transfer (not before it), and the reader said so
+    infer_errors = [m for m in messages if m[0] == "error" and m[1] == "infer"]
+    assert infer_errors and "died (exit code 3) during _receive" in infer_errors[0][4], messages
 
 
 @pytest.mark.parametrize("side", ["writer", "reader"])
