@@ -1,11 +1,9 @@
 """The bench's data: any rank regenerates any region, and each step's bits differ (the GPU runs use it)."""
 
-import pytest
 import torch
 
 from weightsync.bench.run import SCENARIOS, advance, check, init_weights, moved_per_gpu
 from weightsync.engines import make_layout
-from weightsync.errors import ConfigError
 from weightsync.layout.materialize import TORCH_DTYPES
 from weightsync.runtime.instance import WorkerContext
 from weightsync.spec import load_spec
@@ -44,8 +42,8 @@ def test_results_record_where_they_were_measured():
 
 def test_every_scenario_plans_and_places_on_its_gpus():
     # the 4-GPU scenarios have not run on a GPU yet: at least their plans, GPU placement and the
-    # co-located baselines' applicability are checked here
-    from weightsync.bench.baselines import colocated_buckets
+    # co-located baselines' hand-over are checked here
+    from weightsync.bench.baselines import colocated_buckets, needs_training_group
 
     spec = load_spec("qwen3-8b")
     for name, s in SCENARIOS.items():
@@ -56,9 +54,7 @@ def test_every_scenario_plans_and_places_on_its_gpus():
         assert sum(local + remote for local, remote in per.values()) >= s.instances * spec.nbytes, name
         if not s.colocate:
             continue
-        if train.config.get("tp", 1) > 1:  # no TP gather in the co-located baselines: reported as not run
-            with pytest.raises(ConfigError, match="split over training ranks"):
-                colocated_buckets("bucketed", train)
-        else:  # every canonical tensor handed over exactly once
-            buckets = colocated_buckets("bucketed", train)
-            assert sorted(t.name for bs in buckets.values() for b in bs for t in b) == sorted(spec.by_name), name
+        # every canonical tensor handed over exactly once; TP-split ones gathered over the trainers first
+        buckets = colocated_buckets("bucketed", train)
+        assert sorted(t.name for bs in buckets.values() for b in bs for t in b) == sorted(spec.by_name), name
+        assert needs_training_group(train) == (train.config.get("tp", 1) > 1), name
