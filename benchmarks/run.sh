@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run bench scenarios on the GPU host and keep the raw JSON: benchmarks/run.sh OUTDIR MODEL SCENARIO...
-# (each scenario in its own process, with a time limit, so one failure does not cost the others)
+# (each scenario in its own process, with a time limit, so one failure does not cost the others; OUTDIR.tgz
+# archives it all at the end). Pass WEIGHTSYNC_COMMIT as a literal: the device copy's .git may be stale.
 set -u
 out=$1; model=$2; shift 2
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -17,3 +18,5 @@ for s in "$@"; do
   echo "== $s $model: exit $? in $(( $(date +%s) - t0 )) s"
   python3 benchmarks/summary.py "$out/$s-$model.json" || tail -c 1500 "$out/$s-$model.err"
 done
+# one archive of everything (the device tool returns at most 8 files a call)
+tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && echo "== archive: $out.tgz"
