@@ -12,7 +12,7 @@ memory) and commits only a complete step, so a failed update leaves the old vers
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from weightsync.engines import make_layout
@@ -96,7 +96,7 @@ class WeightReader:
             instance.call(_connect, address, backend, timeout_s, mode == "sync", timeout_s=timeout_s * 2)
         self.version: int | None = None
         self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-held")
-        self._announced: Future | None = None
+        self._report_error: Exception | None = None  # the first held report that failed, until raised
         self.last_stats: list[dict] = []
         #: seconds the last update spent waiting for the trainers (co-located), in the workers (of which
         #: ``transport`` in the slowest worker's transport, ``posting`` until its CPU had posted everything)
@@ -158,17 +158,24 @@ class WeightReader:
     def _announce(self, step: int) -> None:
         """Report ``step`` held to the MetaServer off the critical path: the workers already hold it
         whole, so the instance may serve it now; the trainers, waiting for the report before they
-        overwrite their weights, see it one round trip later. Reports go out in order, one at a time;
-        one that failed raises at the next update (the trainers meanwhile time out waiting for it)."""
-        self._check_announced(wait=False)
-        self._announced = self._announcer.submit(self.client.held, self.instance_id, step)
+        overwrite their weights, see it one round trip later. Reports go out in order, one at a time
+        (one thread); the first that fails is kept and raises at the next update (the trainers
+        meanwhile time out waiting for it)."""
+        self._announcer.submit(self._report, step)
+
+    def _report(self, step: int) -> None:
+        try:
+            self.client.held(self.instance_id, step)
+        except Exception as e:  # noqa: BLE001 - raised in the caller's thread by _check_announced
+            self._report_error = self._report_error or e
 
     def _check_announced(self, wait: bool) -> None:
-        """Raise the last report's error once it is known (at once when ``wait``: block for it)."""
-        f = self._announced
-        if f is not None and (wait or f.done()):
-            self._announced = None
-            f.result(timeout=self.timeout_s)
+        """Raise the first failed report's error (``wait``: once every report so far went out)."""
+        if wait:
+            self._announcer.submit(lambda: None).result(timeout=self.timeout_s)
+        e, self._report_error = self._report_error, None
+        if e is not None:
+            raise e
 
     def close(self) -> None:
         try:
@@ -295,17 +302,17 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
     with torch.no_grad():
         if isinstance(ctx.state["transport"], FileTransport):
             s = ctx.state["transport"].recv(plans, targets, step=step)
-            nbytes, buckets, seconds, posted = s.bytes, s.buckets, s.seconds, s.posted
+            nbytes, buckets = s.bytes, s.buckets
         elif "sources" in ctx.state:  # co-located
             s = ctx.state["transport"].run(plans, ctx.state["send_plans"], targets, ctx.state["sources"])
-            nbytes, buckets, seconds = s.local_bytes + s.recv_bytes, s.local_buckets + s.recv_buckets, s.seconds
-            posted = s.posted
+            nbytes, buckets = s.local_bytes + s.recv_bytes, s.local_buckets + s.recv_buckets
         else:
             s = ctx.state["transport"].recv(plans, targets)
-            nbytes, buckets, seconds, posted = s.bytes, s.buckets, s.seconds, s.posted
+            nbytes, buckets = s.bytes, s.buckets
         if staged:  # every byte arrived: commit exactly the planned regions (padding stays untouched)
             _commit(ctx, plans, targets)
-    return {"rank": ctx.rank, "step": step, "bytes": nbytes, "seconds": seconds, "posted": posted, "buckets": buckets}
+    return {"rank": ctx.rank, "step": step, "bytes": nbytes, "seconds": s.seconds, "posted": s.posted,
+            "buckets": buckets}
 
 
 def _disconnect(ctx: WorkerContext) -> None:
