@@ -386,7 +386,7 @@ class ColocatedTransport:
 
     def _coalesce(self, dev: torch.device) -> bool:
         if self._coalescing is None:  # every worker gets here in its first step (see coalescing())
-            self._coalescing = coalescing(self.group, dev, initialized=False)
+            self._coalescing = coalescing(self.group, dev)
         return self._coalescing
 
     def _side_stream(self, dev: torch.device) -> torch.cuda.Stream:

@@ -141,7 +141,7 @@ class P2PTransport:
         self._buffers: list[torch.Tensor] = []
         self._graphs = CopyGraphs()  # pack / unpack of each bucket, replayed every step on CUDA
         self.coalesce = coalesce
-        self._initialized = False
+        self._coalescing: bool | None = None  # decided (and the communicator built) in the first step
 
     def send(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> TransferStats:
         """Ship every bucket of this training rank's ``send_plan`` from its live ``tensors``."""
@@ -169,8 +169,9 @@ class P2PTransport:
         ops = sorted((b for buckets in plans.values() for b in buckets if b.nbytes > 0), key=order_key)
         device = next(iter(tensors.values())).device if tensors else (self.group.bound_device_id or torch.device("cpu"))
         ordered = on_gpu(device)
-        coalesce = self.coalesce and coalescing(self.group, device, self._initialized)
-        self._initialized = True
+        if self._coalescing is None:  # every rank gets here in its first step (see coalescing())
+            self._coalescing = self.coalesce and coalescing(self.group, device)
+        coalesce = self._coalescing
         if not ops:
             return TransferStats(0, 0, 0.0)
         # graphs and views stay valid while the tensors and buffers stay put
@@ -243,20 +244,20 @@ def on_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def coalescing(group: ProcessGroup, device: torch.device, initialized: bool) -> bool:
-    """Whether ``group`` can post several operations as one NCCL group on ``device``.
+def coalescing(group: ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group`` can post several operations as one NCCL group on ``device``; call once per
+    transport and keep the answer.
 
     Coalesced point-to-point operations run on the whole group's communicator, which NCCL builds in
-    a call every member makes: the first call (``initialized`` False) builds it with an all-reduce,
-    so every member must make that first call in the same step (sync jobs: every rank runs every step).
+    a call every member makes: when they can, this builds it with an all-reduce, so every member must
+    call it in the same step (sync jobs: every rank runs every step).
     """
     if not on_gpu(device):
         return False
     backend = group._get_backend(device)
     if not getattr(backend, "supports_coalescing", False):
         return False
-    if not initialized:
-        group.allreduce([torch.zeros(1, device=device)]).wait()
+    group.allreduce([torch.zeros(1, device=device)]).wait()
     return True
 
 
