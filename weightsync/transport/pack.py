@@ -169,39 +169,72 @@ class Message:
 
 
 def messages(bucket: Bucket, direct_min: int = DIRECT_MIN_BYTES) -> list[Message]:
-    """The bucket cut into messages: each segment of at least ``direct_min`` bytes alone, the runs of
-    smaller segments between them together.
+    """The bucket cut into messages: each segment of at least ``direct_min`` bytes alone; the runs of
+    smaller segments between them cut where the destination tensor changes, each such stretch of at
+    least ``direct_min`` bytes alone and the smaller ones together.
 
     A pure function of the bucket, so both ends cut it the same way; each end then decides for itself
     whether a message moves in place (:func:`stage`). Large segments alone let NCCL read and write
-    the live tensors directly; small ones go together so no message is tiny.
+    the live tensors directly; a large stretch of one destination tensor (the column halves of 64
+    experts' ``down_proj``, say) can land in place although the sender packs it; the small rest go
+    together so no message is tiny.
     """
     out: list[Message] = []
-    run: list[Segment] = []
+    small: list[Segment] = []  # the pending small stretches
+    stretch: list[Segment] = []  # small segments into one destination tensor
 
-    def close() -> None:
-        if run:
-            out.append(Message(run[0].offset, sum(s.nbytes for s in run), tuple(run)))
-            run.clear()
+    def emit(segs: list[Segment]) -> None:
+        if segs:
+            out.append(Message(segs[0].offset, sum(s.nbytes for s in segs), tuple(segs)))
+            segs.clear()
+
+    def close_stretch() -> None:
+        if sum(s.nbytes for s in stretch) >= direct_min:
+            emit(small)
+            emit(stretch)
+        else:
+            small.extend(stretch)
+            stretch.clear()
 
     for seg in segments(bucket):
         if seg.nbytes >= direct_min:
-            close()
+            close_stretch()
+            emit(small)
             out.append(Message(seg.offset, seg.nbytes, (seg,)))
-        else:
-            run.append(seg)
-    close()
+            continue
+        if stretch and stretch[-1].dst_tensor != seg.dst_tensor:
+            close_stretch()
+        stretch.append(seg)
+    close_stretch()
+    emit(small)
     return out
 
 
-def in_place(seg: Segment, tensors: Mapping[str, torch.Tensor], sending: bool) -> torch.Tensor | None:
-    """The segment's bytes as they lie in this side's tensor (a uint8 view), or None when they are
-    strided or in another dtype than the wire's, so they must go through the buffer."""
-    name, box = (seg.src_tensor, seg.src_box) if sending else (seg.dst_tensor, seg.dst_box)
-    region = tensors[name][slices(box)]
-    if region.dtype != TORCH_DTYPES[seg.dtype] or not region.is_contiguous():
+def in_place(segs: Sequence[Segment], tensors: Mapping[str, torch.Tensor], sending: bool) -> torch.Tensor | None:
+    """A message's bytes as they lie in this side's tensor (a uint8 view), or None when they must go
+    through the buffer: a region is strided or in another dtype than the wire's, or the regions of the
+    message's segments do not follow each other in one tensor's memory.
+
+    The segments need not be adjacent on the other side: an expert's column half of ``down_proj``
+    that the trainer holds strided, say, lands straight in vLLM's ``w2_weight``, where the halves of
+    consecutive experts lie back to back; only the sender packs."""
+    name = None
+    start = end = 0
+    first: torch.Tensor | None = None
+    for seg in segs:
+        seg_name, box = (seg.src_tensor, seg.src_box) if sending else (seg.dst_tensor, seg.dst_box)
+        region = tensors[seg_name][slices(box)]
+        if region.dtype != TORCH_DTYPES[seg.dtype] or not region.is_contiguous():
+            return None
+        if first is None:
+            name, first, start = seg_name, region, region.storage_offset()
+        elif seg_name != name or region.storage_offset() != end:
+            return None
+        end = region.storage_offset() + region.numel()
+    if first is None:
         return None
-    return region.view(-1).view(torch.uint8)
+    # the regions tile [start, end) of one storage, each contiguous: one flat view covers exactly them
+    return first.as_strided((end - start,), (1,), start).view(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -222,13 +255,13 @@ class Staging:
 def stage(bucket: Bucket, tensors: Mapping[str, torch.Tensor], sending: bool,
           direct_min: int = DIRECT_MIN_BYTES) -> Staging:
     """Each message of ``bucket`` (:func:`messages`; both ends must pass the same ``direct_min``) in
-    place when this side holds its one segment contiguous in the wire dtype, else through the buffer,
-    where only such messages take room."""
+    place when this side holds its bytes as one contiguous stretch in the wire dtype (:func:`in_place`),
+    else through the buffer, where only such messages take room."""
     posts: list[torch.Tensor | tuple[int, int]] = []
     staged: list[Segment] = []
     at = 0
     for m in messages(bucket, direct_min):
-        view = in_place(m.segments[0], tensors, sending) if len(m.segments) == 1 else None
+        view = in_place(m.segments, tensors, sending)
         if view is None:
             posts.append((at, m.nbytes))
             staged.extend(replace(s, offset=at + s.offset - m.offset) for s in m.segments)
