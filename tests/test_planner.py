@@ -109,6 +109,25 @@ def test_dp_replicas_share_the_sending():
     assert s.send_balance < 1.05
 
 
+def test_replicas_send_long_runs_of_a_stacked_tensor():
+    """Small cells replicated on several training ranks are dealt out by where they land: each replica
+    sends one contiguous range of vLLM's stacked experts (whose halves then arrive in place), not a
+    random pick per expert -- and the two replicas still share the sending evenly."""
+    spec = load_spec("qwen3-30b-a3b")
+    planner = Planner(make_layout(spec, "megatron:tp=2"), make_layout(spec, "vllm:tp=2"))
+    for rank in range(2):
+        copies = planner.recv_copies(0, rank)
+        for name in ("w13_weight", "w2_weight"):
+            into = sorted((c for c in copies if c.dst_tensor == f"model.layers.7.mlp.experts.routed_experts.{name}"),
+                          key=lambda c: c.dst_box)
+            sources = [c.src_rank for c in into]
+            assert len(sources) >= 128 and set(sources) == {0, 1}
+            assert sum(a != b for a, b in zip(sources, sources[1:])) == 1  # two runs, one per replica
+    from weightsync.plan.stats import job_stats
+
+    assert job_stats(planner).send_balance < 1.01
+
+
 def test_colocated_prefers_same_gpu():
     spec = load_spec("tiny-qwen3")
     src, dst = make_layout(spec, "megatron:tp=2,dp=2"), make_layout(spec, "vllm:tp=2")

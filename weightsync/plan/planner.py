@@ -175,24 +175,32 @@ class Planner:
         return out
 
     def _assign(
-        self, instance: int, dst_rank: int, canonical: str, cell: Box, cands: list[tuple[Shard, int]]
+        self, instance: int, dst_rank: int, dst: Piece, dst_shape: tuple[int, ...], cell: Box,
+        cands: list[tuple[Shard, int]],
     ) -> Iterator[tuple[Box, Shard, int]]:
-        """Which source sends which part of a cell to one destination rank (a pure function)."""
+        """Which source sends which part of a cell to one destination rank (a pure function).
+
+        A large cell is striped over the candidates. A small one goes whole to the candidate picked
+        by where its destination piece starts in the destination tensor (a contiguous range of the
+        tensor per candidate): the 128 experts' halves that vLLM stacks in one ``w13_weight`` then
+        come as a few long runs, one per source, that land in place, not as one pick per expert."""
         near = self.topology.nearest(instance, dst_rank, cands)
         n = len(near)
-        h = zlib.crc32(f"{instance}/{dst_rank}/{canonical}/{cell}".encode())
         if n == 1:
             s, r = near[0]
             yield cell, s, r
             return
+        canonical = dst.canonical
         itemsize = DTYPE_SIZES[self.spec.by_name[canonical].dtype]
         nbytes = box_numel(cell) * itemsize
         stripes = min(n, nbytes // self.stripe_bytes)
         dim = next((d for d, (_, k) in enumerate(cell) if k >= 2), None)
         if stripes < 2 or dim is None:
-            s, r = near[h % n]
+            start = dst.local_box[0][0] * n // dst_shape[0] if dst_shape else 0
+            s, r = near[(zlib.crc32(f"{instance}/{dst_rank}/{dst.tensor}".encode()) + start) % n]
             yield cell, s, r
             return
+        h = zlib.crc32(f"{instance}/{dst_rank}/{canonical}/{cell}".encode())
         for j, part in enumerate(split_dim(cell, dim, stripes)):
             s, r = near[(h + j) % n]
             yield part, s, r
@@ -223,9 +231,11 @@ class Planner:
         """Every copy destination rank ``rank`` of instance ``instance`` receives."""
         self._check_dst(instance, rank)
         out = []
-        for piece in self.dst_layout(rank).pieces():
+        layout = self.dst_layout(rank)
+        for piece in layout.pieces():
+            shape = layout.tensors[piece.tensor].shape
             for cell, cands in self._cells(piece.canonical, piece.canon_box):
-                for part, s, r in self._assign(instance, rank, piece.canonical, cell, cands):
+                for part, s, r in self._assign(instance, rank, piece, shape, cell, cands):
                     out.append(self._copy(part, s.piece, r, instance, rank, piece, s.dtype))
         return out
 
@@ -255,7 +265,7 @@ class Planner:
             for dst_rank in self.dst.group_ranks(d.group):
                 for instance in range(self.instances):
                     for cell, cands in cells:
-                        for part, s, r in self._assign(instance, dst_rank, c, cell, cands):
+                        for part, s, r in self._assign(instance, dst_rank, d.piece, d.shape, cell, cands):
                             if r == rank and s.piece == mine:
                                 out.append(self._copy(part, mine, rank, instance, dst_rank, d.piece, dtype))
 
