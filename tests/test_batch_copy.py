@@ -369,3 +369,38 @@ def test_cuda_capped_programs_loop_over_every_tile(programs):
     assert batch.tiles > 3
     batch.run()
     assert torch.equal(dst[:, :384], src[:, 384:]) and torch.equal(dst[:, 384:], src[:, :384])
+
+
+def test_copy_graphs_forget_what_moved():
+    """CopyGraphs keeps a bucket's views (memos) while the weights stay put, even when the transport's
+    buffers are reallocated -- only the copies, which hold buffer addresses, are rebuilt then -- and
+    drops both when a weight tensor moved."""
+    from weightsync.transport.graphs import CopyGraphs
+
+    weights = {"w": torch.arange(8.0)}
+    buffers = [torch.zeros(8)]
+    graphs, owner, built = CopyGraphs(), object(), []
+
+    def build():
+        built.append(1)
+        return weights["w"][2:4]
+
+    def copies():  # weight -> buffer
+        built.append(2)
+        return [(buffers[0][:8], weights["w"])]
+
+    def step():
+        graphs.begin(weights, buffers=buffers)
+        view = graphs.memo(owner, "view", build)
+        graphs.run(owner, "copy", copies, torch.device("cpu"))
+        return view
+
+    step()
+    step()
+    assert built == [1, 2]  # built once, reused
+    buffers[0] = torch.zeros(8)  # buffers reallocated: the copies are rebuilt, the views kept
+    step()
+    assert built == [1, 2, 2] and torch.equal(buffers[0], weights["w"])
+    weights["w"] = torch.arange(8.0) + 1  # the weights moved: both rebuilt
+    assert torch.equal(step(), weights["w"][2:4])
+    assert built == [1, 2, 2, 1, 2] and torch.equal(buffers[0], weights["w"])

@@ -277,8 +277,7 @@ class ColocatedTransport:
         ordered = on_gpu(dev)
         self._coalesce(dev)  # first step: every worker, remote work or not, builds the NCCL communicator
         # graphs and views stay valid while the tensors and buffers stay put
-        buffers = {str(i): b for i, b in enumerate(self._buffers)}
-        self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(), buffers)
+        self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(), buffers=self._buffers)
         units = self._units([op for op in ops if op[0] != _LOCAL], dev)
         stagings = {}
         for kind, b, _ in (op for unit in units for op in unit):
@@ -286,8 +285,8 @@ class ColocatedTransport:
             stagings[kind, id(b)] = self._graphs.memo(
                 b, kind, lambda b=b, t=tensors, s=kind == _SEND: stage(b, t, s, self.direct_min))
         if units and self._ensure_buffers(max(st.nbytes for st in stagings.values()), dev):
-            buffers = {str(i): b for i, b in enumerate(self._buffers)}  # new (first step, or grown)
-            self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(), buffers)
+            # new buffers (first step, or grown)
+            self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(), buffers=self._buffers)
         free = list(self._buffers)
         counts = {_LOCAL: [0, 0], _SEND: [0, 0], _RECV: [0, 0]}
         for kind, b, _ in ops:

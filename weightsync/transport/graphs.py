@@ -12,14 +12,15 @@ On CPU the same tables run through its reference executor, so CPU tests cover th
 
 Tables and graphs hold raw addresses, so :meth:`CopyGraphs.begin` drops them all as soon as any
 tensor they may touch -- the live weights and the transport's buffers -- moved (an engine that
-reallocated its weights gets fresh ones, never stale ones). Captures use
+reallocated its weights gets fresh ones, never stale ones); memos, views into the weights, go when the
+weights move. Captures use
 ``thread_local`` error mode: NCCL's watchdog thread queries events meanwhile, which a global-mode
 capture would count as an error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -37,15 +38,21 @@ class CopyGraphs:
         self._graphs: dict[tuple[int, Hashable], tuple[object, BatchedCopy, torch.cuda.CUDAGraph | None]] = {}
         self._memo: dict[tuple[int, Hashable], tuple[object, object]] = {}
         self._where: tuple[int, ...] | None = None
+        self._scratch: tuple[int, ...] = ()
         self._stream: torch.cuda.Stream | None = None
 
-    def begin(self, *tensor_maps: Mapping[str, torch.Tensor]) -> None:
-        """Call at the start of every step with every tensor map the copies read or write."""
+    def begin(self, *tensor_maps: Mapping[str, torch.Tensor], buffers: Sequence[torch.Tensor] = ()) -> None:
+        """Call at the start of every step with every tensor map the copies read or write, and again
+        whenever the transport's ``buffers`` were reallocated: the graphs go when anything moved, the
+        memos (views into the tensors, never into the buffers) only when the tensors did -- else the
+        step after the first would rebuild every bucket's views (measured: +90 ms on a 30B step)."""
         where = tuple(t.data_ptr() for m in tensor_maps for t in m.values())
+        scratch = tuple(b.data_ptr() for b in buffers)
         if where != self._where:
-            self._graphs.clear()
             self._memo.clear()
-            self._where = where
+        if (where, scratch) != (self._where, self._scratch):
+            self._graphs.clear()
+        self._where, self._scratch = where, scratch
 
     def run(self, owner: object, tag: Hashable, pairs: Callable[[], Pairs], device: torch.device,
             programs: int | None = None) -> None:

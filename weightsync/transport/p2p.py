@@ -175,11 +175,11 @@ class P2PTransport:
         if not ops:
             return TransferStats(0, 0, 0.0)
         # graphs and views stay valid while the tensors and buffers stay put
-        self._graphs.begin(tensors, self._buffer_map())
+        self._graphs.begin(tensors, buffers=self._buffers)
         stagings = [self._graphs.memo(b, sending, lambda b=b: stage(b, tensors, sending, self.direct_min))
                     for b in ops]
         if self._ensure_buffers(max(st.nbytes for st in stagings), device):
-            self._graphs.begin(tensors, self._buffer_map())  # new buffers (first step, or grown)
+            self._graphs.begin(tensors, buffers=self._buffers)  # new buffers (first step, or grown)
         start = time.perf_counter()
         inflight: deque[tuple[Bucket, int, list, Staging, torch.Tensor]] = deque()
         posted: list[tuple[object, Callable[[Exception], TransportError]]] = []
@@ -234,9 +234,6 @@ class P2PTransport:
         have = self._buffers
         self._buffers = ensure_buffers(have, self.window, need, self.buffer_bytes, device)
         return self._buffers is not have
-
-    def _buffer_map(self) -> dict[str, torch.Tensor]:
-        return {str(i): b for i, b in enumerate(self._buffers)}
 
 
 def on_gpu(device: torch.device) -> bool:
