@@ -3,12 +3,13 @@
 The bucket's *buffer layout* is its copies back to back, each in its wire dtype (the source's), so
 both ends derive every offset from the plan alone; copies adjacent in both tensors merge into
 *segments*. The layout is cut into *messages* (:func:`messages`): each large segment alone, the small
-ones between them together. Each end then moves each message in place when it holds that message's
-one segment contiguous in the wire dtype -- NCCL reads the trainer's tensor or writes the engine's
-directly -- and otherwise through a buffer it packs (sender) or unpacks (receiver), converting dtype
-where the destination differs (as loading a checkpoint would). So a bucket costs no copy at all
-where both layouts agree (hf -> vLLM TP=1: every large segment), one where only one does (a column
-half of a row-parallel weight), and the buffer holds only the staged messages.
+ones between them by destination tensor. Each end then moves each message in place when it holds
+that message's bytes back to back in the wire dtype -- NCCL reads the trainer's tensor or writes the
+engine's directly -- and otherwise through a buffer it packs (sender) or unpacks (receiver),
+converting dtype where the destination differs (as loading a checkpoint would). So a bucket costs no
+copy at all where both layouts agree (hf -> vLLM TP=1: every large segment), one where only one does
+(a column half of a row-parallel weight; Megatron's per-expert halves, stacked in vLLM's ``w13``), and
+the buffer holds only the staged messages.
 """
 
 from __future__ import annotations
