@@ -378,6 +378,12 @@ CASES = {
         model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, budget=16 << 10,
         expect_remote=True, direct_min=256,
     ),
+    # each expert's [gate; up] half (2 KiB) is a small segment: a stretch of 4 KiB into w13 / w2 is a message
+    # of several segments, packed by the sender (Megatron's per-expert tensors) and received in place
+    "qwen3-moe megatron:pp=2 -> vllm:tp=2, expert stretches in place": dict(
+        model="tiny-qwen3-moe", train="megatron:pp=2", infer="vllm:tp=2", instances=1, budget=16 << 10,
+        expect_remote=True, direct_min=4096,
+    ),
 }
 
 
