@@ -112,20 +112,25 @@ def test_dp_replicas_share_the_sending():
 def test_replicas_send_long_runs_of_a_stacked_tensor():
     """Small cells replicated on several training ranks are dealt out by where they land: each replica
     sends one contiguous range of vLLM's stacked experts (whose halves then arrive in place), not a
-    random pick per expert -- and the two replicas still share the sending evenly."""
+    random pick per expert -- and the destinations take turns, so the replicas send exactly even shares."""
     spec = load_spec("qwen3-30b-a3b")
-    planner = Planner(make_layout(spec, "megatron:tp=2"), make_layout(spec, "vllm:tp=2"))
-    for rank in range(2):
-        copies = planner.recv_copies(0, rank)
-        for name in ("w13_weight", "w2_weight"):
-            into = sorted((c for c in copies if c.dst_tensor == f"model.layers.7.mlp.experts.routed_experts.{name}"),
-                          key=lambda c: c.dst_box)
-            sources = [c.src_rank for c in into]
-            assert len(sources) >= 128 and set(sources) == {0, 1}
-            assert sum(a != b for a, b in zip(sources, sources[1:])) == 1  # two runs, one per replica
-    from weightsync.plan.stats import job_stats
-
-    assert job_stats(planner).send_balance < 1.01
+    # 4 ranks, experts in two EP groups of 64, each group held by two ranks; 6 destination ranks
+    planner = Planner(make_layout(spec, "megatron:ep=2,dp=4"), make_layout(spec, "vllm:tp=2"), instances=3)
+    sent: dict[tuple[str, int], int] = {}
+    for inst in range(3):
+        for rank in range(2):
+            copies = planner.recv_copies(inst, rank)
+            for layer in range(spec.num_layers):
+                for name in ("w13_weight", "w2_weight"):
+                    tensor = f"model.layers.{layer}.mlp.experts.routed_experts.{name}"
+                    into = sorted((c for c in copies if c.dst_tensor == tensor), key=lambda c: c.dst_box)
+                    sources = [c.src_rank for c in into]
+                    assert len(sources) >= 128 and len(set(sources)) == 2
+                    assert sum(a != b for a, b in zip(sources, sources[1:])) == 1  # two runs, one per sender
+                    for c in into:
+                        sent[tensor, c.src_rank] = sent.get((tensor, c.src_rank), 0) + c.nbytes
+    for tensor in {t for t, _ in sent}:  # every rank holding part of a tensor sends the same share of it
+        assert len({n for (t, _), n in sent.items() if t == tensor}) == 1, tensor
 
 
 def test_colocated_prefers_same_gpu():

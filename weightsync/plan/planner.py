@@ -181,9 +181,10 @@ class Planner:
         """Which source sends which part of a cell to one destination rank (a pure function).
 
         A large cell is striped over the candidates. A small one goes whole to the candidate picked
-        by where its destination piece starts in the destination tensor (a contiguous range of the
-        tensor per candidate): the 128 experts' halves that vLLM stacks in one ``w13_weight`` then
-        come as a few long runs, one per source, that land in place, not as one pick per expert."""
+        by where it starts in the destination tensor (a contiguous range of the tensor per candidate,
+        the ranges dealt to the candidates in turn from one destination rank to the next): the 128
+        experts' halves that vLLM stacks in one ``w13_weight`` then come as a few long runs, one per
+        source, that land in place, not as one pick per expert."""
         near = self.topology.nearest(instance, dst_rank, cands)
         n = len(near)
         if n == 1:
@@ -196,8 +197,10 @@ class Planner:
         stripes = min(n, nbytes // self.stripe_bytes)
         dim = next((d for d, (_, k) in enumerate(cell) if k >= 2), None)
         if stripes < 2 or dim is None:
-            start = dst.local_box[0][0] * n // dst_shape[0] if dst_shape else 0
-            s, r = near[(zlib.crc32(f"{instance}/{dst_rank}/{dst.tensor}".encode()) + start) % n]
+            # the destinations of one tensor take turns over the candidates (exactly even), and a tensor's
+            # own offset spreads the small tensors that all start at 0
+            turn = instance * self.dst.world_size + dst_rank
+            s, r = near[(zlib.crc32(dst.tensor.encode()) + turn + _share(cell, dst, dst_shape, n)) % n]
             yield cell, s, r
             return
         h = zlib.crc32(f"{instance}/{dst_rank}/{canonical}/{cell}".encode())
@@ -330,6 +333,16 @@ class Planner:
 
     def recv_plan(self, instance: int, rank: int) -> dict[Pair, list[Bucket]]:
         return self.buckets(self.recv_copies(instance, rank))
+
+
+def _share(cell: Box, dst: Piece, dst_shape: tuple[int, ...], n: int) -> int:
+    """Which of ``n`` equal contiguous ranges of the destination tensor (row-major) the cell starts in."""
+    local = translate(cell, dst.canon_box, dst.local_box)
+    flat, total = 0, 1
+    for (start, _), size in zip(reversed(local), reversed(dst_shape)):
+        flat += start * total
+        total *= size
+    return flat * n // total if total else 0
 
 
 def _disjoint(boxes: set[Box]) -> bool:
