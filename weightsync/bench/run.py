@@ -469,6 +469,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         transfer_seconds=[transfer[s] for s in range(1, steps + 1)],
         transfer_median_seconds=statistics.median(transfer[s] for s in range(1, steps + 1)),
         phase_median_seconds={k: statistics.median(v) for k, v in sorted(phases.items())},
+        phase_seconds=dict(sorted(phases.items())),  # per timed step: an outlier step can be told apart
         ceiling_bytes_per_s=ceiling,
         ceiling=ceiling_name,
         floor_seconds=floor,
