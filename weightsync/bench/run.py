@@ -14,6 +14,10 @@ efficiency (floor / median time). Then, in the same processes, over the same gro
 baselines of :mod:`weightsync.bench.baselines` (naive and bucketed; separated over NCCL, co-located
 by CUDA IPC), each timed the same way and checked bit for bit; then checkpoint-engine in its own
 processes on the same GPUs (:mod:`weightsync.bench.ckpt_engine`).
+
+``--device cpu`` rehearses a scenario with the same processes on CPU (gloo, shared memory) and a small
+model, every step and baseline checked, nothing measured: how the tests cover the 4-GPU scenarios'
+wiring on machines without them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,25 @@ from weightsync.errors import ConfigError
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 
 CHECKPOINT_ENGINE = "checkpoint-engine"
+
+
+def _device(kind: str, index: int) -> torch.device:
+    """GPU ``index`` of a CUDA run; a CPU run (``--device cpu``: the wiring, no timings worth keeping) has one."""
+    return torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _memory(dev: torch.device, reset: bool = False) -> tuple[int, int]:
+    """(allocated, peak allocated) bytes on ``dev`` (0 on CPU); ``reset`` restarts the peak first."""
+    if dev.type != "cuda":
+        return 0, 0
+    if reset:
+        torch.cuda.reset_peak_memory_stats(dev)
+    return torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev)
 
 
 @dataclass(frozen=True)
@@ -137,7 +160,7 @@ def _pair_bandwidth(ctx, nbytes: int, message: int) -> float | None:
 
 
 def _peak(ctx) -> int:
-    return torch.cuda.max_memory_allocated(ctx.device)
+    return _memory(ctx.device)[1]
 
 
 def _link_recv(ctx, sizes: list[int], peer: int) -> None:
@@ -156,7 +179,7 @@ def _link_recv(ctx, sizes: list[int], peer: int) -> None:
 
 
 def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
-             baselines: tuple[str, ...] = (), store_port: int = 0) -> None:
+             baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda") -> None:
     try:
         from weightsync.bind import Bound
         from weightsync.engines import make_layout
@@ -164,45 +187,45 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
         from weightsync.runtime.writer import WeightWriter
         from weightsync.spec import load_spec
 
-        torch.cuda.set_device(rank)
+        dev = _device(device, rank)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         spec = load_spec(model)
         engine = make_layout(spec, scen.train)
         layout = engine.layout(rank)
-        tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=f"cuda:{rank}")
-                   for n, t in layout.tensors.items()}
+        tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in layout.tensors.items()}
         writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", timeout_s=timeout,
                               colocate=scen.colocate)
         peak = 0
         init_weights(layout, tensors, spec)
         for step in range(steps + 1):  # step 0 warms up
             advance(tensors)  # step s holds the base data doubled s + 1 times
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+            _sync(dev)
+            base, _ = _memory(dev, reset=True)
             out.put(("start", rank, step, time.time()))
             writer.write(step)
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+            peak = max(peak, _memory(dev)[1] - base)
             if step and rank == 0:
                 out.put(("phases", "writer", writer.last_timing))
         sent = writer.bytes_per_step
         link = None
-        if not scen.colocate and rank == 0 and writer.transport is not None:
+        if not scen.colocate and rank == 0 and writer.transport is not None and dev.type == "cuda":
             # the ceiling: the same messages, raw, over the same communicator
             sizes = [b.nbytes for bs in writer.plans.values() for b in bs]
             peer = writer.ranks.infer(0, 0)
-            bufs = torch.empty(max(sizes), dtype=torch.uint8, device=f"cuda:{rank}")
+            bufs = torch.empty(max(sizes), dtype=torch.uint8, device=dev)
             out.put(("link-ready", rank, sizes, writer.ranks.train(rank)))
             times = []
             for _ in range(3):
-                torch.cuda.synchronize()
+                _sync(dev)
                 t0 = time.perf_counter()
                 for s in sizes:
                     writer.transport.group.send([bufs[:s]], peer, 7).wait()
-                torch.cuda.synchronize()
+                _sync(dev)
                 times.append(time.perf_counter() - t0)
             link = sum(sizes) / statistics.median(times)
         if baselines:
-            _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines)
+            _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines, dev)
         out.put(("train-done", rank, sent, link, peak))
     except BaseException as e:
         import traceback
@@ -219,7 +242,7 @@ def _store(port: int, is_master: bool, timeout: float):
     return TCPStore("127.0.0.1", port, is_master=is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines):
+def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines, dev):
     """Training side of the baselines: each kind in turn, ``steps + 1`` syncs each, over the same group
     (separated) or through the co-located hand-over."""
     from datetime import timedelta
@@ -237,8 +260,9 @@ def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out
         if rank == 0:
             writer.client.publish("bench-train-group", f"127.0.0.1:{free_port()}")
         host, port = writer.client.lookup("bench-train-group", timeout=timeout).rsplit(":", 1)
-        group = new_group(host, int(port), rank, engine.world_size, "nccl", timeout, device=torch.device("cuda", rank),
-                          name="bench-train")
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        group = new_group(host, int(port), rank, engine.world_size, backend, timeout,
+                          device=dev if dev.type == "cuda" else None, name="bench-train")
     for kind in baselines:
         if scen.colocate:
             side = ColocatedTrainer(kind, engine, rank, tensors, store, scen.instances * dst.world_size,
@@ -247,19 +271,19 @@ def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out
         else:
             one = lambda step, kind=kind: sync_step(
                 kind, writer.transport.group, writer.ranks, engine, dst, train_rank=rank, tensors=tensors,
-                device=torch.device("cuda", rank), timeout=wait)
+                device=dev, timeout=wait)
         for step in range(steps + 1):
             advance(tensors)
-            torch.cuda.synchronize()
+            _sync(dev)
             out.put(("bstart", kind, step, time.time()))
             one(step)
-            torch.cuda.synchronize()
+            _sync(dev)
         if scen.colocate:
             side.finish(wait)  # rank 0 serves the store: it waits until every trainer and worker is through
 
 
 def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
-            link_in: mp.Queue, baselines: tuple[str, ...] = (), store_port: int = 0) -> None:
+            link_in: mp.Queue, baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda") -> None:
     instance = None
     try:
         from weightsync.instances.faithful import FaithfulInstance
@@ -267,7 +291,8 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
         from weightsync.spec import load_spec
 
         spec = load_spec(model)
-        instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}", fill=float("nan"))
+        instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}" if device == "cuda" else "cpu",
+                                    fill=float("nan"))
         reader = WeightReader(instance, meta=meta, job="bench", instance_id=inst, instances=scen.instances,
                               timeout_s=timeout, colocate=scen.colocate)
         # memory beyond the weights over all steps: the transport's buffers (allocated in the first step and
@@ -281,11 +306,12 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
                 out.put(("phases", "reader", reader.last_timing))
         peak = max(p - b for p, b in zip(instance.call(_peak), base))
         exact = all(instance.call(check, model, scen.infer, steps + 1))
-        copy_bw = instance.call(_copy_ceiling, 1 << 30)[0] if scen.colocate else None
+        on_gpu = device == "cuda"  # a CPU run measures no ceilings
+        copy_bw = instance.call(_copy_ceiling, 1 << 30)[0] if scen.colocate and on_gpu else None
         nvlink = None
-        if scen.colocate and instance.world_size > 1:  # cross-GPU pieces move between workers over NCCL
+        if scen.colocate and instance.world_size > 1 and on_gpu:  # cross-GPU pieces move between workers over NCCL
             nvlink = instance.call(_pair_bandwidth, 4 << 30, 256 << 20)[0]
-        if not scen.colocate and inst == 0:
+        if not scen.colocate and inst == 0 and on_gpu:
             _, _, sizes, trainer_group_rank = link_in.get(timeout=timeout)
             instance.call(_link_recv, sizes, trainer_group_rank)
         for k, kind in enumerate(baselines):
@@ -306,8 +332,7 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
 
 
 def _reset_peak(ctx) -> int:
-    torch.cuda.reset_peak_memory_stats(ctx.device)
-    return torch.cuda.memory_allocated(ctx.device)
+    return _memory(ctx.device, reset=True)[0]
 
 
 def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, steps: int, timeout: float,
@@ -337,7 +362,7 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
     ends = []
     for step in range(steps + 1):
         one()
-        torch.cuda.synchronize(ctx.device)
+        _sync(ctx.device)
         ends.append(time.time())
     if scen.colocate:
         side.finish()
@@ -348,7 +373,11 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
 
 
 def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
-        baselines: tuple[str, ...] = ("naive", "bucketed")) -> dict:
+        baselines: tuple[str, ...] = ("naive", "bucketed"), device: str = "cuda") -> dict:
+    """One scenario: our timed steps, the ceilings, then the baselines; a JSON-ready result.
+
+    ``device="cpu"`` runs the same processes, groups (gloo, shared memory) and checks on CPU with no
+    ceilings, floor or checkpoint-engine: a rehearsal of a scenario's wiring, not a measurement."""
     from weightsync.engines import make_layout
     from weightsync.meta.server import MetaServer
     from weightsync.spec import load_spec
@@ -356,7 +385,9 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     if scenario not in SCENARIOS:
         raise ConfigError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
     scen = SCENARIOS[scenario]
-    if torch.cuda.device_count() < scen.gpus:
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"device must be cuda or cpu, not {device!r}")
+    if device == "cuda" and torch.cuda.device_count() < scen.gpus:
         raise ConfigError(f"{scenario} needs {scen.gpus} GPUs, {torch.cuda.device_count()} visible")
     spec = load_spec(model)
     train = make_layout(spec, scen.train)
@@ -364,6 +395,8 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     unknown = set(baselines) - {"naive", "bucketed", CHECKPOINT_ENGINE}
     if unknown:
         raise ConfigError(f"unknown baselines {sorted(unknown)}; known: naive, bucketed, {CHECKPOINT_ENGINE}")
+    if device == "cpu" and CHECKPOINT_ENGINE in baselines:
+        raise ConfigError(f"{CHECKPOINT_ENGINE} runs on GPUs only")
     requested = baselines
     baselines = tuple(b for b in baselines if b != CHECKPOINT_ENGINE)  # run in our processes
     ctx = mp.get_context("spawn")
@@ -378,17 +411,19 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     reported: dict[int, int] = {}  # per step: instances that reported it
     phases: dict[str, list[float]] = {}  # where a step's time goes (training rank 0, instance 0), per timed step
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
-                    "instances": scen.instances, "colocate": scen.colocate, "errors": [], **environment()}
+                    "instances": scen.instances, "colocate": scen.colocate, "device": device, "errors": [],
+                    **environment()}
     with MetaServer(port=0) as meta:
         from weightsync.transport.group import free_port
 
         store_port = free_port()
-        procs = [ctx.Process(target=_trainer, args=(r, scen, model, steps, meta.url, out, timeout, baselines, store_port))
+        procs = [ctx.Process(target=_trainer,
+                             args=(r, scen, model, steps, meta.url, out, timeout, baselines, store_port, device))
                  for r in range(train.world_size)]
         for i in range(scen.instances):
             gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
             procs.append(ctx.Process(target=_reader, args=(i, gpu, scen, model, steps, meta.url, out, timeout, link_q,
-                                                           baselines, store_port)))
+                                                           baselines, store_port, device)))
         for p in procs:
             p.start()
         done_t, done_i, train_info, infer_info = 0, 0, [], []
@@ -448,7 +483,9 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     bytes_moved = moved[steps]
     per_gpu = moved_per_gpu(train, infer, scen)
     busiest = max(local + remote for local, remote in per_gpu.values())
-    if scen.colocate:
+    if device == "cpu":
+        ceiling, floor, ceiling_name = None, None, "none: a CPU rehearsal measures no ceiling"
+    elif scen.colocate:
         ceiling = min(m[3] for m in infer_info if m[3])
         nvlink = min((m[5] for m in infer_info if m[5]), default=None)
         # same-GPU bytes at copy speed and cross-GPU bytes over NVLink can overlap: the slower one bounds
@@ -473,7 +510,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         ceiling_bytes_per_s=ceiling,
         ceiling=ceiling_name,
         floor_seconds=floor,
-        efficiency=floor / median,
+        efficiency=floor / median if floor is not None else None,
         verified=all(m[2] for m in infer_info),
         peak_transient_bytes=max([m[4] for m in train_info] + [m[4] for m in infer_info]),
         memory_budget_bytes=DEFAULT_MEMORY_BUDGET,  # the writers' and readers' default, checked at set-up
@@ -549,7 +586,7 @@ def moved_per_gpu(train, infer, scen: Scenario) -> dict[int, tuple[int, int]]:
 
 def main_from_args(args) -> int:
     baselines = tuple(b for b in args.baselines.split(",") if b)
-    results = [run(s, args.model, args.steps, args.timeout, baselines) for s in args.scenario]
+    results = [run(s, args.model, args.steps, args.timeout, baselines, args.device) for s in args.scenario]
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0]))
     else:
@@ -557,10 +594,11 @@ def main_from_args(args) -> int:
             if r.get("errors"):
                 print(f"{r['scenario']} {r['model']}: FAILED: {r['errors']}")
                 continue
+            floor = (f"floor {r['floor_seconds'] * 1e3:.1f} ms, efficiency {r['efficiency']:.2f}"
+                     if r["floor_seconds"] is not None else "no floor (CPU)")
             print(f"{r['scenario']} {r['model']}: {r['bytes_moved'] / 1e9:.2f} GB, median {r['median_seconds'] * 1e3:.1f} ms "
-                  f"[{r['min_seconds'] * 1e3:.1f}-{r['max_seconds'] * 1e3:.1f}], floor {r['floor_seconds'] * 1e3:.1f} ms, "
-                  f"efficiency {r['efficiency']:.2f}, peak transient {r['peak_transient_bytes'] / 2**20:.0f} MiB, "
-                  f"verified {r['verified']}")
+                  f"[{r['min_seconds'] * 1e3:.1f}-{r['max_seconds'] * 1e3:.1f}], {floor}, "
+                  f"peak transient {r['peak_transient_bytes'] / 2**20:.0f} MiB, verified {r['verified']}")
             for kind, b in r.get("baselines", {}).items():
                 if b["ran"]:
                     print(f"  {kind}: median {b['median_seconds'] * 1e3:.1f} ms, weightsync {b['speedup']:.2f}x faster, "
@@ -578,4 +616,7 @@ def add_arguments(p) -> None:
     p.add_argument("--baselines", default="naive,bucketed",
                    help=f"comma-separated: naive,bucketed,{CHECKPOINT_ENGINE} (or empty); {CHECKPOINT_ENGINE} needs "
                         "checkpoint-engine==0.4.2 importable")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: rehearse a scenario's processes, groups and checks on CPU (gloo, shared memory) with "
+                        "a small model; no ceilings, no timings worth keeping")
     p.add_argument("--json", action="store_true")
