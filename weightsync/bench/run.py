@@ -586,7 +586,8 @@ def moved_per_gpu(train, infer, scen: Scenario) -> dict[int, tuple[int, int]]:
 
 def main_from_args(args) -> int:
     baselines = tuple(b for b in args.baselines.split(",") if b)
-    results = [run(s, args.model, args.steps, args.timeout, baselines, args.device) for s in args.scenario]
+    model = args.model or ("qwen3-8b" if args.device == "cuda" else "tiny-qwen3-moe")
+    results = [run(s, model, args.steps, args.timeout, baselines, args.device) for s in args.scenario]
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0]))
     else:
@@ -610,7 +611,7 @@ def main_from_args(args) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("--scenario", action="append", required=True, choices=sorted(SCENARIOS))
-    p.add_argument("--model", default="qwen3-8b")
+    p.add_argument("--model", default=None, help="preset or config.json (default qwen3-8b; with --device cpu tiny-qwen3-moe)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--baselines", default="naive,bucketed",
