@@ -2,9 +2,10 @@
 
 Real processes throughout: a "trainer" process per training rank holds its local tensors, exports
 them once (:mod:`weightsync.transport.share`) and publishes the description in a file; inference
-worker processes import them once, join the inference-only gloo group and run
-:class:`ColocatedTransport` for several steps, while the trainers overwrite their weights in place
-between steps. Processes come from a forkserver (see tests/test_p2p.py); the parent only relays
+worker processes import those they read once and run :class:`ColocatedTransport` for several steps,
+while the trainers overwrite their weights in place between steps. Every case runs twice: on one
+host (every bucket a direct copy out of the trainer's memory, no group) and with each GPU a host of
+its own (``gpus_per_host=1``: cross-GPU buckets go through the inference-only gloo group). Processes come from a forkserver (see tests/test_p2p.py); the parent only relays
 "update"/"step" commands through multiprocessing queues (local pipes, no network).
 """
 
@@ -180,6 +181,37 @@ def test_proxy_rule():
     assert proxy_of(Topology.colocated(4, 3, 2), 3) == 3
 
 
+@pytest.mark.parametrize("gpus_per_host", [8, 2, 1])
+@pytest.mark.parametrize("model,train,infer,instances", [
+    ("tiny-llama3", "fsdp:dp=4", "vllm:tp=2", 2),
+    ("tiny-qwen3-moe", "megatron:ep=2,dp=2", "sglang:tp=4", 1),
+])
+def test_direct_rule_agrees_on_both_sides(model, train, infer, instances, gpus_per_host):
+    """A worker opens exactly the training ranks that export for it; one host needs no group."""
+    spec = load_spec(model)
+    src, dst = make_layout(spec, train), make_layout(spec, infer)
+    ranks = ColocatedRanks(src.world_size, dst.world_size, instances, gpus_per_host)
+    planner = Planner(src, dst, instances, topology=ranks.topology, bucket_bytes=4096)
+    sources = {g: ranks.sources(g, planner.recv_plan(*ranks.where(g))) for g in range(ranks.world_size)}
+    for t in range(ranks.train_world):
+        importers = ranks.importers(t, planner.send_plan(t))
+        assert importers == [g for g in range(ranks.world_size) if t in sources[g]], t
+        assert ranks.proxy(t) in importers
+        for g in importers:
+            assert ranks.direct(t, g) or g == ranks.proxy(t)
+    hosts = {ranks.topology.host(ranks.gpu(g)) for g in range(ranks.world_size)}
+    assert ranks.needs_group == (len(hosts) > 1)
+
+
+def test_one_host_needs_no_group_but_a_rank():
+    ranks = ColocatedRanks(train_world=2, infer_world=2)
+    with pytest.raises(ValueError, match="pass this worker's rank"):
+        ColocatedTransport(None, ranks)
+    assert ColocatedTransport(None, ranks, me=1).me == 1
+    with pytest.raises(ConfigError, match="spans hosts"):
+        ColocatedTransport(None, ColocatedRanks(train_world=2, infer_world=2, gpus_per_host=1), me=0)
+
+
 def test_unproxied_training_rank_fails_at_setup():
     ranks = ColocatedRanks(train_world=4, infer_world=1, instances=2)  # GPUs 2 and 3 have no worker
     with pytest.raises(ConfigError, match=r"training rank\(s\) \[2, 3\] have no inference worker"):
@@ -193,7 +225,7 @@ def test_unproxied_training_rank_fails_at_setup():
 def _setup(case: dict):
     spec = load_spec(case["model"])
     src, dst = make_layout(spec, case["train"]), make_layout(spec, case["infer"])
-    ranks = ColocatedRanks(src.world_size, dst.world_size, case["instances"])
+    ranks = ColocatedRanks(src.world_size, dst.world_size, case["instances"], case.get("gpus_per_host", 8))
     planner = Planner(src, dst, case["instances"], topology=ranks.topology, bucket_bytes=case["budget"])
     return spec, src, dst, ranks, planner
 
@@ -237,21 +269,23 @@ def _die_after(calls: int) -> None:
 
 
 def worker(case: dict, g: int, port: int, paths: list[str], cmds, results) -> None:
-    """Inference worker ``g``: open its trainer's tensors once, then run one transport step per command."""
+    """Inference worker ``g``: open the trainers' tensors it reads or proxies once, then run one transport
+    step per command."""
     who, start = ("infer", g), time.monotonic()
     try:
         spec, src, dst, ranks, planner = _setup(case)
         i, j = ranks.where(g)
         layout = dst.layout(j)
+        recv_plans = planner.recv_plan(i, j)
         srcs = {}
-        for t in ranks.proxied_by(g):  # import ONCE
+        for t in ranks.sources(g, recv_plans):  # import ONCE
+            assert g in ranks.importers(t, planner.send_plan(t))  # what the trainer exports for
             with open(paths[t]) as f:
                 srcs[t] = share.import_tensors(json.load(f))
-        pg = new_group("127.0.0.1", port, g, ranks.world_size, timeout_s=30)
-        transport = ColocatedTransport(pg, ranks, window=case.get("window", 2), timeout_s=TIMEOUT_S,
+        pg = new_group("127.0.0.1", port, g, ranks.world_size, timeout_s=30) if ranks.needs_group else None
+        transport = ColocatedTransport(pg, ranks, me=g, window=case.get("window", 2), timeout_s=TIMEOUT_S,
                                        direct_min=case.get("direct_min", DIRECT_MIN_BYTES))
-        recv_plans = planner.recv_plan(i, j)
-        send_plans = {t: planner.send_plan(t) for t in srcs}
+        send_plans = {t: planner.send_plan(t) for t in ranks.proxied_by(g)}
         dsts = {
             n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=case.get("device", "cpu"))
             for n, t in layout.tensors.items()
@@ -360,12 +394,13 @@ class Job:
                     p.join()
 
 
+# expect_remote: some buckets cross GPUs (direct peer copies on one host, the group across hosts)
 CASES = {
     "qwen3 megatron:tp=2 -> vllm:tp=2 x1 (all same-GPU)": dict(
         model="tiny-qwen3", train="megatron:tp=2", infer="vllm:tp=2", instances=1, budget=16 << 10,
         expect_remote=False,
     ),
-    "llama3 fsdp:dp=2 -> vllm:tp=2 x2 (cross-GPU through the group)": dict(
+    "llama3 fsdp:dp=2 -> vllm:tp=2 x2 (cross-GPU)": dict(
         model="tiny-llama3", train="fsdp:dp=2", infer="vllm:tp=2", instances=2, budget=8 << 10,
         expect_remote=True,
     ),
@@ -387,10 +422,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("gpus_per_host", [8, 1], ids=["one host", "a host per GPU"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_colocated_several_steps(name, tmp_path):
+def test_colocated_several_steps(name, gpus_per_host, tmp_path):
     """After every step each inference tensor equals scatter(its layout, the trainers' current weights)."""
-    _run_steps({**CASES[name], "seeds": [21, 22, 23]}, tmp_path)
+    _run_steps({**CASES[name], "seeds": [21, 22, 23], "gpus_per_host": gpus_per_host}, tmp_path)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -410,13 +446,16 @@ def _run_steps(case: dict, tmp_path) -> None:
             job.step(seed)
             stats = job.wait(job.workers, "ok")
             total_local = sum(s.local_bytes for s in stats.values())
+            total_peer = sum(s.peer_bytes for s in stats.values())
             total_sent = sum(s.sent_bytes for s in stats.values())
             assert total_local > 0
             assert total_sent == sum(s.recv_bytes for s in stats.values())
-            assert (total_sent > 0) == case["expect_remote"], stats
+            crossing = total_peer if not job.ranks.needs_group else total_sent
+            assert (crossing > 0) == case["expect_remote"], stats
+            assert total_peer == 0 or total_sent == 0, stats  # one host, or a host per GPU
             for (_, g), s in stats.items():
                 if not job.ranks.proxied_by(g):
-                    assert s.sent_buckets == 0 and s.local_buckets == 0, (g, s)
+                    assert s.sent_buckets == 0, (g, s)
     finally:
         job.close()
 
@@ -424,7 +463,7 @@ def _run_steps(case: dict, tmp_path) -> None:
 def test_proxy_dying_mid_step_fails_the_others_fast(tmp_path):
     """Worker 1 (proxy of training rank 1) crashes after posting two units of step 2: every other worker
     raises a TransportError naming a peer within the timeout; nobody hangs."""
-    case = {**CASES["llama3 fsdp:dp=2 -> vllm:tp=2 x2 (cross-GPU through the group)"], "seeds": [31, 32],
+    case = {**CASES["llama3 fsdp:dp=2 -> vllm:tp=2 x2 (cross-GPU)"], "gpus_per_host": 1, "seeds": [31, 32],
             "die": 1, "die_step": 32, "die_after": 2}
     job = Job(case, tmp_path)
     try:
@@ -444,7 +483,7 @@ def test_proxy_dying_mid_step_fails_the_others_fast(tmp_path):
 
 def test_stalled_proxy_times_out(tmp_path):
     """Worker 1 stays alive but never posts its step-2 operations: the others time out naming a peer."""
-    case = {**CASES["llama3 fsdp:dp=2 -> vllm:tp=2 x2 (cross-GPU through the group)"], "seeds": [31, 32],
+    case = {**CASES["llama3 fsdp:dp=2 -> vllm:tp=2 x2 (cross-GPU)"], "gpus_per_host": 1, "seeds": [31, 32],
             "stall": 1, "stall_step": 32}
     job = Job(case, tmp_path)
     try:

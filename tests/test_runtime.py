@@ -120,9 +120,8 @@ def test_inference_process_killed():
 
 @pytest.mark.parametrize("side", ["writer", "reader"])
 def test_transient_memory_over_budget_refused_before_any_transfer(side):
-    # buffers are window x the largest bucket (x2 co-located): with 4 KiB buckets, a 5 KiB budget is too small
-    job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", steps=1, timeout=10.0, bucket_bytes=4096,
-               colocate=side == "reader")
+    # buffers are window x the largest bucket: with 4 KiB buckets, a 5 KiB budget is too small
+    job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", steps=1, timeout=10.0, bucket_bytes=4096)
     job["memory_budget" if side == "writer" else "reader_memory_budget"] = 5000
     messages = run_job(job)
     assert not [m for m in messages if m[0] in ("wrote", "updated")], messages
@@ -130,6 +129,16 @@ def test_transient_memory_over_budget_refused_before_any_transfer(side):
     assert {m[1] for m in errors} == {"train", "infer"}, errors  # the whole job stops, not just the refuser
     text = " ".join(m[4] for m in errors)
     assert "memory budget of 5000 bytes" in text and "bucket_bytes <=" in text, text
+
+
+def test_colocated_on_one_host_needs_no_buffer():
+    """Co-located on one host every bucket is a direct copy out of the trainer's memory: any budget fits."""
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", steps=2, timeout=10.0,
+               bucket_bytes=4096, colocate=True, reader_memory_budget=5000)
+    messages = run_job(job)
+    assert not [m for m in messages if m[0] == "error"], messages
+    updated = [m for m in messages if m[0] == "updated"]
+    assert len(updated) == 2 and all(m[4] == [] for m in updated), messages  # both steps, bit-exact
 
 
 def test_mismatched_model_refused_before_any_transfer():

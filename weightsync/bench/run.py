@@ -133,30 +133,56 @@ def _copy_ceiling(ctx, nbytes: int) -> float:
     return nbytes / statistics.median(times[1:])
 
 
-def _pair_bandwidth(ctx, nbytes: int, message: int) -> float | None:
-    """NCCL between workers 0 and 1 in both directions at once (each sends ``nbytes`` to the other, in
-    ``message``-byte messages, a send and a receive per NCCL group -- how the co-located transport moves
-    them): the bytes each worker receives per second (median of 3 rounds). Co-located, every GPU sends
-    and receives at the same time, so this, not one direction alone, is its ceiling."""
-    g = ctx.state["transport"].group
+def _peer_buffers(ctx, nbytes: int) -> dict | None:
+    """Workers 0 and 1: allocate the peer-copy ceiling's buffers; return an export of the destination
+    for the other worker to open (CUDA IPC)."""
+    from weightsync.transport.share import export_tensors
+
     if ctx.rank > 1:
         return None
-    peer = 1 - ctx.rank
-    out = torch.empty(message, dtype=torch.uint8, device=ctx.device)
-    into = torch.empty(message, dtype=torch.uint8, device=ctx.device)
-    g.allreduce([torch.zeros(1, device=ctx.device)]).wait()  # the whole-group communicator coalescing uses
-    times = []
+    src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device).random_()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+    ctx.state["peer_ceiling"] = {"src": src, "dst": dst}
+    return export_tensors({"dst": dst})
+
+
+def _peer_round(ctx, descs: list, message: int) -> tuple[float, float] | None:
+    """One round of the peer-copy ceiling: workers 0 and 1 each copy ``src`` into the other's ``dst`` at
+    once, by the copy engines in ``message``-byte copies (the fastest way measured,
+    ``benchmarks/peer_push.py``), the other GPU's memory opened in this worker's own context as the
+    co-located transport opens the trainers'. Returns wall-clock (start, end) of this worker's copies."""
+    from weightsync.transport.share import import_tensors
+
+    if ctx.rank > 1:
+        return None
+    state = ctx.state["peer_ceiling"]
+    if "peer" not in state:
+        state["peer"] = import_tensors(descs[1 - ctx.rank], cuda_device=ctx.device.index)["dst"]
+    src, peer = state["src"], state["peer"]
+    torch.cuda.synchronize(ctx.device)
+    t0 = time.time()
+    for k in range(0, src.numel(), message):
+        peer[k : k + message].copy_(src[k : k + message], non_blocking=True)
+    torch.cuda.synchronize(ctx.device)
+    return t0, time.time()
+
+
+def _peer_bandwidth(instance, nbytes: int, message: int) -> float:
+    """Co-located GPUs copying into each other both ways at once: the bytes each receives per second,
+    from the first start to the last end of a round (median of 3 after a warm-up). Co-located, every
+    GPU sends and receives at the same time, so this, not one direction alone, is the cross-GPU ceiling."""
+    descs = instance.call(_peer_buffers, nbytes)
+    spans = []
     for _ in range(4):
-        torch.cuda.synchronize(ctx.device)
-        t0 = time.perf_counter()
-        for _ in range(nbytes // message):
-            g._start_coalescing(ctx.device)
-            for who in (0, 1):  # the same order on both ranks
-                g.send([out], peer, 9) if who == ctx.rank else g.recv([into], peer, 9)
-            g._end_coalescing(ctx.device).wait()
-        torch.cuda.synchronize(ctx.device)
-        times.append(time.perf_counter() - t0)
-    return nbytes // message * message / statistics.median(times[1:])
+        rounds = [r for r in instance.call(_peer_round, descs, message) if r]
+        spans.append(max(e for _, e in rounds) - min(s for s, _ in rounds))
+    instance.call(_drop_peer_buffers)
+    return nbytes // message * message / statistics.median(spans[1:])
+
+
+def _drop_peer_buffers(ctx) -> None:
+    ctx.state.pop("peer_ceiling", None)
+    torch.cuda.empty_cache()
 
 
 def _peak(ctx) -> int:
@@ -309,8 +335,8 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
         on_gpu = device == "cuda"  # a CPU run measures no ceilings
         copy_bw = instance.call(_copy_ceiling, 1 << 30)[0] if scen.colocate and on_gpu else None
         nvlink = None
-        if scen.colocate and instance.world_size > 1 and on_gpu:  # cross-GPU pieces move between workers over NCCL
-            nvlink = instance.call(_pair_bandwidth, 4 << 30, 256 << 20)[0]
+        if scen.colocate and instance.world_size > 1 and on_gpu:  # cross-GPU pieces: copies over NVLink
+            nvlink = _peer_bandwidth(instance, 4 << 30, 256 << 20)
         if not scen.colocate and inst == 0 and on_gpu:
             _, _, sizes, trainer_group_rank = link_in.get(timeout=timeout)
             instance.call(_link_recv, sizes, trainer_group_rank)
@@ -490,7 +516,8 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         nvlink = min((m[5] for m in infer_info if m[5]), default=None)
         # same-GPU bytes at copy speed and cross-GPU bytes over NVLink can overlap: the slower one bounds
         floor = max(max(local / ceiling, remote / nvlink if nvlink else 0.0) for local, remote in per_gpu.values())
-        ceiling_name = "device copy (bytes copied/s); NCCL between workers both ways at once for cross-GPU pieces"
+        ceiling_name = ("device copy (bytes copied/s); for cross-GPU pieces, GPUs copying into each other "
+                        "both ways at once by their copy engines")
         result["nvlink_bytes_per_s"] = nvlink
     else:
         ceiling = min(m[3] for m in train_info if m[3])

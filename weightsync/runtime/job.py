@@ -23,6 +23,7 @@ from weightsync.meta.client import MetaClient, MetaError
 from weightsync.plan.planner import Bucket, Pair, Planner, pair_hash
 from weightsync.plan.topology import Topology
 from weightsync.spec.model import ModelSpec, spec_from_config
+from weightsync.transport.colocated import ColocatedRanks
 
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes a transport may keep on a GPU beyond the weights
 
@@ -72,6 +73,10 @@ class JobShape:
         make = Topology.colocated if self.colocate else Topology.separated
         topo = make(self.train_world, self.infer_world, self.instances)
         return Planner(src, dst, self.instances, topo, bucket_bytes=self.bucket_bytes)
+
+    def colocated_ranks(self) -> ColocatedRanks:
+        """Who opens, reads, sends and receives what in a co-located job (the planner's topology)."""
+        return ColocatedRanks(self.train_world, self.infer_world, self.instances)
 
 
 def layout_digest(layout: Layout) -> str:

@@ -190,20 +190,19 @@ class WeightReader:
 
 def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: int) -> tuple[dict, int]:
     """Plan this worker's receives; keep the plan; return its pair hashes and the largest bucket it will
-    buffer (co-located: the cross-GPU ones, received or sent for the training rank it proxies)."""
+    buffer (co-located: only those crossing hosts, received or sent for the training rank it proxies;
+    direct copies need no buffer)."""
     spec = spec_from_config(model_config)
     planner = shape.planner(spec)
     plans = planner.recv_plan(instance_id, ctx.rank)
     ctx.state.update(plans=plans, shape=shape, instance=instance_id, planner=planner)
     buckets = [b for bs in plans.values() for b in bs]
-    if shape.colocate:  # plus what it sends for the training rank it proxies; local copies need no buffer
-        from weightsync.transport.colocated import ColocatedRanks
-
-        ranks = ColocatedRanks(shape.train_world, shape.infer_world, shape.instances)
+    if shape.colocate:
+        ranks = shape.colocated_ranks()
         send_plans = {t: planner.send_plan(t) for t in ranks.proxied_by(ranks.infer(instance_id, ctx.rank))}
         ctx.state["send_plans"] = send_plans
         buckets = [b for b in buckets + [b for ps in send_plans.values() for bs in ps.values() for b in bs]
-                   if ranks.sender(b.pair) != ranks.receiver(b.pair)]
+                   if not ranks.direct(b.src_rank, ranks.receiver(b.pair))]
     return hashes_of(plans), max((b.nbytes for b in buckets), default=0)
 
 
@@ -223,31 +222,37 @@ def _connect(ctx: WorkerContext, address: str, backend: str, timeout_s: float, c
 
 
 def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s: float) -> None:
-    """Join the inference-only group and open the tensors of the training ranks this worker proxies."""
+    """Open the tensors of the training ranks this worker reads or proxies; join the inference-only group
+    when the job spans hosts (on one host every bucket is a direct copy: no group)."""
     import json
 
-    from weightsync.transport.colocated import ColocatedRanks, ColocatedTransport
+    from weightsync.transport.colocated import ColocatedTransport
     from weightsync.transport.group import free_port, new_group
     from weightsync.transport.share import import_tensors
 
     url, job, token = link
     client = MetaClient(url, job, token=token, timeout=timeout_s)
     shape: JobShape = ctx.state["shape"]
-    ranks = ColocatedRanks(shape.train_world, shape.infer_world, shape.instances)
+    ranks = shape.colocated_ranks()
     me = ranks.infer(ctx.state["instance"], ctx.rank)
-    if me == 0:
-        host, port = "127.0.0.1", free_port()
-        client.publish("colocated-group", f"{host}:{port}")
-    else:
-        host, port_s = client.lookup("colocated-group", timeout=timeout_s).rsplit(":", 1)
-        port = int(port_s)
-    device = ctx.device if ctx.device.type == "cuda" else None
-    group = new_group(host, port, me, ranks.world_size, backend, timeout_s, device=device, name="weightsync-colo")
+    group = None
+    if ranks.needs_group:
+        if me == 0:
+            host, port = "127.0.0.1", free_port()
+            client.publish("colocated-group", f"{host}:{port}")
+        else:
+            host, port_s = client.lookup("colocated-group", timeout=timeout_s).rsplit(":", 1)
+            port = int(port_s)
+        device = ctx.device if ctx.device.type == "cuda" else None
+        group = new_group(host, port, me, ranks.world_size, backend, timeout_s, device=device, name="weightsync-colo")
+    # opened in this worker's own CUDA context, wherever on the host they lie: another GPU's memory is
+    # reached by peer access (NVLink) without a context on that GPU
+    mine = ctx.device.index if ctx.device.type == "cuda" else None
     sources = {}
-    for t in ctx.state["send_plans"]:  # the training ranks this worker proxies (_plan planned their sends)
-        with open(client.lookup(f"share.{t}", timeout=timeout_s)) as f:
-            sources[t] = import_tensors(json.load(f))  # same host, same GPU numbering
-    ctx.state.update(transport=ColocatedTransport(group, ranks, timeout_s=timeout_s), sources=sources)
+    for t in ranks.sources(me, ctx.state["plans"]):
+        with open(client.lookup(f"share.{t}.{me}", timeout=timeout_s)) as f:
+            sources[t] = import_tensors(json.load(f), cuda_device=mine)
+    ctx.state.update(transport=ColocatedTransport(group, ranks, me=me, timeout_s=timeout_s), sources=sources)
 
 
 def _connect_file(ctx: WorkerContext, directory: str, timeout_s: float) -> None:
@@ -305,7 +310,8 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
             nbytes, buckets = s.bytes, s.buckets
         elif "sources" in ctx.state:  # co-located
             s = ctx.state["transport"].run(plans, ctx.state["send_plans"], targets, ctx.state["sources"])
-            nbytes, buckets = s.local_bytes + s.recv_bytes, s.local_buckets + s.recv_buckets
+            nbytes = s.local_bytes + s.peer_bytes + s.recv_bytes
+            buckets = s.local_buckets + s.peer_buckets + s.recv_buckets
         else:
             s = ctx.state["transport"].recv(plans, targets)
             nbytes, buckets = s.bytes, s.buckets

@@ -99,9 +99,12 @@ class WeightWriter:
             self.transport = FileTransport(directory, step_fn=lambda: self._step, timeout_s=timeout_s)
             return
         if colocate:
-            # the inference workers on this GPU copy (and forward) our weights: share them once
-            self.share_path = share_tensors(train.tensors, job, train.rank)
-            self.client.publish(f"share.{train.rank}", self.share_path)
+            # the inference workers copy our weights straight out of our memory (and our proxy forwards
+            # them to other hosts): share them once, one export per worker that opens them (CUDA IPC
+            # counts one opening process per export)
+            for g in self.shape.colocated_ranks().importers(train.rank, self.plans):
+                path = share_tensors(train.tensors, job, f"train{train.rank}-for{g}")
+                self.client.publish(f"share.{train.rank}.{g}", path)
             return
         self.ranks = JobRanks(self.shape.train_world, self.shape.infer_world, self.shape.instances)
         if train.rank == 0:
@@ -156,7 +159,7 @@ class WeightWriter:
         self.transport = None  # the group dies with its last reference
 
 
-def share_tensors(tensors: dict[str, torch.Tensor], job: str, rank: int) -> str:
+def share_tensors(tensors: dict[str, torch.Tensor], job: str, name: str) -> str:
     """Export live tensors (shared memory / CUDA IPC) and write their description to a local file.
 
     Co-located peers are on this host by definition, so a file is the simplest way to hand over a
@@ -164,7 +167,7 @@ def share_tensors(tensors: dict[str, torch.Tensor], job: str, rank: int) -> str:
     """
     from weightsync.transport.share import export_tensors
 
-    path = os.path.join(tempfile.gettempdir(), f"weightsync-{job}-{os.getpid()}-train{rank}.json")
+    path = os.path.join(tempfile.gettempdir(), f"weightsync-{job}-{os.getpid()}-{name}.json")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(export_tensors(tensors), f)

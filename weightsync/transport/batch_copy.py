@@ -132,20 +132,14 @@ class BatchedCopy:
     """
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], tile_bytes: int = TILE_BYTES,
-                 programs: int | None = None, device: torch.device | None = None) -> None:
+                 programs: int | None = None) -> None:
         if not 1 <= tile_bytes <= 1 << 30:
             raise ValueError(f"tile_bytes must be in [1, 2**30], got {tile_bytes}")
         self._pairs = [(d, s) for d, s in pairs]  # keeps every address valid while we exist
         devices = {t.device for p in self._pairs for t in p}
-        if device is not None and device.type == "cuda":
-            # the kernel runs on ``device``; a pair may lie on another GPU of the host that ``device``
-            # reaches by peer access (CUDA IPC mappings, NVLink): the copy then crosses the link
-            if any(d.type != "cuda" for d in devices):
-                raise ValueError(f"a copy run on {device} takes CUDA tensors only, got {sorted(map(str, devices))}")
-            devices = {device}
         if len(devices) > 1:
             raise ValueError(f"all pairs must be on one device, got {sorted(map(str, devices))}")
-        self.device: torch.device | None = devices.pop() if devices else device
+        self.device: torch.device | None = devices.pop() if devices else None
         if self.device is not None and self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"BatchedCopy runs on cpu or cuda tensors, not {self.device}")
         self.tile_bytes = tile_bytes

@@ -5,17 +5,22 @@ Training and inference share GPUs (:meth:`Topology.colocated`: inference worker 
 once (:mod:`weightsync.transport.share`: CUDA IPC on GPU, shared memory on CPU); each training rank
 gets a *proxy*, the inference worker that opened those tensors and acts for it:
 
-- a bucket whose source rank I proxy and whose destination is me is a LOCAL copy: no buffer, no
-  group; every box is ``copy_``-ed straight from the trainer's view into my tensor's view
-  (device-to-device on GPU, converting dtype as unpacking would; bitwise the same result as
-  pack -> unpack, which goes source dtype -> buffer -> destination dtype in the same single cast);
-- a bucket whose source rank I proxy for another worker is SENT by me, straight from the trainer's
-  memory where it lies contiguous there, else packed from it, on the trainer's behalf;
-- a bucket for me whose source another worker proxies is RECEIVED from that proxy.
+- a bucket for me whose source rank sits on MY HOST is a DIRECT copy (:meth:`ColocatedRanks.direct`):
+  I open that trainer's tensors too and copy every box straight from its view into mine -- no
+  buffer, no group, no proxy. On my own GPU that is a device-to-device copy (LOCAL); on another GPU
+  of the host (PEER) the trainer's memory is mapped into my own CUDA context (CUDA IPC with lazy
+  peer access: no context on the other GPU) and my kernel reads it over NVLink. Measured on 2 x H200
+  (``benchmarks/peer_push.py``): 4 GiB each way, both GPUs at once, in 12.9 ms with a same-GPU 4 GiB
+  copy beside it, against 15.9 ms for NCCL send/recv through buffers. Converting dtypes as unpacking
+  would: bitwise the same result as pack -> unpack (one cast, source dtype -> destination dtype);
+- a bucket whose source rank I proxy for a worker on ANOTHER HOST is SENT by me, straight from the
+  trainer's memory where it lies contiguous there, else packed from it, on the trainer's behalf;
+- a bucket for me whose source rank sits on another host is RECEIVED from that rank's proxy.
 
-Remote buckets move over a group of the inference workers only (group rank ``i*W + j``): NCCL
-refuses two ranks of one communicator on one GPU, so the trainer process cannot be a member. On CPU
-the same code runs over gloo and shared memory, so everything but the CUDA kernels is tested there.
+Remote (cross-host) buckets move over a group of the inference workers only (group rank ``i*W + j``):
+NCCL refuses two ranks of one communicator on one GPU, so the trainer process cannot be a member. A
+job on one host needs no group at all. On CPU the same code runs over gloo and shared memory, so
+everything but the CUDA kernels is tested there.
 
 The planner needs the colocated :class:`Topology` to prefer same-GPU sources (which become local
 copies); correctness does not depend on it -- any plan runs, with more group traffic.
@@ -144,6 +149,32 @@ class ColocatedRanks:
             "as training ranks, or the separated (P2P) transport"
         )
 
+    def direct(self, train_rank: int, group_rank: int) -> bool:
+        """THE direct-read rule: worker ``group_rank`` copies training rank ``train_rank``'s pieces
+        straight out of its memory when both sit on one host. Senders, receivers and exporters all
+        evaluate this same pure function, so they agree on who moves what without talking."""
+        top = self.topology
+        return top.host(top.train_gpu(train_rank)) == top.host(self.gpu(group_rank))
+
+    @cached_property
+    def needs_group(self) -> bool:
+        """Whether any bucket crosses hosts, so the workers need their group (never on one host)."""
+        return not all(self.direct(t, g) for t in range(self.train_world) for g in range(self.world_size))
+
+    def sources(self, group_rank: int, recv_plans: Plans) -> list[int]:
+        """Training ranks whose tensors worker ``group_rank`` opens: those it reads directly, and those it
+        proxies (the mirror of :meth:`importers`)."""
+        read = {pair[0] for pair, bs in recv_plans.items() if any(b.nbytes for b in bs)
+                and self.direct(pair[0], group_rank)}
+        return sorted(read | set(self.proxied_by(group_rank)))
+
+    def importers(self, train_rank: int, send_plan: Plans) -> list[int]:
+        """Workers that open training rank ``train_rank``'s tensors (each needs its own CUDA export):
+        every receiver reading it directly, and its proxy."""
+        read = {self.receiver(pair) for pair, bs in send_plan.items() if any(b.nbytes for b in bs)
+                and self.direct(train_rank, self.receiver(pair))}
+        return sorted(read | {self.proxy(train_rank)})
+
     def sender(self, pair: Pair) -> int:
         return self.proxy(pair[0])
 
@@ -153,17 +184,20 @@ class ColocatedRanks:
 
 @dataclass(frozen=True)
 class ColocatedStats:
-    local_buckets: int
+    local_buckets: int  # direct copies on my GPU
     local_bytes: int
-    sent_buckets: int
+    peer_buckets: int  # direct copies from another GPU of my host
+    peer_bytes: int
+    sent_buckets: int  # to other hosts
     sent_bytes: int
-    recv_buckets: int
+    recv_buckets: int  # from other hosts
     recv_bytes: int
     seconds: float
     posted: float = 0.0  # seconds until the CPU had posted everything (the GPU works on after that)
 
 
-_LOCAL, _SEND, _RECV = "local", "send", "recv"
+_LOCAL, _PEER, _SEND, _RECV = "local", "peer", "send", "recv"
+_DIRECT = (_LOCAL, _PEER)
 UNIT_OPS = 2  # remote operations posted as one NCCL group (a send and a receive between two workers)
 
 
@@ -172,8 +206,22 @@ def buffer_slots(window: int, coalescing: bool = True) -> int:
     return window * (UNIT_OPS if coalescing else 1)
 
 
-def half_the_sms(dev: torch.device) -> int:
-    return max(1, torch.cuda.get_device_properties(dev).multi_processor_count // 2)
+def _sms(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def copy_programs(dev: torch.device, peer: bool, remote: bool) -> tuple[int | None, int | None]:
+    """CTAs for the same-GPU copies and for the peer copies, which run at once on two streams.
+
+    Peer copies are bound by NVLink, not by SMs: on a quarter of them they move as fast as on all
+    (measured: 4 GiB both ways in 11.7 ms on 33 CTAs, 11.7 on 132). Same-GPU copies take the rest, or
+    half when NCCL traffic runs beside them: copy CTAs on every SM delay NCCL's kernels (4 GiB both
+    ways with 4 GiB copied alongside: 15.9 ms with the copy on every SM, 15.0 on half, 14.2 without)."""
+    sms = _sms(dev)
+    peer_programs = max(1, sms // 4) if peer else 0
+    if remote:
+        return max(1, sms // 2 - peer_programs), peer_programs or None
+    return (sms - peer_programs if peer else None), peer_programs or None
 
 
 @contextlib.contextmanager
@@ -211,9 +259,13 @@ class ColocatedTransport:
     run on a stream of their own, overlapping the NVLink traffic, and every group of copies (the
     local ones, each bucket's pack and unpack) replays a CUDA graph (:mod:`weightsync.transport.graphs`).
 
+    The order above concerns remote (cross-host) operations only: direct copies (same host) involve
+    nobody else, so they never wait on anyone. They run on two streams of their own beside the remote
+    units, the same-GPU ones and the peer ones apart (:func:`copy_programs`).
+
     Memory: ``window`` x ``UNIT_OPS`` uint8 buffers (``window`` on CPU) as large as the most a remote
     bucket stages (messages moved in place take none; at most the largest remote bucket), reused
-    across steps; local copies use none.
+    across steps; direct copies use none, so a job on one host holds no buffer at all.
 
     Failures never hang: on CPU every wait has ``timeout_s``; on CUDA the final watch raises once no
     unit has completed for ``timeout_s``. A dead or stalled peer raises :class:`TransportError` naming
@@ -223,24 +275,33 @@ class ColocatedTransport:
 
     def __init__(
         self,
-        group: ProcessGroup,
+        group: ProcessGroup | None,
         ranks: ColocatedRanks,
         *,
+        me: int | None = None,
         window: int = DEFAULT_WINDOW,
         timeout_s: float = 60.0,
         buffer_bytes: int | None = None,
         direct_min: int = DIRECT_MIN_BYTES,
     ):
+        """``group``: the inference workers' group, needed only when the job spans hosts
+        (:attr:`ColocatedRanks.needs_group`); without it, ``me`` is this worker's group rank."""
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
-        if group.size() != ranks.world_size:
+        if group is None:
+            if ranks.needs_group:
+                raise ConfigError("this co-located job spans hosts: its workers need a group for the "
+                                  "buckets that cross them")
+            if me is None or not 0 <= me < ranks.world_size:
+                raise ValueError(f"without a group, pass this worker's rank me in [0, {ranks.world_size}), got {me}")
+        elif group.size() != ranks.world_size:
             raise ValueError(
                 f"group has {group.size()} ranks, but the co-located group holds only the "
                 f"{ranks.instances} x {ranks.infer_world} = {ranks.world_size} inference workers"
             )
         ranks.check()  # set-up fails loudly when some training rank cannot be proxied
         self.group, self.ranks, self.window = group, ranks, window
-        self.me = group.rank()
+        self.me = group.rank() if group is not None else me
         self.proxied = ranks.proxied_by(self.me)
         self.timeout = timedelta(seconds=timeout_s)
         self.buffer_bytes = buffer_bytes
@@ -248,8 +309,8 @@ class ColocatedTransport:
         self._buffers: list[torch.Tensor] = []
         self._coalescing: bool | None = None
         self._checked: tuple | None = None  # (plans, their validated operations in the global order)
-        self._graphs = CopyGraphs()  # the same-GPU copies, and each bucket's pack / unpack, replayed on CUDA
-        self._stream: torch.cuda.Stream | None = None
+        self._graphs = CopyGraphs()  # the direct copies, and each bucket's pack / unpack, replayed on CUDA
+        self._streams: dict[str, torch.cuda.Stream] = {}
 
     # -- the step -------------------------------------------------------------------------------
     def run(
@@ -263,8 +324,9 @@ class ColocatedTransport:
         of the send plans of the training ranks I proxy out of their opened ``src`` tensors.
 
         ``send_plans_by_train_rank`` holds ``planner.send_plan(t)`` for each ``t`` in
-        :attr:`proxied`; its buckets addressed to me are the same local copies my recv plan lists
-        (checked, and done once).
+        :attr:`proxied`; only its buckets for other hosts are mine to send (the rest are read
+        directly by their receivers). ``src_tensors_by_train_rank`` holds the opened tensors of
+        every rank in :meth:`ColocatedRanks.sources`.
         """
         start = time.perf_counter()
         plans = (recv_plans, send_plans_by_train_rank)
@@ -278,7 +340,7 @@ class ColocatedTransport:
         self._coalesce(dev)  # first step: every worker, remote work or not, builds the NCCL communicator
         # graphs and views stay valid while the tensors and buffers stay put
         self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(), buffers=self._buffers)
-        units = self._units([op for op in ops if op[0] != _LOCAL], dev)
+        units = self._units([op for op in ops if op[0] not in _DIRECT], dev)
         stagings = {}
         for kind, b, _ in (op for unit in units for op in unit):
             tensors = src_tensors_by_train_rank[b.src_rank] if kind == _SEND else dst_tensors
@@ -288,27 +350,29 @@ class ColocatedTransport:
             # new buffers (first step, or grown)
             self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(), buffers=self._buffers)
         free = list(self._buffers)
-        counts = {_LOCAL: [0, 0], _SEND: [0, 0], _RECV: [0, 0]}
+        counts = {_LOCAL: [0, 0], _PEER: [0, 0], _SEND: [0, 0], _RECV: [0, 0]}
         for kind, b, _ in ops:
             counts[kind][0] += 1
             counts[kind][1] += b.nbytes
-        # same-GPU copies on their own stream, so they overlap the NVLink traffic of the remote units
-        side = self._side_stream(dev) if ordered else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(dev))
-        local = [b for kind, b, _ in ops if kind == _LOCAL]
+        # direct copies, pack-free (each run straight from the trainer's view into mine), on streams of
+        # their own: the same-GPU ones and the peer ones overlap each other and the remote units
+        direct = {kind: [b for k, b, _ in ops if k == kind] for kind in _DIRECT}
+        programs = copy_programs(dev, bool(direct[_PEER]), bool(units)) if ordered else (None, None)
+        sides = []
+        for (kind, buckets), cap in zip(direct.items(), programs):
+            if not buckets:
+                continue
+            side = self._side_stream(kind, dev) if ordered else None
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(dev))
+                sides.append(side)
 
-        def local_pairs() -> Pairs:  # pack-free: each run straight from the trainer's view into mine
-            src = src_tensors_by_train_rank
-            return [p for b in local for p in direct_pairs(segments(b), src[b.src_rank], dst_tensors)]
+            def pairs(buckets=buckets) -> Pairs:
+                src = src_tensors_by_train_rank
+                return [p for b in buckets for p in direct_pairs(segments(b), src[b.src_rank], dst_tensors)]
 
-        if local:
-            # beside NVLink traffic, the copies take half the SMs: NCCL's kernels then start at once
-            # instead of behind thousands of copy CTAs (measured: 4 GiB both ways with 4 GiB copied
-            # alongside took 15.9 ms with the copy on every SM, 15.0 on half, 14.2 without the copy)
-            programs = half_the_sms(dev) if units and ordered else None
             with torch.cuda.stream(side) if side is not None else _nothing():
-                self._graphs.run(recv_plans, "local", local_pairs, dev, programs)
+                self._graphs.run(recv_plans, kind, pairs, dev, cap)
         inflight: deque = deque()
         posted: list = []
         for unit in units:
@@ -317,13 +381,15 @@ class ColocatedTransport:
             inflight.append(self._post(unit, stagings, src_tensors_by_train_rank, dst_tensors, free, dev, posted))
         while inflight:
             free += self._finish(inflight.popleft(), dst_tensors, ordered)
-        if side is not None:
+        for side in sides:
             torch.cuda.current_stream(dev).wait_stream(side)
         done_posting = time.perf_counter() - start
-        if ordered:
+        if ordered and posted:
             settle(posted, self.timeout.total_seconds(), dev, self.group)
-        return ColocatedStats(*counts[_LOCAL], *counts[_SEND], *counts[_RECV], time.perf_counter() - start,
-                              done_posting)
+        elif ordered:  # direct copies only: nothing can stall them
+            torch.cuda.current_stream(dev).synchronize()
+        return ColocatedStats(*counts[_LOCAL], *counts[_PEER], *counts[_SEND], *counts[_RECV],
+                              time.perf_counter() - start, done_posting)
 
     def _units(self, remote: list, dev: torch.device) -> list[list]:
         """Remote operations cut into units posted together: on NCCL, the consecutive ones of one bucket
@@ -385,13 +451,13 @@ class ColocatedTransport:
 
     def _coalesce(self, dev: torch.device) -> bool:
         if self._coalescing is None:  # every worker gets here in its first step (see coalescing())
-            self._coalescing = coalescing(self.group, dev)
+            self._coalescing = self.group is not None and coalescing(self.group, dev)
         return self._coalescing
 
-    def _side_stream(self, dev: torch.device) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(dev)
-        return self._stream
+    def _side_stream(self, kind: str, dev: torch.device) -> torch.cuda.Stream:
+        if kind not in self._streams:
+            self._streams[kind] = torch.cuda.Stream(dev)
+        return self._streams[kind]
 
     # -- internals ------------------------------------------------------------------------------
     def _ops(
@@ -402,8 +468,8 @@ class ColocatedTransport:
     ) -> list[tuple[str, Bucket, int | None]]:
         """Validate the plans and list (kind, bucket, peer) in the one global order."""
         me, ranks = self.me, self.ranks
+        top = ranks.topology
         ops: list[tuple[str, Bucket, int | None]] = []
-        local_recv: set[Bucket] = set()
         for pair, buckets in recv_plans.items():
             if ranks.receiver(pair) != me:
                 raise TransportError(
@@ -411,16 +477,12 @@ class ColocatedTransport:
                     f"which group rank {ranks.receiver(pair)} receives",
                     pair=pair,
                 )
-            src = ranks.proxy(pair[0])
-            for b in buckets:
-                if b.nbytes == 0:
-                    continue
-                if src == me:
-                    local_recv.add(b)
-                    ops.append((_LOCAL, b, None))
-                else:
-                    ops.append((_RECV, b, src))
-        local_send: set[Bucket] = set()
+            t = pair[0]
+            if ranks.direct(t, me):
+                kind, peer = (_LOCAL if top.train_gpu(t) == ranks.gpu(me) else _PEER), None
+            else:
+                kind, peer = _RECV, ranks.proxy(t)
+            ops.extend((kind, b, peer) for b in buckets if b.nbytes)
         for t, plans in send_plans.items():
             if t not in self.proxied:
                 raise TransportError(
@@ -431,22 +493,10 @@ class ColocatedTransport:
                 if pair[0] != t:
                     raise TransportError(f"the send plan of training rank {t} holds {describe(pair)}", pair=pair)
                 dst = ranks.receiver(pair)
-                for b in buckets:
-                    if b.nbytes == 0:
-                        continue
-                    if dst == me:
-                        local_send.add(b)  # done once, from the recv side
-                    else:
-                        ops.append((_SEND, b, dst))
-        for t in self.proxied:  # both sides of my local copies must have been planned identically
-            if t in send_plans:
-                mine = {b for b in local_recv if b.src_rank == t}
-                theirs = {b for b in local_send if b.src_rank == t}
-                if mine != theirs:
-                    raise TransportError(
-                        f"group rank {me}: the local buckets of training rank {t} differ between its send plan "
-                        f"({len(theirs)}) and my recv plan ({len(mine)}): the plans disagree"
-                    )
+                if not ranks.direct(t, dst):  # else its receiver reads it straight from the trainer
+                    ops.extend((_SEND, b, dst) for b in buckets if b.nbytes)
+        if any(kind not in _DIRECT for kind, _, _ in ops) and self.group is None:
+            raise ConfigError(f"group rank {me} has buckets for or from other hosts but no group to move them")
         need = {b.src_rank for kind, b, _ in ops if kind != _RECV}
         if missing := need - set(src_tensors):
             raise TransportError(f"group rank {me}: no opened tensors of training rank(s) {sorted(missing)}")

@@ -222,8 +222,12 @@ def _open_storage(s: Mapping[str, Any], cuda_device: int | None) -> torch.Untype
 def import_tensors(desc: Mapping[str, Any], cuda_device: int | None = None) -> dict[str, torch.Tensor]:
     """Open the tensors :func:`export_tensors` described; they alias the exporter's memory.
 
-    ``cuda_device``: this process's index of the exporter's GPU, when the two number GPUs
-    differently (say, different ``CUDA_VISIBLE_DEVICES``); by default the exporter's index.
+    ``cuda_device``: the GPU whose CUDA context maps the memory, and which the tensors report as
+    theirs; by default the exporter's index. Pass this process's own GPU to reach memory on another
+    GPU of the host without creating a context there (~500 MiB on it): the driver maps it with lazy
+    peer access (NVLink), and kernels on ``cuda_device`` read and write it in place. Such tensors
+    are views of another GPU's memory: use them as sources or destinations of copies run on
+    ``cuda_device``, nothing else.
     """
     if desc.get("format") != FORMAT:
         raise ValueError(f"not a shared-tensor description of format {FORMAT}: {desc.get('format')!r}")
