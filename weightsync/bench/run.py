@@ -205,7 +205,11 @@ def _link_recv(ctx, sizes: list[int], peer: int) -> None:
 
 
 def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
-             baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda") -> None:
+             baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda", together=None) -> None:
+    """One training rank. ``together`` (a barrier of the training ranks) starts every step's writes at
+    once, as a training step's last collective would: the bench's stand-in for the optimizer (doubling
+    every tensor, a kernel each: ~7,000 on a 30B PP stage) ends up to ~18 ms apart on two ranks, and
+    that skew is the bench's, not the sync's."""
     try:
         from weightsync.bind import Bound
         from weightsync.engines import make_layout
@@ -228,6 +232,7 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
             advance(tensors)  # step s holds the base data doubled s + 1 times
             _sync(dev)
             base, _ = _memory(dev, reset=True)
+            together.wait(timeout)
             out.put(("start", rank, step, time.time()))
             writer.write(step)
             peak = max(peak, _memory(dev)[1] - base)
@@ -251,7 +256,8 @@ def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, 
                 times.append(time.perf_counter() - t0)
             link = sum(sizes) / statistics.median(times)
         if baselines:
-            _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines, dev)
+            _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines, dev,
+                             together)
         out.put(("train-done", rank, sent, link, peak))
     except BaseException as e:
         import traceback
@@ -268,7 +274,7 @@ def _store(port: int, is_master: bool, timeout: float):
     return TCPStore("127.0.0.1", port, is_master=is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines, dev):
+def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines, dev, together):
     """Training side of the baselines: each kind in turn, ``steps + 1`` syncs each, over the same group
     (separated) or through the co-located hand-over."""
     from datetime import timedelta
@@ -301,6 +307,7 @@ def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out
         for step in range(steps + 1):
             advance(tensors)
             _sync(dev)
+            together.wait(timeout)
             out.put(("bstart", kind, step, time.time()))
             one(step)
             _sync(dev)
@@ -443,8 +450,9 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         from weightsync.transport.group import free_port
 
         store_port = free_port()
-        procs = [ctx.Process(target=_trainer,
-                             args=(r, scen, model, steps, meta.url, out, timeout, baselines, store_port, device))
+        together = ctx.Barrier(train.world_size)
+        procs = [ctx.Process(target=_trainer, args=(r, scen, model, steps, meta.url, out, timeout, baselines,
+                                                    store_port, device, together))
                  for r in range(train.world_size)]
         for i in range(scen.instances):
             gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
