@@ -14,7 +14,11 @@ peer's device. Timed, median of 5 rounds after a warm-up (CUDA events, a barrier
 - ``push-strided``: the column halves of [rows, 2 x 12 KiB] bf16 rows into contiguous rows (what the
   sender packs today: the TP halves of Megatron's row-parallel weights);
 - ``X+local``: X, and a same-GPU ``--gib`` copy (all SMs) on a second stream, at once;
-- ``push-P`` / ``pull-P``: on at most P CTAs.
+- ``push-P`` / ``pull-P``: on at most P CTAs;
+- ``ce-pull-1.5M-graph`` / ``-8M-graph``: the copy engines pulling in 1.5 / 8 MiB copies, replayed
+  from a CUDA graph (30B's expert halves are 1.5 MiB runs);
+- ``mix+local-99``: 60% of the bytes pulled by the copy engines in 256 MiB copies, the other 40% as
+  strided halves by a kernel on 33 CTAs, the same-GPU copy on 99 (an 8B co-located step's shape).
 
 The receiver checks the bytes that arrived against the sender's generator. Prints a line per GPU and
 the JSON; also the GPU memory each process holds per GPU (nvidia-smi), to see what opening costs.
@@ -69,15 +73,15 @@ def _member(rank: int, port: int, gib: float, enable_peer: bool, descs, out) -> 
     def runs(d: torch.Tensor, s: torch.Tensor) -> list:
         return [(d[i : i + RUN], s[i : i + RUN]) for i in range(0, n, RUN)]
 
-    push = BatchedCopy(runs(peer_dst, src), device=dev)
-    pull = BatchedCopy(runs(dst, peer_src), device=dev)
-    local = BatchedCopy(runs(local_dst, local_src), device=dev)
-    capped = {p: BatchedCopy(runs(peer_dst, src), device=dev, programs=p) for p in (16, 33, 66)}
-    pull_capped = {p: BatchedCopy(runs(dst, peer_src), device=dev, programs=p) for p in (33, 66)}
+    push = BatchedCopy(runs(peer_dst, src))
+    pull = BatchedCopy(runs(dst, peer_src))
+    local = BatchedCopy(runs(local_dst, local_src))
+    capped = {p: BatchedCopy(runs(peer_dst, src), programs=p) for p in (16, 33, 66)}
+    pull_capped = {p: BatchedCopy(runs(dst, peer_src), programs=p) for p in (33, 66)}
     row = 6144  # bf16 elements: a 12 KiB half of a 24 KiB row
     rows = n // (4 * row)  # bytes: rows x 2 halves x row x 2 bytes = n
     half = src.view(torch.bfloat16)[: rows * 2 * row].view(rows, 2 * row)[:, :row]
-    strided = BatchedCopy([(peer_dst.view(torch.bfloat16)[: rows * row].view(rows, row), half)], device=dev)
+    strided = BatchedCopy([(peer_dst.view(torch.bfloat16)[: rows * row].view(rows, row), half)])
     side = torch.cuda.Stream(dev)
 
     def nccl() -> None:
@@ -100,7 +104,40 @@ def _member(rank: int, port: int, gib: float, enable_peer: bool, descs, out) -> 
         for k in range(0, n, MSG):
             dst[k : k + MSG].copy_(peer_src[k : k + MSG], non_blocking=True)
 
-    local_99 = BatchedCopy(runs(local_dst, local_src), device=dev, programs=99)
+    local_99 = BatchedCopy(runs(local_dst, local_src), programs=99)
+
+    def graphed(fn) -> torch.cuda.CUDAGraph:
+        fn()  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
+        return graph
+
+    def ce_pull_runs(run: int):
+        def copies() -> None:
+            for k in range(0, n - run + 1, run):
+                dst[k : k + run].copy_(peer_src[k : k + run], non_blocking=True)
+        return copies
+
+    ce_small = graphed(ce_pull_runs(3 << 19))  # 1.5 MiB: a 30B expert's gate or up half for TP=2
+    ce_8m = graphed(ce_pull_runs(8 << 20))
+    # 8B's mix: 60% of the bytes in large contiguous runs by the copy engines, 40% strided halves by a
+    # kernel on 33 CTAs, each on its own stream, with the same-GPU copy on the other 99 CTAs
+    cut = int(n * 0.6) // MSG * MSG
+    strided_rows = (n - cut) // (4 * row)
+    src_half = peer_src.view(torch.bfloat16)[: strided_rows * 2 * row].view(strided_rows, 2 * row)[:, :row]
+    mix_kernel = BatchedCopy([(dst[cut:].view(torch.bfloat16)[: strided_rows * row].view(strided_rows, row),
+                               src_half)], programs=33)
+    engines = torch.cuda.Stream(dev)
+
+    def mix() -> None:
+        engines.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(engines):
+            for k in range(0, cut, MSG):
+                dst[k : k + MSG].copy_(peer_src[k : k + MSG], non_blocking=True)
+        with_local(mix_kernel.run, local_99)
+        torch.cuda.current_stream().wait_stream(engines)
 
     def with_local(fn, loc=local) -> None:
         side.wait_stream(torch.cuda.current_stream())
@@ -134,6 +171,9 @@ def _member(rank: int, port: int, gib: float, enable_peer: bool, descs, out) -> 
                      ("ce-pull+local", lambda: with_local(ce_pull)),
                      ("pull-33+local", lambda: with_local(pull_capped[33].run)),
                      ("pull-33+local-99", lambda: with_local(pull_capped[33].run, local_99)),
+                     ("ce-pull-1.5M-graph", ce_small.replay), ("ce-pull-8M-graph", ce_8m.replay),
+                     ("ce-pull-8M-graph+local-99", lambda: with_local(ce_8m.replay, local_99)),
+                     ("mix+local-99", mix),
                      *((f"push-{p}", b.run) for p, b in capped.items()),
                      *((f"pull-{p}", b.run) for p, b in pull_capped.items())):
         dst.zero_()
