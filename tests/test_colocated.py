@@ -212,15 +212,6 @@ def test_one_host_needs_no_group_but_a_rank():
         ColocatedTransport(None, ColocatedRanks(train_world=2, infer_world=2, gpus_per_host=1), me=0)
 
 
-def test_copy_engines_take_large_plain_copies_only():
-    a, b = torch.zeros(64, 64), torch.ones(64, 64)
-    big, strided = (a[:32], b[32:]), (a[:, :32], b[:, 32:])
-    small, converting = (a[:2], b[:2]), (a[:32], b[:32].to(torch.bfloat16))
-    engine, kernel = colocated.for_engines([big, strided, small, converting], min_bytes=4096)
-    assert [p[0].data_ptr() for p in engine] == [a.data_ptr()] and len(kernel) == 3
-    assert colocated.for_engines([big], min_bytes=0) == ([], [big])
-
-
 def test_unproxied_training_rank_fails_at_setup():
     ranks = ColocatedRanks(train_world=4, infer_world=1, instances=2)  # GPUs 2 and 3 have no worker
     with pytest.raises(ConfigError, match=r"training rank\(s\) \[2, 3\] have no inference worker"):
@@ -282,8 +273,6 @@ def worker(case: dict, g: int, port: int, paths: list[str], cmds, results) -> No
     step per command."""
     who, start = ("infer", g), time.monotonic()
     try:
-        if "engine_min" in case:  # peer copies this large go to the copy engines (1 MiB: none in tiny models)
-            colocated.ENGINE_MIN_BYTES = case["engine_min"]
         spec, src, dst, ranks, planner = _setup(case)
         i, j = ranks.where(g)
         layout = dst.layout(j)
@@ -429,11 +418,6 @@ CASES = {
     "qwen3-moe megatron:pp=2 -> vllm:tp=2, expert stretches in place": dict(
         model="tiny-qwen3-moe", train="megatron:pp=2", infer="vllm:tp=2", instances=1, budget=16 << 10,
         expect_remote=True, direct_min=4096,
-    ),
-    # one host: the contiguous peer copies of 256 bytes and more by copy_ (the copy engines), the rest by the kernel
-    "qwen3 megatron:pp=2 -> vllm:tp=2, copy engines": dict(
-        model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, budget=16 << 10,
-        expect_remote=True, engine_min=256,
     ),
 }
 

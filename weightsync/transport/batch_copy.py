@@ -132,10 +132,7 @@ class BatchedCopy:
     """
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], tile_bytes: int = TILE_BYTES,
-                 programs: int | None = None, engines: bool = False) -> None:
-        """``engines``: copy every pair with ``copy_`` instead -- for large contiguous copies, that is one
-        ``cudaMemcpyAsync`` each, done by the GPU's copy engines with no SM (out of another GPU's memory
-        they read faster than a kernel does: 371 against 337 GB/s both ways, ``benchmarks/peer_push.py``)."""
+                 programs: int | None = None) -> None:
         if not 1 <= tile_bytes <= 1 << 30:
             raise ValueError(f"tile_bytes must be in [1, 2**30], got {tile_bytes}")
         self._pairs = [(d, s) for d, s in pairs]  # keeps every address valid while we exist
@@ -151,9 +148,6 @@ class BatchedCopy:
         self.skipped = 0
         groups: dict[int, list[Tile]] = {a: [] for a in ALIGNS}
         for dst, src in self._pairs:
-            if engines:
-                self._fallback.append((dst, src))
-                continue
             if dst.shape != src.shape:  # the same elements in the same row-major order, shaped apart
                 if dst.numel() != src.numel():
                     raise ValueError(f"size mismatch: dst {tuple(dst.shape)} vs src {tuple(src.shape)}")

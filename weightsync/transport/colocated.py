@@ -29,7 +29,6 @@ copies); correctness does not depend on it -- any plan runs, with more group tra
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -199,24 +198,6 @@ class ColocatedStats:
 
 _LOCAL, _PEER, _SEND, _RECV = "local", "peer", "send", "recv"
 _DIRECT = (_LOCAL, _PEER)
-_ENGINES = "peer-engines"  # the peer copies done by the copy engines
-#: a contiguous copy out of another GPU this large goes to the copy engines, the rest to a kernel
-#: (``WEIGHTSYNC_ENGINE_MIN_BYTES`` overrides it, for measurements; 0 sends none there)
-ENGINE_MIN_BYTES = int(os.environ.get("WEIGHTSYNC_ENGINE_MIN_BYTES", 1 << 20))
-
-
-def for_engines(pairs: Pairs, min_bytes: int | None = None) -> tuple[Pairs, Pairs]:
-    """Split peer copies into (copy engines, kernel): one ``cudaMemcpyAsync`` each for the large ones
-    contiguous on both sides in one dtype (out of another GPU the engines read at 371 GB/s both ways, a
-    kernel at 337; they take no SM), a kernel for the strided, converting and small ones."""
-    least = ENGINE_MIN_BYTES if min_bytes is None else min_bytes
-    engine: Pairs = []
-    kernel: Pairs = []
-    for d, s in pairs:
-        big = least > 0 and d.numel() * d.element_size() >= least
-        plain = d.dtype == s.dtype and d.numel() == s.numel() and d.is_contiguous() and s.is_contiguous()
-        (engine if big and plain else kernel).append((d, s))
-    return engine, kernel
 UNIT_OPS = 2  # remote operations posted as one NCCL group (a send and a receive between two workers)
 
 
@@ -374,28 +355,24 @@ class ColocatedTransport:
             counts[kind][0] += 1
             counts[kind][1] += b.nbytes
         # direct copies, pack-free (each run straight from the trainer's view into mine), on streams of
-        # their own: the same-GPU ones, the peer ones by a kernel and the large contiguous peer ones by the
-        # copy engines overlap each other and the remote units
+        # their own: the same-GPU ones and the peer ones overlap each other and the remote units
         direct = {kind: [b for k, b, _ in ops if k == kind] for kind in _DIRECT}
-
-        def pairs_of(kind: str) -> Pairs:  # views into the tensors: kept until they move
-            src = src_tensors_by_train_rank
-            return self._graphs.memo(recv_plans, kind, lambda: [
-                p for b in direct[kind] for p in direct_pairs(segments(b), src[b.src_rank], dst_tensors)])
-
-        local_cap, peer_cap = copy_programs(dev, bool(direct[_PEER]), bool(units)) if ordered else (None, None)
-        groups = [(_LOCAL, pairs_of(_LOCAL), local_cap, False)] if direct[_LOCAL] else []
-        if direct[_PEER]:
-            engine, kernel = self._graphs.memo(recv_plans, "peer-split", lambda: for_engines(pairs_of(_PEER)))
-            groups += [g for g in ((_PEER, kernel, peer_cap, False), (_ENGINES, engine, None, True)) if g[1]]
+        programs = copy_programs(dev, bool(direct[_PEER]), bool(units)) if ordered else (None, None)
         sides = []
-        for tag, pairs, cap, engines in groups:
-            side = self._side_stream(tag, dev) if ordered else None
+        for (kind, buckets), cap in zip(direct.items(), programs):
+            if not buckets:
+                continue
+            side = self._side_stream(kind, dev) if ordered else None
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream(dev))
                 sides.append(side)
+
+            def pairs(buckets=buckets) -> Pairs:
+                src = src_tensors_by_train_rank
+                return [p for b in buckets for p in direct_pairs(segments(b), src[b.src_rank], dst_tensors)]
+
             with torch.cuda.stream(side) if side is not None else _nothing():
-                self._graphs.run(recv_plans, tag, lambda pairs=pairs: pairs, dev, cap, engines)
+                self._graphs.run(recv_plans, kind, pairs, dev, cap)
         inflight: deque = deque()
         posted: list = []
         for unit in units:

@@ -55,16 +55,15 @@ class CopyGraphs:
         self._where, self._scratch = where, scratch
 
     def run(self, owner: object, tag: Hashable, pairs: Callable[[], Pairs], device: torch.device,
-            programs: int | None = None, engines: bool = False) -> None:
+            programs: int | None = None) -> None:
         """Do the copies ``pairs()`` lists -- the copies of ``owner`` (a bucket, a plan) named ``tag`` --
-        on the current stream: batched into one kernel (on at most ``programs`` CTAs when given; or, with
-        ``engines``, one ``copy_`` each, see :class:`BatchedCopy`) and,
+        on the current stream: batched into one kernel (on at most ``programs`` CTAs when given) and,
         on CUDA, replayed from its graph, both built on first use. The entry keeps ``owner`` alive, so
         its identity cannot pass to another object."""
         key = (id(owner), tag)
         got = self._graphs.get(key)
         if got is None or got[0] is not owner:
-            batch = BatchedCopy(pairs(), programs=programs, engines=engines)  # built outside the capture
+            batch = BatchedCopy(pairs(), programs=programs)  # built outside the capture: it uploads its table
             graph = self._capture(batch.run, device) if device.type == "cuda" else None
             got = self._graphs[key] = (owner, batch, graph)
         if got[2] is not None:
