@@ -16,9 +16,7 @@ peer's device. Timed, median of 5 rounds after a warm-up (CUDA events, a barrier
 - ``X+local``: X, and a same-GPU ``--gib`` copy (all SMs) on a second stream, at once;
 - ``push-P`` / ``pull-P``: on at most P CTAs;
 - ``ce-pull-1.5M-graph`` / ``-8M-graph``: the copy engines pulling in 1.5 / 8 MiB copies, replayed
-  from a CUDA graph (30B's expert halves are 1.5 MiB runs);
-- ``mix+local-99``: 60% of the bytes pulled by the copy engines in 256 MiB copies, the other 40% as
-  strided halves by a kernel on 33 CTAs, the same-GPU copy on 99 (an 8B co-located step's shape).
+  from a CUDA graph (30B's expert halves are 1.5 MiB runs).
 
 The receiver checks the bytes that arrived against the sender's generator. Prints a line per GPU and
 the JSON; also the GPU memory each process holds per GPU (nvidia-smi), to see what opening costs.
@@ -122,22 +120,6 @@ def _member(rank: int, port: int, gib: float, enable_peer: bool, descs, out) -> 
 
     ce_small = graphed(ce_pull_runs(3 << 19))  # 1.5 MiB: a 30B expert's gate or up half for TP=2
     ce_8m = graphed(ce_pull_runs(8 << 20))
-    # 8B's mix: 60% of the bytes in large contiguous runs by the copy engines, 40% strided halves by a
-    # kernel on 33 CTAs, each on its own stream, with the same-GPU copy on the other 99 CTAs
-    cut = int(n * 0.6) // MSG * MSG
-    strided_rows = (n - cut) // (4 * row)
-    src_half = peer_src.view(torch.bfloat16)[: strided_rows * 2 * row].view(strided_rows, 2 * row)[:, :row]
-    mix_kernel = BatchedCopy([(dst[cut:].view(torch.bfloat16)[: strided_rows * row].view(strided_rows, row),
-                               src_half)], programs=33)
-    engines = torch.cuda.Stream(dev)
-
-    def mix() -> None:
-        engines.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(engines):
-            for k in range(0, cut, MSG):
-                dst[k : k + MSG].copy_(peer_src[k : k + MSG], non_blocking=True)
-        with_local(mix_kernel.run, local_99)
-        torch.cuda.current_stream().wait_stream(engines)
 
     def with_local(fn, loc=local) -> None:
         side.wait_stream(torch.cuda.current_stream())
@@ -173,7 +155,6 @@ def _member(rank: int, port: int, gib: float, enable_peer: bool, descs, out) -> 
                      ("pull-33+local-99", lambda: with_local(pull_capped[33].run, local_99)),
                      ("ce-pull-1.5M-graph", ce_small.replay), ("ce-pull-8M-graph", ce_8m.replay),
                      ("ce-pull-8M-graph+local-99", lambda: with_local(ce_8m.replay, local_99)),
-                     ("mix+local-99", mix),
                      *((f"push-{p}", b.run) for p, b in capped.items()),
                      *((f"pull-{p}", b.run) for p, b in pull_capped.items())):
         dst.zero_()
