@@ -149,7 +149,7 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
                               bucket_bytes=job.get("bucket_bytes", 256 << 20), mode=job.get("mode", "sync"),
                               memory_budget=job.get("memory_budget", 2 << 30),
                               colocate=job.get("colocate", False), transport=job.get("transport", "p2p"),
-                              directory=job.get("directory"))
+                              directory=job.get("directory"), peer_copies=job.get("peer_copies", True))
         out.put(("ready", "train", rank))
         if job.get("mode") == "async":
             for step in range(1, job["steps"] + 1):
@@ -237,7 +237,7 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
         r = WeightReader(instance, meta=meta, job=job["job"], instance_id=inst, instances=job["instances"],
                          timeout_s=job["timeout"], token=job.get("token"), bucket_bytes=job.get("bucket_bytes", 256 << 20),
                          memory_budget=job.get("reader_memory_budget", job.get("memory_budget", 2 << 30)),
-                         colocate=job.get("colocate", False),
+                         colocate=job.get("colocate", False), peer_copies=job.get("reader_peer_copies", True),
                          transport=job.get("reader_transport", job.get("transport", "p2p")), directory=job.get("directory"),
                          staged=job.get("staged", False), mode=job.get("mode", "sync"))
         out.put(("ready", "infer", inst))

@@ -181,16 +181,17 @@ def test_proxy_rule():
     assert proxy_of(Topology.colocated(4, 3, 2), 3) == 3
 
 
+@pytest.mark.parametrize("peer", [True, False])
 @pytest.mark.parametrize("gpus_per_host", [8, 2, 1])
 @pytest.mark.parametrize("model,train,infer,instances", [
     ("tiny-llama3", "fsdp:dp=4", "vllm:tp=2", 2),
     ("tiny-qwen3-moe", "megatron:ep=2,dp=2", "sglang:tp=4", 1),
 ])
-def test_direct_rule_agrees_on_both_sides(model, train, infer, instances, gpus_per_host):
-    """A worker opens exactly the training ranks that export for it; one host needs no group."""
+def test_direct_rule_agrees_on_both_sides(model, train, infer, instances, gpus_per_host, peer):
+    """A worker opens exactly the training ranks that export for it; one host with peer access needs no group."""
     spec = load_spec(model)
     src, dst = make_layout(spec, train), make_layout(spec, infer)
-    ranks = ColocatedRanks(src.world_size, dst.world_size, instances, gpus_per_host)
+    ranks = ColocatedRanks(src.world_size, dst.world_size, instances, gpus_per_host, peer)
     planner = Planner(src, dst, instances, topology=ranks.topology, bucket_bytes=4096)
     sources = {g: ranks.sources(g, planner.recv_plan(*ranks.where(g))) for g in range(ranks.world_size)}
     for t in range(ranks.train_world):
@@ -199,8 +200,9 @@ def test_direct_rule_agrees_on_both_sides(model, train, infer, instances, gpus_p
         assert ranks.proxy(t) in importers
         for g in importers:
             assert ranks.direct(t, g) or g == ranks.proxy(t)
-    hosts = {ranks.topology.host(ranks.gpu(g)) for g in range(ranks.world_size)}
-    assert ranks.needs_group == (len(hosts) > 1)
+    gpus = {ranks.gpu(g) for g in range(ranks.world_size)}
+    hosts = {ranks.topology.host(gpu) for gpu in gpus}
+    assert ranks.needs_group == (len(hosts) > 1 or (not peer and len(gpus) > 1))
 
 
 def test_one_host_needs_no_group_but_a_rank():
@@ -225,7 +227,8 @@ def test_unproxied_training_rank_fails_at_setup():
 def _setup(case: dict):
     spec = load_spec(case["model"])
     src, dst = make_layout(spec, case["train"]), make_layout(spec, case["infer"])
-    ranks = ColocatedRanks(src.world_size, dst.world_size, case["instances"], case.get("gpus_per_host", 8))
+    ranks = ColocatedRanks(src.world_size, dst.world_size, case["instances"], case.get("gpus_per_host", 8),
+                           case.get("peer", True))
     planner = Planner(src, dst, case["instances"], topology=ranks.topology, bucket_bytes=case["budget"])
     return spec, src, dst, ranks, planner
 
@@ -422,11 +425,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("gpus_per_host", [8, 1], ids=["one host", "a host per GPU"])
+MODES = {"one host": {}, "one host, no peer access": {"peer": False}, "a host per GPU": {"gpus_per_host": 1}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_colocated_several_steps(name, gpus_per_host, tmp_path):
+def test_colocated_several_steps(name, mode, tmp_path):
     """After every step each inference tensor equals scatter(its layout, the trainers' current weights)."""
-    _run_steps({**CASES[name], "seeds": [21, 22, 23], "gpus_per_host": gpus_per_host}, tmp_path)
+    _run_steps({**CASES[name], "seeds": [21, 22, 23], **MODES[mode]}, tmp_path)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

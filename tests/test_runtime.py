@@ -141,6 +141,24 @@ def test_colocated_on_one_host_needs_no_buffer():
     assert len(updated) == 2 and all(m[4] == [] for m in updated), messages  # both steps, bit-exact
 
 
+@pytest.mark.parametrize("budget", [5000, 2 << 30])
+def test_colocated_without_peer_copies_goes_through_the_group(budget):
+    """A reader registered with peer_copies=False (as one whose workers cannot reach the other GPUs would
+    be) turns them off for the whole job: cross-GPU pieces go through the workers' group, bit-exact, and
+    its buffers count against the budget again."""
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", steps=2, timeout=10.0,
+               bucket_bytes=4096, colocate=True, reader_memory_budget=budget, reader_peer_copies=False)
+    messages = run_job(job)
+    if budget == 5000:
+        errors = [m for m in messages if m[0] == "error"]
+        assert errors and not [m for m in messages if m[0] in ("wrote", "updated")], messages
+        assert "memory budget of 5000 bytes" in " ".join(m[4] for m in errors), errors
+        return
+    assert not [m for m in messages if m[0] == "error"], messages
+    updated = [m for m in messages if m[0] == "updated"]
+    assert len(updated) == 2 and all(m[4] == [] for m in updated), messages
+
+
 def test_mismatched_model_refused_before_any_transfer():
     job = dict(model="tiny-qwen3", infer_model="tiny-llama3", train="hf", infer="hf", steps=1, timeout=10.0)
     messages = run_job(job)

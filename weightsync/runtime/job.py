@@ -66,6 +66,7 @@ class JobShape:
     bucket_bytes: int
     transport: str = "p2p"
     mode: str = "sync"
+    peer_copies: bool = True  # co-located: workers read other GPUs' trainers directly (every participant can)
 
     def planner(self, spec: ModelSpec, src: EngineLayout | None = None, dst: EngineLayout | None = None) -> Planner:
         src = src or make_layout(spec, self.train)
@@ -76,7 +77,7 @@ class JobShape:
 
     def colocated_ranks(self) -> ColocatedRanks:
         """Who opens, reads, sends and receives what in a co-located job (the planner's topology)."""
-        return ColocatedRanks(self.train_world, self.infer_world, self.instances)
+        return ColocatedRanks(self.train_world, self.infer_world, self.instances, peer=self.peer_copies)
 
 
 def layout_digest(layout: Layout) -> str:
@@ -177,6 +178,8 @@ def job_shape(people: list[dict], colocate: bool, bucket_bytes: int) -> JobShape
         transport=str(check_agreement(people, "transport", "the transport")),
         mode=str(check_agreement(people, "mode", "sync or async mode")),
         bucket_bytes=int(check_agreement(people, "bucket_bytes", "the bucket budget")),
+        # a capability, not an agreement: one participant without it sends those pieces through the group
+        peer_copies=all(p["engine_config"].get("peer_copies", True) for p in people),
     )
     if shape.colocate != colocate or shape.bucket_bytes != bucket_bytes:
         raise ConfigError("this participant's options differ from the job's")

@@ -47,6 +47,7 @@ class WeightReader:
         instances: int,
         token: str | None = None,
         colocate: bool = False,
+        peer_copies: bool = True,
         transport: str = "p2p",
         directory: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -67,9 +68,13 @@ class WeightReader:
         dst = make_layout(self.spec, instance.engine)
         extra = {"colocate": colocate, "bucket_bytes": bucket_bytes, "instances": instances, "transport": transport,
                  "mode": mode}
+        # co-located: can each worker read the other GPUs (CUDA peer access)? One that cannot makes the job
+        # send those pieces through the workers' group instead
+        reach = instance.call(_reaches_peers) if colocate and peer_copies else [peer_copies] * dst.world_size
         self.client.join(instance_id)
         for rank in range(dst.world_size):
-            register(self.client, self.spec, "infer", rank, dst, dst.layout(rank), instance=instance_id, extra=extra)
+            register(self.client, self.spec, "infer", rank, dst, dst.layout(rank), instance=instance_id,
+                     extra={**extra, "peer_copies": reach[rank]})
         readers = wait_side(self.client, "infer", timeout_s, count=instances * dst.world_size)
         trainers = wait_side(self.client, "train", timeout_s)
         self.shape = job_shape(trainers + readers, colocate, bucket_bytes)
@@ -186,6 +191,17 @@ class WeightReader:
 
 
 # -- functions run on every worker of the instance ------------------------------------------------
+
+
+def _reaches_peers(ctx: WorkerContext) -> bool:
+    """Whether this worker can read every other GPU it sees (CUDA peer access; always on CPU). A worker
+    that sees only its own GPU cannot reach the others' memory at all."""
+    import torch
+
+    if ctx.device.type != "cuda":
+        return True
+    mine, n = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device(), torch.cuda.device_count()
+    return n > 1 and all(torch.cuda.can_device_access_peer(mine, d) for d in range(n) if d != mine)
 
 
 def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: int) -> tuple[dict, int]:

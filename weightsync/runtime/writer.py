@@ -57,6 +57,7 @@ class WeightWriter:
         token: str | None = None,
         mode: str = "sync",
         colocate: bool = False,
+        peer_copies: bool = True,
         transport: str = "p2p",
         directory: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -77,7 +78,7 @@ class WeightWriter:
         self.backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         register(self.client, train.spec, "train", train.rank, train.engine, train.layout,
                  extra={"colocate": colocate, "bucket_bytes": bucket_bytes, "backend": self.backend,
-                        "transport": transport, "mode": mode})
+                        "transport": transport, "mode": mode, "peer_copies": peer_copies})
         trainers = wait_side(self.client, "train", timeout_s, count=train.engine.world_size)
         readers = wait_side(self.client, "infer", timeout_s)
         self.shape = job_shape(trainers + readers, colocate, bucket_bytes)

@@ -98,6 +98,9 @@ class ColocatedRanks:
     infer_world: int
     instances: int = 1
     gpus_per_host: int = 8
+    #: whether workers read the other GPUs of their host directly (CUDA peer access); without it only
+    #: their own GPU's trainers, and the other pieces go through the group as if from another host
+    peer: bool = True
 
     @property
     def world_size(self) -> int:
@@ -151,14 +154,17 @@ class ColocatedRanks:
 
     def direct(self, train_rank: int, group_rank: int) -> bool:
         """THE direct-read rule: worker ``group_rank`` copies training rank ``train_rank``'s pieces
-        straight out of its memory when both sit on one host. Senders, receivers and exporters all
-        evaluate this same pure function, so they agree on who moves what without talking."""
+        straight out of its memory when both sit on one host (on one GPU, without :attr:`peer`).
+        Senders, receivers and exporters all evaluate this same pure function, so they agree on who
+        moves what without talking."""
         top = self.topology
-        return top.host(top.train_gpu(train_rank)) == top.host(self.gpu(group_rank))
+        src, dst = top.train_gpu(train_rank), self.gpu(group_rank)
+        return src == dst or (self.peer and top.host(src) == top.host(dst))
 
     @cached_property
     def needs_group(self) -> bool:
-        """Whether any bucket crosses hosts, so the workers need their group (never on one host)."""
+        """Whether any bucket may cross hosts (or GPUs, without :attr:`peer`), so the workers need their
+        group (never on one host with peer access)."""
         return not all(self.direct(t, g) for t in range(self.train_world) for g in range(self.world_size))
 
     def sources(self, group_rank: int, recv_plans: Plans) -> list[int]:
