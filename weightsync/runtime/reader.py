@@ -200,14 +200,15 @@ def _reaches_peers(ctx: WorkerContext) -> bool:
 
     if ctx.device.type != "cuda":
         return True
-    mine, n = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device(), torch.cuda.device_count()
+    mine = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+    n = torch.cuda.device_count()
     return n > 1 and all(torch.cuda.can_device_access_peer(mine, d) for d in range(n) if d != mine)
 
 
 def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: int) -> tuple[dict, int]:
     """Plan this worker's receives; keep the plan; return its pair hashes and the largest bucket it will
-    buffer (co-located: only those crossing hosts, received or sent for the training rank it proxies;
-    direct copies need no buffer)."""
+    buffer (co-located: only those going through the workers' group, received or sent for the training
+    rank it proxies; direct copies need no buffer)."""
     spec = spec_from_config(model_config)
     planner = shape.planner(spec)
     plans = planner.recv_plan(instance_id, ctx.rank)
@@ -239,7 +240,7 @@ def _connect(ctx: WorkerContext, address: str, backend: str, timeout_s: float, c
 
 def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s: float) -> None:
     """Open the tensors of the training ranks this worker reads or proxies; join the inference-only group
-    when the job spans hosts (on one host every bucket is a direct copy: no group)."""
+    when some bucket goes through it (on one host with peer access every bucket is a direct copy)."""
     import json
 
     from weightsync.transport.colocated import ColocatedTransport

@@ -5,7 +5,8 @@ Training and inference share GPUs (:meth:`Topology.colocated`: inference worker 
 once (:mod:`weightsync.transport.share`: CUDA IPC on GPU, shared memory on CPU); each training rank
 gets a *proxy*, the inference worker that opened those tensors and acts for it:
 
-- a bucket for me whose source rank sits on MY HOST is a DIRECT copy (:meth:`ColocatedRanks.direct`):
+- a bucket for me whose source rank sits on MY HOST is a DIRECT copy (:meth:`ColocatedRanks.direct`;
+  without CUDA peer access between the GPUs, only one on MY GPU):
   I open that trainer's tensors too and copy every box straight from its view into mine -- no
   buffer, no group, no proxy. On my own GPU that is a device-to-device copy (LOCAL); on another GPU
   of the host (PEER) the trainer's memory is mapped into my own CUDA context (CUDA IPC with lazy
@@ -13,13 +14,14 @@ gets a *proxy*, the inference worker that opened those tensors and acts for it:
   (``benchmarks/peer_push.py``): 4 GiB each way, both GPUs at once, in 12.9 ms with a same-GPU 4 GiB
   copy beside it, against 15.9 ms for NCCL send/recv through buffers. Converting dtypes as unpacking
   would: bitwise the same result as pack -> unpack (one cast, source dtype -> destination dtype);
-- a bucket whose source rank I proxy for a worker on ANOTHER HOST is SENT by me, straight from the
-  trainer's memory where it lies contiguous there, else packed from it, on the trainer's behalf;
-- a bucket for me whose source rank sits on another host is RECEIVED from that rank's proxy.
+- a bucket whose source rank I proxy for a worker that cannot read it directly (on another host) is
+  SENT by me, straight from the trainer's memory where it lies contiguous there, else packed from it,
+  on the trainer's behalf;
+- a bucket for me that I cannot read directly is RECEIVED from its source rank's proxy.
 
-Remote (cross-host) buckets move over a group of the inference workers only (group rank ``i*W + j``):
-NCCL refuses two ranks of one communicator on one GPU, so the trainer process cannot be a member. A
-job on one host needs no group at all. On CPU the same code runs over gloo and shared memory, so
+Those remote buckets move over a group of the inference workers only (group rank ``i*W + j``): NCCL
+refuses two ranks of one communicator on one GPU, so the trainer process cannot be a member. A job on
+one host with peer access needs no group at all. On CPU the same code runs over gloo and shared memory, so
 everything but the CUDA kernels is tested there.
 
 The planner needs the colocated :class:`Topology` to prefer same-GPU sources (which become local
@@ -194,9 +196,9 @@ class ColocatedStats:
     local_bytes: int
     peer_buckets: int  # direct copies from another GPU of my host
     peer_bytes: int
-    sent_buckets: int  # to other hosts
+    sent_buckets: int  # through the group
     sent_bytes: int
-    recv_buckets: int  # from other hosts
+    recv_buckets: int  # through the group
     recv_bytes: int
     seconds: float
     posted: float = 0.0  # seconds until the CPU had posted everything (the GPU works on after that)
@@ -265,7 +267,7 @@ class ColocatedTransport:
     run on a stream of their own, overlapping the NVLink traffic, and every group of copies (the
     local ones, each bucket's pack and unpack) replays a CUDA graph (:mod:`weightsync.transport.graphs`).
 
-    The order above concerns remote (cross-host) operations only: direct copies (same host) involve
+    The order above concerns remote operations (through the group) only: direct copies involve
     nobody else, so they never wait on anyone. They run on two streams of their own beside the remote
     units, the same-GPU ones and the peer ones apart (:func:`copy_programs`).
 
@@ -296,8 +298,8 @@ class ColocatedTransport:
             raise ValueError(f"window must be at least 1, got {window}")
         if group is None:
             if ranks.needs_group:
-                raise ConfigError("this co-located job spans hosts: its workers need a group for the "
-                                  "buckets that cross them")
+                raise ConfigError("this co-located job's workers need a group: some buckets cross hosts "
+                                  "(or GPUs, without peer access)")
             if me is None or not 0 <= me < ranks.world_size:
                 raise ValueError(f"without a group, pass this worker's rank me in [0, {ranks.world_size}), got {me}")
         elif group.size() != ranks.world_size:
@@ -502,7 +504,7 @@ class ColocatedTransport:
                 if not ranks.direct(t, dst):  # else its receiver reads it straight from the trainer
                     ops.extend((_SEND, b, dst) for b in buckets if b.nbytes)
         if any(kind not in _DIRECT for kind, _, _ in ops) and self.group is None:
-            raise ConfigError(f"group rank {me} has buckets for or from other hosts but no group to move them")
+            raise ConfigError(f"group rank {me} has buckets to move through a group, but no group")
         need = {b.src_rank for kind, b, _ in ops if kind != _RECV}
         if missing := need - set(src_tensors):
             raise TransportError(f"group rank {me}: no opened tensors of training rank(s) {sorted(missing)}")
