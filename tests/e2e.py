@@ -165,6 +165,8 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
         for step in range(1, job["steps"] + 1):
             with torch.no_grad():
                 fill_from(bound.layout, bound.tensors, step_canonical(spec, step, job.get("fp32", False)))
+            if job.get("fault") == "train-dies-before-write" and rank == 0 and step == job["steps"]:
+                os._exit(3)  # a crash after the optimizer step, before announcing it
             if job.get("fault") == "train-dies" and rank == 0 and step == job["steps"]:
                 import weightsync.transport.p2p as p2p
 

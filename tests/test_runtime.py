@@ -1,5 +1,7 @@
 """End to end: real trainers (transformers, FSDP2, megatron-core on gloo) -> real instances, bit-exact."""
 
+import time
+
 import pytest
 from e2e import run_job
 
@@ -104,6 +106,23 @@ def test_staged_reader_keeps_the_old_version_when_a_trainer_dies():
     assert failed, messages
     _, inst, step, kind, text, version, intact = failed[0]
     assert version == 1 and intact is True  # the live weights are still exactly step 1
+
+
+def test_colocated_trainer_dying_before_its_step_leaves_the_old_version():
+    """Co-located, the workers copy only once every trainer announced the step: a trainer that dies first
+    makes the reader give up after its timeout, still holding (and reporting) exactly step 1."""
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=5.0,
+               bucket_bytes=4096, colocate=True, fault="train-dies-before-write")
+    start = time.monotonic()
+    messages = run_job(job)
+    failed = [m for m in messages if m[0] == "update-failed"]
+    assert failed, messages
+    _, inst, step, kind, text, version, intact = failed[0]
+    assert step == 2 and kind == "MetaTimeout" and "not every training rank announced step 2" in text, failed
+    assert "still hold step 1" in text and '"ranks": [1]' in text, text  # rank 1 announced it, rank 0 did not
+    assert version == 1 and intact is True, failed  # nothing of step 2 was copied
+    assert [m[2] for m in messages if m[0] == "updated"] == [1]
+    assert time.monotonic() - start < 60
 
 
 def test_inference_process_killed():

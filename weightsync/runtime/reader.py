@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from weightsync.engines import make_layout
-from weightsync.meta.client import MetaClient
+from weightsync.meta.client import MetaClient, MetaTimeout
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.instance import InferenceInstance, WorkerContext
 from weightsync.runtime.job import (
@@ -115,7 +115,12 @@ class WeightReader:
         t0 = time.perf_counter()
         self._check_announced(wait=False)
         if self.colocate:  # the trainers' shared weights hold `step` once every trainer announced it
-            self.client.wait_written(step, timeout=self.timeout_s)
+            try:
+                self.client.wait_written(step, timeout=self.timeout_s)
+            except MetaTimeout as e:  # nothing copied yet: say so, and what the workers still hold
+                raise MetaTimeout(f"instance {self.instance_id}: not every training rank announced step {step} "
+                                  f"within {self.timeout_s:g} s, so nothing of it was copied; the workers still "
+                                  f"hold step {self.version} ({e})") from e
         if not self.staged:
             self.version = None  # from here until success the live tensors may mix two steps
         t1 = time.perf_counter()
