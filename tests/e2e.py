@@ -208,7 +208,11 @@ def check_step(ctx, model: str, engine: str, step: int, fp32: bool = False) -> s
 def _die_in_worker(ctx) -> None:
     import weightsync.transport.p2p as p2p
 
-    if ctx.device.type == "cuda":  # die with the step's receives all posted, waiting for them
+    if "sources" in ctx.state:  # co-located: die in the step's first batch of direct copies
+        from weightsync.transport.batch_copy import BatchedCopy
+
+        _die_after(BatchedCopy, "run", 1)
+    elif ctx.device.type == "cuda":  # die with the step's receives all posted, waiting for them
         _die_after(p2p, "settle", 1)
     else:  # die mid-step, the first bucket received (gloo: the CPU waits bucket by bucket)
         _die_after(p2p, "post", 2)

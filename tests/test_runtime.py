@@ -125,6 +125,18 @@ def test_colocated_trainer_dying_before_its_step_leaves_the_old_version():
     assert time.monotonic() - start < 60
 
 
+def test_colocated_worker_dying_mid_copy_fails_both_sides():
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=5.0,
+               bucket_bytes=4096, colocate=True, fault="infer-dies")
+    messages = run_job(job)
+    infer_errors = [m for m in messages if m[0] == "error" and m[1] == "infer"]
+    assert infer_errors and "died (exit code 3) during _receive" in infer_errors[0][4], messages
+    assert [m[2] for m in messages if m[0] == "updated"] == [1], messages
+    # the trainers learn it from the missing `held`, within their timeout
+    train_errors = [m for m in messages if m[0] == "error" and m[1] == "train"]
+    assert train_errors and {m[3] for m in train_errors} == {"MetaTimeout"}, train_errors
+
+
 def test_inference_process_killed():
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
                bucket_bytes=2048, fault="infer-dies")
