@@ -74,5 +74,6 @@ def test_every_scenario_rehearses_on_cpu(scenario):
     assert not r["errors"], r["errors"]
     assert r["verified"] and len(r["step_seconds"]) == 2
     assert r["floor_seconds"] is None and r["efficiency"] is None  # no ceilings on CPU
+    assert r["peer_copies"] is (True if r["colocate"] else None)  # shared memory: every worker reaches every trainer
     for kind in ("naive", "bucketed"):
         assert r["baselines"][kind]["ran"] and r["baselines"][kind]["verified"], (kind, r["baselines"][kind])

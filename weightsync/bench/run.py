@@ -354,7 +354,7 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
             for step in range(steps + 1):
                 out.put(("bend", kind, step, max(e[0][step] for e in ends)))
             out.put(("bverified", kind, all(e[1] for e in ends)))
-        out.put(("infer-done", inst, exact, copy_bw, peak, nvlink))
+        out.put(("infer-done", inst, exact, copy_bw, peak, nvlink, reader.shape.peer_copies))
     except BaseException as e:
         import traceback
 
@@ -549,6 +549,8 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         verified=all(m[2] for m in infer_info),
         peak_transient_bytes=max([m[4] for m in train_info] + [m[4] for m in infer_info]),
         memory_budget_bytes=DEFAULT_MEMORY_BUDGET,  # the writers' and readers' default, checked at set-up
+        # co-located: whether workers copied other GPUs' pieces directly (else through their NCCL group)
+        peer_copies=all(m[6] for m in infer_info) if scen.colocate else None,
     )
     result["baselines"] = {}
     for kind in baselines:
