@@ -205,9 +205,14 @@ def _reaches_peers(ctx: WorkerContext) -> bool:
 
     if ctx.device.type != "cuda":
         return True
-    mine = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
-    n = torch.cuda.device_count()
+    mine, n = _gpu_index(ctx), torch.cuda.device_count()
     return n > 1 and all(torch.cuda.can_device_access_peer(mine, d) for d in range(n) if d != mine)
+
+
+def _gpu_index(ctx: WorkerContext) -> int:
+    import torch
+
+    return ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
 
 
 def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: int) -> tuple[dict, int]:
@@ -221,7 +226,9 @@ def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: 
     buckets = [b for bs in plans.values() for b in bs]
     if shape.colocate:
         ranks = shape.colocated_ranks()
-        send_plans = {t: planner.send_plan(t) for t in ranks.proxied_by(ranks.infer(instance_id, ctx.rank))}
+        # what it sends for the training rank it proxies: nothing when every bucket is a direct copy
+        proxied = ranks.proxied_by(ranks.infer(instance_id, ctx.rank)) if ranks.needs_group else []
+        send_plans = {t: planner.send_plan(t) for t in proxied}
         ctx.state["send_plans"] = send_plans
         buckets = [b for b in buckets + [b for ps in send_plans.values() for bs in ps.values() for b in bs]
                    if not ranks.direct(b.src_rank, ranks.receiver(b.pair))]
@@ -269,7 +276,7 @@ def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s:
         group = new_group(host, port, me, ranks.world_size, backend, timeout_s, device=device, name="weightsync-colo")
     # opened in this worker's own CUDA context, wherever on the host they lie: another GPU's memory is
     # reached by peer access (NVLink) without a context on that GPU
-    mine = ctx.device.index if ctx.device.type == "cuda" else None
+    mine = _gpu_index(ctx) if ctx.device.type == "cuda" else None
     sources = {}
     for t in ranks.sources(me, ctx.state["plans"]):
         with open(client.lookup(f"share.{t}.{me}", timeout=timeout_s)) as f:

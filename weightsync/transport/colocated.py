@@ -332,8 +332,9 @@ class ColocatedTransport:
         of the send plans of the training ranks I proxy out of their opened ``src`` tensors.
 
         ``send_plans_by_train_rank`` holds ``planner.send_plan(t)`` for each ``t`` in
-        :attr:`proxied`; only its buckets for other hosts are mine to send (the rest are read
-        directly by their receivers). ``src_tensors_by_train_rank`` holds the opened tensors of
+        :attr:`proxied` (none needed when :attr:`ColocatedRanks.needs_group` is false); only its buckets
+        through the group are mine to send (the rest are read directly by their receivers).
+        ``src_tensors_by_train_rank`` holds the opened tensors of
         every rank in :meth:`ColocatedRanks.sources`.
         """
         start = time.perf_counter()
