@@ -77,3 +77,13 @@ def test_every_scenario_rehearses_on_cpu(scenario):
     assert r["peer_copies"] is (True if r["colocate"] else None)  # shared memory: every worker reaches every trainer
     for kind in ("naive", "bucketed"):
         assert r["baselines"][kind]["ran"] and r["baselines"][kind]["verified"], (kind, r["baselines"][kind])
+
+
+def test_colocated_bench_without_peer_copies_goes_through_the_group():
+    """``--no-peer-copies``: the other GPU's pieces cross the workers' group (gloo here), still bit-exact, and
+    the result says so."""
+    from weightsync.bench.run import run
+
+    r = run("colo-pp2-tp2", "tiny-qwen3-moe", steps=2, timeout=60.0, baselines=(), device="cpu", peer_copies=False)
+    assert not r["errors"], r["errors"]
+    assert r["verified"] and r["peer_copies"] is False

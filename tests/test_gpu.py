@@ -36,8 +36,20 @@ def test_bench_scenarios_bit_exact_with_baselines(scenario):
     r = run(scenario, "qwen3-0.6b", steps=2, timeout=120.0, baselines=("naive", "bucketed"))
     assert not r["errors"], r["errors"]
     assert r["verified"], r
+    # the H200s reach each other's memory: the workers found so and copied the other GPU's pieces directly
+    assert r["peer_copies"] is (True if r["colocate"] else None)
     for kind, b in r["baselines"].items():
         assert b["ran"] and b["verified"], (kind, b)
+
+
+def test_colocated_without_peer_copies_goes_through_nccl():
+    # as on GPUs without peer access: same-GPU pieces are still direct copies, the other GPU's go through
+    # the workers' NCCL group (the trainers' proxies send them), bit-exact
+    from weightsync.bench.run import run
+
+    r = run("colo-pp2-tp2", "qwen3-0.6b", steps=2, timeout=120.0, baselines=(), peer_copies=False)
+    assert not r["errors"], r["errors"]
+    assert r["verified"] and r["peer_copies"] is False, r
 
 
 def test_nccl_inference_process_killed_fails_the_trainer_in_bounded_time():

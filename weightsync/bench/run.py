@@ -316,7 +316,8 @@ def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out
 
 
 def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
-            link_in: mp.Queue, baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda") -> None:
+            link_in: mp.Queue, baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda",
+            peer_copies: bool = True) -> None:
     instance = None
     try:
         from weightsync.instances.faithful import FaithfulInstance
@@ -327,7 +328,7 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
         instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}" if device == "cuda" else "cpu",
                                     fill=float("nan"))
         reader = WeightReader(instance, meta=meta, job="bench", instance_id=inst, instances=scen.instances,
-                              timeout_s=timeout, colocate=scen.colocate)
+                              timeout_s=timeout, colocate=scen.colocate, peer_copies=peer_copies)
         # memory beyond the weights over all steps: the transport's buffers (allocated in the first step and
         # kept) and anything a step allocates on top
         base = instance.call(_reset_peak)
@@ -406,8 +407,11 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
 
 
 def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
-        baselines: tuple[str, ...] = ("naive", "bucketed"), device: str = "cuda") -> dict:
+        baselines: tuple[str, ...] = ("naive", "bucketed"), device: str = "cuda", peer_copies: bool = True) -> dict:
     """One scenario: our timed steps, the ceilings, then the baselines; a JSON-ready result.
+
+    ``peer_copies=False`` makes co-located workers take other GPUs' pieces through their NCCL group, as
+    on a host whose GPUs cannot reach each other's memory (the ceiling stays the hardware's).
 
     ``device="cpu"`` runs the same processes, groups (gloo, shared memory) and checks on CPU with no
     ceilings, floor or checkpoint-engine: a rehearsal of a scenario's wiring, not a measurement."""
@@ -457,7 +461,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         for i in range(scen.instances):
             gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
             procs.append(ctx.Process(target=_reader, args=(i, gpu, scen, model, steps, meta.url, out, timeout, link_q,
-                                                           baselines, store_port, device)))
+                                                           baselines, store_port, device, peer_copies)))
         for p in procs:
             p.start()
         done_t, done_i, train_info, infer_info = 0, 0, [], []
@@ -624,7 +628,8 @@ def moved_per_gpu(train, infer, scen: Scenario) -> dict[int, tuple[int, int]]:
 def main_from_args(args) -> int:
     baselines = tuple(b for b in args.baselines.split(",") if b)
     model = args.model or ("qwen3-8b" if args.device == "cuda" else "tiny-qwen3-moe")
-    results = [run(s, model, args.steps, args.timeout, baselines, args.device) for s in args.scenario]
+    results = [run(s, model, args.steps, args.timeout, baselines, args.device, not args.no_peer_copies)
+               for s in args.scenario]
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0]))
     else:
@@ -657,4 +662,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: rehearse a scenario's processes, groups and checks on CPU (gloo, shared memory) with "
                         "a small model; no ceilings, no timings worth keeping")
+    p.add_argument("--no-peer-copies", action="store_true",
+                   help="co-located: take other GPUs' pieces through the workers' NCCL group instead of copying them "
+                        "out of the trainers' memory (as on GPUs without peer access)")
     p.add_argument("--json", action="store_true")
