@@ -242,7 +242,7 @@ def test_held_reports_go_out_in_order_and_a_failed_one_raises_later():
     with MetaServer(port=0) as server:
         reader = WeightReader.__new__(WeightReader)  # only the reporting half: no engine, no workers
         reader.client, reader.instance_id, reader.timeout_s = MetaClient(server.url, "j"), 0, 10.0
-        reader._announcer, reader._report_error = ThreadPoolExecutor(1), None
+        reader._announcer, reader._report_error, reader._held_bell = ThreadPoolExecutor(1), None, None
         reader.client.join(0)
         for step in (1, 2, 3):  # out of order, the server would refuse the lower step
             reader._announce(step)

@@ -18,6 +18,7 @@ from typing import Any
 from weightsync.engines import make_layout
 from weightsync.meta.client import MetaClient, MetaTimeout
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
+from weightsync.runtime.doorbell import Doorbell, open_bells, wait_rung
 from weightsync.runtime.instance import InferenceInstance, WorkerContext
 from weightsync.runtime.job import (
     DEFAULT_MEMORY_BUDGET,
@@ -84,9 +85,16 @@ class WeightReader:
             for rank, (_, largest) in enumerate(planned):
                 enforce_memory_budget(self.client, memory_budget, slots, largest, f"instance {instance_id} rank {rank}")
         participants = len(trainers) + len(readers)
+        # sync: the trainers on this host wait for our `held` on this bell rather than on the MetaServer
+        self._held_bell = Doorbell() if mode == "sync" else None
+        if self._held_bell is not None:
+            self.client.publish(f"bell.held.{instance_id}", self._held_bell.address)
         for rank, (pairs, _) in enumerate(planned):
             self.client.post_plan_hashes("infer", rank, pairs, instance=instance_id)
         wait_plan_proven(self.client, timeout_s, participants)
+        # co-located: the trainers' `written` bells, when every trainer is on this host
+        self._written_bells = (open_bells(self.client, [f"bell.written.{t}" for t in range(self.shape.train_world)],
+                                          timeout_s) if colocate and mode == "sync" else None)
         backend = trainers[0]["engine_config"].get("backend", "gloo")
         self.colocate = colocate
         if transport == "file":
@@ -116,7 +124,11 @@ class WeightReader:
         self._check_announced(wait=False)
         if self.colocate:  # the trainers' shared weights hold `step` once every trainer announced it
             try:
-                self.client.wait_written(step, timeout=self.timeout_s)
+                if self._written_bells is not None:
+                    wait_rung(self._written_bells, step, self.timeout_s,
+                              lambda t: self.client.wait_written(step, timeout=t))
+                else:
+                    self.client.wait_written(step, timeout=self.timeout_s)
             except MetaTimeout as e:  # nothing copied yet: say so, and what the workers still hold
                 raise MetaTimeout(f"instance {self.instance_id}: not every training rank announced step {step} "
                                   f"within {self.timeout_s:g} s, so nothing of it was copied; the workers still "
@@ -168,9 +180,11 @@ class WeightReader:
     def _announce(self, step: int) -> None:
         """Report ``step`` held to the MetaServer off the critical path: the workers already hold it
         whole, so the instance may serve it now; the trainers, waiting for the report before they
-        overwrite their weights, see it one round trip later. Reports go out in order, one at a time
-        (one thread); the first that fails is kept and raises at the next update (the trainers
-        meanwhile time out waiting for it)."""
+        overwrite their weights, see it one round trip later (on this host at once, by the bell).
+        Reports go out in order, one at a time (one thread); the first that fails is kept and raises
+        at the next update (the trainers meanwhile time out waiting for it)."""
+        if self._held_bell is not None:
+            self._held_bell.ring(step)
         self._announcer.submit(self._report, step)
 
     def _report(self, step: int) -> None:
@@ -192,6 +206,8 @@ class WeightReader:
             self._check_announced(wait=True)
         finally:
             self._announcer.shutdown(wait=False)
+            if self._held_bell is not None:
+                self._held_bell.close()
             self.instance.call(_disconnect, timeout_s=self.timeout_s)
 
 

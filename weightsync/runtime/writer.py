@@ -18,6 +18,7 @@ import torch
 
 from weightsync.layout.layout import EngineLayout, Layout
 from weightsync.meta.client import MetaClient
+from weightsync.runtime.doorbell import Doorbell, open_bells, wait_rung
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.job import (
     DEFAULT_MEMORY_BUDGET,
@@ -88,8 +89,16 @@ class WeightWriter:
             largest = max((b.nbytes for bs in self.plans.values() for b in bs), default=0)
             enforce_memory_budget(self.client, memory_budget, DEFAULT_WINDOW, largest, f"training rank {train.rank}")
         participants = len(trainers) + len(readers)
+        # co-located readers wait for our `written` on this bell rather than on the MetaServer (published
+        # before the plan is proven, so every bell is out once it is)
+        self._written_bell = Doorbell() if colocate and mode == "sync" else None
+        if self._written_bell is not None:
+            self.client.publish(f"bell.written.{train.rank}", self._written_bell.address)
         self.client.post_plan_hashes("train", train.rank, hashes_of(self.plans))
         wait_plan_proven(self.client, timeout_s, participants)
+        # sync: the instances' `held` bells, when every reader is on this host
+        self._held_bells = (open_bells(self.client, [f"bell.held.{i}" for i in range(self.shape.instances)], timeout_s)
+                            if mode == "sync" else None)
         self.last: TransferStats | None = None
         #: seconds the last write spent sending, announcing the step and (sync) waiting until it is held
         self.last_timing: dict[str, float] = {}
@@ -147,16 +156,25 @@ class WeightWriter:
             # after them by the stream; the file transport's copies to host wait for them)
             torch.cuda.synchronize(self._device)
         t1 = time.perf_counter()
+        if self._written_bell is not None:
+            self._written_bell.ring(step)
         self.client.written(step, self.train.rank)
         t2 = time.perf_counter()
         if self.mode == "sync":
-            self.client.wait_held(step, range(self.shape.instances), timeout=self.timeout_s)
+            instances = range(self.shape.instances)
+            if self._held_bells is not None:
+                wait_rung(self._held_bells, step, self.timeout_s,
+                          lambda t: self.client.wait_held(step, instances, timeout=t))
+            else:
+                self.client.wait_held(step, instances, timeout=self.timeout_s)
         self.last_timing = {"send": t1 - t0, "written": t2 - t1, "wait_held": time.perf_counter() - t2}
         return self.last
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self._written_bell is not None:
+            self._written_bell.close()
         self.transport = None  # the group dies with its last reference
 
 

@@ -1,0 +1,74 @@
+"""Doorbells: a step rung in one process is seen by another on the host; the MetaServer stays the record."""
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+from weightsync.meta.client import MetaAborted, MetaClient, MetaTimeout
+from weightsync.meta.server import MetaServer
+from weightsync.runtime.doorbell import CHECK_S, Doorbell, open_bells, wait_rung
+
+
+def _ring_later(path: str, steps: list[int], delay: float) -> None:
+    bell = Doorbell(path)
+    for s in steps:
+        time.sleep(delay)
+        bell.ring(s)
+
+
+def _never(timeout: float) -> None:
+    raise MetaTimeout("not ready")
+
+
+def test_a_step_rung_in_another_process_ends_the_wait():
+    bell = Doorbell()
+    p = mp.get_context("spawn").Process(target=_ring_later, args=(bell.path, [1, 2], 0.2))
+    p.start()
+    try:
+        wait_rung([bell], 2, timeout_s=30.0, poll=_never)
+        assert bell.step == 2
+    finally:
+        p.join(30)
+        bell.close()
+    assert not os.path.exists(bell.path)  # the owner removes it
+
+
+def test_bells_of_another_host_are_not_opened():
+    with MetaServer(port=0) as server:
+        c = MetaClient(server.url, "j")
+        here = Doorbell()
+        try:
+            c.publish("bell.a", here.address)
+            c.publish("bell.b", "some-other-host:" + here.path)
+            assert [b.path for b in open_bells(c, ["bell.a"], 5.0)] == [here.path]
+            assert open_bells(c, ["bell.a", "bell.b"], 5.0) is None  # then the waiter long-polls the MetaServer
+        finally:
+            here.close()
+
+
+def test_the_metaserver_ends_a_wait_the_bells_do_not():
+    """A bell that never rings (a stale one, say) costs at most CHECK_S once the MetaServer has the step;
+    an aborted job ends the wait at once; at the deadline the MetaServer's timeout names who is missing."""
+    with MetaServer(port=0) as server:
+        c = MetaClient(server.url, "j")
+        c.register("train", 0)
+        c.register("train", 1)
+        silent = Doorbell()
+        try:
+            def poll(t):
+                return c.wait_written(1, timeout=t)
+
+            with pytest.raises(MetaTimeout, match='"ranks": \\[1\\]'):
+                c.written(1, 1)
+                wait_rung([silent], 1, timeout_s=0.3, poll=poll)
+            c.written(1, 0)
+            t0 = time.monotonic()
+            wait_rung([silent], 1, timeout_s=30.0, poll=poll)
+            assert time.monotonic() - t0 < CHECK_S + 5.0
+            c.abort("the trainer failed")
+            with pytest.raises(MetaAborted, match="the trainer failed"):
+                wait_rung([silent], 2, timeout_s=30.0, poll=lambda t: c.wait_written(2, timeout=t))
+        finally:
+            silent.close()
