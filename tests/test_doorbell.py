@@ -35,6 +35,18 @@ def test_a_step_rung_in_another_process_ends_the_wait():
     assert not os.path.exists(bell.path)  # the owner removes it
 
 
+def test_a_fresh_bell_holds_no_step_not_even_0():
+    bell = Doorbell()
+    try:
+        assert Doorbell(bell.path).step == -1
+        with pytest.raises(MetaTimeout):
+            wait_rung([bell], 0, timeout_s=0.1, poll=_never)
+        bell.ring(0)
+        wait_rung([Doorbell(bell.path)], 0, timeout_s=0.1, poll=_never)
+    finally:
+        bell.close()
+
+
 def test_bells_of_another_host_are_not_opened():
     with MetaServer(port=0) as server:
         c = MetaClient(server.url, "j")

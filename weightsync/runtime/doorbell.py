@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -29,6 +30,8 @@ SLEEP_S = 50e-6
 #: how often a waiter asks the MetaServer too
 CHECK_S = 0.05
 _SIZE = 8
+#: what a bell holds before it is first rung (steps are >= 0)
+NONE = -1
 
 
 def _directory() -> str:
@@ -41,9 +44,9 @@ class Doorbell:
     def __init__(self, path: str | None = None):
         self.owner = path is None
         self.path = path or os.path.join(_directory(), f"weightsync-bell-{uuid.uuid4().hex}")
-        if self.owner:
+        if self.owner:  # a fresh bell holds NONE: step 0 is a step like any other
             with open(self.path, "wb") as f:
-                f.write(bytes(_SIZE))
+                f.write(NONE.to_bytes(_SIZE, sys.byteorder, signed=True))
             self._unlink = weakref.finalize(self, _remove, self.path)
         fd = os.open(self.path, os.O_RDWR)
         try:
