@@ -153,6 +153,7 @@ def _member(rank: int, port: int, gib: float, enable_peer: bool, descs, out) -> 
                      ("ce-pull+local", lambda: with_local(ce_pull)),
                      ("pull-33+local", lambda: with_local(pull_capped[33].run)),
                      ("pull-33+local-99", lambda: with_local(pull_capped[33].run, local_99)),
+                     ("push-33+local-99", lambda: with_local(capped[33].run, local_99)),
                      ("ce-pull-1.5M-graph", ce_small.replay), ("ce-pull-8M-graph", ce_8m.replay),
                      ("ce-pull-8M-graph+local-99", lambda: with_local(ce_8m.replay, local_99)),
                      *((f"push-{p}", b.run) for p, b in capped.items()),

@@ -88,7 +88,7 @@ class WeightReader:
         # sync: the trainers on this host wait for our `held` on this bell rather than on the MetaServer
         self._held_bell = Doorbell() if mode == "sync" else None
         if self._held_bell is not None:
-            self.client.publish(f"bell.held.{instance_id}", self._held_bell.address)
+            self.client.publish(f"bell.held.{instance_id}", self._held_bell.address, replace=True)
         for rank, (pairs, _) in enumerate(planned):
             self.client.post_plan_hashes("infer", rank, pairs, instance=instance_id)
         wait_plan_proven(self.client, timeout_s, participants)

@@ -93,7 +93,7 @@ class WeightWriter:
         # before the plan is proven, so every bell is out once it is)
         self._written_bell = Doorbell() if colocate and mode == "sync" else None
         if self._written_bell is not None:
-            self.client.publish(f"bell.written.{train.rank}", self._written_bell.address)
+            self.client.publish(f"bell.written.{train.rank}", self._written_bell.address, replace=True)
         self.client.post_plan_hashes("train", train.rank, hashes_of(self.plans))
         wait_plan_proven(self.client, timeout_s, participants)
         # sync: the instances' `held` bells, when every reader is on this host
