@@ -1,4 +1,5 @@
-"""Plot time per scenario for weightsync, the floor and each baseline from benchmarks/results/*.json.
+"""Plot time per scenario for weightsync, the floor and each baseline from benchmarks/results/*.json
+(a run without baselines takes them from the run of the same scenario and model in results/baselines/).
 
 Usage: python benchmarks/plot.py [results-dir] [out.png]   (needs matplotlib: pip install -e .[bench])
 """
@@ -18,6 +19,11 @@ def main(results: Path, out: Path) -> None:
 
     runs = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
     runs = [r for r in runs if not r.get("errors")]
+    # a run of ours alone takes its baselines from the earlier run kept under results/baselines/
+    earlier = {(b["scenario"], b["model"]): b["baselines"]
+               for b in (json.loads(p.read_text()) for p in sorted((results / "baselines").glob("*.json")))}
+    for r in runs:
+        r["baselines"] = r.get("baselines") or earlier.get((r["scenario"], r["model"]), {})
     labels, seen = [], {}
     for r in runs:
         key = f"{r['scenario']}\n{r['model']}"
