@@ -181,25 +181,45 @@ def test_proxy_rule():
     assert proxy_of(Topology.colocated(4, 3, 2), 3) == 3
 
 
-@pytest.mark.parametrize("peer", [True, False])
+@pytest.mark.parametrize("peer,push", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("gpus_per_host", [8, 2, 1])
 @pytest.mark.parametrize("model,train,infer,instances", [
     ("tiny-llama3", "fsdp:dp=4", "vllm:tp=2", 2),
     ("tiny-qwen3-moe", "megatron:ep=2,dp=2", "sglang:tp=4", 1),
+    ("tiny-qwen3", "megatron:pp=2", "vllm:tp=2", 2),
 ])
-def test_direct_rule_agrees_on_both_sides(model, train, infer, instances, gpus_per_host, peer):
-    """A worker opens exactly the training ranks that export for it; one host with peer access needs no group."""
+def test_direct_rule_agrees_on_both_sides(model, train, infer, instances, gpus_per_host, peer, push):
+    """A worker opens only training ranks that export for it, and pushes exactly into the workers that
+    open their tensors for it; every piece has one mover; one host with peer access needs no group."""
     spec = load_spec(model)
     src, dst = make_layout(spec, train), make_layout(spec, infer)
-    ranks = ColocatedRanks(src.world_size, dst.world_size, instances, gpus_per_host, peer)
+    ranks = ColocatedRanks(src.world_size, dst.world_size, instances, gpus_per_host, peer, push)
     planner = Planner(src, dst, instances, topology=ranks.topology, bucket_bytes=4096)
-    sources = {g: ranks.sources(g, planner.recv_plan(*ranks.where(g))) for g in range(ranks.world_size)}
+    send_plans = {g: {t: planner.send_plan(t) for t in ranks.trainers_on_gpu_of(g)} for g in range(ranks.world_size)}
+    recv_plans = {g: planner.recv_plan(*ranks.where(g)) for g in range(ranks.world_size)}
+    sources = {g: ranks.sources(g, recv_plans[g], send_plans[g]) for g in range(ranks.world_size)}
     for t in range(ranks.train_world):
         importers = ranks.importers(t, planner.send_plan(t))
-        assert importers == [g for g in range(ranks.world_size) if t in sources[g]], t
+        assert {g for g in range(ranks.world_size) if t in sources[g]} <= set(importers), t
         assert ranks.proxy(t) in importers
         for g in importers:
             assert ranks.direct(t, g) or g == ranks.proxy(t)
+    pushed = {}
+    for g in range(ranks.world_size):
+        for into, buckets in ranks.pushes(g, send_plans[g]).items():
+            assert g in ranks.pushers_into(into, recv_plans[into])  # it opened its tensors for me
+            assert ranks.where(into)[0] == ranks.where(g)[0] and ranks.gpu(into) != ranks.gpu(g)
+            pushed.update((id(b), b) for b in buckets)
+        for p in ranks.pushers_into(g, recv_plans[g]):
+            assert g in ranks.pushes(p, send_plans[p])
+    # a pushed piece is exactly one its receiver would have read from another GPU of its host where its
+    # instance has a worker (else the receiver still reads it: fsdp:dp=4 -> 2 x tp=2 puts instance 0 on
+    # GPUs 0 and 1 only, and trainers 2 and 3 on GPUs 2 and 3)
+    crossing = [b for g in range(ranks.world_size) for bs in recv_plans[g].values() for b in bs
+                if b.nbytes and ranks.direct(b.src_rank, g) and ranks.topology.train_gpu(b.src_rank) != ranks.gpu(g)
+                and ranks.push_candidate(b.src_rank, g) is not None]
+    assert sorted((b.pair, b.index) for b in pushed.values()) == (
+        sorted((b.pair, b.index) for b in crossing) if push and peer else [])
     gpus = {ranks.gpu(g) for g in range(ranks.world_size)}
     hosts = {ranks.topology.host(gpu) for gpu in gpus}
     assert ranks.needs_group == (len(hosts) > 1 or (not peer and len(gpus) > 1))
@@ -228,7 +248,7 @@ def _setup(case: dict):
     spec = load_spec(case["model"])
     src, dst = make_layout(spec, case["train"]), make_layout(spec, case["infer"])
     ranks = ColocatedRanks(src.world_size, dst.world_size, case["instances"], case.get("gpus_per_host", 8),
-                           case.get("peer", True))
+                           case.get("peer", True), case.get("push", False))
     planner = Planner(src, dst, case["instances"], topology=ranks.topology, bucket_bytes=case["budget"])
     return spec, src, dst, ranks, planner
 
@@ -271,28 +291,39 @@ def _die_after(calls: int) -> None:
     colocated.post = dying
 
 
-def worker(case: dict, g: int, port: int, paths: list[str], cmds, results) -> None:
-    """Inference worker ``g``: open the trainers' tensors it reads or proxies once, then run one transport
-    step per command."""
+def worker(case: dict, g: int, port: int, paths: list[str], together, cmds, results) -> None:
+    """Inference worker ``g``: open the trainers' tensors it reads, pushes or proxies once (and, pushing,
+    the other workers' tensors it pushes into), then run one transport step per command."""
     who, start = ("infer", g), time.monotonic()
     try:
         spec, src, dst, ranks, planner = _setup(case)
         i, j = ranks.where(g)
         layout = dst.layout(j)
         recv_plans = planner.recv_plan(i, j)
+        mine = set(ranks.proxied_by(g)) | (set(ranks.trainers_on_gpu_of(g)) if ranks.push else set())
+        send_plans = {t: planner.send_plan(t) for t in sorted(mine)}
         srcs = {}
-        for t in ranks.sources(g, recv_plans):  # import ONCE
+        for t in ranks.sources(g, recv_plans, send_plans):  # import ONCE
             assert g in ranks.importers(t, planner.send_plan(t))  # what the trainer exports for
             with open(paths[t]) as f:
                 srcs[t] = share.import_tensors(json.load(f))
         pg = new_group("127.0.0.1", port, g, ranks.world_size, timeout_s=30) if ranks.needs_group else None
         transport = ColocatedTransport(pg, ranks, me=g, window=case.get("window", 2), timeout_s=TIMEOUT_S,
                                        direct_min=case.get("direct_min", DIRECT_MIN_BYTES))
-        send_plans = {t: planner.send_plan(t) for t in ranks.proxied_by(g)}
         dsts = {
             n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=case.get("device", "cpu"))
             for n, t in layout.tensors.items()
         }
+        where = os.path.dirname(paths[0])
+        for p in ranks.pushers_into(g, recv_plans):  # they write into my tensors
+            _publish(os.path.join(where, f"dst{g}-for{p}.json"), share.export_tensors(dsts))
+        targets = {}
+        for q in ranks.pushes(g, send_plans):
+            path = os.path.join(where, f"dst{q}-for{g}.json")
+            while not os.path.exists(path):
+                time.sleep(0.01)
+            with open(path) as f:
+                targets[q] = share.import_tensors(json.load(f))
         ptrs = {n: x.data_ptr() for n, x in dsts.items()}
         src_ptrs = {t: {n: x.data_ptr() for n, x in ts.items()} for t, ts in srcs.items()}
         buffers = None
@@ -310,8 +341,12 @@ def worker(case: dict, g: int, port: int, paths: list[str], cmds, results) -> No
                 return
             for x in dsts.values():
                 x.fill_(float("nan"))  # poison: every element the plan owns must be written this step
+            if ranks.push:
+                together.wait(30)  # nobody pushes into my tensors before I poisoned them
             start = time.monotonic()
-            stats = transport.run(recv_plans, send_plans, dsts, srcs)
+            stats = transport.run(recv_plans, send_plans, dsts, srcs, targets)
+            if ranks.push:
+                together.wait(30)  # nor do I check them before everyone pushing into them is done
             want = scatter(layout, random_canonical(spec, seed))
             bad = [n for n in want if not _same(dsts[n].cpu(), want[n])]
             assert not bad, f"step seed {seed}: wrong values in {bad[:5]}"
@@ -342,8 +377,9 @@ class Job:
         self.wait({("train", t) for t in range(self.ranks.train_world)}, "ready")
         port = free_port()
         self.workers = {("infer", g) for g in range(self.ranks.world_size)}
+        together = self.ctx.Barrier(self.ranks.world_size)
         for g in range(self.ranks.world_size):
-            self._start(("infer", g), worker, (case, g, port, paths))
+            self._start(("infer", g), worker, (case, g, port, paths, together))
         self.wait(self.workers, "ready")
 
     def _start(self, who, target, args):
@@ -425,7 +461,8 @@ CASES = {
 }
 
 
-MODES = {"one host": {}, "one host, no peer access": {"peer": False}, "a host per GPU": {"gpus_per_host": 1}}
+MODES = {"one host": {}, "one host, pushing": {"push": True}, "one host, no peer access": {"peer": False},
+         "a host per GPU": {"gpus_per_host": 1}}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -454,11 +491,14 @@ def _run_steps(case: dict, tmp_path) -> None:
             total_local = sum(s.local_bytes for s in stats.values())
             total_peer = sum(s.peer_bytes for s in stats.values())
             total_sent = sum(s.sent_bytes for s in stats.values())
+            total_pushed = sum(s.pushed_bytes for s in stats.values())
             assert total_local > 0
             assert total_sent == sum(s.recv_bytes for s in stats.values())
-            crossing = total_peer if not job.ranks.needs_group else total_sent
+            crossing = total_peer + total_pushed if not job.ranks.needs_group else total_sent
             assert (crossing > 0) == case["expect_remote"], stats
             assert total_peer == 0 or total_sent == 0, stats  # one host, or a host per GPU
+            if job.ranks.push:  # every cross-GPU piece pushed by a worker of the receiver's instance
+                assert total_peer == 0, stats
             for (_, g), s in stats.items():
                 if not job.ranks.proxied_by(g):
                     assert s.sent_buckets == 0, (g, s)

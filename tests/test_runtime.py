@@ -111,8 +111,8 @@ def test_staged_reader_keeps_the_old_version_when_a_trainer_dies():
 def test_colocated_trainer_dying_before_its_step_leaves_the_old_version():
     """Co-located, the workers copy only once every trainer announced the step: a trainer that dies first
     makes the reader give up after its timeout, still holding (and reporting) exactly step 1."""
-    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=5.0,
-               bucket_bytes=4096, colocate=True, fault="train-dies-before-write")
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
+               bucket_bytes=4096, colocate=True, fault="train-dies-before-write")  # set-up too fits in the timeout
     start = time.monotonic()
     messages = run_job(job)
     failed = [m for m in messages if m[0] == "update-failed"]
@@ -126,8 +126,8 @@ def test_colocated_trainer_dying_before_its_step_leaves_the_old_version():
 
 
 def test_colocated_worker_dying_mid_copy_fails_both_sides():
-    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=5.0,
-               bucket_bytes=4096, colocate=True, fault="infer-dies")
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
+               bucket_bytes=4096, colocate=True, fault="infer-dies")  # set-up too fits in the timeout
     messages = run_job(job)
     infer_errors = [m for m in messages if m[0] == "error" and m[1] == "infer"]
     assert infer_errors and "died (exit code 3) during _receive" in infer_errors[0][4], messages

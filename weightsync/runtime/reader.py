@@ -11,6 +11,7 @@ memory) and commits only a complete step, so a failed update leaves the old vers
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -79,7 +80,9 @@ class WeightReader:
         readers = wait_side(self.client, "infer", timeout_s, count=instances * dst.world_size)
         trainers = wait_side(self.client, "train", timeout_s)
         self.shape = job_shape(trainers + readers, colocate, bucket_bytes)
-        planned = instance.call(_plan, self.shape, dict(instance.model_config), instance_id, timeout_s=timeout_s)
+        # co-located workers write into each other's weights, unless each must commit its own staged copy
+        planned = instance.call(_plan, self.shape, dict(instance.model_config), instance_id, not staged,
+                                timeout_s=timeout_s)
         if transport == "p2p":  # each worker keeps buffers as large as the largest bucket it moves
             slots = buffer_slots(DEFAULT_WINDOW) if colocate else DEFAULT_WINDOW
             for rank, (_, largest) in enumerate(planned):
@@ -231,21 +234,26 @@ def _gpu_index(ctx: WorkerContext) -> int:
     return ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
 
 
-def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: int) -> tuple[dict, int]:
+def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: int,
+          push: bool = False) -> tuple[dict, int]:
     """Plan this worker's receives; keep the plan; return its pair hashes and the largest bucket it will
     buffer (co-located: only those going through the workers' group, received or sent for the training
-    rank it proxies; direct copies need no buffer)."""
+    rank it proxies; direct copies need no buffer). ``push``: co-located, this instance's workers write
+    their own GPU's trainers' pieces into each other (:meth:`ColocatedRanks.pusher`)."""
     spec = spec_from_config(model_config)
     planner = shape.planner(spec)
     plans = planner.recv_plan(instance_id, ctx.rank)
     ctx.state.update(plans=plans, shape=shape, instance=instance_id, planner=planner)
     buckets = [b for bs in plans.values() for b in bs]
     if shape.colocate:
-        ranks = shape.colocated_ranks()
-        # what it sends for the training rank it proxies: nothing when every bucket is a direct copy
-        proxied = ranks.proxied_by(ranks.infer(instance_id, ctx.rank)) if ranks.needs_group else []
-        send_plans = {t: planner.send_plan(t) for t in proxied}
-        ctx.state["send_plans"] = send_plans
+        ranks = dataclasses.replace(shape.colocated_ranks(), push=push and shape.peer_copies)
+        me = ranks.infer(instance_id, ctx.rank)
+        # what it sends for the training rank it proxies (nothing when every bucket is a direct copy),
+        # and what it pushes for the training ranks on its GPU
+        mine = set(ranks.proxied_by(me)) if ranks.needs_group else set()
+        mine |= set(ranks.trainers_on_gpu_of(me)) if ranks.push else set()
+        send_plans = {t: planner.send_plan(t) for t in sorted(mine)}
+        ctx.state.update(send_plans=send_plans, colocated_ranks=ranks)
         buckets = [b for b in buckets + [b for ps in send_plans.values() for bs in ps.values() for b in bs]
                    if not ranks.direct(b.src_rank, ranks.receiver(b.pair))]
     return hashes_of(plans), max((b.nbytes for b in buckets), default=0)
@@ -273,12 +281,11 @@ def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s:
 
     from weightsync.transport.colocated import ColocatedTransport
     from weightsync.transport.group import free_port, new_group
-    from weightsync.transport.share import import_tensors
+    from weightsync.transport.share import import_tensors, share_tensors
 
     url, job, token = link
     client = MetaClient(url, job, token=token, timeout=timeout_s)
-    shape: JobShape = ctx.state["shape"]
-    ranks = shape.colocated_ranks()
+    ranks = ctx.state["colocated_ranks"]
     me = ranks.infer(ctx.state["instance"], ctx.rank)
     group = None
     if ranks.needs_group:
@@ -294,10 +301,19 @@ def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s:
     # reached by peer access (NVLink) without a context on that GPU
     mine = _gpu_index(ctx) if ctx.device.type == "cuda" else None
     sources = {}
-    for t in ranks.sources(me, ctx.state["plans"]):
+    for t in ranks.sources(me, ctx.state["plans"], ctx.state["send_plans"]):
         with open(client.lookup(f"share.{t}.{me}", timeout=timeout_s)) as f:
             sources[t] = import_tensors(json.load(f), cuda_device=mine)
-    ctx.state.update(transport=ColocatedTransport(group, ranks, me=me, timeout_s=timeout_s), sources=sources)
+    # pushing: my instance's workers open my live tensors (one export each), I open theirs
+    for p in ranks.pushers_into(me, ctx.state["plans"]):
+        path = share_tensors(ctx.tensors, job, f"infer{me}-for{p}")
+        client.publish(f"push.{me}.{p}", path, replace=True)
+    targets = {}
+    for g in ranks.pushes(me, ctx.state["send_plans"]):
+        with open(client.lookup(f"push.{g}.{me}", timeout=timeout_s)) as f:
+            targets[g] = import_tensors(json.load(f), cuda_device=mine)
+    ctx.state.update(transport=ColocatedTransport(group, ranks, me=me, timeout_s=timeout_s), sources=sources,
+                     push_targets=targets)
 
 
 def _connect_file(ctx: WorkerContext, directory: str, timeout_s: float) -> None:
@@ -354,9 +370,9 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
             s = ctx.state["transport"].recv(plans, targets, step=step)
             nbytes, buckets = s.bytes, s.buckets
         elif "sources" in ctx.state:  # co-located
-            s = ctx.state["transport"].run(plans, ctx.state["send_plans"], targets, ctx.state["sources"])
-            nbytes = s.local_bytes + s.peer_bytes + s.recv_bytes
-            buckets = s.local_buckets + s.peer_buckets + s.recv_buckets
+            s = ctx.state["transport"].run(plans, ctx.state["send_plans"], targets, ctx.state["sources"],
+                                           ctx.state["push_targets"])
+            nbytes, buckets = s.bytes, s.buckets
         else:
             s = ctx.state["transport"].recv(plans, targets)
             nbytes, buckets = s.bytes, s.buckets

@@ -8,9 +8,6 @@ rank's sends, prove the plan (pair hashes), and build the train+inference group.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from typing import Protocol
 
@@ -18,8 +15,8 @@ import torch
 
 from weightsync.layout.layout import EngineLayout, Layout
 from weightsync.meta.client import MetaClient
-from weightsync.runtime.doorbell import Doorbell, open_bells, wait_rung
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
+from weightsync.runtime.doorbell import Doorbell, open_bells, wait_rung
 from weightsync.runtime.job import (
     DEFAULT_MEMORY_BUDGET,
     enforce_memory_budget,
@@ -34,6 +31,7 @@ from weightsync.spec.model import ModelSpec
 from weightsync.transport.file import FileTransport
 from weightsync.transport.group import free_port, new_group
 from weightsync.transport.p2p import DEFAULT_WINDOW, JobRanks, P2PTransport, TransferStats
+from weightsync.transport.share import share_tensors
 
 
 class TrainSide(Protocol):
@@ -176,20 +174,4 @@ class WeightWriter:
         if self._written_bell is not None:
             self._written_bell.close()
         self.transport = None  # the group dies with its last reference
-
-
-def share_tensors(tensors: dict[str, torch.Tensor], job: str, name: str) -> str:
-    """Export live tensors (shared memory / CUDA IPC) and write their description to a local file.
-
-    Co-located peers are on this host by definition, so a file is the simplest way to hand over a
-    description too large for a MetaServer field; its path goes through the MetaServer.
-    """
-    from weightsync.transport.share import export_tensors
-
-    path = os.path.join(tempfile.gettempdir(), f"weightsync-{job}-{os.getpid()}-{name}.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(export_tensors(tensors), f)
-    os.replace(tmp, path)
-    return path
 

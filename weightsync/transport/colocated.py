@@ -103,6 +103,10 @@ class ColocatedRanks:
     #: whether workers read the other GPUs of their host directly (CUDA peer access); without it only
     #: their own GPU's trainers, and the other pieces go through the group as if from another host
     peer: bool = True
+    #: whether a worker writes its own GPU's trainers' pieces into the other workers of its instance
+    #: rather than those workers reading them from its GPU (:meth:`pusher`); set per instance (off
+    #: for a staged one, whose workers each commit their own copy as soon as their own copies end)
+    push: bool = False
 
     @property
     def world_size(self) -> int:
@@ -163,24 +167,72 @@ class ColocatedRanks:
         src, dst = top.train_gpu(train_rank), self.gpu(group_rank)
         return src == dst or (self.peer and top.host(src) == top.host(dst))
 
+    def push_candidate(self, train_rank: int, group_rank: int) -> int | None:
+        """The worker that would push training rank ``train_rank``'s pieces into worker ``group_rank``:
+        the worker of ``group_rank``'s own instance on the training rank's GPU, when ``group_rank``
+        reads that rank directly from another GPU; else None."""
+        top = self.topology
+        src = top.train_gpu(train_rank)
+        if src == self.gpu(group_rank) or not self.direct(train_rank, group_rank):
+            return None
+        instance = self.where(group_rank)[0]
+        return next((p for p in (self.infer(instance, j) for j in range(self.infer_world)) if self.gpu(p) == src), None)
+
+    def pusher(self, train_rank: int, group_rank: int) -> int | None:
+        """THE push rule: who copies training rank ``train_rank``'s pieces into worker ``group_rank``
+        when that is not ``group_rank`` itself (None: it reads them itself, or receives them). With
+        :attr:`push`, the :meth:`push_candidate`: a kernel writes into another GPU faster than it
+        reads from it (``benchmarks/peer_push.py``: 4 GiB each way beside a same-GPU copy in 11.8
+        against 13.0 ms). Kept within an instance, whose update waits for all its workers anyway."""
+        return self.push_candidate(train_rank, group_rank) if self.push else None
+
+    def pushes(self, group_rank: int, send_plans: Mapping[int, Plans]) -> dict[int, list[Bucket]]:
+        """The buckets worker ``group_rank`` pushes, by receiving worker, out of the send plans of the
+        training ranks on its GPU (the mirror of :meth:`pushers_into`)."""
+        out: dict[int, list[Bucket]] = {}
+        for t, plans in send_plans.items():
+            for pair, buckets in plans.items():
+                g = self.receiver(pair)
+                if self.pusher(t, g) == group_rank:
+                    out.setdefault(g, []).extend(b for b in buckets if b.nbytes)
+        return {g: bs for g, bs in sorted(out.items()) if bs}
+
+    def pushers_into(self, group_rank: int, recv_plans: Plans) -> list[int]:
+        """Workers that push into worker ``group_rank`` (each opens its tensors: one export each)."""
+        return sorted({p for pair, bs in recv_plans.items() if any(b.nbytes for b in bs)
+                       for p in [self.pusher(pair[0], group_rank)] if p is not None})
+
+    def trainers_on_gpu_of(self, group_rank: int) -> list[int]:
+        """Training ranks on worker ``group_rank``'s GPU: those whose send plans it needs to push."""
+        return [t for t in range(self.train_world) if self.topology.train_gpu(t) == self.gpu(group_rank)]
+
     @cached_property
     def needs_group(self) -> bool:
         """Whether any bucket may cross hosts (or GPUs, without :attr:`peer`), so the workers need their
         group (never on one host with peer access)."""
         return not all(self.direct(t, g) for t in range(self.train_world) for g in range(self.world_size))
 
-    def sources(self, group_rank: int, recv_plans: Plans) -> list[int]:
-        """Training ranks whose tensors worker ``group_rank`` opens: those it reads directly, and those it
-        proxies (the mirror of :meth:`importers`)."""
+    def sources(self, group_rank: int, recv_plans: Plans, send_plans: Mapping[int, Plans] = {}) -> list[int]:
+        """Training ranks whose tensors worker ``group_rank`` opens: those it reads directly, those it
+        pushes for (``send_plans``: of the ranks on its GPU) and those it proxies (the mirror of
+        :meth:`importers`)."""
         read = {pair[0] for pair, bs in recv_plans.items() if any(b.nbytes for b in bs)
-                and self.direct(pair[0], group_rank)}
-        return sorted(read | set(self.proxied_by(group_rank)))
+                and self.direct(pair[0], group_rank) and self.pusher(pair[0], group_rank) is None}
+        pushed = {b.src_rank for bs in self.pushes(group_rank, send_plans).values() for b in bs}
+        return sorted(read | pushed | set(self.proxied_by(group_rank)))
 
     def importers(self, train_rank: int, send_plan: Plans) -> list[int]:
-        """Workers that open training rank ``train_rank``'s tensors (each needs its own CUDA export):
-        every receiver reading it directly, and its proxy."""
-        read = {self.receiver(pair) for pair, bs in send_plan.items() if any(b.nbytes for b in bs)
-                and self.direct(train_rank, self.receiver(pair))}
+        """Workers that may open training rank ``train_rank``'s tensors (each needs its own CUDA export):
+        every receiver reading it directly, the workers that could push its pieces, and its proxy. The
+        trainer does not know whether an instance pushes (:attr:`push` is the instance's): it exports
+        for both cases, and a worker opens only what it uses."""
+        read = set()
+        for pair, bs in send_plan.items():
+            g = self.receiver(pair)
+            if any(b.nbytes for b in bs) and self.direct(train_rank, g):
+                read.add(g)
+                if (p := self.push_candidate(train_rank, g)) is not None:
+                    read.add(p)
         return sorted(read | {self.proxy(train_rank)})
 
     def sender(self, pair: Pair) -> int:
@@ -202,10 +254,21 @@ class ColocatedStats:
     recv_bytes: int
     seconds: float
     posted: float = 0.0  # seconds until the CPU had posted everything (the GPU works on after that)
+    pushed_buckets: int = 0  # direct copies into another worker of my instance, on another GPU
+    pushed_bytes: int = 0
+
+    @property
+    def bytes(self) -> int:
+        """Bytes this worker moved into inference tensors: its own, and those it pushed into others'."""
+        return self.local_bytes + self.peer_bytes + self.recv_bytes + self.pushed_bytes
+
+    @property
+    def buckets(self) -> int:
+        return self.local_buckets + self.peer_buckets + self.recv_buckets + self.pushed_buckets
 
 
-_LOCAL, _PEER, _SEND, _RECV = "local", "peer", "send", "recv"
-_DIRECT = (_LOCAL, _PEER)
+_LOCAL, _PEER, _PUSH, _SEND, _RECV = "local", "peer", "push", "send", "recv"
+_DIRECT = (_LOCAL, _PEER, _PUSH)
 UNIT_OPS = 2  # remote operations posted as one NCCL group (a send and a receive between two workers)
 
 
@@ -327,28 +390,34 @@ class ColocatedTransport:
         send_plans_by_train_rank: Mapping[int, Plans],
         dst_tensors: Mapping[str, torch.Tensor],
         src_tensors_by_train_rank: Mapping[int, Mapping[str, torch.Tensor]],
+        push_targets: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
     ) -> ColocatedStats:
-        """Move one step's weights: my recv plan into ``dst_tensors`` (in place), and every bucket
-        of the send plans of the training ranks I proxy out of their opened ``src`` tensors.
+        """Move one step's weights: my recv plan into ``dst_tensors`` (in place), every bucket I push
+        into other workers' opened ``push_targets`` (by group rank), and every bucket of the send plans
+        of the training ranks I proxy out of their opened ``src`` tensors.
 
-        ``send_plans_by_train_rank`` holds ``planner.send_plan(t)`` for each ``t`` in
-        :attr:`proxied` (none needed when :attr:`ColocatedRanks.needs_group` is false); only its buckets
-        through the group are mine to send (the rest are read directly by their receivers).
-        ``src_tensors_by_train_rank`` holds the opened tensors of
-        every rank in :meth:`ColocatedRanks.sources`.
+        ``send_plans_by_train_rank`` holds ``planner.send_plan(t)`` for each ``t`` in :attr:`proxied`
+        when :attr:`ColocatedRanks.needs_group`, and for each training rank on my GPU when
+        :attr:`ColocatedRanks.push`; only the buckets through the group are mine to send, and those
+        :meth:`ColocatedRanks.pushes` gives me to push. ``src_tensors_by_train_rank`` holds the opened
+        tensors of every rank in :meth:`ColocatedRanks.sources`. Pushed buckets are complete when
+        this returns on their pusher: the instance's update waits for all its workers.
         """
+        push_targets = push_targets or {}
         start = time.perf_counter()
         plans = (recv_plans, send_plans_by_train_rank)
         if self._checked is None or any(a is not b for a, b in zip(self._checked[0], plans)):
             # validating and ordering is pure Python over every bucket (hashing and comparing them):
             # done once for the plans a worker keeps, not every step
-            self._checked = (plans, self._ops(recv_plans, send_plans_by_train_rank, src_tensors_by_train_rank))
+            self._checked = (plans, self._ops(recv_plans, send_plans_by_train_rank, src_tensors_by_train_rank,
+                                              push_targets))
         ops = self._checked[1]
         dev = self._device(dst_tensors, src_tensors_by_train_rank)
         ordered = on_gpu(dev)
         self._coalesce(dev)  # first step: every worker, remote work or not, builds the NCCL communicator
         # graphs and views stay valid while the tensors and buffers stay put
-        self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(), buffers=self._buffers)
+        tensor_maps = (dst_tensors, *src_tensors_by_train_rank.values(), *push_targets.values())
+        self._graphs.begin(*tensor_maps, buffers=self._buffers)
         units = self._units([op for op in ops if op[0] not in _DIRECT], dev)
         stagings = {}
         for kind, b, _ in (op for unit in units for op in unit):
@@ -357,15 +426,20 @@ class ColocatedTransport:
                 b, kind, lambda b=b, t=tensors, s=kind == _SEND: stage(b, t, s, self.direct_min))
         if units and self._ensure_buffers(max(st.nbytes for st in stagings.values()), dev):
             # new buffers (first step, or grown)
-            self._graphs.begin(dst_tensors, *src_tensors_by_train_rank.values(), buffers=self._buffers)
+            self._graphs.begin(*tensor_maps, buffers=self._buffers)
         free = list(self._buffers)
-        counts = {_LOCAL: [0, 0], _PEER: [0, 0], _SEND: [0, 0], _RECV: [0, 0]}
+        counts = {kind: [0, 0] for kind in (_LOCAL, _PEER, _PUSH, _SEND, _RECV)}
         for kind, b, _ in ops:
             counts[kind][0] += 1
             counts[kind][1] += b.nbytes
-        # direct copies, pack-free (each run straight from the trainer's view into mine), on streams of
-        # their own: the same-GPU ones and the peer ones overlap each other and the remote units
-        direct = {kind: [b for k, b, _ in ops if k == kind] for kind in _DIRECT}
+        # direct copies, pack-free (each run straight from the trainer's view into its target), on streams
+        # of their own: the same-GPU ones and the cross-GPU ones (read or pushed) overlap each other and
+        # the remote units
+        def target(kind: str, peer: int | None) -> Mapping[str, torch.Tensor]:
+            return push_targets[peer] if kind == _PUSH else dst_tensors
+
+        direct = {_LOCAL: [(b, dst_tensors) for k, b, _ in ops if k == _LOCAL],
+                  _PEER: [(b, target(k, peer)) for k, b, peer in ops if k in (_PEER, _PUSH)]}
         programs = copy_programs(dev, bool(direct[_PEER]), bool(units)) if ordered else (None, None)
         sides = []
         for (kind, buckets), cap in zip(direct.items(), programs):
@@ -378,7 +452,7 @@ class ColocatedTransport:
 
             def pairs(buckets=buckets) -> Pairs:
                 src = src_tensors_by_train_rank
-                return [p for b in buckets for p in direct_pairs(segments(b), src[b.src_rank], dst_tensors)]
+                return [p for b, dst in buckets for p in direct_pairs(segments(b), src[b.src_rank], dst)]
 
             with torch.cuda.stream(side) if side is not None else _nothing():
                 self._graphs.run(recv_plans, kind, pairs, dev, cap)
@@ -398,7 +472,7 @@ class ColocatedTransport:
         elif ordered:  # direct copies only: nothing can stall them
             torch.cuda.current_stream(dev).synchronize()
         return ColocatedStats(*counts[_LOCAL], *counts[_PEER], *counts[_SEND], *counts[_RECV],
-                              time.perf_counter() - start, done_posting)
+                              time.perf_counter() - start, done_posting, *counts[_PUSH])
 
     def _units(self, remote: list, dev: torch.device) -> list[list]:
         """Remote operations cut into units posted together: on NCCL, the consecutive ones of one bucket
@@ -474,6 +548,7 @@ class ColocatedTransport:
         recv_plans: Plans,
         send_plans: Mapping[int, Plans],
         src_tensors: Mapping[int, Mapping[str, torch.Tensor]],
+        push_targets: Mapping[int, Mapping[str, torch.Tensor]],
     ) -> list[tuple[str, Bucket, int | None]]:
         """Validate the plans and list (kind, bucket, peer) in the one global order."""
         me, ranks = self.me, self.ranks
@@ -487,23 +562,30 @@ class ColocatedTransport:
                     pair=pair,
                 )
             t = pair[0]
+            if ranks.pusher(t, me) is not None:
+                continue  # another worker of my instance writes these into my tensors
             if ranks.direct(t, me):
                 kind, peer = (_LOCAL if top.train_gpu(t) == ranks.gpu(me) else _PEER), None
             else:
                 kind, peer = _RECV, ranks.proxy(t)
             ops.extend((kind, b, peer) for b in buckets if b.nbytes)
+        mine = set(self.proxied) | (set(ranks.trainers_on_gpu_of(me)) if ranks.push else set())
         for t, plans in send_plans.items():
-            if t not in self.proxied:
+            if t not in mine:
                 raise TransportError(
                     f"group rank {me} was given the send plan of training rank {t}, "
-                    f"which group rank {ranks.proxy(t)} proxies (I proxy {self.proxied})",
+                    f"which it neither proxies (I proxy {self.proxied}) nor pushes for",
                 )
             for pair, buckets in plans.items():
                 if pair[0] != t:
                     raise TransportError(f"the send plan of training rank {t} holds {describe(pair)}", pair=pair)
                 dst = ranks.receiver(pair)
-                if not ranks.direct(t, dst):  # else its receiver reads it straight from the trainer
+                if t in self.proxied and not ranks.direct(t, dst):  # else read straight from the trainer
                     ops.extend((_SEND, b, dst) for b in buckets if b.nbytes)
+        for dst, buckets in ranks.pushes(me, send_plans).items():
+            if dst not in push_targets:
+                raise TransportError(f"group rank {me} pushes into group rank {dst}, whose tensors it has not opened")
+            ops.extend((_PUSH, b, dst) for b in buckets)
         if any(kind not in _DIRECT for kind, _, _ in ops) and self.group is None:
             raise ConfigError(f"group rank {me} has buckets to move through a group, but no group")
         need = {b.src_rank for kind, b, _ in ops if kind != _RECV}

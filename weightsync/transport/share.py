@@ -54,7 +54,9 @@ their dtype, shape, stride and storage offset, so the aliasing between them is p
 from __future__ import annotations
 
 import base64
+import json
 import os
+import tempfile
 import threading
 from typing import Any, Mapping
 
@@ -240,3 +242,17 @@ def import_tensors(desc: Mapping[str, Any], cuda_device: int | None = None) -> d
         t.set_(st, e["offset"], e["shape"], e["stride"])
         out[name] = t
     return out
+
+
+def share_tensors(tensors: Mapping[str, torch.Tensor], job: str, name: str) -> str:
+    """Export live tensors (:func:`export_tensors`) and write their description to a local file.
+
+    Co-located peers are on this host by definition, so a file is the simplest way to hand over a
+    description too large for a MetaServer field; its path goes through the MetaServer.
+    """
+    path = os.path.join(tempfile.gettempdir(), f"weightsync-{job}-{os.getpid()}-{name}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(export_tensors(tensors), f)
+    os.replace(tmp, path)
+    return path
