@@ -245,7 +245,7 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
                          memory_budget=job.get("reader_memory_budget", job.get("memory_budget", 2 << 30)),
                          colocate=job.get("colocate", False), peer_copies=job.get("reader_peer_copies", True),
                          transport=job.get("reader_transport", job.get("transport", "p2p")), directory=job.get("directory"),
-                         staged=job.get("staged", False), mode=job.get("mode", "sync"))
+                         staged=job.get("staged", False), mode=job.get("mode", "sync"), push=job.get("reader_push", True))
         out.put(("ready", "infer", inst))
         if job.get("mode") == "async":
             waits = [1, job["steps"]] if inst == 0 else [job["steps"]]

@@ -172,6 +172,16 @@ def test_colocated_on_one_host_needs_no_buffer():
     assert len(updated) == 2 and all(m[4] == [] for m in updated), messages  # both steps, bit-exact
 
 
+@pytest.mark.parametrize("options", [dict(reader_push=False), dict(staged=True)], ids=["push-off", "staged"])
+def test_colocated_workers_that_do_not_push_read_the_other_gpu(options):
+    """By default a worker writes its GPU's trainer's pieces into the other workers of its instance; with
+    pushing off (an engine whose weights cannot be exported), or staged (each worker commits its own copy
+    once its own copies end), every worker reads the other GPU's pieces itself, bit-exact."""
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", steps=2, timeout=20.0,
+               bucket_bytes=4096, colocate=True, **options)
+    assert_clean(run_job(job), job)
+
+
 @pytest.mark.parametrize("budget", [5000, 2 << 30])
 def test_colocated_without_peer_copies_goes_through_the_group(budget):
     """A reader registered with peer_copies=False (as one whose workers cannot reach the other GPUs would

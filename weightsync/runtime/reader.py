@@ -57,6 +57,7 @@ class WeightReader:
         timeout_s: float = 60.0,
         staged: bool = False,
         mode: str = "sync",
+        push: bool = True,
     ):
         if mode not in ("sync", "async"):
             raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
@@ -80,8 +81,9 @@ class WeightReader:
         readers = wait_side(self.client, "infer", timeout_s, count=instances * dst.world_size)
         trainers = wait_side(self.client, "train", timeout_s)
         self.shape = job_shape(trainers + readers, colocate, bucket_bytes)
-        # co-located workers write into each other's weights, unless each must commit its own staged copy
-        planned = instance.call(_plan, self.shape, dict(instance.model_config), instance_id, not staged,
+        # co-located workers write into each other's weights (``push``: their live tensors are exported
+        # to each other by CUDA IPC; off when the engine's cannot be), unless each commits its own copy
+        planned = instance.call(_plan, self.shape, dict(instance.model_config), instance_id, push and not staged,
                                 timeout_s=timeout_s)
         if transport == "p2p":  # each worker keeps buffers as large as the largest bucket it moves
             slots = buffer_slots(DEFAULT_WINDOW) if colocate else DEFAULT_WINDOW
@@ -246,7 +248,7 @@ def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: 
     ctx.state.update(plans=plans, shape=shape, instance=instance_id, planner=planner)
     buckets = [b for bs in plans.values() for b in bs]
     if shape.colocate:
-        ranks = dataclasses.replace(shape.colocated_ranks(), push=push and shape.peer_copies)
+        ranks = dataclasses.replace(shape.colocated_ranks(), push=push)
         me = ranks.infer(instance_id, ctx.rank)
         # what it sends for the training rank it proxies (nothing when every bucket is a direct copy),
         # and what it pushes for the training ranks on its GPU

@@ -217,13 +217,13 @@ class ColocatedRanks:
         group (never on one host with peer access)."""
         return not all(self.direct(t, g) for t in range(self.train_world) for g in range(self.world_size))
 
-    def sources(self, group_rank: int, recv_plans: Plans, send_plans: Mapping[int, Plans] = {}) -> list[int]:
+    def sources(self, group_rank: int, recv_plans: Plans, send_plans: Mapping[int, Plans] | None = None) -> list[int]:
         """Training ranks whose tensors worker ``group_rank`` opens: those it reads directly, those it
         pushes for (``send_plans``: of the ranks on its GPU) and those it proxies (the mirror of
         :meth:`importers`)."""
         read = {pair[0] for pair, bs in recv_plans.items() if any(b.nbytes for b in bs)
                 and self.direct(pair[0], group_rank) and self.pusher(pair[0], group_rank) is None}
-        pushed = {b.src_rank for bs in self.pushes(group_rank, send_plans).values() for b in bs}
+        pushed = {b.src_rank for bs in self.pushes(group_rank, send_plans or {}).values() for b in bs}
         return sorted(read | pushed | set(self.proxied_by(group_rank)))
 
     def importers(self, train_rank: int, send_plan: Plans) -> list[int]:
