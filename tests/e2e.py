@@ -166,7 +166,12 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
             with torch.no_grad():
                 fill_from(bound.layout, bound.tensors, step_canonical(spec, step, job.get("fp32", False)))
             if job.get("fault") == "train-dies-before-write" and rank == 0 and step == job["steps"]:
-                os._exit(3)  # a crash after the optimizer step, before announcing it
+                # a crash after the optimizer step, before announcing it; first let the queue's feeder
+                # thread finish our last message: killed while holding the queue's lock, it would block
+                # every other process's messages for good
+                out.close()
+                out.join_thread()
+                os._exit(3)
             if job.get("fault") == "train-dies" and rank == 0 and step == job["steps"]:
                 import weightsync.transport.p2p as p2p
 
