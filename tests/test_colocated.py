@@ -151,6 +151,30 @@ def test_share_aliases_memory_across_processes(tmp_path, device):
     share.release(desc)
 
 
+def test_share_opening_tries_again_when_the_shm_manager_is_slow(monkeypatch):
+    """torch's shared-memory manager must answer an opening within 1 s, which a loaded host can miss: the
+    opening is tried again; any other failure is reported at once."""
+    tensors = {"w": torch.randn(64)}
+    desc = share.export_tensors(tensors)
+    real, calls = torch.UntypedStorage._new_shared_filename_cpu, []
+
+    def slow_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("Shared memory manager connection has timed out")
+        return real(*args)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_filename_cpu", slow_once)
+    assert torch.equal(share.import_tensors(desc)["w"], tensors["w"]) and len(calls) == 2
+
+    def gone(*args):
+        raise RuntimeError("No such file or directory")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_filename_cpu", gone)
+    with pytest.raises(RuntimeError, match="cannot open shared storage .*No such file"):
+        share.import_tensors(share.export_tensors({"v": torch.randn(8)}))
+
+
 def test_share_rejects_bad_input():
     with pytest.raises(ValueError, match="format"):
         share.import_tensors({"format": "other"})

@@ -170,6 +170,24 @@ def _cached(key) -> torch.UntypedStorage | None:
     return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
 
 
+#: torch's shared-memory manager must answer an opening within 1 s (``libshm``'s poll), which a loaded
+#: host can miss; the opening is simply tried again
+SHM_ATTEMPTS = 5
+
+
+def _open_shm(manager: bytes, handle: bytes, nbytes: int) -> torch.UntypedStorage:
+    for attempt in range(1, SHM_ATTEMPTS + 1):
+        try:
+            return torch.UntypedStorage._new_shared_filename_cpu(manager, handle, nbytes)
+        except RuntimeError as e:
+            if attempt < SHM_ATTEMPTS and "timed out" in str(e):
+                continue
+            raise RuntimeError(
+                f"cannot open shared storage {handle.decode(errors='replace')} ({nbytes} bytes): {e}; "
+                "is the exporting process alive and on this host?"
+            ) from e
+
+
 def _open_storage(s: Mapping[str, Any], cuda_device: int | None) -> torch.UntypedStorage:
     kind = s["kind"]
     if kind == "empty":
@@ -180,13 +198,7 @@ def _open_storage(s: Mapping[str, Any], cuda_device: int | None) -> torch.Untype
         with _LOCK:
             st = _cached(key)
             if st is None:
-                try:
-                    st = torch.UntypedStorage._new_shared_filename_cpu(_unb64(s["manager"]), handle, s["nbytes"])
-                except RuntimeError as e:
-                    raise RuntimeError(
-                        f"cannot open shared storage {handle.decode(errors='replace')} ({s['nbytes']} bytes): {e}; "
-                        "is the exporting process alive and on this host?"
-                    ) from e
+                st = _open_shm(_unb64(s["manager"]), handle, s["nbytes"])
                 _OPENED[key] = StorageWeakRef(st)
         return st
     if kind == "cuda_ipc":
