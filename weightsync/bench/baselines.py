@@ -25,9 +25,6 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import json
-import os
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -197,7 +194,7 @@ class ColocatedTrainer:
 
     def __init__(self, kind: str, src: EngineLayout, rank: int, tensors: Mapping[str, torch.Tensor], store,
                  workers: int, publish, group=None) -> None:
-        from weightsync.transport.share import export_tensors
+        from weightsync.transport.share import share_tensors
 
         if group is None and needs_training_group(src):
             raise ConfigError("the co-located baselines gather tensors split over training ranks over a group "
@@ -210,9 +207,7 @@ class ColocatedTrainer:
         self.device = next(iter(tensors.values())).device
         self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(SLOTS)]
         for j in range(workers):  # a CUDA IPC description serves one importing process
-            path = os.path.join(tempfile.gettempdir(), f"weightsync-bench-{kind}-{os.getpid()}-{rank}-{j}.json")
-            with open(path, "w") as f:
-                json.dump(export_tensors({str(i): s for i, s in enumerate(self.slots)}), f)
+            path = share_tensors({str(i): s for i, s in enumerate(self.slots)}, f"bench-{kind}", f"{rank}-{j}")
             publish(f"bench-colo.{kind}.{rank}.{j}", path)
 
     def step(self, step: int, timeout) -> None:
@@ -250,14 +245,13 @@ class ColocatedWorker:
 
     def __init__(self, kind: str, src: EngineLayout, dst_layout, worker: int, tensors: Mapping[str, torch.Tensor],
                  store, lookup) -> None:
-        from weightsync.transport.share import import_tensors
+        from weightsync.transport.share import open_shared
 
         self.kind, self.dst_layout, self.worker, self.tensors, self.store = kind, dst_layout, worker, tensors, store
         self.buckets = colocated_buckets(kind, src)
         self.slots = {}
         for r in self.buckets:
-            with open(lookup(f"bench-colo.{kind}.{r}.{worker}")) as f:
-                opened = import_tensors(json.load(f))
+            opened = open_shared(lookup(f"bench-colo.{kind}.{r}.{worker}"))
             self.slots[r] = [opened[str(i)] for i in range(SLOTS)]
 
     def step(self, step: int, timeout) -> None:

@@ -279,11 +279,9 @@ def _connect(ctx: WorkerContext, address: str, backend: str, timeout_s: float, c
 def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s: float) -> None:
     """Open the tensors of the training ranks this worker reads or proxies; join the inference-only group
     when some bucket goes through it (on one host with peer access every bucket is a direct copy)."""
-    import json
-
     from weightsync.transport.colocated import ColocatedTransport
     from weightsync.transport.group import free_port, new_group
-    from weightsync.transport.share import import_tensors, share_tensors
+    from weightsync.transport.share import open_shared, share_tensors
 
     url, job, token = link
     client = MetaClient(url, job, token=token, timeout=timeout_s)
@@ -302,18 +300,14 @@ def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s:
     # opened in this worker's own CUDA context, wherever on the host they lie: another GPU's memory is
     # reached by peer access (NVLink) without a context on that GPU
     mine = _gpu_index(ctx) if ctx.device.type == "cuda" else None
-    sources = {}
-    for t in ranks.sources(me, ctx.state["plans"], ctx.state["send_plans"]):
-        with open(client.lookup(f"share.{t}.{me}", timeout=timeout_s)) as f:
-            sources[t] = import_tensors(json.load(f), cuda_device=mine)
+    sources = {t: open_shared(client.lookup(f"share.{t}.{me}", timeout=timeout_s), mine)
+               for t in ranks.sources(me, ctx.state["plans"], ctx.state["send_plans"])}
     # pushing: my instance's workers open my live tensors (one export each), I open theirs
     for p in ranks.pushers_into(me, ctx.state["plans"]):
         path = share_tensors(ctx.tensors, job, f"infer{me}-for{p}")
         client.publish(f"push.{me}.{p}", path, replace=True)
-    targets = {}
-    for g in ranks.pushes(me, ctx.state["send_plans"]):
-        with open(client.lookup(f"push.{g}.{me}", timeout=timeout_s)) as f:
-            targets[g] = import_tensors(json.load(f), cuda_device=mine)
+    targets = {g: open_shared(client.lookup(f"push.{g}.{me}", timeout=timeout_s), mine)
+               for g in ranks.pushes(me, ctx.state["send_plans"])}
     ctx.state.update(transport=ColocatedTransport(group, ranks, me=me, timeout_s=timeout_s), sources=sources,
                      push_targets=targets)
 

@@ -268,3 +268,9 @@ def share_tensors(tensors: Mapping[str, torch.Tensor], job: str, name: str) -> s
         json.dump(export_tensors(tensors), f)
     os.replace(tmp, path)
     return path
+
+
+def open_shared(path: str, cuda_device: int | None = None) -> dict[str, torch.Tensor]:
+    """Open the tensors :func:`share_tensors` wrote the description of (see :func:`import_tensors`)."""
+    with open(path) as f:
+        return import_tensors(json.load(f), cuda_device=cuda_device)
