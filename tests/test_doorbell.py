@@ -75,7 +75,10 @@ def test_the_metaserver_ends_a_wait_the_bells_do_not():
             with pytest.raises(MetaTimeout, match='"ranks": \\[1\\]'):
                 c.written(1, 1)
                 wait_rung([silent], 1, timeout_s=0.3, poll=poll)
+            with pytest.raises(MetaTimeout):  # no bells (a peer on another host): the MetaServer's wait alone
+                wait_rung(None, 1, timeout_s=0.3, poll=poll)
             c.written(1, 0)
+            wait_rung(None, 1, timeout_s=5.0, poll=poll)
             t0 = time.monotonic()
             wait_rung([silent], 1, timeout_s=30.0, poll=poll)
             assert time.monotonic() - t0 < CHECK_S + 5.0

@@ -92,14 +92,17 @@ def open_bells(client: MetaClient, names: Sequence[str], timeout_s: float) -> li
     return None if any(b is None for b in bells) else bells  # type: ignore[return-value]
 
 
-def wait_rung(bells: Sequence[Doorbell], step: int, timeout_s: float, poll: Callable[[float], Any]) -> None:
-    """Return once every bell holds ``step`` or later.
+def wait_rung(bells: Sequence[Doorbell] | None, step: int, timeout_s: float, poll: Callable[[float], Any]) -> None:
+    """Return once every bell holds ``step`` or later (without bells: once ``poll`` says so).
 
     ``poll(timeout)`` is the MetaServer's own wait for the same thing: asked with no wait every CHECK_S
     (it returns when the MetaServer has it all, raises MetaAborted for an aborted job), and at the
     deadline, where its MetaTimeout says who is missing. Rung bells are posted too, so a bell missed
     (a waiter holding a stale one) costs at most CHECK_S, never the step.
     """
+    if bells is None:  # some of them live on another host: long-poll the MetaServer
+        poll(timeout_s)
+        return
     start = time.monotonic()
     deadline, next_check = start + timeout_s, start + CHECK_S
     while any(b.step < step for b in bells):

@@ -129,11 +129,8 @@ class WeightReader:
         self._check_announced(wait=False)
         if self.colocate:  # the trainers' shared weights hold `step` once every trainer announced it
             try:
-                if self._written_bells is not None:
-                    wait_rung(self._written_bells, step, self.timeout_s,
-                              lambda t: self.client.wait_written(step, timeout=t))
-                else:
-                    self.client.wait_written(step, timeout=self.timeout_s)
+                wait_rung(self._written_bells, step, self.timeout_s,
+                          lambda t: self.client.wait_written(step, timeout=t))
             except MetaTimeout as e:  # nothing copied yet: say so, and what the workers still hold
                 raise MetaTimeout(f"instance {self.instance_id}: not every training rank announced step {step} "
                                   f"within {self.timeout_s:g} s, so nothing of it was copied; the workers still "

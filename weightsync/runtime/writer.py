@@ -160,11 +160,8 @@ class WeightWriter:
         t2 = time.perf_counter()
         if self.mode == "sync":
             instances = range(self.shape.instances)
-            if self._held_bells is not None:
-                wait_rung(self._held_bells, step, self.timeout_s,
-                          lambda t: self.client.wait_held(step, instances, timeout=t))
-            else:
-                self.client.wait_held(step, instances, timeout=self.timeout_s)
+            wait_rung(self._held_bells, step, self.timeout_s,
+                      lambda t: self.client.wait_held(step, instances, timeout=t))
         self.last_timing = {"send": t1 - t0, "written": t2 - t1, "wait_held": time.perf_counter() - t2}
         return self.last
 
