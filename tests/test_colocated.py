@@ -324,8 +324,7 @@ def worker(case: dict, g: int, port: int, paths: list[str], together, cmds, resu
         i, j = ranks.where(g)
         layout = dst.layout(j)
         recv_plans = planner.recv_plan(i, j)
-        mine = set(ranks.proxied_by(g)) | (set(ranks.trainers_on_gpu_of(g)) if ranks.push else set())
-        send_plans = {t: planner.send_plan(t) for t in sorted(mine)}
+        send_plans = {t: planner.send_plan(t) for t in ranks.send_plan_ranks(g)}
         srcs = {}
         for t in ranks.sources(g, recv_plans, send_plans):  # import ONCE
             assert g in ranks.importers(t, planner.send_plan(t))  # what the trainer exports for

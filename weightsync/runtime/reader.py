@@ -247,11 +247,8 @@ def _plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance_id: 
     if shape.colocate:
         ranks = dataclasses.replace(shape.colocated_ranks(), push=push)
         me = ranks.infer(instance_id, ctx.rank)
-        # what it sends for the training rank it proxies (nothing when every bucket is a direct copy),
-        # and what it pushes for the training ranks on its GPU
-        mine = set(ranks.proxied_by(me)) if ranks.needs_group else set()
-        mine |= set(ranks.trainers_on_gpu_of(me)) if ranks.push else set()
-        send_plans = {t: planner.send_plan(t) for t in sorted(mine)}
+        # what it sends for the training rank it proxies and pushes for those on its GPU
+        send_plans = {t: planner.send_plan(t) for t in ranks.send_plan_ranks(me)}
         ctx.state.update(send_plans=send_plans, colocated_ranks=ranks)
         buckets = [b for b in buckets + [b for ps in send_plans.values() for bs in ps.values() for b in bs]
                    if not ranks.direct(b.src_rank, ranks.receiver(b.pair))]

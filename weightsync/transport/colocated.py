@@ -211,6 +211,12 @@ class ColocatedRanks:
         """Training ranks on worker ``group_rank``'s GPU: those whose send plans it needs to push."""
         return [t for t in range(self.train_world) if self.topology.train_gpu(t) == self.gpu(group_rank)]
 
+    def send_plan_ranks(self, group_rank: int) -> list[int]:
+        """Training ranks whose send plans worker ``group_rank`` holds: those it proxies, when some bucket
+        goes through the group (else it never sends), and, with :attr:`push`, those on its GPU."""
+        mine = set(self.proxied_by(group_rank)) if self.needs_group else set()
+        return sorted(mine | (set(self.trainers_on_gpu_of(group_rank)) if self.push else set()))
+
     @cached_property
     def needs_group(self) -> bool:
         """Whether any bucket may cross hosts (or GPUs, without :attr:`peer`), so the workers need their
@@ -574,12 +580,12 @@ class ColocatedTransport:
             else:
                 kind, peer = _RECV, ranks.proxy(t)
             ops.extend((kind, b, peer) for b in buckets if b.nbytes)
-        mine = set(self.proxied) | (set(ranks.trainers_on_gpu_of(me)) if ranks.push else set())
+        mine = ranks.send_plan_ranks(me)
         for t, plans in send_plans.items():
             if t not in mine:
                 raise TransportError(
-                    f"group rank {me} was given the send plan of training rank {t}, "
-                    f"which it neither proxies (I proxy {self.proxied}) nor pushes for",
+                    f"group rank {me} was given the send plan of training rank {t}; it sends or pushes for "
+                    f"training ranks {mine} only",
                 )
             for pair, buckets in plans.items():
                 if pair[0] != t:
