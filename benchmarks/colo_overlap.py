@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.multiprocessing as mp
+from two_gpu_timing import beside, timed_together  # beside this script
 
 
 def _member(rank: int, port: int, gib: float, mib: int, out) -> None:
@@ -57,26 +57,10 @@ def _member(rank: int, port: int, gib: float, mib: int, out) -> None:
         batch.run()
 
     def both(b=batch) -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            b.run()
-        link()
-        torch.cuda.current_stream().wait_stream(side)
+        beside(side, b.run, link)
 
     def timed(fn) -> float:
-        times = []
-        for i in range(6):
-            torch.cuda.synchronize()
-            g.allreduce([torch.zeros(1, device=dev)]).wait()
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            if i:
-                times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
+        return timed_together(fn, g, dev)
 
     res = {"bytes_each_way": n * msg, "local_bytes": len(pairs) * run}
     for name, fn in (("link", link), ("copy", copy), ("both", both)):

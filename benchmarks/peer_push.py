@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 
 import torch
 import torch.multiprocessing as mp
+from two_gpu_timing import beside, timed_together  # beside this script
 
 MSG = 256 << 20
 RUN = 40 << 20
@@ -122,26 +122,10 @@ def _member(rank: int, port: int, gib: float, enable_peer: bool, descs, out) -> 
     ce_8m = graphed(ce_pull_runs(8 << 20))
 
     def with_local(fn, loc=local) -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            loc.run()
-        fn()
-        torch.cuda.current_stream().wait_stream(side)
+        beside(side, loc.run, fn)
 
     def timed(fn) -> float:
-        times = []
-        for i in range(6):
-            torch.cuda.synchronize()
-            g.allreduce([torch.zeros(1, device=dev)]).wait()
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            if i:
-                times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
+        return timed_together(fn, g, dev)
 
     expect = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev,
                            generator=torch.Generator(device=dev).manual_seed(1000 + peer))
