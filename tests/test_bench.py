@@ -75,6 +75,8 @@ def test_every_scenario_rehearses_on_cpu(scenario):
     assert r["verified"] and len(r["step_seconds"]) == 2
     assert r["floor_seconds"] is None and r["efficiency"] is None  # no ceilings on CPU
     assert r["peer_copies"] is (True if r["colocate"] else None)  # shared memory: every worker reaches every trainer
+    # co-located over several GPUs, the workers write the pieces of their own GPU's trainers into each other
+    assert r["pushed_bytes"] is None if not r["colocate"] else (r["pushed_bytes"] > 0) == (scenario != "colo-1gpu")
     for kind in ("naive", "bucketed"):
         assert r["baselines"][kind]["ran"] and r["baselines"][kind]["verified"], (kind, r["baselines"][kind])
 
@@ -86,4 +88,4 @@ def test_colocated_bench_without_peer_copies_goes_through_the_group():
 
     r = run("colo-pp2-tp2", "tiny-qwen3-moe", steps=2, timeout=60.0, baselines=(), device="cpu", peer_copies=False)
     assert not r["errors"], r["errors"]
-    assert r["verified"] and r["peer_copies"] is False
+    assert r["verified"] and r["peer_copies"] is False and r["pushed_bytes"] == 0

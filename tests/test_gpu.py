@@ -38,6 +38,8 @@ def test_bench_scenarios_bit_exact_with_baselines(scenario):
     assert r["verified"], r
     # the H200s reach each other's memory: the workers found so and copied the other GPU's pieces directly
     assert r["peer_copies"] is (True if r["colocate"] else None)
+    # and on two GPUs each pushed its own GPU's trainer's pieces into the other worker's tensors
+    assert r["pushed_bytes"] is None if not r["colocate"] else (r["pushed_bytes"] > 0) == (scenario == "colo-pp2-tp2")
     for kind, b in r["baselines"].items():
         assert b["ran"] and b["verified"], (kind, b)
 
@@ -49,7 +51,7 @@ def test_colocated_without_peer_copies_goes_through_nccl():
 
     r = run("colo-pp2-tp2", "qwen3-0.6b", steps=2, timeout=120.0, baselines=(), peer_copies=False)
     assert not r["errors"], r["errors"]
-    assert r["verified"] and r["peer_copies"] is False, r
+    assert r["verified"] and r["peer_copies"] is False and r["pushed_bytes"] == 0, r
 
 
 def test_nccl_inference_process_killed_fails_the_trainer_in_bounded_time():

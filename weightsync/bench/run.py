@@ -355,7 +355,8 @@ def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: s
             for step in range(steps + 1):
                 out.put(("bend", kind, step, max(e[0][step] for e in ends)))
             out.put(("bverified", kind, all(e[1] for e in ends)))
-        out.put(("infer-done", inst, exact, copy_bw, peak, nvlink, reader.shape.peer_copies))
+        pushed = sum(s["pushed_bytes"] for s in reader.last_stats)  # the last step's
+        out.put(("infer-done", inst, exact, copy_bw, peak, nvlink, reader.shape.peer_copies, pushed))
     except BaseException as e:
         import traceback
 
@@ -555,6 +556,8 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         memory_budget_bytes=DEFAULT_MEMORY_BUDGET,  # the writers' and readers' default, checked at set-up
         # co-located: whether workers copied other GPUs' pieces directly (else through their NCCL group)
         peer_copies=all(m[6] for m in infer_info) if scen.colocate else None,
+        # co-located: bytes a step's workers wrote into other workers' tensors on other GPUs (the push)
+        pushed_bytes=sum(m[7] for m in infer_info) if scen.colocate else None,
     )
     result["baselines"] = {}
     for kind in baselines:

@@ -369,7 +369,7 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
         if staged:  # every byte arrived: commit exactly the planned regions (padding stays untouched)
             _commit(ctx, plans, targets)
     return {"rank": ctx.rank, "step": step, "bytes": nbytes, "seconds": s.seconds, "posted": s.posted,
-            "buckets": buckets}
+            "buckets": buckets, "pushed_bytes": getattr(s, "pushed_bytes", 0)}
 
 
 def _disconnect(ctx: WorkerContext) -> None:
