@@ -130,6 +130,12 @@ def _die_after(module, name: str, count: int) -> None:
     setattr(module, name, wrapped)
 
 
+def _move_a_tensor(tensors: dict) -> None:
+    """Reallocate the first tensor, keeping the object and its values (``p.data = p.data.clone()``)."""
+    t = next(iter(tensors.values()))
+    t.data = t.data.clone()
+
+
 def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None:
     try:
         if job.get("gpu_base") is not None:
@@ -163,6 +169,8 @@ def trainer(rank: int, world: int, port: int, meta: str, job: dict, out) -> None
             out.put(("done", "train", rank))
             return
         for step in range(1, job["steps"] + 1):
+            if job.get("fault") == "train-moves" and rank == 0 and step == job["steps"]:
+                _move_a_tensor(bound.tensors)  # as offloading and reloading would
             with torch.no_grad():
                 fill_from(bound.layout, bound.tensors, step_canonical(spec, step, job.get("fp32", False)))
             if job.get("fault") == "train-dies-before-write" and rank == 0 and step == job["steps"]:
@@ -223,6 +231,10 @@ def _die_in_worker(ctx) -> None:
         _die_after(p2p, "post", 2)
 
 
+def _move_in_worker(ctx) -> None:
+    _move_a_tensor(ctx.tensors)
+
+
 def reader(inst: int, meta: str, job: dict, out) -> None:
     instance = None
     try:
@@ -264,6 +276,8 @@ def reader(inst: int, meta: str, job: dict, out) -> None:
         for step in range(1, job["steps"] + 1):
             if job.get("fault") == "infer-dies" and inst == 0 and step == job["steps"]:
                 instance.call(_die_in_worker)
+            if job.get("fault") == "infer-moves" and inst == 0 and step == job["steps"]:
+                instance.call(_move_in_worker)
             try:
                 r.update(step)
             except Exception as e:

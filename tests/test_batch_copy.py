@@ -404,3 +404,27 @@ def test_copy_graphs_forget_what_moved():
     weights["w"] = torch.arange(8.0) + 1  # the weights moved: both rebuilt
     assert torch.equal(step(), weights["w"][2:4])
     assert built == [1, 2, 2, 1, 2] and torch.equal(buffers[0], weights["w"])
+
+
+def test_copy_graphs_know_opened_maps_by_identity():
+    """Maps opened from another process (``opened``) cannot move under their opener, so CopyGraphs looks
+    up no address in them: the copies stay while the same map is passed, and are rebuilt for a new one
+    (the owner shared its tensors anew and they were opened again)."""
+    from weightsync.transport.graphs import CopyGraphs
+
+    mine, theirs = {"w": torch.zeros(4)}, {"w": torch.arange(4.0)}
+    graphs, owner, built = CopyGraphs(), object(), []
+
+    def step(opened):
+        graphs.begin(mine, opened=[opened])
+        graphs.run(owner, "copy", lambda: built.append(1) or [(mine["w"], opened["w"])], torch.device("cpu"))
+
+    step(theirs)
+    step(theirs)
+    assert built == [1] and torch.equal(mine["w"], theirs["w"])
+    again = {"w": torch.arange(4.0) + 10}  # opened anew: a new map
+    step(again)
+    assert built == [1, 1] and torch.equal(mine["w"], again["w"])
+    mine["w"] = torch.zeros(4)  # my own tensor moved: looked up, rebuilt
+    step(again)
+    assert built == [1, 1, 1] and torch.equal(mine["w"], again["w"])

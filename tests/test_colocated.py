@@ -182,6 +182,20 @@ def test_share_rejects_bad_input():
         share.export_tensors({"s": torch.eye(2).to_sparse()})
 
 
+def test_check_in_place_names_the_tensor_that_moved():
+    from weightsync.errors import WeightsMoved
+
+    tensors = {"a": torch.randn(3), "b": torch.randn(2, 4)}
+    shared_at = share.addresses(tensors)
+    tensors["a"].mul_(2)  # in place: fine
+    share.check_in_place(tensors, shared_at, "rank 0", "readers")
+    tensors["b"].data = tensors["b"].data.clone()  # same object, new memory
+    with pytest.raises(WeightsMoved, match=r"rank 0: tensor 'b' \(2, 4\) torch.float32 moved since it was shared with readers"):
+        share.check_in_place(tensors, shared_at, "rank 0", "readers")
+    with pytest.raises(WeightsMoved, match="3 tensors now, 2 when they were shared"):
+        share.check_in_place({**tensors, "c": torch.zeros(1)}, shared_at, "rank 0", "readers")
+
+
 # -- the proxy rule and set-up ---------------------------------------------------------------------
 
 class _FakeGroup:

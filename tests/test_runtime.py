@@ -125,6 +125,44 @@ def test_colocated_trainer_dying_before_its_step_leaves_the_old_version():
     assert time.monotonic() - start < 60
 
 
+def test_colocated_trainer_weights_moved_are_refused_before_the_step_is_announced():
+    """Co-located workers copy from where a trainer's weights were shared at start-up. A trainer that
+    reallocated one (as offloading and reloading does) must not announce the step -- the workers would
+    copy the stale memory the export keeps alive -- but say which tensor moved and abort the job, so
+    the readers stop at once, still holding exactly step 1."""
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=30.0,
+               bucket_bytes=4096, colocate=True, fault="train-moves")
+    messages = run_job(job)
+    train_errors = {m[2]: m for m in messages if m[0] == "error" and m[1] == "train"}
+    assert train_errors[0][3] == "WeightsMoved", train_errors
+    assert "training rank 0: tensor" in train_errors[0][4] and "moved since it was shared" in train_errors[0][4]
+    assert "Step 2 was not announced" in train_errors[0][4], train_errors[0]
+    failed = [m for m in messages if m[0] == "update-failed"]
+    assert failed, messages
+    _, inst, step, kind, text, version, intact = failed[0]
+    assert step == 2 and kind == "MetaAborted" and "moved since it was shared" in text, failed
+    assert version == 1 and intact is True, failed  # nothing of step 2 was copied
+    assert [m[2] for m in messages if m[0] == "updated"] == [1]
+
+
+def test_colocated_worker_weights_moved_fail_the_update():
+    """A worker whose live tensors moved since it shared them with the workers pushing into it fails the
+    step, naming the tensor, instead of letting them write into the old memory; the reader reports no
+    version and aborts the job, so the trainers stop waiting for it at once."""
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=30.0,
+               bucket_bytes=4096, colocate=True, fault="infer-moves")
+    messages = run_job(job)
+    failed = [m for m in messages if m[0] == "update-failed"]
+    assert failed, messages
+    _, inst, step, kind, text, version, intact = failed[0]
+    assert step == 2 and kind == "WeightsMoved" and "instance 0 worker 0: tensor" in text, failed
+    assert "moved since it was shared with the instance's other workers" in text, text
+    assert version is None, failed
+    assert [m[2] for m in messages if m[0] == "updated"] == [1]
+    train_errors = [m for m in messages if m[0] == "error" and m[1] == "train"]
+    assert {m[3] for m in train_errors} == {"MetaAborted"} and "worker 0: tensor" in train_errors[0][4], train_errors
+
+
 def test_colocated_worker_dying_mid_copy_fails_both_sides():
     job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
                bucket_bytes=4096, colocate=True, fault="infer-dies")  # set-up too fits in the timeout

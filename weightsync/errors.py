@@ -19,3 +19,8 @@ class LayoutMismatch(WeightSyncError):
 
 class PlanError(WeightSyncError):
     """A plan that cannot be built (uncovered canonical region, overlapping sources...)."""
+
+
+class WeightsMoved(WeightSyncError):
+    """Tensors other processes reach by address (co-located sharing) were reallocated since they were
+    shared: the others would still read or write the old memory."""

@@ -11,13 +11,15 @@ memory) and commits only a complete step, so a failed update leaves the old vers
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from weightsync.engines import make_layout
-from weightsync.meta.client import MetaClient, MetaTimeout
+from weightsync.errors import WeightsMoved
+from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.doorbell import Doorbell, open_bells, wait_rung
 from weightsync.runtime.instance import InferenceInstance, WorkerContext
@@ -142,6 +144,10 @@ class WeightReader:
         try:
             self.last_stats = self.instance.call(_receive, step, self.staged, timeout_s=self.timeout_s * 2)
             self.instance.after_update()
+        except WeightsMoved as e:  # no later step can succeed either: stop the trainers waiting for us now
+            with contextlib.suppress(MetaError):
+                self.client.abort(str(e))
+            raise
         finally:
             self.instance.resume()
         t2 = time.perf_counter()
@@ -275,7 +281,7 @@ def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s:
     when some bucket goes through it (on one host with peer access every bucket is a direct copy)."""
     from weightsync.transport.colocated import ColocatedTransport
     from weightsync.transport.group import free_port, new_group
-    from weightsync.transport.share import open_shared, share_tensors
+    from weightsync.transport.share import addresses, open_shared, share_tensors
 
     url, job, token = link
     client = MetaClient(url, job, token=token, timeout=timeout_s)
@@ -297,9 +303,12 @@ def _connect_colocated(ctx: WorkerContext, link: tuple, backend: str, timeout_s:
     sources = {t: open_shared(client.lookup(f"share.{t}.{me}", timeout=timeout_s), mine)
                for t in ranks.sources(me, ctx.state["plans"], ctx.state["send_plans"])}
     # pushing: my instance's workers open my live tensors (one export each), I open theirs
-    for p in ranks.pushers_into(me, ctx.state["plans"]):
+    pushers = ranks.pushers_into(me, ctx.state["plans"])
+    for p in pushers:
         path = share_tensors(ctx.tensors, job, f"infer{me}-for{p}")
         client.publish(f"push.{me}.{p}", path, replace=True)
+    if pushers:  # they write where my tensors were shared: each step checks they are still there
+        ctx.state["shared_at"] = addresses(ctx.tensors)
     targets = {g: open_shared(client.lookup(f"push.{g}.{me}", timeout=timeout_s), mine)
                for g in ranks.pushes(me, ctx.state["send_plans"])}
     ctx.state.update(transport=ColocatedTransport(group, ranks, me=me, timeout_s=timeout_s), sources=sources,
@@ -352,6 +361,7 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
     import torch
 
     from weightsync.transport.file import FileTransport
+    from weightsync.transport.share import check_in_place
 
     plans = ctx.state["plans"]
     targets = _targets(ctx, staged)
@@ -360,6 +370,9 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
             s = ctx.state["transport"].recv(plans, targets, step=step)
             nbytes, buckets = s.bytes, s.buckets
         elif "sources" in ctx.state:  # co-located
+            if "shared_at" in ctx.state:
+                check_in_place(ctx.tensors, ctx.state["shared_at"], f"instance {ctx.state['instance']} worker {ctx.rank}",
+                               "the instance's other workers, which write their pieces into it")
             s = ctx.state["transport"].run(plans, ctx.state["send_plans"], targets, ctx.state["sources"],
                                            ctx.state["push_targets"])
             nbytes, buckets = s.bytes, s.buckets

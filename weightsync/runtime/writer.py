@@ -8,13 +8,15 @@ rank's sends, prove the plan (pair hashes), and build the train+inference group.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Protocol
 
 import torch
 
+from weightsync.errors import WeightsMoved
 from weightsync.layout.layout import EngineLayout, Layout
-from weightsync.meta.client import MetaClient
+from weightsync.meta.client import MetaClient, MetaError
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.doorbell import Doorbell, open_bells, wait_rung
 from weightsync.runtime.job import (
@@ -31,7 +33,7 @@ from weightsync.spec.model import ModelSpec
 from weightsync.transport.file import FileTransport
 from weightsync.transport.group import free_port, new_group
 from weightsync.transport.p2p import DEFAULT_WINDOW, JobRanks, P2PTransport, TransferStats
-from weightsync.transport.share import share_tensors
+from weightsync.transport.share import addresses, check_in_place, share_tensors
 
 
 class TrainSide(Protocol):
@@ -113,6 +115,7 @@ class WeightWriter:
             for g in self.shape.colocated_ranks().importers(train.rank, self.plans):
                 path = share_tensors(train.tensors, job, f"train{train.rank}-for{g}")
                 self.client.publish(f"share.{train.rank}.{g}", path)
+            self._shared_at = addresses(train.tensors)  # after sharing: on CPU it moves them to shared memory
             return
         self.ranks = JobRanks(self.shape.train_world, self.shape.infer_world, self.shape.instances)
         if train.rank == 0:
@@ -148,11 +151,13 @@ class WeightWriter:
         if self.transport is not None:
             with torch.no_grad():
                 self.last = self.transport.send(self.plans, self.train.tensors)
-        elif self._device.type == "cuda":
-            # co-located: other processes read the weights as soon as we announce them, outside any stream
-            # order of ours, so the optimizer's kernels must have finished first (p2p sends are ordered
-            # after them by the stream; the file transport's copies to host wait for them)
-            torch.cuda.synchronize(self._device)
+        else:  # co-located
+            self._check_in_place(step)
+            if self._device.type == "cuda":
+                # other processes read the weights as soon as we announce them, outside any stream order
+                # of ours, so the optimizer's kernels must have finished first (p2p sends are ordered
+                # after them by the stream; the file transport's copies to host wait for them)
+                torch.cuda.synchronize(self._device)
         t1 = time.perf_counter()
         if self._written_bell is not None:
             self._written_bell.ring(step)
@@ -164,6 +169,18 @@ class WeightWriter:
                       lambda t: self.client.wait_held(step, instances, timeout=t))
         self.last_timing = {"send": t1 - t0, "written": t2 - t1, "wait_held": time.perf_counter() - t2}
         return self.last
+
+    def _check_in_place(self, step: int) -> None:
+        """Co-located: refuse to announce ``step`` when our weights moved since we shared them (the
+        workers would copy the old memory), and abort the job so the readers stop waiting at once."""
+        try:
+            check_in_place(self.train.tensors, self._shared_at, f"training rank {self.train.rank}",
+                           "the co-located inference workers")
+        except WeightsMoved as e:
+            error = WeightsMoved(f"{e} Step {step} was not announced; the instances keep the step they hold.")
+            with contextlib.suppress(MetaError):  # the error itself is what matters; the readers then time out
+                self.client.abort(str(error))
+            raise error from None
 
     def close(self) -> None:
         if self.server is not None:

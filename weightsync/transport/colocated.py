@@ -413,6 +413,11 @@ class ColocatedTransport:
         :meth:`ColocatedRanks.pushes` gives me to push. ``src_tensors_by_train_rank`` holds the opened
         tensors of every rank in :meth:`ColocatedRanks.sources`. Pushed buckets are complete when
         this returns on their pusher: the instance's update waits for all its workers.
+
+        The opened maps (sources, push targets) are this process's mappings of other processes'
+        memory: they must not change while the same map objects are passed (the copies are kept by
+        their identity; pass new maps when the owner shared anew). ``dst_tensors``' addresses are
+        looked up every step.
         """
         push_targets = push_targets or {}
         start = time.perf_counter()
@@ -427,8 +432,9 @@ class ColocatedTransport:
         ordered = on_gpu(dev)
         self._coalesce(dev)  # first step: every worker, remote work or not, builds the NCCL communicator
         # graphs and views stay valid while the tensors and buffers stay put
-        tensor_maps = (dst_tensors, *src_tensors_by_train_rank.values(), *push_targets.values())
-        self._graphs.begin(*tensor_maps, buffers=self._buffers)
+        # only my own tensors can move under me: the trainers' and the other workers' are my mappings
+        opened = (*src_tensors_by_train_rank.values(), *push_targets.values())
+        self._graphs.begin(dst_tensors, buffers=self._buffers, opened=opened)
         units = self._units([op for op in ops if op[0] not in _DIRECT], dev)
         stagings = {}
         for kind, b, _ in (op for unit in units for op in unit):
@@ -437,7 +443,7 @@ class ColocatedTransport:
                 b, kind, lambda b=b, t=tensors, s=kind == _SEND: stage(b, t, s, self.direct_min))
         if units and self._ensure_buffers(max(st.nbytes for st in stagings.values()), dev):
             # new buffers (first step, or grown)
-            self._graphs.begin(*tensor_maps, buffers=self._buffers)
+            self._graphs.begin(dst_tensors, buffers=self._buffers, opened=opened)
         free = list(self._buffers)
         counts = {kind: [0, 0] for kind in (_LOCAL, _PEER, _PUSH, _SEND, _RECV)}
         for kind, b, _ in ops:
