@@ -119,8 +119,8 @@ class WeightReader:
         self._report_error: Exception | None = None  # the first held report that failed, until raised
         self.last_stats: list[dict] = []
         #: seconds the last update spent waiting for the trainers (co-located), in the workers (of which
-        #: ``transport`` in the slowest worker's transport, ``posting`` until its CPU had posted everything)
-        #: and handing the step's ``held`` report over
+        #: ``transport`` in the slowest worker's transport, ``posting`` until its CPU had posted everything,
+        #: co-located ``started`` until it posted its first copy) and handing the step's ``held`` report over
         self.last_timing: dict[str, float] = {}
 
     def update(self, step: int) -> int:
@@ -157,6 +157,8 @@ class WeightReader:
         self.last_timing = {"wait_written": t1 - t0, "workers": t2 - t1, "held": time.perf_counter() - t2,
                             "transport": max(s["seconds"] for s in self.last_stats),
                             "posting": max(s["posted"] for s in self.last_stats)}
+        if self.colocate:
+            self.last_timing["started"] = max(s["started"] for s in self.last_stats)
         return step
 
     def pull(self, attempts: int = 5) -> int:
@@ -382,7 +384,7 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
         if staged:  # every byte arrived: commit exactly the planned regions (padding stays untouched)
             _commit(ctx, plans, targets)
     return {"rank": ctx.rank, "step": step, "bytes": nbytes, "seconds": s.seconds, "posted": s.posted,
-            "buckets": buckets, "pushed_bytes": getattr(s, "pushed_bytes", 0)}
+            "buckets": buckets, "pushed_bytes": getattr(s, "pushed_bytes", 0), "started": getattr(s, "started", 0.0)}
 
 
 def _disconnect(ctx: WorkerContext) -> None:

@@ -267,6 +267,7 @@ class ColocatedStats:
     posted: float = 0.0  # seconds until the CPU had posted everything (the GPU works on after that)
     pushed_buckets: int = 0  # direct copies into another worker of my instance, on another GPU
     pushed_bytes: int = 0
+    started: float = 0.0  # seconds until the first copy was posted (the step's set-up on the CPU)
 
     @property
     def bytes(self) -> int:
@@ -452,6 +453,8 @@ class ColocatedTransport:
         # direct copies, pack-free (each run straight from the trainer's view into its target), on streams
         # of their own: the same-GPU ones and the cross-GPU ones (read or pushed) overlap each other and
         # the remote units
+        started = time.perf_counter() - start
+
         def target(kind: str, peer: int | None) -> Mapping[str, torch.Tensor]:
             return push_targets[peer] if kind == _PUSH else dst_tensors
 
@@ -489,7 +492,7 @@ class ColocatedTransport:
         elif ordered:  # direct copies only: nothing can stall them
             torch.cuda.current_stream(dev).synchronize()
         return ColocatedStats(*counts[_LOCAL], *counts[_PEER], *counts[_SEND], *counts[_RECV],
-                              time.perf_counter() - start, done_posting, *counts[_PUSH])
+                              time.perf_counter() - start, done_posting, *counts[_PUSH], started)
 
     def _units(self, remote: list, dev: torch.device) -> list[list]:
         """Remote operations cut into units posted together: on NCCL, the consecutive ones of one bucket
