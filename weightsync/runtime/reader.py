@@ -129,6 +129,7 @@ class WeightReader:
             raise ValueError("update(step) is for sync mode; in async mode call pull()")
         t0 = time.perf_counter()
         self._check_announced(wait=False)
+        recorded = None
         if self.colocate:  # the trainers' shared weights hold `step` once every trainer announced it
             try:
                 wait_rung(self._written_bells, step, self.timeout_s,
@@ -137,6 +138,13 @@ class WeightReader:
                 raise MetaTimeout(f"instance {self.instance_id}: not every training rank announced step {step} "
                                   f"within {self.timeout_s:g} s, so nothing of it was copied; the workers still "
                                   f"hold step {self.version} ({e})") from e
+            if self._written_bells is not None:
+                # a trainer rings before it checks its weights are where it shared them, and records the
+                # step on the MetaServer after: copy now, report the step held only once it is recorded
+                # (a staged step is committed inside the workers: copy it only from recorded weights)
+                recorded = self._announcer.submit(self.client.wait_written, step, timeout=self.timeout_s)
+                if self.staged:
+                    recorded.result()
         if not self.staged:
             self.version = None  # from here until success the live tensors may mix two steps
         t1 = time.perf_counter()
@@ -150,6 +158,8 @@ class WeightReader:
             raise
         finally:
             self.instance.resume()
+        if recorded is not None:
+            recorded.result()  # long done, normally: raises MetaAborted for a trainer that found its weights moved
         t2 = time.perf_counter()
         self.version = step
         self.instance.set_version(step)
