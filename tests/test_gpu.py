@@ -44,6 +44,18 @@ def test_bench_scenarios_bit_exact_with_baselines(scenario):
         assert b["ran"] and b["verified"], (kind, b)
 
 
+def test_colocated_with_expandable_segments(monkeypatch):
+    # Megatron and RL frameworks often run with the allocator's expandable segments; CUDA IPC (the
+    # trainers' weights opened by the workers, the workers' by each other for the push) must work there
+    # too, bit-exact. The spawned trainers and workers read the setting when they start CUDA.
+    from weightsync.bench.run import run
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    r = run("colo-pp2-tp2", "qwen3-0.6b", steps=2, timeout=120.0, baselines=())
+    assert not r["errors"], r["errors"]
+    assert r["verified"] and r["peer_copies"] and r["pushed_bytes"] > 0, r
+
+
 def test_colocated_without_peer_copies_goes_through_nccl():
     # as on GPUs without peer access: same-GPU pieces are still direct copies, the other GPU's go through
     # the workers' NCCL group (the trainers' proxies send them), bit-exact
