@@ -272,6 +272,24 @@ def test_one_host_needs_no_group_but_a_rank():
         ColocatedTransport(None, ColocatedRanks(train_world=2, infer_world=2, gpus_per_host=1), me=0)
 
 
+def test_work_during_the_copies_raises_once_they_are_done():
+    """``run(..., during=...)``: CPU work overlapping the copies (the reader's check that its tensors did
+    not move); what it raises comes out only once the step's copies are all done."""
+    case = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=1", instances=1, budget=4096)
+    spec, src, dst, ranks, planner = _setup(case)
+    canonical = random_canonical(spec, 3)
+    trainer = scatter(src.layout(0), canonical)
+    want = scatter(dst.layout(0), canonical)
+    live = {n: torch.full_like(t, float("nan")) for n, t in want.items()}
+
+    def during():
+        raise RuntimeError("found during the copies")
+
+    with pytest.raises(RuntimeError, match="found during the copies"):
+        ColocatedTransport(None, ranks, me=0).run(planner.recv_plan(0, 0), {}, live, {0: trainer}, during=during)
+    assert all(_same(live[n], want[n]) for n in want)  # every copy done (the padding keeps its poison)
+
+
 def test_unproxied_training_rank_fails_at_setup():
     ranks = ColocatedRanks(train_world=4, infer_world=1, instances=2)  # GPUs 2 and 3 have no worker
     with pytest.raises(ConfigError, match=r"training rank\(s\) \[2, 3\] have no inference worker"):

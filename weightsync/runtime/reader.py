@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -373,7 +374,6 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
     import torch
 
     from weightsync.transport.file import FileTransport
-    from weightsync.transport.share import check_in_place
 
     plans = ctx.state["plans"]
     targets = _targets(ctx, staged)
@@ -382,11 +382,9 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
             s = ctx.state["transport"].recv(plans, targets, step=step)
             nbytes, buckets = s.bytes, s.buckets
         elif "sources" in ctx.state:  # co-located
-            if "shared_at" in ctx.state:
-                check_in_place(ctx.tensors, ctx.state["shared_at"], f"instance {ctx.state['instance']} worker {ctx.rank}",
-                               "the instance's other workers, which write their pieces into it")
+            check = functools.partial(_check_pushed_into, ctx) if "shared_at" in ctx.state else None
             s = ctx.state["transport"].run(plans, ctx.state["send_plans"], targets, ctx.state["sources"],
-                                           ctx.state["push_targets"])
+                                           ctx.state["push_targets"], during=check)  # checked while copying
             nbytes, buckets = s.bytes, s.buckets
         else:
             s = ctx.state["transport"].recv(plans, targets)
@@ -395,6 +393,14 @@ def _receive(ctx: WorkerContext, step: int, staged: bool = False) -> dict[str, A
             _commit(ctx, plans, targets)
     return {"rank": ctx.rank, "step": step, "bytes": nbytes, "seconds": s.seconds, "posted": s.posted,
             "buckets": buckets, "pushed_bytes": getattr(s, "pushed_bytes", 0), "started": getattr(s, "started", 0.0)}
+
+
+def _check_pushed_into(ctx: WorkerContext) -> None:
+    """My instance's other workers write where my tensors were shared: raise if one moved since."""
+    from weightsync.transport.share import check_in_place
+
+    check_in_place(ctx.tensors, ctx.state["shared_at"], f"instance {ctx.state['instance']} worker {ctx.rank}",
+                   "the instance's other workers, which write their pieces into it")
 
 
 def _disconnect(ctx: WorkerContext) -> None:

@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch.distributed import ProcessGroup
@@ -403,6 +403,7 @@ class ColocatedTransport:
         dst_tensors: Mapping[str, torch.Tensor],
         src_tensors_by_train_rank: Mapping[int, Mapping[str, torch.Tensor]],
         push_targets: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        during: Callable[[], None] | None = None,
     ) -> ColocatedStats:
         """Move one step's weights: my recv plan into ``dst_tensors`` (in place), every bucket I push
         into other workers' opened ``push_targets`` (by group rank), and every bucket of the send plans
@@ -419,6 +420,9 @@ class ColocatedTransport:
         memory: they must not change while the same map objects are passed (the copies are kept by
         their identity; pass new maps when the owner shared anew). ``dst_tensors``' addresses are
         looked up every step.
+
+        ``during``: CPU work to overlap with the copies, called once every copy is posted; what it
+        raises is raised once they are done.
         """
         push_targets = push_targets or {}
         start = time.perf_counter()
@@ -487,10 +491,18 @@ class ColocatedTransport:
         for side in sides:
             torch.cuda.current_stream(dev).wait_stream(side)
         done_posting = time.perf_counter() - start
+        error = None
+        if during is not None:
+            try:
+                during()
+            except Exception as e:  # noqa: BLE001 - raised below, once the posted work is done
+                error = e
         if ordered and posted:
             settle(posted, self.timeout.total_seconds(), dev, self.group)
         elif ordered:  # direct copies only: nothing can stall them
             torch.cuda.current_stream(dev).synchronize()
+        if error is not None:
+            raise error
         return ColocatedStats(*counts[_LOCAL], *counts[_PEER], *counts[_SEND], *counts[_RECV],
                               time.perf_counter() - start, done_posting, *counts[_PUSH], started)
 
