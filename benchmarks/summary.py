@@ -11,6 +11,8 @@ def line(r: dict) -> str:
          f"[{r['min_seconds'] * 1e3:.1f}-{r['max_seconds'] * 1e3:.1f}] transfer {r.get('transfer_median_seconds', 0) * 1e3:.1f} ms "
          f"floor {r['floor_seconds'] * 1e3:.1f} eff {r['efficiency']:.2f} peak {r['peak_transient_bytes'] / 2**20:.0f} MiB "
          f"verified {r['verified']}")
+    if r.get("pushed_bytes"):  # co-located across GPUs: what the workers wrote into each other
+        s += f" pushed {r['pushed_bytes'] / 1e9:.2f} GB"
     if r.get("phase_median_seconds"):
         s += "\n   phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["phase_median_seconds"].items())
     for k, b in r.get("baselines", {}).items():
