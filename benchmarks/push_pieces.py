@@ -66,15 +66,16 @@ def _member(rank: int, port: int, args, descs, out) -> None:
     send = {t: planner.send_plan(t) for t in ranks.send_plan_ranks(me)}
     pushes = ranks.pushes(me, send)
     push_pairs = [p for bs in pushes.values() for b in bs for p in direct_pairs(segments(b), trainer, other)]
-    local_pairs = [p for bs in planner.recv_plan(0, rank).values() for b in bs if b.src_rank == rank
-                   for p in direct_pairs(segments(b), trainer, live)]
+    mine = [b for bs in planner.recv_plan(0, rank).values() for b in bs]
+    local_pairs = [p for b in mine if b.src_rank == rank for p in direct_pairs(segments(b), trainer, live)]
     # what my tensors must hold, by another path: the other trainer's pieces pulled, mine copied
     expected = {n: torch.full_like(t, float("nan")) for n, t in live.items()}
-    BatchedCopy([p for bs in planner.recv_plan(0, rank).values() for b in bs
+    BatchedCopy([p for b in mine
                  for p in direct_pairs(segments(b), trainer if b.src_rank == rank else other_trainer, expected)]).run()
     local_cap, push_cap = copy_programs(dev, True, False)
     local_all, local_rest = BatchedCopy(local_pairs), BatchedCopy(local_pairs, programs=local_cap)
     push_kernel = BatchedCopy(push_pairs, programs=push_cap)
+
     def pair_runs(d: torch.Tensor, s: torch.Tensor) -> list:
         """The pair's 2-D byte runs (src, dst, rows, row_bytes, src_stride, dst_stride), shaped alike first
         as BatchedCopy does."""
@@ -123,6 +124,7 @@ def _member(rank: int, port: int, args, descs, out) -> None:
     }
     res: dict = {"push_bytes": push_kernel.nbytes, "local_bytes": local_all.nbytes, "push_pairs": len(push_pairs),
                  "runs": len(runs), "ce_runs_in_mix": len(big), "kernel_pairs_in_mix": len(small)}
+
     def barrier() -> None:
         torch.cuda.synchronize()
         g.allreduce([torch.zeros(1, device=dev)]).wait()

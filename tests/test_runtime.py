@@ -131,8 +131,8 @@ def test_colocated_trainer_weights_moved_fail_the_step_on_both_sides(staged):
     reallocated one (as offloading and reloading does) rings its bell, so the workers copy -- the stale
     memory the export keeps alive -- while it checks; it then says which tensor moved and aborts the job
     instead of recording the step as written, and the reader, which reports a step held only once it is
-    recorded, fails the update and reports no version. A staged reader copies only recorded steps: it
-    still holds exactly step 1. (``fault="train-moves"``: rank 0 reallocates a tensor before step 2.)"""
+    recorded, fails the update: with no version if it copied, still at step 1 if it learnt of the abort
+    first. A staged reader copies only recorded steps: it still holds exactly step 1. (``fault="train-moves"``: rank 0 reallocates a tensor before step 2.)"""
     job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=30.0,
                bucket_bytes=4096, colocate=True, fault="train-moves", staged=staged)
     messages = run_job(job)

@@ -38,10 +38,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
-from typing import Callable, Mapping
 
 import torch
 from torch.distributed import ProcessGroup
@@ -454,11 +454,11 @@ class ColocatedTransport:
         for kind, b, _ in ops:
             counts[kind][0] += 1
             counts[kind][1] += b.nbytes
+        started = time.perf_counter() - start
+
         # direct copies, pack-free (each run straight from the trainer's view into its target), on streams
         # of their own: the same-GPU ones and the cross-GPU ones (read or pushed) overlap each other and
         # the remote units
-        started = time.perf_counter() - start
-
         def target(kind: str, peer: int | None) -> Mapping[str, torch.Tensor]:
             return push_targets[peer] if kind == _PUSH else dst_tensors
 

@@ -287,7 +287,8 @@ def check_in_place(tensors: Mapping[str, torch.Tensor], shared_at: tuple[int, ..
     """Raise :class:`WeightsMoved` when a tensor of ``tensors`` no longer lies where it was shared
     (``shared_at``, from :func:`addresses` right after sharing): ``readers`` reach it by its address,
     so after a reallocation -- ``p.data = ...``, offloading and reloading -- they would copy the old
-    memory, which the export keeps alive, silently. One address lookup per tensor (~0.1 us each)."""
+    memory, which the export keeps alive, silently. One address lookup per tensor (~0.25 us each on the
+    GPU host: 1.6 ms for a 30B Megatron stage's 6,300)."""
     now = addresses(tensors)
     if now == shared_at:
         return
