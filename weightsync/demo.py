@@ -1,42 +1,64 @@
 """``weightsync demo``: real training processes, real inference instances, real weight syncs.
 
-An embedded MetaServer; training processes holding a tiny model (FSDP2 over ``dp`` ranks, or one
-plain transformers rank) that take real optimizer steps, so the weights change; and inference
-instances -- by default one real transformers model and one vLLM-layout TP=2 instance (worker
-processes holding exactly a vLLM worker's tensors). Each step: train, write, update, then verify
-every inference tensor bit for bit against the trainer's full weights (saved by training rank 0)
-and, for transformers instances, that their logits equal the trainer's.
+An embedded MetaServer; training processes holding a tiny model under any training layout
+(``hf``, ``fsdp:dp=N``, ``megatron:tp=..,pp=..,ep=..,dp=..``, as ``weightsync plan`` takes them)
+that take real optimizer steps, so the weights change; and inference instances -- by default one
+real transformers model and one vLLM-layout TP=2 instance (worker processes holding exactly a vLLM
+worker's tensors). Each step: train, write, update, then verify every inference tensor bit for bit
+against the trainers' weights (every training rank saves the canonical regions it holds; rank 0
+puts them together, checking that replicas agree) and, for transformers instances of a
+transformers-family trainer, that their logits equal the trainer's.
 
 Instances of different layouts are separate weight-sync jobs (one plan per layout); the trainer
-runs one WeightWriter per job.
+runs one WeightWriter per job. The processes run under :class:`weightsync.local.runner.LocalJob`:
+the first failure anywhere stops them all, and the demo says in one line who failed and why
+(each process's full log stays in a directory it names).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import multiprocessing as mp
-import queue
+import os
+import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.errors import ConfigError
+from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.local.events import Event, Failed, Participant, Ready, StepDone, StepStarted
+from weightsync.local.runner import Emit, LocalJob
 
 DEFAULT_INFER = ("hf", "vllm:tp=2")
 
 
-@dataclass
+class VerificationError(WeightSyncError):
+    """An instance's tensors (or logits) differ from the trainers' after an update that returned."""
+
+
+@dataclass(frozen=True)
 class DemoConfig:
     model: str = "tiny-qwen3"
     train: str = "fsdp:dp=2"
-    infer: list[str] = field(default_factory=lambda: list(DEFAULT_INFER))
+    infer: tuple[str, ...] = DEFAULT_INFER
     instances: int = 1  # per inference layout
     colocate: bool = False
     steps: int = 3
     device: str = "cpu"
     timeout_s: float = 60.0
+
+
+@dataclass
+class _StepRecord:
+    """What the driver gathers about one step from every process."""
+
+    step: int
+    starts: list[float] = field(default_factory=list)
+    loss: float | None = None
+    updates: list[StepDone] = field(default_factory=list)
 
 
 def _jobs(cfg: DemoConfig) -> list[tuple[str, str]]:
@@ -47,24 +69,14 @@ def _jobs(cfg: DemoConfig) -> list[tuple[str, str]]:
 # -- training processes -----------------------------------------------------------------------------
 
 
-def _trainer(rank: int, world: int, port: int, meta: str, cfg: DemoConfig, refdir: str, out: mp.Queue) -> None:
-    try:
-        _train_loop(rank, world, port, meta, cfg, refdir, out)
-    except BaseException as e:  # report, then exit non-zero
-        out.put(("error", f"training rank {rank}", f"{type(e).__name__}: {e}"))
-        raise
-
-
-def _train_loop(rank: int, world: int, port: int, meta: str, cfg: DemoConfig, refdir: str, out: mp.Queue) -> None:
+def _trainer(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: DemoConfig, refdir: str) -> None:
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
+    from weightsync.local.trainers import build_trainer
     from weightsync.runtime.writer import WeightWriter
     from weightsync.spec import load_spec
-    from weightsync.testing import build_hf_model
 
     torch.set_num_threads(1)
-    engine_name = cfg.train.split(":")[0]
     spec = load_spec(cfg.model)
     cuda = cfg.device == "cuda"
     if cuda:
@@ -72,220 +84,224 @@ def _train_loop(rank: int, world: int, port: int, meta: str, cfg: DemoConfig, re
     # the trainer's own default group, as a real trainer has; weightsync builds its group beside it
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    model = build_hf_model(spec, seed=0)
-    if cuda:
-        model = model.to(f"cuda:{rank}")
-    if engine_name == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        from weightsync.bind.train import FSDPTrainEngine
-
-        mesh = init_device_mesh(cfg.device, (world,), mesh_dim_names=("dp",))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        bound = FSDPTrainEngine(model).bound
-    else:
-        from weightsync.bind.train import HFTrainEngine
-
-        bound = HFTrainEngine(model).bound
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    writers = [WeightWriter(bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate)
+    trainer = build_trainer(spec, cfg.train, rank, world, device=cfg.device)
+    writers = [WeightWriter(trainer.bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate)
                for job, _ in _jobs(cfg)]
-    dev = next(model.parameters()).device
+    emit(Ready(emit.participant))
+    dev = next(iter(trainer.bound.tensors.values())).device
     probe = torch.arange(16, device=dev).remainder(spec.vocab_size).view(1, 16)
     for step in range(1, cfg.steps + 1):
-        g = torch.Generator().manual_seed(1000 * step + rank)
+        g = torch.Generator().manual_seed(1000 * step + trainer.data_rank)
         tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=g).to(dev)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                    for n, p in model.state_dict().items()}
-            logits = model(input_ids=probe).logits.detach().cpu()
+        loss = trainer.train_step(tokens)
+        torch.save(_held_pieces(trainer.bound), f"{refdir}/step{step}.rank{rank}.pt")
+        if trainer.logits is not None:
+            logits = trainer.logits(probe).cpu()  # collective under FSDP2: every rank computes it
+            if rank == 0:
+                torch.save(logits, f"{refdir}/logits{step}.pt")
+        dist.barrier()
         if rank == 0:
-            save_file(_canonical_of(spec, full), f"{refdir}/step{step}.safetensors")
-            torch.save(logits, f"{refdir}/logits{step}.pt")
+            _assemble_reference(spec, refdir, step, world)
         dist.barrier()
         # wall clock, sent before any byte moves: the driver compares it with the readers' end times
-        out.put(("train", rank, step, time.time(), loss.item()))
+        emit(StepStarted(emit.participant, step, time.time(), loss))
         for w in writers:
             w.write(step)
     dist.destroy_process_group()
 
 
-def _canonical_of(spec, full: dict) -> dict:
-    """The trainer's full weights as canonical (checkpoint) tensors, through the hf layout's pieces."""
-    from weightsync.engines.hf import HFLayout
+def _held_pieces(bound) -> list[tuple[str, list[list[int]], torch.Tensor]]:
+    """Every canonical region this rank holds: (canonical name, its box, a CPU copy of the values)."""
     from weightsync.layout.materialize import local_view
 
-    out = {}
-    for p in HFLayout(spec).layout(0).pieces():
-        out[p.canonical] = local_view(full[p.tensor], p).contiguous()
-    return out
+    with torch.no_grad():
+        return [(p.canonical, [list(b) for b in p.canon_box], local_view(bound.tensors[p.tensor], p).detach().cpu().clone())
+                for p in bound.layout.pieces()]
+
+
+def _assemble_reference(spec, refdir: str, step: int, world: int) -> None:
+    """Put every rank's regions together into the step's full canonical weights (a safetensors file),
+    refusing replicas that disagree (a rank whose copy of a shared tensor drifted)."""
+    from safetensors.torch import save_file
+
+    full: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
+    for rank in range(world):
+        for name, box, values in torch.load(f"{refdir}/step{step}.rank{rank}.pt", weights_only=True):
+            shape = spec.by_name[name].shape
+            if name not in full:
+                full[name] = torch.zeros(shape, dtype=values.dtype)
+                seen[name] = torch.zeros(shape, dtype=torch.bool)
+            region = tuple(slice(o, o + n) for o, n in box)
+            held = seen[name][region]
+            if held.any() and not torch.equal(full[name][region][held], values[held]):
+                raise VerificationError(f"step {step}: training rank {rank}'s copy of {name}{box} differs from "
+                                        "another rank's replica of it; the trainers' replicas drifted apart")
+            full[name][region] = values
+            seen[name][region] = True
+    missing = [n for n in spec.by_name if n not in seen or not bool(seen[n].all())]
+    if missing:
+        raise VerificationError(f"step {step}: no training rank holds all of {missing[:3]} ({len(missing)} tensors)")
+    save_file(full, f"{refdir}/step{step}.safetensors")
 
 
 # -- inference instances ----------------------------------------------------------------------------
 
 
-def _reader(job: str, engine: str, inst: int, instances: int, meta: str, cfg: DemoConfig, refdir: str,
-            out: mp.Queue, gpu: int = 0) -> None:
-    try:
-        _read_loop(job, engine, inst, instances, meta, cfg, refdir, out, gpu)
-    except BaseException as e:
-        out.put(("error", f"instance {inst} of {job}", f"{type(e).__name__}: {e}"))
-        raise
-
-
-def _read_loop(job: str, engine: str, inst: int, instances: int, meta: str, cfg: DemoConfig, refdir: str,
-               out: mp.Queue, gpu: int) -> None:
+def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: str, cfg: DemoConfig,
+            refdir: str, gpu: int = 0) -> None:
+    from weightsync.local.instances import build_instance
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
-    from weightsync.testing import build_hf_model
 
     torch.set_num_threads(1)
     spec = load_spec(cfg.model)
-    hf_model = None
-    if engine == "hf":
-        from weightsync.instances.hf import HFInstance
-
-        hf_model = build_hf_model(spec, seed=99)
-        if cfg.device == "cuda":
-            hf_model = hf_model.to(f"cuda:{gpu}")
-        with torch.no_grad():
-            for p in hf_model.parameters():
-                p.fill_(float("nan"))  # poisoned: a missed byte shows
-        instance = HFInstance(hf_model)
-    else:
-        from weightsync.instances.faithful import FaithfulInstance
-
-        device = f"cuda:{gpu}" if cfg.device == "cuda" else "cpu"
-        instance = FaithfulInstance(dict(spec.config), engine, device=device)
+    local = build_instance(spec, engine, device=f"cuda:{gpu}" if cfg.device == "cuda" else "cpu", seed=99)
     try:
-        reader = WeightReader(instance, meta=meta, job=job, instance_id=inst, instances=instances,
+        reader = WeightReader(local.instance, meta=meta, job=job, instance_id=inst, instances=instances,
                               timeout_s=cfg.timeout_s, colocate=cfg.colocate)
+        emit(Ready(emit.participant))
         probe = torch.arange(16).remainder(spec.vocab_size).view(1, 16)
-        if hf_model is not None:
-            probe = probe.to(next(hf_model.parameters()).device)
+        if local.model is not None:
+            probe = probe.to(next(local.model.parameters()).device)
         for step in range(1, cfg.steps + 1):
             t0 = time.perf_counter()
             reader.update(step)
             seconds, end = time.perf_counter() - t0, time.time()
             got = sum(s["bytes"] for s in reader.last_stats)
-            exact = all(instance.call(_verify, f"{refdir}/step{step}.safetensors", engine, dict(spec.config),
-                                      timeout_s=cfg.timeout_s))
+            problems = [p for ps in local.instance.call(_verify, f"{refdir}/step{step}.safetensors", engine,
+                                                        dict(spec.config), timeout_s=cfg.timeout_s) for p in ps]
             logits_equal = None
-            if hf_model is not None:
+            if local.model is not None and os.path.exists(f"{refdir}/logits{step}.pt"):
                 with torch.no_grad():
-                    logits = hf_model(input_ids=probe).logits
+                    logits = local.model(input_ids=probe).logits
                 logits_equal = torch.equal(logits.cpu(), torch.load(f"{refdir}/logits{step}.pt"))
-            out.put(("infer", job, inst, step, seconds, end, got, exact, logits_equal, reader.version))
+            emit(StepDone(emit.participant, step, seconds, got, not problems, version=reader.version,
+                          problems=tuple(problems), logits_equal=logits_equal, end=end))
+            if problems:
+                raise VerificationError(f"step {step}: {len(problems)} pieces differ from the trainers' weights, "
+                                        f"first {problems[0]}")
+            if logits_equal is False:
+                raise VerificationError(f"step {step}: the logits differ from the trainer's (its tensors are bit-exact)")
+            if reader.version != step:
+                raise VerificationError(f"step {step}: the reader says it holds version {reader.version}")
     finally:
-        instance.close()
+        local.close()
 
 
-def _verify(ctx, ref_path: str, engine: str, model_config: dict) -> bool:
-    """On a worker: every local tensor equals the trainer's weights placed through this rank's layout."""
+def _verify(ctx, ref_path: str, engine: str, model_config: dict) -> list[str]:
+    """On a worker: the pieces whose local values differ from the trainers' weights (none: bit-exact)."""
     from safetensors.torch import load_file
 
     from weightsync.engines import make_layout
     from weightsync.layout.box import slices
     from weightsync.spec import spec_from_config
-    from weightsync.testing import holds
+    from weightsync.testing import differences
 
     ref = load_file(ref_path)
     layout = make_layout(spec_from_config(model_config), engine).layout(ctx.rank)
-    return holds(layout, ctx.tensors, lambda p: ref[p.canonical][slices(p.canon_box)])
+    return [f"rank {ctx.rank}: {d}" for d in differences(layout, ctx.tensors, lambda p: ref[p.canonical][slices(p.canon_box)])]
 
 
 # -- the driver -------------------------------------------------------------------------------------
 
 
-def run(cfg: DemoConfig, print_fn=print) -> dict:
+def check(cfg: DemoConfig) -> None:
+    """Refuse what the demo cannot run, before any process starts."""
     from weightsync.engines import make_layout
-    from weightsync.meta.server import MetaServer
     from weightsync.spec import load_spec
-    from weightsync.transport.group import free_port
 
     if cfg.steps < 1 or cfg.instances < 1:
         raise ConfigError("demo: --steps and --instances must be at least 1")
+    if cfg.device not in ("cpu", "cuda"):
+        raise ConfigError(f"demo: --device must be cpu or cuda, not {cfg.device!r}")
     spec = load_spec(cfg.model)
     train = make_layout(spec, cfg.train)
-    if train.engine not in ("fsdp", "hf") or (train.engine == "fsdp" and train.config.get("tp", 1) > 1):
-        raise ConfigError(f"demo: training engine {cfg.train!r} is not in the demo yet; use fsdp:dp=N or hf")
+    if train.engine not in ("hf", "fsdp", "megatron"):
+        raise ConfigError(f"demo: {cfg.train!r} is not a training layout; use hf, fsdp:dp=N[,tp=T] or megatron:...")
+    if train.engine == "fsdp" and train.config.get("tp", 1) > 1:
+        raise ConfigError(f"demo: {cfg.train!r}: FSDP2 with TP trains nowhere in the demo yet (torchtitan's TP plan "
+                          "needs its attention input hooks); use fsdp:dp=N, or megatron:tp=N for tensor parallelism")
+    if train.engine == "megatron":
+        if importlib.util.find_spec("megatron.core") is None:
+            raise ConfigError("demo: --train megatron needs megatron-core (pip install megatron-core)")
+        if spec.attention.kind == "mla":
+            raise ConfigError(f"demo: {cfg.model} has multi-latent attention, which megatron-core runs only with "
+                              "Transformer Engine; use a GQA model (tiny-qwen3, tiny-llama3, tiny-qwen3-moe) under megatron")
+        if train.vpp > 1:
+            raise ConfigError("demo: megatron with vpp > 1 (virtual pipeline stages) is not in the demo; use vpp=1")
     for e in cfg.infer:
         world = make_layout(spec, e).world_size * cfg.instances  # refuse bad layouts before starting anything
         if cfg.colocate and world < train.world_size:
             raise ConfigError(f"demo: co-located {cfg.instances} x {e} covers {world} GPUs, fewer than the "
                               f"{train.world_size} training ranks; every training GPU needs an inference worker")
-    world = train.world_size
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    results: dict[int, dict] = {s: {"step": s, "seconds": 0.0, "bytes": 0, "verified": True, "instances": []}
-                                for s in range(1, cfg.steps + 1)}
-    with tempfile.TemporaryDirectory() as refdir, MetaServer(port=0) as meta:
+    if cfg.device == "cuda":
+        per = [make_layout(spec, e).world_size * cfg.instances for e in cfg.infer]
+        need = max([train.world_size, *per]) if cfg.colocate else train.world_size + sum(per)
+        if need > torch.cuda.device_count():
+            raise ConfigError(f"demo: this set-up needs {need} GPUs, {torch.cuda.device_count()} visible")
+
+
+def run(cfg: DemoConfig, print_fn=print) -> dict:
+    """Run the demo; the result as ``--json`` prints it. ``errors`` holds the one line that ended it."""
+    from weightsync.engines import make_layout
+    from weightsync.spec import load_spec
+    from weightsync.transport.group import free_port
+
+    check(cfg)
+    spec = load_spec(cfg.model)
+    world = make_layout(spec, cfg.train).world_size
+    per_step = len(cfg.infer) * cfg.instances
+    steps = {s: _StepRecord(s) for s in range(1, cfg.steps + 1)}
+    done: list[dict] = []
+
+    def on_event(ev: Event) -> None:
+        if isinstance(ev, StepStarted):
+            r = steps[ev.step]
+            r.starts.append(ev.at)
+            r.loss = ev.loss if ev.loss is not None else r.loss
+        elif isinstance(ev, StepDone):
+            r = steps[ev.step]
+            r.updates.append(ev)
+        else:
+            return
+        if len(r.updates) == per_step and len(r.starts) == world:
+            summary = _summary(r)
+            done.append(summary)
+            print_fn(_line(summary))
+
+    logdir = tempfile.mkdtemp(prefix="weightsync-demo-")
+    with tempfile.TemporaryDirectory() as refdir, LocalJob(deadline_s=cfg.timeout_s * (cfg.steps + 3),
+                                                           log_dir=logdir) as job:
         port = free_port()
-        procs = [ctx.Process(target=_trainer, args=(r, world, port, meta.url, cfg, refdir, out), daemon=True)
-                 for r in range(world)]
+        for r in range(world):
+            job.add(Participant.trainer(r), _trainer, r, world, port, job.meta_url, cfg, refdir)
         gpu = 0 if cfg.colocate else world  # separated: instances on the GPUs after the trainers'
-        for job, engine in _jobs(cfg):
+        for name, engine in _jobs(cfg):
             per = make_layout(spec, engine).world_size
             for i in range(cfg.instances):
-                # not daemonic: a reader starts its instance's worker processes
-                procs.append(ctx.Process(target=_reader, args=(job, engine, i, cfg.instances, meta.url, cfg, refdir,
-                                                               out, gpu)))
+                job.add(Participant.instance(i, name), _reader, name, engine, i, cfg.instances, job.meta_url, cfg,
+                        refdir, gpu)
                 gpu = (gpu + per) % world if cfg.colocate else gpu + per
-        if cfg.device == "cuda" and not cfg.colocate and gpu > torch.cuda.device_count():
-            raise ConfigError(f"demo: this set-up needs {gpu} GPUs, {torch.cuda.device_count()} visible")
-        for p in procs:
-            p.start()
-        expected = cfg.steps * len(cfg.infer) * cfg.instances
-        seen, errors = 0, []
-        deadline = time.monotonic() + cfg.timeout_s * (cfg.steps + 3)
-        while seen < expected and not errors and time.monotonic() < deadline:
-            try:
-                msg = out.get(timeout=1.0)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    errors.append("a demo process died")
-                continue
-            if msg[0] == "error":
-                errors.append(f"{msg[1]}: {msg[2]}")
-            elif msg[0] == "infer":
-                _, job, inst, step, seconds, end, got, exact, logits_equal, version = msg
-                r = results[step]
-                r["end"] = max(r.get("end", 0.0), end)
-                r["bytes"] += got
-                ok = bool(exact) and logits_equal is not False and version == step
-                r["verified"] = r["verified"] and ok
-                r["instances"].append({"job": job, "instance": inst, "seconds": seconds, "bytes": got,
-                                       "exact": exact, "logits_equal": logits_equal, "version": version})
-                seen += 1
-            elif msg[0] == "train":
-                r = results[msg[2]]
-                r["start"] = min(r.get("start", msg[3]), msg[3])
-                r["starts"] = r.get("starts", 0) + 1
-                r["loss"] = msg[4]
-            else:
-                continue
-            r = results[msg[3] if msg[0] == "infer" else msg[2]]
-            if len(r["instances"]) == len(cfg.infer) * cfg.instances and r.get("starts") == world:
-                r["seconds"] = r["end"] - r["start"]  # from the first write call to the last update return
-                print_fn(_line(r))
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if seen < expected and not errors:
-        errors.append(f"timed out: {seen} of {expected} instance updates reported")
-    steps = [{k: v for k, v in results[s].items() if k not in ("start", "end", "starts")} for s in sorted(results)]
-    verified = not errors and all(s["verified"] and len(s["instances"]) == len(cfg.infer) * cfg.instances
-                                  for s in steps)
-    return {"model": cfg.model, "train": cfg.train, "infer": cfg.infer, "instances": cfg.instances,
-            "steps": steps, "verified": verified, "errors": errors}
+        result = job.run(on_event=on_event)
+    errors = []
+    if result.failure is not None:
+        errors.append(result.failure.line() + f" (every process's log: {logdir})")
+    else:
+        shutil.rmtree(logdir, ignore_errors=True)
+    verified = not errors and len(done) == cfg.steps and all(s["verified"] for s in done)
+    return {"model": cfg.model, "train": cfg.train, "infer": list(cfg.infer), "instances": cfg.instances,
+            "steps": sorted(done, key=lambda s: s["step"]), "verified": verified, "errors": errors}
+
+
+def _summary(r: _StepRecord) -> dict:
+    start, end = min(r.starts), max(u.end for u in r.updates)
+    instances = [{"job": u.participant.job, "instance": u.participant.index, "seconds": u.seconds, "bytes": u.bytes,
+                  "exact": u.exact, "logits_equal": u.logits_equal, "version": u.version}
+                 for u in sorted(r.updates, key=lambda u: u.participant)]
+    ok = all(u.exact and u.logits_equal is not False and u.version == r.step for u in r.updates)
+    return {"step": r.step, "seconds": end - start,  # from the first write call to the last update return
+            "bytes": sum(u.bytes for u in r.updates), "verified": ok, "instances": instances, "loss": r.loss}
 
 
 def _line(r: dict) -> str:
@@ -296,30 +312,33 @@ def _line(r: dict) -> str:
         if i["logits_equal"] is not None:
             what += ", logits equal" if i["logits_equal"] else ", LOGITS DIFFER"
         parts.append(f"{i['job'].split('-', 2)[-1]}#{i['instance']}: {what}")
-    return (f"step {r['step']}: {r['seconds']:.3f} s, {r['bytes'] / 1e6:.3f} MB, {gbps:.3f} GB/s, "
-            f"loss {r.get('loss', float('nan')):.4f}; " + "; ".join(parts))
+    loss = f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss n/a"
+    return f"step {r['step']}: {r['seconds']:.3f} s, {r['bytes'] / 1e6:.3f} MB, {gbps:.3f} GB/s, {loss}; " + "; ".join(parts)
 
 
 def main_from_args(args) -> int:
-    cfg = DemoConfig(model=args.model, train=args.train, infer=[args.infer] if args.infer else list(DEFAULT_INFER),
+    cfg = DemoConfig(model=args.model, train=args.train, infer=(args.infer,) if args.infer else DEFAULT_INFER,
                      instances=args.instances, colocate=args.colocate, steps=args.steps, device=args.device,
                      timeout_s=args.timeout)
+    check(cfg)  # a bad option: the CLI's one-line error, before anything starts
     if not args.json:
         print(f"weightsync demo: {cfg.model}, {cfg.train} -> "
-              + ", ".join(f"{cfg.instances} x {e}" for e in cfg.infer) + f", {cfg.steps} steps on {cfg.device}")
-    result = run(cfg, print_fn=(lambda s: None) if args.json else print)
+              + ", ".join(f"{cfg.instances} x {e}" for e in cfg.infer) + f", {cfg.steps} steps on {cfg.device}",
+              flush=True)
+    result = run(cfg, print_fn=(lambda s: None) if args.json else (lambda s: print(s, flush=True)))
     if args.json:
         print(json.dumps(result))
-    else:
-        for e in result["errors"]:
-            print(f"error: {e}")
-        print("verified: every inference tensor bit-exact at every step" if result["verified"] else "NOT verified")
+    for e in result["errors"]:
+        print(f"weightsync demo: error: {e}", file=sys.stderr)
+    if not args.json and result["verified"]:
+        print("verified: every inference tensor bit-exact at every step")
     return 0 if result["verified"] else 1
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny-qwen3")
-    p.add_argument("--train", default="fsdp:dp=2", help="fsdp:dp=N or hf")
+    p.add_argument("--train", default="fsdp:dp=2", help="hf, fsdp:dp=N or megatron:tp=..,pp=..,ep=..,dp=.. "
+                                                         "(as weightsync plan takes it)")
     p.add_argument("--infer", default=None, help="one inference layout (default: an hf instance and a vllm:tp=2 one)")
     p.add_argument("--instances", type=int, default=1, help="instances per inference layout")
     p.add_argument("--colocate", action="store_true")
@@ -327,4 +346,3 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any wait may take")
     p.add_argument("--json", action="store_true")
-

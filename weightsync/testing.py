@@ -76,10 +76,31 @@ def build_hf_model(spec: ModelSpec, seed: int | None = None):
 def holds(layout: Layout, tensors: dict[str, torch.Tensor], expected: Callable[[Piece], torch.Tensor]) -> bool:
     """Whether every piece of a rank's live tensors equals ``expected(piece)`` (its canonical region),
     bit for bit, after the cast to the local tensor's dtype that a checkpoint load would do."""
+    return not differences(layout, tensors, expected, first_only=True)
+
+
+def differences(layout: Layout, tensors: dict[str, torch.Tensor], expected: Callable[[Piece], torch.Tensor],
+                first_only: bool = False) -> list[str]:
+    """The pieces (``tensor <- canonical box``) whose live values differ from ``expected`` (see :func:`holds`)."""
+    out = []
     for name, t in layout.tensors.items():
         live = tensors[name]
         for p in t.pieces:
             want = expected(p).to(device=live.device, dtype=TORCH_DTYPES[t.dtype])
             if not torch.equal(local_view(live, p), want):
-                return False
-    return True
+                out.append(f"{name} <- {p.canonical}{list(p.canon_box)}")
+                if first_only:
+                    return out
+    return out
+
+
+def hf_canonical(model, spec: ModelSpec | None = None) -> dict[str, torch.Tensor]:
+    """A transformers model's weights as canonical (checkpoint) tensors, copied, through the ``hf``
+    layout's pieces (which unstack transformers 5's fused experts)."""
+    from weightsync.bind import hf_module_spec, module_tensors
+    from weightsync.engines.hf import HFLayout
+
+    spec = spec or hf_module_spec(model)
+    live = module_tensors(model)
+    with torch.no_grad():
+        return {p.canonical: local_view(live[p.tensor], p).detach().clone() for p in HFLayout(spec).layout(0).pieces()}

@@ -1,0 +1,46 @@
+"""Inference instances for a local job's inference processes, poisoned so that a missed byte shows.
+
+``hf``: a real transformers model of the spec (every parameter NaN) behind
+:class:`~weightsync.instances.hf.HFInstance`. Any other layout (``vllm:tp=2``, ``sglang:...``):
+:class:`~weightsync.instances.faithful.FaithfulInstance`, one worker process per rank holding
+exactly that engine's tensors, NaN-filled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightsync.spec.model import ModelSpec
+
+
+@dataclass
+class LocalInstance:
+    """``instance`` is what a WeightReader drives; ``model`` the transformers module of an ``hf`` one."""
+
+    instance: Any
+    model: torch.nn.Module | None = None
+
+    def close(self) -> None:
+        self.instance.close()
+
+
+def build_instance(spec: ModelSpec, engine: str, device: str = "cpu", seed: int = 1) -> LocalInstance:
+    """An instance of layout ``engine``: on ``cpu``, or from ``cuda:K`` on (rank r on ``cuda:K+r``)."""
+    if engine == "hf":
+        from weightsync.instances.hf import HFInstance
+        from weightsync.testing import build_hf_model
+
+        model = build_hf_model(spec, seed=seed).to(device)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        return LocalInstance(HFInstance(model), model)
+    from weightsync.instances.faithful import FaithfulInstance
+
+    return LocalInstance(FaithfulInstance(dict(spec.config), engine, device=device, fill=float("nan")))
+
+
+__all__ = ["LocalInstance", "build_instance"]
