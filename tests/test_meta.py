@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def server(tmp_path):
-    with MetaServer(state_path=str(tmp_path / "state.json")).start() as s:
+    with MetaServer(state_path=str(tmp_path / "state.db")).start() as s:
         yield s
 
 
@@ -47,17 +47,32 @@ def later(delay: float, fn, *args, **kw) -> threading.Thread:
     return t
 
 
-def raw(port: int, data: bytes) -> tuple[int, dict]:
-    """Send bytes on a socket, return (status, JSON body) of the answer."""
+def raw(port: int, data: bytes) -> tuple[int, dict | str]:
+    """Send bytes on a socket, return (status, JSON or text body) of the first answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)  # a short body ends here instead of stalling
-        chunks = []
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+        got = b""
+        while b"\r\n\r\n" not in got and (chunk := sock.recv(65536)):
+            got += chunk
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *([0-9]+)", head).group(1))
+        while len(body) < length and (chunk := sock.recv(65536)):
+            body += chunk
     status = int(head.split(b" ", 2)[1])
-    return status, json.loads(body)
+    if b"application/json" in head:
+        return status, json.loads(body)
+    return status, {"error": body.decode()}  # the HTTP parser's own refusals are plain text
+
+
+def saved_rows(path) -> list[tuple]:
+    """Every row of a MetaServer state database, read as a second process would (WAL included)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return sorted(db.execute("SELECT * FROM rows").fetchall()) + sorted(db.execute("SELECT * FROM written"))
+    finally:
+        db.close()
 
 
 def http(s: MetaServer, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
@@ -92,11 +107,19 @@ def test_register_and_wait(server, pool):
     assert again == {"name": "train:0", "created": False, "count": 3}
     c.register("train", 1, host="h0", gpu=1, spec_digest="abc", address="new:1")
     assert [p["address"] for p in c.participants("train")] == ["", "new:1"]
-    with pytest.raises(MetaError, match="model spec zzz but .* has abc") as e:
-        c.register("infer", 1, instance=0, spec_digest="zzz")
-    assert e.value.status == 409
     with pytest.raises(MetaTimeout):
         c.wait_participants(2, role="infer", timeout=0.2)
+    # a refused registration aborts the job: whoever waits learns it at once, with the same reason
+    waiter = pool.submit(c.wait_participants, 4, None, 5.0)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    with pytest.raises(MetaAborted, match="model spec zzz but .* has abc") as e:
+        c.register("infer", 1, instance=0, spec_digest="zzz")
+    assert e.value.status == 409
+    with pytest.raises(MetaAborted, match="model spec zzz but .* has abc"):
+        waiter.result(timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    assert len(c.participants()) == 3  # a plain listing still answers: the refused one reads who differs
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,6 +211,8 @@ def test_held_long_poll(server, pool):
         c.held(0, 1)
     c.join(0)
     c.join(1)
+    c.register("train", 0)
+    c.written(4, 0)  # held needs the step written
     c.held(0, 3)
     t0 = time.monotonic()
     with pytest.raises(MetaTimeout):
@@ -327,12 +352,14 @@ GARBAGE = [
 ]
 
 
-def test_garbage_is_refused_and_changes_nothing(server, tmp_path):
+def test_garbage_is_refused_and_changes_nothing(server, tmp_path, monkeypatch):
+    import weightsync.meta.server as meta_server
+
+    monkeypatch.setattr(meta_server, "REQUEST_DEADLINE_S", 0.5)  # the short body's wait
     c = client(server, "j")
     c.register("train", 0)
     c.join(1)
-    state = tmp_path / "state.json"
-    before, file_before = c.summary(), state.read_bytes()
+    before, rows_before = c.summary(), saved_rows(tmp_path / "state.db")
     for kind, *req in GARBAGE:
         if kind == "raw":
             status, body = raw(server.port, req[0])
@@ -342,7 +369,7 @@ def test_garbage_is_refused_and_changes_nothing(server, tmp_path):
         assert 400 <= status < 500, (kind, req, status, body)
         assert isinstance(body, dict) and body["error"], (kind, req, body)
     assert c.summary() == before
-    assert state.read_bytes() == file_before
+    assert saved_rows(tmp_path / "state.db") == rows_before
     assert c.health()["status"] == "ok"  # still serving
 
 
@@ -369,8 +396,8 @@ def test_metrics_format(server):
     c = client(server)
     c.register("train", 0)
     c.join(0)
-    c.held(0, 7)
     c.written(7, 0)
+    c.held(0, 7)
     with pytest.raises(MetaError):
         c.held(0, 3)
     http(server, "GET", "/nope")
@@ -402,6 +429,8 @@ def test_metrics_counts_waiting_long_polls(server, pool):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     c.join(0)
+    c.register("train", 0)
+    c.written(1, 0)
     c.held(0, 1)
     assert waiter.result(timeout=5) == {0: 1}
 
@@ -411,15 +440,15 @@ def test_metrics_counts_waiting_long_polls(server, pool):
 
 
 def test_restart_mid_job_with_state(tmp_path, pool):
-    path = str(tmp_path / "state.json")
+    path = str(tmp_path / "state.db")
     s = MetaServer(state_path=path).start()
     port = s.port
     c = MetaClient(s.url, "job", timeout=10)
     c.register("train", 0, address="a:1")
     c.join(0)
     c.join(1)
-    c.held(0, 2)
     c.written(2, 0)
+    c.held(0, 2)
     c.publish("pg", "h:1")
     waiter = pool.submit(c.wait_held, 2, None, 10.0)  # waits for instance 1
     time.sleep(0.2)
@@ -448,7 +477,7 @@ def _spawn(port: int, state: str) -> tuple[subprocess.Popen, str]:
 
 
 def test_subprocess_sigkill_mid_long_poll(tmp_path, pool):
-    state = str(tmp_path / "state.json")
+    state = str(tmp_path / "state.db")
     proc, url = _spawn(0, state)
     port = int(url.rsplit(":", 1)[1])
     try:
@@ -456,6 +485,7 @@ def test_subprocess_sigkill_mid_long_poll(tmp_path, pool):
         c.register("train", 0)
         c.register("infer", 0, instance=0)
         c.join(0)
+        c.written(4, 0)
         c.held(0, 4)
         waiter = pool.submit(c.wait_held, 5, None, 15.0)
         written = pool.submit(c.wait_written, 5, None, 15.0)
@@ -480,7 +510,7 @@ def test_subprocess_sigkill_mid_long_poll(tmp_path, pool):
 
 
 def test_broken_state_file_refuses_to_start(tmp_path):
-    path = tmp_path / "state.json"
+    path = tmp_path / "state.db"
     path.write_text("{half a file")
     with pytest.raises(Exception, match="cannot read MetaServer state"):
         MetaServer(state_path=str(path)).start()
@@ -492,6 +522,7 @@ def test_requests_share_one_kept_alive_connection(server):
     conn = c._local.conn
     c.register("train", 0, address="a:1")
     c.join(0)
+    c.written(1, 0)
     c.held(0, 1)
     assert c._local.conn is conn and conn.sock is not None  # no reconnect between a step's requests
     with pytest.raises(MetaError, match="goes back"):
@@ -502,10 +533,12 @@ def test_requests_share_one_kept_alive_connection(server):
 def test_a_connection_closed_underneath_is_replaced_at_once(monkeypatch):
     import weightsync.meta.server as meta_server
 
-    monkeypatch.setattr(meta_server._Handler, "timeout", 0.2)  # the server drops idle connections fast
+    monkeypatch.setattr(meta_server, "KEEPALIVE_S", 0.2)  # the server drops idle connections fast
     with MetaServer().start() as server:
         c = MetaClient(server.url, "job", timeout=5)
         c.join(0)
+        c.register("train", 0)
+        c.written(4, 0)
         time.sleep(0.6)  # the server has closed our kept-alive connection by now
         t0 = time.monotonic()
         c.held(0, 3)
@@ -515,16 +548,25 @@ def test_a_connection_closed_underneath_is_replaced_at_once(monkeypatch):
         assert c.summary()["held"] == {"0": 4}
 
 
-def test_a_request_body_left_unread_never_becomes_the_next_request():
-    # 401 before the body is read: the server must close the connection rather than parse the body
-    # as a request (keep-alive)
-    with MetaServer(token="t0k").start() as server, socket.create_connection(("127.0.0.1", server.port)) as s:
-        body = b'{"step": 1}'
-        junk = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-        s.sendall(b"POST /v1/jobs/j/instances/0/held HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
-                  b"Content-Length: " + str(len(body) + len(junk)).encode() + b"\r\n\r\n" + body + junk)
-        s.settimeout(5)
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    assert data.count(b"HTTP/1.") == 1, data  # one answer, then the connection closed
+@pytest.mark.parametrize("method", ["POST", "GET", "DELETE"])
+def test_a_request_body_never_becomes_the_next_request(method):
+    """A body is always read (a refused request's too, a GET's or DELETE's too): the request hidden in
+    it never runs. Before, a GET's or DELETE's body was not read and ran as the next request."""
+    with MetaServer(token="t0k").start() as server:
+        good = MetaClient(server.url, "victim", token="t0k", timeout=5)
+        good.join(0)
+        inner = b"DELETE /v1/jobs/victim HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0k\r\n\r\n"
+        for auth in (b"Bearer nope", b"Bearer t0k"):
+            with socket.create_connection(("127.0.0.1", server.port)) as s:
+                path = b"/v1/jobs/j/instances/0/held" if method == "POST" else b"/v1/jobs/other"
+                s.sendall(method.encode() + b" " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: " + auth +
+                          b"\r\nContent-Length: " + str(len(inner)).encode() + b"\r\n\r\n" + inner)
+                s.settimeout(5)
+                data = s.recv(65536)
+                s.settimeout(0.3)  # no second answer follows (it would be the inner DELETE's)
+                with pytest.raises(socket.timeout):
+                    while chunk := s.recv(65536):
+                        data += chunk
+            assert data.count(b"HTTP/1.") == 1, data
+            assert int(data.split(b" ", 2)[1]) in (400, 401, 404), data
+        assert good.summary()["instances"] == [0]  # the victim job is still there

@@ -1,10 +1,12 @@
 """MetaClient: one method per MetaServer route, over http.client keep-alive connections (no extra dependency).
 
-Every call has a deadline (``timeout`` seconds from the call). Connection errors and 503 answers
-(server down, restarting or stopping) are retried with backoff until that deadline, which is safe
-because every server mutation is idempotent. Long-polls are sent in slices of at most
-``POLL_SLICE_S`` seconds and repeated until they are ready or the deadline passes, so a server
-restart in the middle of a wait costs one slice at most.
+Every call has a deadline (``timeout`` seconds from the call) and returns or raises within it plus
+``DEADLINE_MARGIN_S``, whatever the server does (hung, stopped, slow): the socket's timeout is what
+is left of the deadline plus that margin, and no attempt starts after the deadline. Connection
+errors and 503 answers (server down, restarting or stopping) are retried with backoff until that
+deadline, which is safe because every server mutation is idempotent. Long-polls are sent in slices
+of at most ``POLL_SLICE_S`` seconds (never past the deadline) and repeated until they are ready or
+the deadline passes, so a server restart in the middle of a wait costs one slice at most.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from weightsync import __version__
 from weightsync.errors import WeightSyncError
 
 POLL_SLICE_S = 25.0  # one long-poll request; well under the server's 300 s cap and common proxy timeouts
-SOCKET_MARGIN_S = 10.0  # extra socket time beyond a long-poll's own timeout
+DEADLINE_MARGIN_S = 0.5  # a call returns within its timeout plus this (the last answer's way back)
 BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
 
 
@@ -47,6 +49,7 @@ class MetaUnavailable(MetaTimeout):
 
 
 _RETRY = (http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError)
+_TIMEOUTS = (socket.timeout, TimeoutError)
 
 
 class _Connection(http.client.HTTPConnection):
@@ -61,6 +64,8 @@ class MetaClient:
     """Talks to one job on one MetaServer."""
 
     def __init__(self, url: str, job: str, token: str | None = None, timeout: float = 30.0):
+        if token is not None and not token:
+            raise ValueError("the MetaServer token is empty: pass None for a server without a token")
         self.url, self.job, self.token, self.timeout = url.rstrip("/"), job, token, timeout
         self._job_path = f"/v1/jobs/{urllib.parse.quote(job, safe='')}"
         parts = urllib.parse.urlsplit(self.url)
@@ -92,7 +97,7 @@ class MetaClient:
             conn.close()
 
     def _request(self, method: str, path: str, body: Mapping | None = None, query: Mapping | None = None,
-                 deadline: float | None = None, poll_s: float = 0.0) -> Any:
+                 deadline: float | None = None) -> Any:
         """One request, retried on connection errors and 503 until ``deadline``; 4xx raises MetaError."""
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout
         target = self._prefix + path
@@ -104,7 +109,7 @@ class MetaClient:
             headers["Authorization"] = f"Bearer {self.token}"
         delay = BACKOFF_START_S
         while True:  # at least one attempt, even with a deadline already past
-            socket_s = max(deadline - time.monotonic(), poll_s + SOCKET_MARGIN_S)
+            socket_s = max(0.05, deadline + DEADLINE_MARGIN_S - time.monotonic())
             conn, reused = self._connection(socket_s)
             try:
                 conn.request(method, target, body=data, headers=headers)
@@ -123,8 +128,11 @@ class MetaClient:
                 self._drop_connection()  # a stopping server: the retry must reach whichever server listens next
             except _RETRY as e:
                 self._drop_connection()
-                if reused:  # the server closed an idle kept-alive connection: try again at once, on a new one
-                    continue
+                if isinstance(e, _TIMEOUTS):  # the socket's timeout is the deadline's: no time is left
+                    raise MetaUnavailable(f"MetaServer {self.url} did not answer {method} {path} within the "
+                                          f"deadline: {type(e).__name__}: {e}") from None
+                if reused and time.monotonic() < deadline:
+                    continue  # the server closed an idle kept-alive connection: try again at once, on a new one
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() >= deadline:
                 raise MetaUnavailable(f"MetaServer {self.url} unreachable until the deadline: {last}")
@@ -138,7 +146,7 @@ class MetaClient:
         while True:
             slice_s = max(0.0, min(POLL_SLICE_S, deadline - time.monotonic()))
             got = self._request("GET", path, query={**query, "timeout": f"{slice_s:.3f}"},
-                                deadline=deadline, poll_s=slice_s)
+                                deadline=deadline)
             if got["ready"]:
                 return got
             if time.monotonic() >= deadline:

@@ -1,0 +1,572 @@
+"""The MetaServer's state and its rules, without HTTP.
+
+Runs on the server's event loop thread only, so it needs no lock. Every public method validates
+first, then mutates; a mutation records the row changes that persist it (:mod:`.store` ops) and
+the topics it touched, and calls ``on_change`` — the server then saves the ops (group commit) and
+only afterwards wakes the long-polls of those topics, so nobody learns of a change that is not on
+disk. Long-polls wait on futures grouped by what they wait for: waiters with the same question
+share one check per change, so 1,024 trainers waiting for the same step cost one check, not 1,024.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten
+from weightsync.meta.validate import (
+    MAX_JOBS, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, ROLES, STEP_STRIDE, STEPS_KEPT,
+    HEX_RE, Aborted, HTTPError, Query, bad, boolean, engine_config, fields, identity, integer, model_config,
+    participant_name, short, string,
+)
+
+#: how long a ``held`` post for a step no training rank has written yet waits for that ``written``
+#: (the two race when a reader's receive ends as the trainers post), before it is refused
+HELD_WAITS_FOR_WRITTEN_S = 10.0
+
+#: the ``seq`` of the last mutation made in this request's context (0: none), so the server knows
+#: whether a dropped save was the request's own
+last_mutation: contextvars.ContextVar[int] = contextvars.ContextVar("weightsync_meta_last_mutation", default=0)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An answer already encoded as JSON (a participants list shared by many waiters)."""
+
+    body: bytes
+
+
+@dataclass
+class Job:
+    """Everything the server knows about one job."""
+
+    participants: dict[str, dict] = field(default_factory=dict)  # name -> record
+    plan_hashes: dict[str, dict] = field(default_factory=dict)  # name -> {"plan_hash", "pairs": {"s,i,r": h}}
+    instances: set[int] = field(default_factory=set)
+    topology_version: int = 0
+    written: dict[int, set[int]] = field(default_factory=dict)  # step -> training ranks that wrote it
+    written_floor: int = 0  # steps below were pruned
+    written_max: int = -1  # latest step any training rank wrote (kept when pruned)
+    held: dict[int, int] = field(default_factory=dict)  # instance -> latest fully held step
+    rendezvous: dict[str, str] = field(default_factory=dict)
+    aborted: str | None = None
+    # derived, never stored
+    train_set: set[int] = field(default_factory=set)
+    role_count: dict[str, int] = field(default_factory=dict)
+    listing: dict[str | None, bytes] = field(default_factory=dict)  # encoded participants by role
+
+    def rebuild_counts(self) -> None:
+        self.train_set = {p["rank"] for p in self.participants.values() if p["role"] == "train"}
+        self.role_count = {r: sum(p["role"] == r for p in self.participants.values()) for r in ROLES}
+        self.listing.clear()
+        if self.written and self.written_max < max(self.written):
+            self.written_max = max(self.written)
+
+    def train_ranks(self) -> list[int]:
+        return sorted(self.train_set)
+
+    def complete_step(self) -> int | None:
+        """Latest step written by every registered training rank."""
+        ranks = self.train_set
+        done = [s for s, got in self.written.items() if ranks and ranks <= got]
+        return max(done) if done else None
+
+    def encoded_participants(self, role: str | None) -> bytes:
+        got = self.listing.get(role)
+        if got is None:
+            ps = [dict(p, name=n) for n, p in sorted(self.participants.items()) if role is None or p["role"] == role]
+            got = self.listing[role] = json.dumps(ps).encode()
+        return got
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Job":
+        """A job of a format-1 state file."""
+        j = cls(
+            participants=dict(d["participants"]),
+            plan_hashes=dict(d["plan_hashes"]),
+            instances=set(d["instances"]),
+            topology_version=int(d["topology_version"]),
+            written={int(s): set(r) for s, r in d["written"].items()},
+            written_floor=int(d["written_floor"]),
+            held={int(i): int(s) for i, s in d["held"].items()},
+            rendezvous=dict(d["rendezvous"]),
+            aborted=d["aborted"],
+        )
+        j.written_max = max(j.written, default=j.written_floor - 1)
+        j.rebuild_counts()
+        return j
+
+
+class _Group:
+    """Waiters asking the same question of one job: one check per change wakes them all."""
+
+    __slots__ = ("ready", "futures")
+
+    def __init__(self, ready: Callable[[Job], bool]):
+        self.ready, self.futures = ready, set()
+
+
+class Coordinator:
+    def __init__(self, jobs: dict[str, Job] | None = None):
+        self.jobs: dict[str, Job] = jobs or {}
+        self.closing = False
+        self.waiting: dict[str, int] = {}  # route -> long-polls waiting now
+        self.seq = 0  # mutations applied to memory so far
+        self.ops: list[Op] = []  # their row changes, until the server takes them
+        self.touched: set[tuple[str, str]] = set()  # (job, topic) they changed; topic "*": all of the job
+        self.on_change: Callable[[], None] = lambda: None
+        self._groups: dict[str, dict[str, dict[Hashable, _Group]]] = {}
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _job(self, job: str, create: bool = True, allow_aborted: bool = False) -> Job:
+        j = self.jobs.get(job)
+        if j is None:
+            if not create:
+                raise HTTPError(404, f"no job {job}")
+            if len(self.jobs) >= MAX_JOBS:
+                raise HTTPError(429, f"too many jobs ({MAX_JOBS}); delete finished ones")
+            j = Job()
+        if j.aborted is not None and not allow_aborted:
+            raise Aborted(job, j.aborted)
+        return j
+
+    def _save(self, job: str, j: Job, topics: tuple[str, ...], ops: list[Op]) -> None:
+        """Record a mutation already applied to ``j``; a stopping server takes none (its successor owns the state)."""
+        self.jobs[job] = j
+        self._record(job, topics, ops)
+
+    def _record(self, job: str, topics: tuple[str, ...], ops: list[Op]) -> None:
+        self.ops.extend(ops)
+        self.touched.update((job, t) for t in topics)
+        self.seq += 1
+        last_mutation.set(self.seq)
+        self.on_change()
+
+    def _refuse_if_closing(self) -> None:
+        if self.closing:
+            raise HTTPError(503, "server stopping; retry")
+
+    def take(self) -> tuple[list[Op], set[tuple[str, str]]]:
+        """Hand the pending row changes and touched topics to the server (to save, then notify)."""
+        ops, touched = self.ops, self.touched
+        self.ops, self.touched = [], set()
+        return ops, touched
+
+    def notify(self, touched: set[tuple[str, str]]) -> None:
+        """Wake the waiters whose question may now have another answer."""
+        for job, topic in touched:
+            topics = self._groups.get(job)
+            if not topics:
+                continue
+            j = self.jobs.get(job) or Job()
+            for t in list(topics) if topic == "*" else [topic]:
+                groups = topics.get(t)
+                if not groups:
+                    continue
+                for key, g in list(groups.items()):
+                    if topic == "*" or j.aborted is not None or g.ready(j):
+                        del groups[key]
+                        for f in g.futures:
+                            if not f.done():
+                                f.set_result(None)
+
+    def reload(self, jobs: dict[str, Job]) -> None:
+        """Replace memory with the last saved state (after a failed save); nobody is woken."""
+        self.jobs = jobs
+        self.ops, self.touched = [], set()
+
+    def close(self) -> None:
+        self.closing = True
+        self.notify({(job, "*") for job in self._groups})
+
+    async def _wait(self, route: str, job: str, topic: str, key: Hashable, timeout: float,
+                    ready: Callable[[Job], bool], allow_aborted: bool = False) -> tuple[bool, Job]:
+        """Until ``ready(job)`` or the timeout; an abort or a stopping server ends the wait."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        self.waiting[route] = self.waiting.get(route, 0) + 1
+        try:
+            while True:
+                self._refuse_if_closing()
+                j = self.jobs.get(job) or Job()
+                if j.aborted is not None and not allow_aborted:
+                    raise Aborted(job, j.aborted)
+                if ready(j):
+                    return True, j
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False, j
+                groups = self._groups.setdefault(job, {}).setdefault(topic, {})
+                g = groups.get(key)
+                if g is None:
+                    g = groups[key] = _Group(ready)
+                fut = loop.create_future()
+                g.futures.add(fut)
+                timer = loop.call_later(left, _expire, fut)
+                try:
+                    await fut
+                finally:
+                    timer.cancel()
+                    g.futures.discard(fut)
+                    if not g.futures and groups.get(key) is g:
+                        del groups[key]
+                        if not groups:
+                            self._groups.get(job, {}).pop(topic, None)
+                            if not self._groups.get(job, True):
+                                del self._groups[job]
+        finally:
+            self.waiting[route] -= 1
+
+    # -- jobs -----------------------------------------------------------------------------------
+    def summary(self, job: str) -> dict:
+        j = self._job(job, create=False, allow_aborted=True)
+        return {
+            "job": job,
+            "aborted": j.aborted,
+            "participants": {r: j.role_count.get(r, 0) for r in ROLES},
+            "train_ranks": j.train_ranks(),
+            "topology_version": j.topology_version,
+            "instances": sorted(j.instances),
+            "held": {str(i): s for i, s in sorted(j.held.items())},
+            "latest_written": max(j.written, default=None),
+            "complete_step": j.complete_step(),
+            "written": {str(s): sorted(r) for s, r in sorted(j.written.items())},
+            "rendezvous": sorted(j.rendezvous),
+        }
+
+    def delete(self, job: str) -> dict:
+        self._refuse_if_closing()
+        self._job(job, create=False, allow_aborted=True)
+        del self.jobs[job]
+        self._record(job, ("*",), [DropJob(job)])
+        return {"job": job, "deleted": True}
+
+    def abort(self, job: str, body: dict) -> dict:
+        fields(body, {"reason"})
+        reason = string(body["reason"], "reason", 1024)
+        self._refuse_if_closing()
+        j = self._job(job, allow_aborted=True)
+        if j.aborted is None:
+            self._abort(job, j, reason or "(no reason given)")
+        return {"job": job, "aborted": j.aborted}
+
+    def _abort(self, job: str, j: Job, reason: str) -> None:
+        j.aborted = reason
+        self._save(job, j, ("*",), [Put(job, "job", "aborted", json.dumps(reason))])
+
+    # -- participants ---------------------------------------------------------------------------
+    def register(self, job: str, body: dict) -> dict:
+        fields(body, {"role", "rank"}, {"instance", "host", "gpu", "layout_digest", "address", "version",
+                                        "spec_digest", "engine_config", "model_config"})
+        role, rank, inst = identity(body)
+        gpu = body.get("gpu")
+        rec = {
+            "role": role, "rank": rank, "instance": inst,
+            "host": string(body.get("host", ""), "host", 255),
+            "gpu": None if gpu is None else integer(gpu, "gpu", 0, 4096),
+            "layout_digest": string(body.get("layout_digest", ""), "layout_digest", 128),
+            "address": string(body.get("address", ""), "address", 512),
+            "version": string(body.get("version", ""), "version", 64),
+            "spec_digest": string(body.get("spec_digest", ""), "spec_digest", 128),
+            "engine_config": engine_config(body.get("engine_config", {})),
+            "model_config": model_config(body.get("model_config", {})),
+        }
+        name = participant_name(role, rank, inst)
+        self._refuse_if_closing()
+        j = self._job(job)
+        if rec["spec_digest"]:
+            for other, p in j.participants.items():
+                if other != name and p["spec_digest"] and p["spec_digest"] != rec["spec_digest"]:
+                    # refused at set-up: abort the job, so the participants already waiting fail now,
+                    # with this reason, instead of timing out (the refused one reads the list to say more)
+                    reason = (f"{name} has model spec {rec['spec_digest']} but {other} has {p['spec_digest']}: "
+                              f"both ends must load the same model")
+                    self._abort(job, j, reason)
+                    raise HTTPError(409, reason, aborted=reason)
+        old = j.participants.get(name)
+        if old is None and len(j.participants) >= MAX_PARTICIPANTS:
+            raise HTTPError(409, f"job {job} already has {MAX_PARTICIPANTS} participants")
+        if old != rec:
+            encoded = json.dumps(rec)  # cannot fail: every field was checked (depth, size, finite numbers)
+            j.participants[name] = rec
+            j.listing.clear()
+            if old is None:
+                j.role_count[role] = j.role_count.get(role, 0) + 1
+                if role == "train":
+                    j.train_set.add(rank)
+            ops: list[Op] = [Put(job, "participant", name, encoded)]
+            if j.plan_hashes.pop(name, None) is not None:  # a re-registered participant plans again
+                ops.append(Delete(job, "plan", name))
+            self._save(job, j, ("participants", "written"), ops)
+        return {"name": name, "created": old is None, "count": len(j.participants)}
+
+    async def participants(self, job: str, q: Query) -> Encoded:
+        role = q.values.get("role")
+        if role is not None and role not in ROLES:
+            raise bad(f"role must be one of {list(ROLES)}, got {short(role)}")
+        wait_for = q.int("wait_for", 0, 0, MAX_PARTICIPANTS)
+        timeout = q.timeout()
+
+        def count(j: Job) -> int:
+            return len(j.participants) if role is None else j.role_count.get(role, 0)
+
+        # a plain listing (no wait_for) answers on an aborted job too: a refused registrant reads it
+        ready, j = await self._wait("participants", job, "participants", (role, wait_for), timeout,
+                                    lambda j: count(j) >= wait_for, allow_aborted=wait_for == 0)
+        head = json.dumps({"ready": ready, "count": count(j)})[:-1].encode()
+        return Encoded(head + b', "participants": ' + j.encoded_participants(role) + b"}")
+
+    # -- plan hashes ----------------------------------------------------------------------------
+    def post_plan_hashes(self, job: str, body: dict) -> dict:
+        fields(body, {"role", "rank", "pairs"}, {"instance", "plan_hash"})
+        role, rank, inst = identity(body)
+        name = participant_name(role, rank, inst)
+        plan_hash = body.get("plan_hash")
+        if plan_hash is not None:
+            string(plan_hash, "plan_hash", 128, HEX_RE)
+        pairs = body["pairs"]
+        if not isinstance(pairs, list) or len(pairs) > MAX_PAIRS:
+            raise bad(f"pairs must be a list of at most {MAX_PAIRS} [src_rank, dst_instance, dst_rank, hash]")
+        got: dict[str, str] = {}
+        for p in pairs:
+            if not isinstance(p, list) or len(p) != 4:
+                raise bad(f"each pair must be [src_rank, dst_instance, dst_rank, hash], got {short(p)}")
+            s, i, r = (integer(x, "pair rank", 0, MAX_RANK) for x in p[:3])
+            h = string(p[3], "pair hash", 128, HEX_RE)
+            if (role == "train" and s != rank) or (role == "infer" and (i, r) != (inst, rank)):
+                raise bad(f"{name} reported pair {[s, i, r]} that it is not an end of")
+            key = f"{s},{i},{r}"
+            if key in got:
+                raise bad(f"pair {[s, i, r]} given twice")
+            got[key] = h
+        self._refuse_if_closing()
+        j = self._job(job)
+        if name not in j.participants:
+            raise HTTPError(409, f"{name} is not registered in job {job}; register first")
+        new = {"plan_hash": plan_hash, "pairs": got}
+        if j.plan_hashes.get(name) != new:
+            j.plan_hashes[name] = new
+            self._save(job, j, ("plan",), [Put(job, "plan", name, json.dumps(new))])
+        return {"name": name, "pairs": len(got)}
+
+    def check_plan_hashes(self, job: str) -> dict:
+        """Compare each pair's hash as its sender and its receiver computed it."""
+        j = self._job(job, create=False, allow_aborted=True)
+        mismatches, pending, compared = [], [], 0
+        seen: set[str] = set()
+        for name, ph in sorted(j.plan_hashes.items()):
+            for key, h in sorted(ph["pairs"].items()):
+                if key in seen:
+                    continue
+                seen.add(key)
+                s, i, r = map(int, key.split(","))
+                train, infer = f"train:{s}", f"infer:{i}:{r}"
+                peer = infer if name == train else train
+                peer_ph = j.plan_hashes.get(peer)
+                pair = [s, i, r]
+                if peer_ph is None:
+                    pending.append({"pair": pair, "reported_by": name, "waiting_for": peer})
+                    continue
+                compared += 1
+                hashes = {name: h, peer: peer_ph["pairs"].get(key)}
+                if hashes[train] != hashes[infer]:
+                    mismatches.append({"pair": pair, "train": train, "train_hash": hashes[train],
+                                       "infer": infer, "infer_hash": hashes[infer]})
+        plan = {n: ph["plan_hash"] for n, ph in sorted(j.plan_hashes.items()) if ph["plan_hash"]}
+        agree = len(set(plan.values())) <= 1
+        return {"ok": not mismatches and agree, "complete": not pending, "compared": compared,
+                "posted": len(j.plan_hashes),
+                "mismatches": mismatches, "pending": pending, "plan_hashes": plan, "plan_hashes_agree": agree}
+
+    # -- instances ------------------------------------------------------------------------------
+    def join_leave(self, job: str, instance: int, body: dict, join: bool) -> dict:
+        fields(body, set())
+        self._refuse_if_closing()
+        j = self._job(job)
+        changed = (instance not in j.instances) == join
+        if changed:
+            (j.instances.add if join else j.instances.discard)(instance)
+            j.topology_version += 1
+            row = Put(job, "instance", str(instance), "true") if join else Delete(job, "instance", str(instance))
+            self._save(job, j, ("instances", "held"), [row, Put(job, "job", "topology_version", str(j.topology_version))])
+        return {"instance": instance, "changed": changed, "version": j.topology_version,
+                "instances": sorted(j.instances)}
+
+    async def instances(self, job: str, q: Query) -> dict:
+        after = q.int("after_version", -1, -1)
+        timeout = q.timeout()
+        ready, j = await self._wait("instances", job, "instances", after, timeout, lambda j: j.topology_version > after)
+        return {"ready": ready, "version": j.topology_version, "instances": sorted(j.instances)}
+
+    # -- steps ----------------------------------------------------------------------------------
+    def written(self, job: str, step: int, body: dict) -> dict:
+        fields(body, {"rank"})
+        rank = integer(body["rank"], "rank", 0, MAX_RANK)
+        self._refuse_if_closing()
+        j = self._job(job)
+        if rank not in j.train_set:
+            raise HTTPError(409, f"train:{rank} is not registered in job {job}; register first")
+        if step < j.written_floor:
+            raise HTTPError(410, f"step {step} is older than the steps kept (from {j.written_floor})")
+        if step not in j.written:
+            if step > j.written_max + STEP_STRIDE:
+                raise HTTPError(409, f"step {step} jumps more than {STEP_STRIDE} past the latest step written "
+                                     f"({j.written_max}); number steps as they come")
+            if len(j.written) >= STEPS_KEPT and step < min(j.written):
+                raise HTTPError(410, f"step {step} is older than every one of the {STEPS_KEPT} steps kept "
+                                     f"(from {min(j.written)}); it would be dropped at once")
+        ranks = j.written.get(step)
+        if ranks is None or rank not in ranks:
+            ops: list[Op] = [AddWritten(job, step, rank)]
+            j.written.setdefault(step, set()).add(rank)
+            if step > j.written_max:
+                j.written_max = step
+                ops.append(Put(job, "job", "written_max", str(step)))
+            if len(j.written) > STEPS_KEPT:
+                while len(j.written) > STEPS_KEPT:
+                    oldest = min(j.written)
+                    del j.written[oldest]
+                    j.written_floor = oldest + 1
+                ops += [PruneWritten(job, j.written_floor), Put(job, "job", "written_floor", str(j.written_floor))]
+            self._save(job, j, ("written",), ops)
+        return {"step": step, "ranks": len(j.written[step])}
+
+    async def wait_written(self, job: str, step: int, q: Query) -> dict:
+        wait_for = q.int("wait_for", None, 1, MAX_PARTICIPANTS)
+        timeout = q.timeout()
+
+        def need(j: Job) -> int:  # default: every registered training rank (at least one)
+            return wait_for if wait_for is not None else max(1, len(j.train_set))
+
+        def check(j: Job) -> bool:
+            if step < j.written_floor:
+                raise HTTPError(410, f"step {step} is older than the steps kept (from {j.written_floor})")
+            return len(j.written.get(step, ())) >= need(j)
+
+        ready, j = await self._wait("written", job, "written", (step, wait_for), timeout, _safe(check))
+        check(j)
+        return {"ready": ready, "step": step, "wait_for": need(j), "ranks": sorted(j.written.get(step, ()))}
+
+    async def held(self, job: str, instance: int, body: dict) -> dict:
+        fields(body, {"step"}, {"reset"})
+        step = integer(body["step"], "step")
+        reset = boolean(body.get("reset", False), "reset")
+        j = self._job(job)
+        if instance not in j.instances:
+            raise HTTPError(409, f"instance {instance} has not joined job {job}; join first")
+        if step > j.written_max:  # its `written` may be on its way: the receive and the post race
+            ok, _ = await self._wait("held-needs-written", job, "written", ("max", step), HELD_WAITS_FOR_WRITTEN_S,
+                                     lambda j: j.written_max >= step)
+            if not ok:
+                raise HTTPError(409, f"instance {instance} reports step {step} held, but no training rank of job "
+                                     f"{job} has written it (latest written: {j.written_max})")
+            j = self._job(job)
+            if instance not in j.instances:
+                raise HTTPError(409, f"instance {instance} has not joined job {job}; join first")
+        self._refuse_if_closing()
+        prev = j.held.get(instance)
+        if prev is not None and step < prev and not reset:
+            raise HTTPError(409, f"instance {instance} already holds step {prev}; "
+                                 f"step {step} goes back (send reset to allow it)")
+        if prev != step:
+            j.held[instance] = step
+            self._save(job, j, ("held",), [Put(job, "held", str(instance), str(step))])
+        return {"instance": instance, "step": step, "previous": prev}
+
+    async def wait_held(self, job: str, q: Query) -> dict:
+        min_step = q.int("min_step", 0)
+        listed = q.int_list("instances")
+        timeout = q.timeout()
+
+        def which(j: Job) -> list[int]:
+            return listed if listed is not None else sorted(j.instances)
+
+        def ready(j: Job) -> bool:
+            ids = listed if listed is not None else j.instances
+            return bool(ids) and all(j.held.get(i, -1) >= min_step for i in ids)
+
+        key = (min_step, None if listed is None else tuple(listed))
+        ok, j = await self._wait("held", job, "held", key, timeout, ready)
+        ids = which(j)
+        return {"ready": ok, "min_step": min_step, "instances": ids, "held": {str(i): j.held.get(i) for i in ids}}
+
+    # -- rendezvous -----------------------------------------------------------------------------
+    def publish(self, job: str, name: str, body: dict) -> dict:
+        fields(body, {"address"}, {"replace"})
+        address = string(body["address"], "address", 512)
+        replace = boolean(body.get("replace", False), "replace")
+        self._refuse_if_closing()
+        j = self._job(job)
+        old = j.rendezvous.get(name)
+        if old is not None and old != address and not replace:
+            raise HTTPError(409, f"rendezvous {name} already holds {old}; send replace to change it")
+        if old is None and len(j.rendezvous) >= MAX_RENDEZVOUS:
+            raise HTTPError(409, f"job {job} already has {MAX_RENDEZVOUS} rendezvous names")
+        if old != address:
+            j.rendezvous[name] = address
+            self._save(job, j, (f"rendezvous:{name}",), [Put(job, "rendezvous", name, json.dumps(address))])
+        return {"name": name, "address": address, "changed": old != address}
+
+    async def lookup(self, job: str, name: str, q: Query) -> dict:
+        timeout = q.timeout()
+        ready, j = await self._wait("rendezvous", job, f"rendezvous:{name}", None, timeout,
+                                    lambda j: name in j.rendezvous)
+        return {"ready": ready, "name": name, "address": j.rendezvous.get(name)}
+
+    # -- metrics --------------------------------------------------------------------------------
+    def metrics(self, requests: dict[tuple[str, int], int]) -> str:
+        out = ["# HELP weightsync_meta_requests_total HTTP requests by route and status.",
+               "# TYPE weightsync_meta_requests_total counter"]
+        for (route, status), n in sorted(requests.items()):
+            out.append(f'weightsync_meta_requests_total{{route="{route}",status="{status}"}} {n}')
+        out += ["# HELP weightsync_meta_jobs Jobs held.", "# TYPE weightsync_meta_jobs gauge",
+                f"weightsync_meta_jobs {len(self.jobs)}"]
+        out += ["# HELP weightsync_meta_waiting Long-polls waiting now, by route.",
+                "# TYPE weightsync_meta_waiting gauge"]
+        out += [f'weightsync_meta_waiting{{route="{r}"}} {n}' for r, n in sorted(self.waiting.items())]
+        gauges: dict[str, tuple[str, list[str]]] = {
+            "participants": ("Registered participants, by job and role.", []),
+            "topology_version": ("Topology version, by job.", []),
+            "instances": ("Joined instances, by job.", []),
+            "step_written": ("Latest step any training rank wrote, by job.", []),
+            "step_complete": ("Latest step every training rank wrote, by job.", []),
+            "step_held": ("Latest step an instance fully holds, by job and instance.", []),
+            "aborted": ("1 if the job was aborted.", []),
+        }
+        for job, j in sorted(self.jobs.items()):
+            for role in ROLES:
+                gauges["participants"][1].append(f'{{job="{job}",role="{role}"}} {j.role_count.get(role, 0)}')
+            gauges["topology_version"][1].append(f'{{job="{job}"}} {j.topology_version}')
+            gauges["instances"][1].append(f'{{job="{job}"}} {len(j.instances)}')
+            if j.written:
+                gauges["step_written"][1].append(f'{{job="{job}"}} {max(j.written)}')
+            if (c := j.complete_step()) is not None:
+                gauges["step_complete"][1].append(f'{{job="{job}"}} {c}')
+            for i, s in sorted(j.held.items()):
+                gauges["step_held"][1].append(f'{{job="{job}",instance="{i}"}} {s}')
+            gauges["aborted"][1].append(f'{{job="{job}"}} {int(j.aborted is not None)}')
+        for name, (help_, lines) in gauges.items():
+            out += [f"# HELP weightsync_meta_{name} {help_}", f"# TYPE weightsync_meta_{name} gauge"]
+            out += [f"weightsync_meta_{name}{line}" for line in lines]
+        return "\n".join(out) + "\n"
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _safe(check: Callable[[Job], bool]) -> Callable[[Job], bool]:
+    """A readiness check that raises (410 for a pruned step) wakes its waiter, which then raises it."""
+
+    def ready(j: Job) -> bool:
+        try:
+            return check(j)
+        except HTTPError:
+            return True
+
+    return ready
+
