@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import importlib
 
-from weightsync.engines.common import parse_kv
+from weightsync.engines.config import (
+    CONFIGS,
+    EngineConfig,
+    FSDPConfig,
+    HFConfig,
+    MegatronConfig,
+    SGLangConfig,
+    VLLMConfig,
+    config_class,
+    parse_engine,
+)
 from weightsync.errors import ConfigError
 from weightsync.layout.layout import EngineLayout
 from weightsync.spec.model import ModelSpec
@@ -26,11 +36,16 @@ def engine_class(name: str) -> type[EngineLayout]:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_layout(spec: ModelSpec, text: str) -> EngineLayout:
-    """Build an engine layout from ``ENGINE:k=v,...`` (e.g. ``megatron:tp=2,pp=2``)."""
-    name, _, rest = text.partition(":")
-    cls = engine_class(name.strip())
-    return cls(spec, **parse_kv(rest, cls.keys, name))
+def make_layout(spec: ModelSpec, engine: str | EngineConfig) -> EngineLayout:
+    """Build an engine layout from ``ENGINE:k=v,...`` (e.g. ``megatron:tp=2,pp=2``) or an engine config.
+
+    ``make_layout(spec, layout.describe())`` rebuilds ``layout`` exactly: the description is its config's text.
+    """
+    config = parse_engine(engine)
+    return engine_class(config.engine)(spec, config)
 
 
-__all__ = ["ENGINES", "engine_class", "make_layout"]
+__all__ = [
+    "ENGINES", "CONFIGS", "EngineConfig", "HFConfig", "FSDPConfig", "MegatronConfig", "VLLMConfig", "SGLangConfig",
+    "config_class", "engine_class", "make_layout", "parse_engine",
+]

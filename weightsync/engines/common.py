@@ -1,4 +1,4 @@
-"""Helpers shared by engine layouts: even splits, stacked (fused) tensors, vocab padding, key parsing."""
+"""Helpers shared by engine layouts: even splits, stacked (fused) tensors, vocab padding."""
 
 from __future__ import annotations
 
@@ -86,25 +86,4 @@ def vocab_shards(
         if hi > lo:
             box = rows((lo, hi - lo), t.shape)
             out.append(Shard(group_of(i), Piece(tensor, local_box(box, 0), canonical, box), (per,) + t.shape[1:], dtype or t.dtype))
-    return out
-
-
-PARALLEL_SIZES = ("tp", "pp", "vpp", "dp", "ep", "etp")
-
-
-def parse_kv(text: str, allowed: Sequence[str], engine: str) -> dict[str, int]:
-    """Parse ``tp=2,pp=2`` into ints, refusing unknown keys and values below 1."""
-    out: dict[str, int] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, eq, val = item.partition("=")
-        if not eq:
-            raise ConfigError(f"{engine}: expected key=value, got {item!r}")
-        if key not in allowed:
-            raise ConfigError(f"{engine}: unknown key {key!r}; allowed: {', '.join(allowed)}")
-        try:
-            out[key] = int(val)
-        except ValueError:
-            raise ConfigError(f"{engine}: {key}={val!r} is not an integer") from None
-        if out[key] < (1 if key in PARALLEL_SIZES else 0):
-            raise ConfigError(f"{engine}: {key} must be at least {1 if key in PARALLEL_SIZES else 0}, got {out[key]}")
     return out

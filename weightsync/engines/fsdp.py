@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from weightsync.engines.config import FSDPConfig, HFConfig
 from weightsync.engines.hf import HFLayout
 from weightsync.errors import ConfigError
 from weightsync.layout.box import Box, box_shape, full_box
@@ -90,17 +91,17 @@ def restrict(piece: Piece, region: Box) -> Piece | None:
 
 class FSDPLayout(EngineLayout):
     engine = "fsdp"
-    keys = ("dp", "tp", "fp32")
+    keys = FSDPConfig.keys()
 
-    def __init__(self, spec: ModelSpec, dp: int = 1, tp: int = 1, fp32: int = 0):
-        if dp < 1 or tp < 1:
-            raise ConfigError(f"fsdp: dp and tp must be at least 1, got dp={dp}, tp={tp}")
+    def __init__(self, spec: ModelSpec, config: FSDPConfig | None = None, **options: int):
+        self.config = c = FSDPConfig.of(config, **options)
+        dp, tp = c.dp, c.tp
         self.dp, self.tp = dp, tp
         if tp > 1:
             self._check_tp(spec, tp)
         self.mesh = Mesh("fsdp", [("tp", tp), ("dp", dp)])
         super().__init__(spec, [self.mesh])
-        self._hf = HFLayout(spec, fp32=fp32)  # fp32=1: fp32 master weights (FSDP2 mixed precision)
+        self._hf = HFLayout(spec, HFConfig(fp32=c.fp32))  # fp32=1: fp32 master weights (FSDP2 mixed precision)
         self._everyone = self.mesh.group()
 
     @staticmethod
@@ -122,10 +123,6 @@ class FSDPLayout(EngineLayout):
                     f"fsdp: intermediate_size={layer.intermediate_size} (layer {layer.index}) of {spec.name} "
                     f"is not divisible by tp={tp}"
                 )
-
-    @property
-    def config(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, **self._hf.config}
 
     def tp_dim(self, tensor: str) -> int | None:
         """The dim TP shards local tensor ``tensor`` on, or None when it is replicated over ``tp``."""

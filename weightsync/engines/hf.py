@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from weightsync.engines.common import EXPERT_RE, whole
+from weightsync.engines.config import HFConfig
 from weightsync.layout.box import full_box
 from weightsync.layout.layout import EngineLayout, Mesh, Piece, Shard
 from weightsync.spec.model import ModelSpec
@@ -22,17 +23,14 @@ class HFLayout(EngineLayout):
     receiver rounds them to its dtype, exactly as loading an fp32 checkpoint would."""
 
     engine = "hf"
-    keys = ("fp32",)
+    keys = HFConfig.keys()
 
-    def __init__(self, spec: ModelSpec, fp32: int = 0):
+    def __init__(self, spec: ModelSpec, config: HFConfig | None = None, **options: int):
+        self.config = HFConfig.of(config, **options)
         self.mesh = Mesh("hf", [("rank", 1)])
         super().__init__(spec, [self.mesh])
         self._all = self.mesh.group()
-        self.fp32 = bool(fp32)
-
-    @property
-    def config(self) -> dict[str, int]:
-        return {"fp32": 1} if self.fp32 else {}
+        self.fp32 = bool(self.config.fp32)
 
     def _dtype(self, canonical: str) -> str:
         """The in-memory dtype: fp32 everywhere with ``fp32``; DeepSeek's router always (transformers keeps it)."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 from weightsync.engines.common import LAYER_RE, cols, even, pad_to, rows, stacked, vocab_shards, whole
+from weightsync.engines.config import MegatronConfig
 from weightsync.errors import ConfigError
 from weightsync.layout.box import full_box
 from weightsync.layout.layout import EngineLayout, Group, Mesh, Piece, Shard
@@ -55,41 +56,14 @@ _EXPERT_TAIL = ("gate_proj", "up_proj", "down_proj")
 
 class MegatronLayout(EngineLayout):
     engine = "megatron"
-    keys = ("tp", "pp", "vpp", "dp", "ep", "etp", "pp_first", "pp_last", "te", "grouped", "vocab_multiple")
+    keys = MegatronConfig.keys()
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        tp: int = 1,
-        pp: int = 1,
-        vpp: int = 1,
-        dp: int = 1,
-        ep: int = 1,
-        etp: int = 1,
-        pp_first: int = 0,
-        pp_last: int = 0,
-        te: int = 0,
-        grouped: int = 0,
-        vocab_multiple: int = 128,
-    ):
-        for k, v in dict(tp=tp, pp=pp, vpp=vpp, dp=dp, ep=ep, etp=etp, vocab_multiple=vocab_multiple).items():
-            if v < 1:
-                raise ConfigError(f"megatron: {k} must be at least 1, got {v}")
-        if te not in (0, 1) or grouped not in (0, 1):
-            raise ConfigError(f"megatron: te and grouped are 0 or 1, got te={te}, grouped={grouped}")
-        if grouped and not te:
-            raise ConfigError(
-                "megatron: grouped=1 needs te=1 (TEGroupedMLP, weight{k} names); the local spec with "
-                "moe_grouped_gemm builds the legacy GroupedMLP (transposed weight1/weight2), not supported"
-            )
-        self.tp, self.pp, self.vpp, self.dp, self.ep, self.etp = tp, pp, vpp, dp, ep, etp
-        self.pp_first, self.pp_last, self.te, self.grouped = pp_first, pp_last, bool(te), bool(grouped)
-        self.vocab_multiple = vocab_multiple
-        if (tp * dp) % (ep * etp):
-            raise ConfigError(
-                f"megatron: tp*dp={tp * dp} is not divisible by ep*etp={ep * etp} "
-                "(expert data parallel size must be an integer; parallel_state.initialize_model_parallel)"
-            )
+    def __init__(self, spec: ModelSpec, config: MegatronConfig | None = None, **options: int):
+        self.config = c = MegatronConfig.of(config, **options)
+        tp, pp, dp, ep, etp = c.tp, c.pp, c.dp, c.ep, c.etp
+        self.tp, self.pp, self.vpp, self.dp, self.ep, self.etp = tp, pp, c.vpp, dp, ep, etp
+        self.pp_first, self.pp_last, self.te, self.grouped = c.pp_first, c.pp_last, bool(c.te), bool(c.grouped)
+        self.vocab_multiple = c.vocab_multiple
         self.edp = tp * dp // (ep * etp)
         self._check_model(spec)
         # parallel_state.py RankGenerator, order "tp-cp-ep-dp-pp" (cp=1), fastest first.
@@ -97,12 +71,12 @@ class MegatronLayout(EngineLayout):
         self.expert = Mesh("expert", [("etp", etp), ("ep", ep), ("edp", self.edp), ("pp", pp)])
         super().__init__(spec, [self.dense, self.expert])
         self._place_layers(spec.num_layers)
-        self.padded_vocab = pad_to(spec.vocab_size, vocab_multiple * tp)
+        self.padded_vocab = pad_to(spec.vocab_size, c.vocab_multiple * tp)
         if self.padded_vocab // tp * (tp - 1) >= spec.vocab_size:
             # A local tensor holding only padding has no piece, so a layout cannot list it.
             raise ConfigError(
                 f"megatron: vocab {spec.vocab_size} padded to {self.padded_vocab} leaves the last tp rank's "
-                f"embedding/output_layer shard all padding; use a smaller vocab_multiple (now {vocab_multiple}) or tp"
+                f"embedding/output_layer shard all padding; use a smaller vocab_multiple (now {c.vocab_multiple}) or tp"
             )
 
     # -- validation ---------------------------------------------------------------------------
@@ -135,10 +109,6 @@ class MegatronLayout(EngineLayout):
         pp, vpp = self.pp, self.vpp
         first = self.pp_first or None
         last = self.pp_last or None
-        if pp == 1 and vpp > 1:
-            raise ConfigError("megatron: vpp>1 needs pp>1 (virtual pipeline interleaves pipeline stages)")
-        if pp == 1 and (first or last):
-            raise ConfigError("megatron: pp_first/pp_last need pp>1")
         self.stages: dict[tuple[int, int], tuple[int, int]] = {}
         if first is None and last is None:
             # get_num_layers_to_build / get_transformer_layer_offset, even branch
@@ -202,18 +172,6 @@ class MegatronLayout(EngineLayout):
             missing = [i for i, o in enumerate(owner) if o is None]
             raise ConfigError(f"megatron: pipeline split leaves layers {missing} unplaced")
         self.owner: list[tuple[int, int, int]] = owner  # type: ignore[assignment]
-
-    @property
-    def config(self) -> dict[str, int]:
-        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
-        for k, v, default in (
-            ("vpp", self.vpp, 1), ("ep", self.ep, 1), ("etp", self.etp, 1), ("pp_first", self.pp_first, 0),
-            ("pp_last", self.pp_last, 0), ("te", int(self.te), 0), ("grouped", int(self.grouped), 0),
-            ("vocab_multiple", self.vocab_multiple, 128),
-        ):
-            if v != default:
-                out[k] = v
-        return out
 
     # -- names --------------------------------------------------------------------------------
     def _chunk(self, c: int) -> str:

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 from weightsync.engines.common import pad_to
+from weightsync.engines.config import SGLangConfig
 from weightsync.engines.inference import Split, TPInferenceLayout
 from weightsync.errors import ConfigError
 from weightsync.layout.layout import Mesh
@@ -28,29 +29,16 @@ from weightsync.spec.model import ModelSpec
 
 class SGLangLayout(TPInferenceLayout):
     engine = "sglang"
-    keys = ("tp", "dp", "ep", "dp_attention", "dp_lm_head", "fuse_shared")
+    keys = SGLangConfig.keys()
     expert_prefix = "mlp.experts."
     fused_qkv_a = "fused_qkv_a_proj_with_mqa"
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        tp: int = 1,
-        dp: int = 1,
-        ep: int = 1,
-        dp_attention: int = 0,
-        dp_lm_head: int = 0,
-        fuse_shared: int = -1,
-    ):
+    def __init__(self, spec: ModelSpec, config: SGLangConfig | None = None, **options: int):
+        self.config = c = SGLangConfig.of(config, **options)
+        tp, dp, ep, dp_attention, dp_lm_head, fuse_shared = c.tp, c.dp, c.ep, c.dp_attention, c.dp_lm_head, c.fuse_shared
         arch = spec.architecture
         if dp_attention and arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
             raise ConfigError(f"sglang: {arch} has no DP-attention support in SGLang's model code")
-        if dp_lm_head and not dp_attention:
-            raise ConfigError("sglang: dp_lm_head needs dp_attention")
-        if dp_attention and tp % dp:
-            raise ConfigError(f"sglang: with dp_attention, tp={tp} must be divisible by dp={dp}")
-        if tp % ep:
-            raise ConfigError(f"sglang: tp={tp} must be divisible by ep={ep}")
         if arch == "Qwen3MoeForCausalLM" and not all(layer.moe for layer in spec.layers):
             raise ConfigError("sglang: SGLang's Qwen3-MoE makes every layer MoE; mlp_only_layers is not supported")
         has_shared = any(layer.shared_intermediate_size for layer in spec.layers)
@@ -86,7 +74,3 @@ class SGLangLayout(TPInferenceLayout):
     def _padded_vocab(self, parts: int) -> int:
         padded = pad_to(self.spec.vocab_size, self.vocab_pad)
         return padded if padded % parts == 0 else pad_to(self.spec.vocab_size, self.vocab_pad * parts)
-
-    @property
-    def config(self) -> dict[str, int]:
-        return {"tp": self.tp, "dp": self.dp, "ep": self.ep, "dp_attention": self.dp_attention}

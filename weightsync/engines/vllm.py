@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+from weightsync.engines.config import VLLMConfig
 from weightsync.engines.inference import Split, TPInferenceLayout
 from weightsync.errors import ConfigError
 from weightsync.layout.layout import Mesh
@@ -25,18 +26,16 @@ from weightsync.spec.model import ModelSpec
 
 class VLLMLayout(TPInferenceLayout):
     engine = "vllm"
-    keys = ("tp", "dp", "ep")
+    keys = VLLMConfig.keys()
     expert_prefix = "mlp.experts.routed_experts."
     fused_qkv_a = "fused_qkv_a_proj"
     # parameters vLLM derives after loading (views of kv_b_proj for bf16): not written by a sync
     derived_tensors = (".mla_attn.mla_attn.W_UK_T", ".mla_attn.mla_attn.W_UV")
 
-    def __init__(self, spec: ModelSpec, tp: int = 1, dp: int = 1, ep: int = 1):
+    def __init__(self, spec: ModelSpec, config: VLLMConfig | None = None, **options: int):
+        self.config = c = VLLMConfig.of(config, **options)
+        tp, dp, ep = c.tp, c.dp, c.ep
         world = tp * dp
-        if ep not in (1, world):
-            raise ConfigError(
-                f"vllm: ep={ep}: vLLM's expert parallelism spans all tp*dp={world} ranks; use ep={world} or ep=1"
-            )
         if ep > 1 and not spec.is_moe:
             raise ConfigError(f"vllm: ep={ep} given but {spec.name} has no experts")
         self.tp, self.dp, self.ep = tp, dp, ep
@@ -47,7 +46,3 @@ class VLLMLayout(TPInferenceLayout):
         self.replicated = Split(dense)
         self.moe_tp, self.moe_ep = Split(moe, "mtp"), Split(moe, "ep")
         self._validate()
-
-    @property
-    def config(self) -> dict[str, int]:
-        return {"tp": self.tp, "dp": self.dp, "ep": self.ep}

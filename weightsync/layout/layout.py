@@ -13,14 +13,19 @@ proportional to the answer rather than to the world size.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Iterable, Iterator, Mapping, Sequence
 
+from weightsync.dtypes import DTYPE_SIZES
 from weightsync.errors import ConfigError, LayoutMismatch
 from weightsync.layout.box import Box, box_numel
-from weightsync.spec.model import DTYPE_SIZES, ModelSpec
+from weightsync.spec.model import ModelSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from weightsync.engines.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +91,18 @@ class Layout:
         return sum(p.numel * DTYPE_SIZES[spec.by_name[p.canonical].dtype] for p in self.pieces())
 
 
+def layout_digest(layout: Layout) -> str:
+    """A short fingerprint of a rank's local tensors (names, shapes, dtypes, in order).
+
+    Two participants holding the same digest for a rank hold tensors the same plan fits; a job
+    compares the digest each participant registered with the one its plan's layout gives.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in layout.tensors.items():
+        h.update(f"{name}:{t.shape}:{t.dtype};".encode())
+    return h.hexdigest()
+
+
 class Mesh:
     """Named parallel dimensions laid over ranks, fastest-varying first (Megatron's RankGenerator order)."""
 
@@ -134,10 +151,14 @@ class EngineLayout(ABC):
     """An engine's layout rules for one model and one parallel config (pure, no live objects).
 
     Subclasses implement :meth:`shards` (every copy of a canonical tensor's regions) and
-    :meth:`canonical_names` (which canonical tensors a rank touches); the rest is derived.
+    :meth:`canonical_names` (which canonical tensors a rank touches); the rest is derived. Each
+    holds its :class:`~weightsync.engines.config.EngineConfig` as ``config`` (set before calling
+    ``__init__`` here), whose text :meth:`describe` gives and ``make_layout`` reads back.
     """
 
     engine: str = "?"
+    keys: ClassVar[tuple[str, ...]] = ()  # the config's keys, in canonical order
+    config: EngineConfig
 
     def __init__(self, spec: ModelSpec, meshes: Sequence[Mesh]):
         self.spec = spec
@@ -156,11 +177,6 @@ class EngineLayout(ABC):
     @abstractmethod
     def canonical_names(self, rank: int) -> Iterable[str]:
         """Canonical tensors of which ``rank`` holds some region (a superset is allowed)."""
-
-    @property
-    def config(self) -> dict[str, int]:
-        """The parallel config, for messages and digests."""
-        return {}
 
     # -- derived ------------------------------------------------------------------------------
     def shards(self, canonical: str) -> tuple[Shard, ...]:
@@ -190,8 +206,8 @@ class EngineLayout(ABC):
         return Layout(self.engine, rank, tensors)
 
     def describe(self) -> str:
-        cfg = ",".join(f"{k}={v}" for k, v in self.config.items())
-        return f"{self.engine}:{cfg}" if cfg else self.engine
+        """``ENGINE:k=v,...`` with every key that differs from its default: ``make_layout`` rebuilds this layout from it."""
+        return self.config.describe()
 
 
 def check_live(

@@ -10,15 +10,11 @@ from typing import Callable, Mapping
 
 import torch
 
+from weightsync.dtypes import torch_dtypes
 from weightsync.layout.box import slices
 from weightsync.layout.layout import Layout, Piece
 
-TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
+TORCH_DTYPES = torch_dtypes()  # the one table, weightsync/dtypes.py
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Iterable, Iterator
 
+from weightsync.dtypes import DTYPE_SIZES
 from weightsync.errors import PlanError
 from weightsync.layout.box import Box, box_numel, fmt_box, intersect, split_dim, split_to_fit, translate
 from weightsync.layout.layout import EngineLayout, Piece, Shard
 from weightsync.plan.topology import Topology
-from weightsync.spec.model import DTYPE_SIZES
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_STRIPE_BYTES = 4 << 20

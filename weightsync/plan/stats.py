@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+
+from weightsync.dtypes import DTYPE_SIZES
 from weightsync.plan.planner import Bucket, Pair, Planner, combine_hashes, pair_hash
 from weightsync.plan.simulate import LinkModel, predict_seconds
-from weightsync.spec.model import DTYPE_SIZES
 
 
 @dataclass

@@ -14,11 +14,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
+from weightsync.dtypes import DTYPE_SIZES, itemsize
 from weightsync.errors import SpecError
 
 PRESET_DIR = Path(__file__).parent / "presets"
-
-DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True)
@@ -201,8 +200,7 @@ def _build(cfg: Mapping[str, Any], arch: str, name: str) -> ModelSpec:
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    if dtype not in DTYPE_SIZES:
-        raise SpecError(f"unsupported dtype {dtype!r}")
+    itemsize(dtype)  # SpecError naming the supported dtypes
     if arch == "DeepseekV3ForCausalLM":
         attn = Attention(
             kind="mla",
