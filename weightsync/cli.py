@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["meta-server"]:  # the coordinator's host needs no torch: skip the other commands' parsers
+        from weightsync.meta.server import main as meta_server_main
+
+        return meta_server_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
