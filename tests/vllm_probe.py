@@ -277,6 +277,23 @@ class ProbeWorkerExtension:
                 done.append(f"{name}: {type(mod.quant_method).__name__}")
         return done
 
+    def probe_repack_experts(self) -> list[str]:
+        """Re-run CPU's MoE prepack on the live w13/w2 (they hold loaded-form values after vLLM's reload: its
+        _setup_kernel skips fused_experts.process_weights_after_loading on a weight update)."""
+        model = self.model_runner.get_model()
+        done = []
+        with torch.no_grad():
+            for name, mod in model.named_modules():
+                kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+                if kernel is None:
+                    continue
+                experts = kernel.fused_experts
+                isa = getattr(experts, "isa", None)
+                for w in (mod.w13_weight, mod.w2_weight):
+                    torch.ops._C.prepack_moe_weight(w.detach().clone(), w.data, isa)
+                done.append(f"{name}: {type(experts).__name__} isa={isa} w13={list(mod.w13_weight.shape)}")
+        return done
+
     def probe_engine_log(self) -> list[dict[str, Any]]:
         eng = getattr(self, "weight_transfer_engine", None)
         return list(getattr(eng, "log", [])) if eng is not None else [{"event": "no engine"}]
@@ -380,30 +397,40 @@ def run(args, report: dict[str, Any]) -> dict[str, Any]:
                            "logprobs_equal": got["logprobs"] == want["logprobs"],
                            "tokens_equal_A": got["tokens"] == ref_a["tokens"], "got": got["tokens"]}
 
-        tied = json.loads((PRESETS / f"{args.model}.json").read_text()).get("tie_word_embeddings", False)
-        report["tied_embeddings"] = tied
+        cfg = json.loads((PRESETS / f"{args.model}.json").read_text())
+        tied, moe = bool(cfg.get("tie_word_embeddings")), "num_experts" in cfg
+        report["tied_embeddings"], report["moe"] = tied, moe
+
+        def fixups() -> Any:
+            """What vLLM's reload leaves stale on CPU: a tied lm_head's packed copy, the MoE experts' prepack."""
+            out = []
+            if tied:
+                out.append(llm.collective_rpc("probe_redo_post_load", args=(["lm_head"],)))
+            if moe:
+                out.append(llm.collective_rpc("probe_repack_experts"))
+            return out
 
         def back_to_a() -> None:
-            """Reload A and, where tied, re-pack CPU's lm_head too, so every step starts from a true A."""
+            """Reload A plus the fix-ups, so every step starts from a true A."""
             llm.collective_rpc("probe_write", args=(str(ckpt_a), "reload"))
-            if tied:
-                llm.collective_rpc("probe_redo_post_load", args=(["lm_head"],))
+            fixups()
 
         check("inplace", ref_b, llm.collective_rpc("probe_write", args=(str(ckpt_b), "inplace")))
         back_to_a()
+        check("back_to_A_after_inplace", ref_a, "reload A + fixups")
         check("load_weights", ref_b, llm.collective_rpc("probe_write", args=(str(ckpt_b), "load_weights")))
         back_to_a()
-        if "moe" in args.model and args.tp == 1 and not args.plain_cpu:
-            check("moe_inplace_no_repack", ref_b, llm.collective_rpc("probe_moe_inplace", args=(str(ckpt_b), False)))
-            back_to_a()
-            check("moe_inplace_repack", ref_b, llm.collective_rpc("probe_moe_inplace", args=(str(ckpt_b), True)))
-            back_to_a()
-        check("back_to_A_after_writes", ref_a, "reload A")
+        check("back_to_A_after_load_weights", ref_a, "reload A + fixups")
         check("reload", ref_b, llm.collective_rpc("probe_write", args=(str(ckpt_b), "reload")))
         report["params_after_reload"] = llm.collective_rpc("probe_params")
-        check("reload_then_redo_lm_head", ref_b, llm.collective_rpc("probe_redo_post_load", args=(["lm_head"],)))
+        check("reload_then_fixups", ref_b, fixups())
+        if moe and args.tp == 1:
+            # Everything else is B now; write B's experts in loaded form (stacked [gate; up], down), then re-pack.
+            check("moe_inplace_no_repack", ref_b, llm.collective_rpc("probe_moe_inplace", args=(str(ckpt_b), False)))
+            check("moe_inplace_repack", ref_b, llm.collective_rpc("probe_moe_inplace", args=(str(ckpt_b), True)))
         back_to_a()
         check("reload_path", ref_b, llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpt_b)}))
+        check("reload_path_then_fixups", ref_b, fixups())
         back_to_a()
 
         # The weight-transfer plug-in, driven by LLM's own RL API (vllm/entrypoints/rl/offline.py).
@@ -412,6 +439,7 @@ def run(args, report: dict[str, Any]) -> dict[str, Any]:
         llm.update_weights({"update_info": {"path": str(ckpt_b), "payload": [b"xy", (3, 4)]}})
         llm.finish_weight_update(weight_version="7")
         check("engine", ref_b, {"weight_version": llm.get_weight_version()})
+        check("engine_then_fixups", ref_b, fixups())
         # A failing update (bad path), then finish, then generate; then a good update: what the caller sees, and
         # whether the model recovers. (Generating BEFORE finish, with layers still on meta, kills the engine: last.)
         llm.start_weight_update()
@@ -425,6 +453,7 @@ def run(args, report: dict[str, Any]) -> dict[str, Any]:
         llm.start_weight_update()
         llm.update_weights({"update_info": {"path": str(ckpt_a)}})
         llm.finish_weight_update(weight_version="8")
+        fixups()
         check("engine_recovered_to_A", ref_a, {"weight_version": llm.get_weight_version()})
         report["engine_log"] = llm.collective_rpc("probe_engine_log")
         if args.kill_test:
