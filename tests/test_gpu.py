@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from e2e import run_job
-from test_runtime import assert_clean
+from e2e import StepDone, UpdateFailed, assert_clean, run_job, train_errors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,20 +71,20 @@ def test_nccl_inference_process_killed_fails_the_trainer_in_bounded_time():
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=1", steps=2, timeout=10.0, gpu_base=1,
                bucket_bytes=2048, fault="infer-dies")
     t0 = time.monotonic()
-    messages = run_job(job)
-    train_errors = [m for m in messages if m[0] == "error" and m[1] == "train"]
-    assert train_errors, messages
-    assert train_errors[0][3] in ("TransportError", "MetaAborted", "MetaTimeout"), train_errors
+    result = run_job(job)
+    errors = train_errors(result)
+    assert errors, result.events
+    assert errors[0].kind in ("TransportError", "MetaAborted", "MetaTimeout"), errors
     assert time.monotonic() - t0 < 120
 
 
 def test_nccl_trainer_killed_mid_transfer_reports_no_version():
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=1", steps=2, timeout=10.0, gpu_base=1,
                bucket_bytes=2048, fault="train-dies")
-    messages = run_job(job)
-    failed = [m for m in messages if m[0] == "update-failed"]
-    assert failed, messages
-    _, inst, step, kind, text, version, intact = failed[0]
-    assert step == 2 and kind in ("WorkerError", "TransportError", "WorkerDied", "WorkerTimeout"), failed
-    assert version is None  # whatever landed, no step is claimed
-    assert [m[2] for m in messages if m[0] == "updated"] == [1]
+    result = run_job(job)
+    failed = result.of(UpdateFailed)
+    assert failed, result.events
+    f = failed[0]
+    assert f.step == 2 and f.kind in ("WorkerError", "TransportError", "WorkerDied", "WorkerTimeout"), failed
+    assert f.version is None  # whatever landed, no step is claimed
+    assert [u.step for u in result.of(StepDone)] == [1]

@@ -3,22 +3,11 @@
 import time
 
 import pytest
-from e2e import run_job
+from e2e import Pulled, StepDone, UpdateFailed, Wrote, assert_clean, infer_errors, run_job, train_errors
 
 
-def summary(messages):
-    errors = [m for m in messages if m[0] == "error"]
-    updated = [m for m in messages if m[0] == "updated"]
-    return errors, updated
-
-
-def assert_clean(messages, job):
-    errors, updated = summary(messages)
-    assert not errors, "\n".join(f"{m[1]} {m[2]}: {m[3]}: {m[4]}\n{m[5]}" for m in errors)
-    assert len(updated) == job["steps"] * job.get("instances", 1), messages
-    for _, inst, step, version, problems in updated:
-        assert version == step
-        assert problems == [], f"instance {inst} step {step}: {problems}"
+def updated_steps(result) -> list[int]:
+    return [u.step for u in result.of(StepDone)]
 
 
 CASES = [
@@ -64,48 +53,48 @@ def test_file_transport_end_to_end(tmp_path):
 def test_mixed_transports_refused(tmp_path):
     job = dict(model="tiny-qwen3", train="hf", infer="hf", steps=1, timeout=10.0, transport="file",
                directory=str(tmp_path), reader_transport="p2p")
-    messages = run_job(job)
-    errors = [m for m in messages if m[0] == "error"]
-    assert errors and "transport" in " ".join(m[4] for m in errors), messages
+    result = run_job(job)
+    errors = result.failures
+    assert errors and "transport" in " ".join(f.message for f in errors), result.events
 
 
 @pytest.mark.parametrize("staged", [False, True])
 def test_async_instances_pull_when_they_choose(staged):
     job = dict(model="tiny-qwen3", train="fsdp:dp=2", infer="vllm:tp=2", instances=2, steps=3, mode="async",
                staged=staged)
-    messages = run_job(job)
-    errors = [m for m in messages if m[0] == "error"]
+    result = run_job(job)
+    errors = result.failures
     assert not errors, errors
-    pulled = [m for m in messages if m[0] == "pulled"]
-    assert sorted((m[1], m[2]) for m in pulled) == [(0, 1), (0, 3), (1, 3)]
-    for _, inst, version, problems, _ in pulled:
-        assert problems == [], f"instance {inst} claims step {version}: {problems}"
-    first = next(m for m in pulled if m[1] == 0 and m[2] == 1)
+    pulled = result.of(Pulled)
+    assert sorted((p.participant.index, p.version) for p in pulled) == [(0, 1), (0, 3), (1, 3)]
+    for p in pulled:
+        assert p.problems == (), f"{p.participant} claims step {p.version}: {p.problems}"
+    first = next(p for p in pulled if p.participant.index == 0 and p.version == 1)
     # the MetaServer reports which instance holds which step: instance 0 at 1 while the trainers moved on
-    assert first[4]["held"]["0"] == 1
+    assert first.summary["held"]["0"] == 1
 
 
 def test_trainer_killed_mid_transfer():
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
                bucket_bytes=2048, fault="train-dies")
-    messages = run_job(job)
-    failed = [m for m in messages if m[0] == "update-failed"]
-    assert failed, messages
-    _, inst, step, kind, text, version, intact = failed[0]
-    assert step == 2 and kind in ("WorkerError", "TransportError"), failed
-    assert "training rank 0" in text or "group rank 0" in text, text
-    assert version is None and intact is False  # part of step 2 landed: no version is claimed
-    assert [m[2] for m in messages if m[0] == "updated"] == [1]
+    result = run_job(job)
+    failed = result.of(UpdateFailed)
+    assert failed, result.events
+    f = failed[0]
+    assert f.step == 2 and f.kind in ("WorkerError", "TransportError"), failed
+    assert "training rank 0" in f.message or "group rank 0" in f.message, f.message
+    assert f.version is None and f.intact is False  # part of step 2 landed: no version is claimed
+    assert updated_steps(result) == [1]
 
 
 def test_staged_reader_keeps_the_old_version_when_a_trainer_dies():
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
                bucket_bytes=2048, fault="train-dies", staged=True)
-    messages = run_job(job)
-    failed = [m for m in messages if m[0] == "update-failed"]
-    assert failed, messages
-    _, inst, step, kind, text, version, intact = failed[0]
-    assert version == 1 and intact is True  # the live weights are still exactly step 1
+    result = run_job(job)
+    failed = result.of(UpdateFailed)
+    assert failed, result.events
+    f = failed[0]
+    assert f.version == 1 and f.intact is True  # the live weights are still exactly step 1
 
 
 def test_colocated_trainer_dying_before_its_step_leaves_the_old_version():
@@ -114,14 +103,14 @@ def test_colocated_trainer_dying_before_its_step_leaves_the_old_version():
     job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
                bucket_bytes=4096, colocate=True, fault="train-dies-before-write")  # set-up too fits in the timeout
     start = time.monotonic()
-    messages = run_job(job)
-    failed = [m for m in messages if m[0] == "update-failed"]
-    assert failed, messages
-    _, inst, step, kind, text, version, intact = failed[0]
-    assert step == 2 and kind == "MetaTimeout" and "not every training rank announced step 2" in text, failed
-    assert "still hold step 1" in text and '"ranks": [1]' in text, text  # rank 1 announced it, rank 0 did not
-    assert version == 1 and intact is True, failed  # nothing of step 2 was copied
-    assert [m[2] for m in messages if m[0] == "updated"] == [1]
+    result = run_job(job)
+    failed = result.of(UpdateFailed)
+    assert failed, result.events
+    f = failed[0]
+    assert f.step == 2 and f.kind == "MetaTimeout" and "not every training rank announced step 2" in f.message, failed
+    assert "still hold step 1" in f.message and '"ranks": [1]' in f.message, f.message  # rank 1 announced it, rank 0 did not
+    assert f.version == 1 and f.intact is True, failed  # nothing of step 2 was copied
+    assert updated_steps(result) == [1]
     assert time.monotonic() - start < 60
 
 
@@ -135,20 +124,20 @@ def test_colocated_trainer_weights_moved_fail_the_step_on_both_sides(staged):
     first. A staged reader copies only recorded steps: it still holds exactly step 1. (``fault="train-moves"``: rank 0 reallocates a tensor before step 2.)"""
     job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=30.0,
                bucket_bytes=4096, colocate=True, fault="train-moves", staged=staged)
-    messages = run_job(job)
-    train_errors = {m[2]: m for m in messages if m[0] == "error" and m[1] == "train"}
-    assert train_errors[0][3] == "WeightsMoved", train_errors
-    assert "training rank 0: tensor" in train_errors[0][4] and "moved since it was shared" in train_errors[0][4]
-    assert "Step 2 is not recorded as written" in train_errors[0][4], train_errors[0]
-    failed = [m for m in messages if m[0] == "update-failed"]
-    assert failed, messages
-    _, inst, step, kind, text, version, intact = failed[0]
-    assert step == 2 and kind == "MetaAborted" and "moved since it was shared" in text, failed
+    result = run_job(job)
+    by_rank = {f.participant.index: f for f in train_errors(result)}
+    assert by_rank[0].kind == "WeightsMoved", by_rank
+    assert "training rank 0: tensor" in by_rank[0].message and "moved since it was shared" in by_rank[0].message
+    assert "Step 2 is not recorded as written" in by_rank[0].message, by_rank[0]
+    failed = result.of(UpdateFailed)
+    assert failed, result.events
+    f = failed[0]
+    assert f.step == 2 and f.kind == "MetaAborted" and "moved since it was shared" in f.message, failed
     # a plain reader that copied reports no version; one that learnt of the abort first (its report of
     # step 1 was refused: the trainer saw it on the bell and moved on) did not copy, and keeps step 1
     allowed = [(1, True)] if staged else [(None, False), (1, True)]
-    assert (version, intact) in allowed, failed
-    assert [m[2] for m in messages if m[0] == "updated"] == [1]
+    assert (f.version, f.intact) in allowed, failed
+    assert updated_steps(result) == [1]
 
 
 def test_colocated_worker_weights_moved_fail_the_update():
@@ -157,40 +146,40 @@ def test_colocated_worker_weights_moved_fail_the_update():
     version and aborts the job, so the trainers stop waiting for it at once."""
     job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=30.0,
                bucket_bytes=4096, colocate=True, fault="infer-moves")
-    messages = run_job(job)
-    failed = [m for m in messages if m[0] == "update-failed"]
-    assert failed, messages
-    _, inst, step, kind, text, version, intact = failed[0]
-    assert step == 2 and kind == "WeightsMoved" and "instance 0 worker 0: tensor" in text, failed
-    assert "moved since it was shared with the instance's other workers" in text, text
-    assert version is None, failed
-    assert [m[2] for m in messages if m[0] == "updated"] == [1]
-    train_errors = [m for m in messages if m[0] == "error" and m[1] == "train"]
-    assert {m[3] for m in train_errors} == {"MetaAborted"} and "worker 0: tensor" in train_errors[0][4], train_errors
+    result = run_job(job)
+    failed = result.of(UpdateFailed)
+    assert failed, result.events
+    f = failed[0]
+    assert f.step == 2 and f.kind == "WeightsMoved" and "instance 0 worker 0: tensor" in f.message, failed
+    assert "moved since it was shared with the instance's other workers" in f.message, f.message
+    assert f.version is None, failed
+    assert updated_steps(result) == [1]
+    errors = train_errors(result)
+    assert {e.kind for e in errors} == {"MetaAborted"} and "worker 0: tensor" in errors[0].message, errors
 
 
 def test_colocated_worker_dying_mid_copy_fails_both_sides():
     job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
                bucket_bytes=4096, colocate=True, fault="infer-dies")  # set-up too fits in the timeout
-    messages = run_job(job)
-    infer_errors = [m for m in messages if m[0] == "error" and m[1] == "infer"]
-    assert infer_errors and "died (exit code 3) during _receive" in infer_errors[0][4], messages
-    assert [m[2] for m in messages if m[0] == "updated"] == [1], messages
+    result = run_job(job)
+    errors = infer_errors(result)
+    assert errors and "died (exit code 3) during receive" in errors[0].message, result.events
+    assert updated_steps(result) == [1], result.events
     # the trainers learn it from the missing `held`, within their timeout
-    train_errors = [m for m in messages if m[0] == "error" and m[1] == "train"]
-    assert train_errors and {m[3] for m in train_errors} == {"MetaTimeout"}, train_errors
+    errors = train_errors(result)
+    assert errors and {e.kind for e in errors} == {"MetaTimeout"}, errors
 
 
 def test_inference_process_killed():
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
                bucket_bytes=2048, fault="infer-dies")
-    messages = run_job(job)
-    train_errors = [m for m in messages if m[0] == "error" and m[1] == "train"]
-    assert train_errors, messages
-    assert train_errors[0][3] == "TransportError", train_errors
+    result = run_job(job)
+    errors = train_errors(result)
+    assert errors, result.events
+    assert errors[0].kind == "TransportError", errors
     # the worker died inside step 2's transfer (not before it), and the reader said so
-    infer_errors = [m for m in messages if m[0] == "error" and m[1] == "infer"]
-    assert infer_errors and "died (exit code 3) during _receive" in infer_errors[0][4], messages
+    errors = infer_errors(result)
+    assert errors and "died (exit code 3) during receive" in errors[0].message, result.events
 
 
 @pytest.mark.parametrize("side", ["writer", "reader"])
@@ -198,11 +187,11 @@ def test_transient_memory_over_budget_refused_before_any_transfer(side):
     # buffers are window x the largest bucket: with 4 KiB buckets, a 5 KiB budget is too small
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", steps=1, timeout=10.0, bucket_bytes=4096)
     job["memory_budget" if side == "writer" else "reader_memory_budget"] = 5000
-    messages = run_job(job)
-    assert not [m for m in messages if m[0] in ("wrote", "updated")], messages
-    errors = [m for m in messages if m[0] == "error"]
-    assert {m[1] for m in errors} == {"train", "infer"}, errors  # the whole job stops, not just the refuser
-    text = " ".join(m[4] for m in errors)
+    result = run_job(job)
+    assert not result.of(Wrote, StepDone), result.events
+    errors = result.failures
+    assert {e.participant.role for e in errors} == {"train", "infer"}, errors  # the whole job stops, not just the refuser
+    text = " ".join(e.message for e in errors)
     assert "memory budget of 5000 bytes" in text and "bucket_bytes <=" in text, text
 
 
@@ -210,10 +199,10 @@ def test_colocated_on_one_host_needs_no_buffer():
     """Co-located on one host every bucket is a direct copy out of the trainer's memory: any budget fits."""
     job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", steps=2, timeout=10.0,
                bucket_bytes=4096, colocate=True, reader_memory_budget=5000)
-    messages = run_job(job)
-    assert not [m for m in messages if m[0] == "error"], messages
-    updated = [m for m in messages if m[0] == "updated"]
-    assert len(updated) == 2 and all(m[4] == [] for m in updated), messages  # both steps, bit-exact
+    result = run_job(job)
+    assert not result.failures, result.events
+    updated = result.of(StepDone)
+    assert len(updated) == 2 and all(u.problems == () for u in updated), result.events  # both steps, bit-exact
 
 
 @pytest.mark.parametrize("options", [dict(reader_push=False), dict(staged=True)], ids=["push-off", "staged"])
@@ -233,32 +222,32 @@ def test_colocated_without_peer_copies_goes_through_the_group(budget):
     its buffers count against the budget again."""
     job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", steps=2, timeout=10.0,
                bucket_bytes=4096, colocate=True, reader_memory_budget=budget, reader_peer_copies=False)
-    messages = run_job(job)
+    result = run_job(job)
     if budget == 5000:
-        errors = [m for m in messages if m[0] == "error"]
-        assert errors and not [m for m in messages if m[0] in ("wrote", "updated")], messages
-        assert "memory budget of 5000 bytes" in " ".join(m[4] for m in errors), errors
+        errors = result.failures
+        assert errors and not result.of(Wrote, StepDone), result.events
+        assert "memory budget of 5000 bytes" in " ".join(e.message for e in errors), errors
         return
-    assert not [m for m in messages if m[0] == "error"], messages
-    updated = [m for m in messages if m[0] == "updated"]
-    assert len(updated) == 2 and all(m[4] == [] for m in updated), messages
+    assert not result.failures, result.events
+    updated = result.of(StepDone)
+    assert len(updated) == 2 and all(u.problems == () for u in updated), result.events
 
 
 def test_mismatched_model_refused_before_any_transfer():
     job = dict(model="tiny-qwen3", infer_model="tiny-llama3", train="hf", infer="hf", steps=1, timeout=10.0)
-    messages = run_job(job)
-    errors = [m for m in messages if m[0] == "error"]
-    assert errors and not [m for m in messages if m[0] in ("wrote", "updated")]
-    text = " ".join(m[4] for m in errors)
-    assert "JobMismatch" in {m[3] for m in errors}, errors
+    result = run_job(job)
+    errors = result.failures
+    assert errors and not result.of(Wrote, StepDone)
+    text = " ".join(e.message for e in errors)
+    assert "JobMismatch" in {e.kind for e in errors}, errors
     assert "model.embed_tokens.weight" in text or "model.layers.0" in text, text
 
 
 def test_wrong_token_refused():
     job = dict(model="tiny-qwen3", train="hf", infer="hf", steps=1, timeout=5.0, server_token="s3cret", token="wrong")
-    messages = run_job(job)
-    errors = [m for m in messages if m[0] == "error"]
-    assert errors and all("401" in m[4] or "token" in m[4].lower() for m in errors), errors
+    result = run_job(job)
+    errors = result.failures
+    assert errors and all("401" in e.message or "token" in e.message.lower() for e in errors), errors
 
 
 def test_meta_server_restart_between_steps(tmp_path):
@@ -278,16 +267,17 @@ def test_meta_server_restart_between_steps(tmp_path):
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", steps=3, timeout=20.0,
                restart_meta_before=2, restart_flag=str(flag))
     try:
-        messages = run_job(job, meta_server=server, on_restart=restart)
+        result = run_job(job, meta_server=server, on_restart=restart)
     finally:
         pass
-    assert_clean(messages, job)
+    assert_clean(result, job)
 
 
 def test_held_reports_go_out_in_order_and_a_failed_one_raises_later():
     """The reader posts ``held`` from a background thread: the server sees every report, in order, and
     one the server refuses (here: an instance that never joined) raises at the reader's next check."""
     from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
 
     from weightsync.meta.client import MetaClient, MetaError
     from weightsync.meta.server import MetaServer
@@ -296,7 +286,8 @@ def test_held_reports_go_out_in_order_and_a_failed_one_raises_later():
     with MetaServer(port=0) as server:
         reader = WeightReader.__new__(WeightReader)  # only the reporting half: no engine, no workers
         reader.client, reader.instance_id, reader.timeout_s = MetaClient(server.url, "j"), 0, 10.0
-        reader._announcer, reader._report_error, reader._held_bell = ThreadPoolExecutor(1), None, None
+        reader._announcer, reader._report_error = ThreadPoolExecutor(1), None
+        reader.session = SimpleNamespace(held_bell=None)  # no doorbell: reports go to the MetaServer only
         reader.client.join(0)
         for step in (1, 2, 3):  # out of order, the server would refuse the lower step
             reader._announce(step)
