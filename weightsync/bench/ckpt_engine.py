@@ -28,7 +28,7 @@ Its broadcast-mode data path (``ParameterServer._update_per_bucket``), per step:
    the full canonical tensor (as ``baselines._scatter_from``). So the receiver of bucket g works
    while the PS ranks stage and broadcast bucket g + 1.
 
-Choices where its design forces one (and for each scenario of :data:`weightsync.bench.run.SCENARIOS`):
+Choices where its design forces one (and for each scenario of :data:`weightsync.bench.scenarios.SCENARIOS`):
 
 - One PS rank per GPU of the scenario, PS rank r on GPU r (its ``local_rank = rank % gpu_count``).
   The *owners* are the PS ranks on the training GPUs: each canonical tensor is registered (as the
@@ -91,9 +91,9 @@ from datetime import timedelta
 
 import torch
 
+from weightsync.bench.scenarios import SCENARIOS, canonical_region
 from weightsync.errors import ConfigError
 
-# weightsync.bench.run (SCENARIOS, canonical_region) is imported where used, so that run.py can import this module.
 
 VERSION = "0.4.2"  # the checkpoint-engine release this baseline was written against
 CHECKPOINT = "weightsync-bench"
@@ -134,7 +134,7 @@ class Placement:
 
 
 def placement(spec, scen) -> Placement:
-    """Where everything goes for a :class:`weightsync.bench.run.Scenario`."""
+    """Where everything goes for a :class:`weightsync.bench.scenarios.Scenario`."""
     from weightsync.engines import make_layout
 
     train, infer = make_layout(spec, scen.train), make_layout(spec, scen.infer)
@@ -166,7 +166,6 @@ def placement(spec, scen) -> Placement:
 
 def unavailable(scenario: str) -> str | None:
     """Why this baseline cannot run here (None when it can). Raises only for an unknown scenario."""
-    from weightsync.bench.run import SCENARIOS
 
     if scenario not in SCENARIOS:
         raise ConfigError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
@@ -217,7 +216,6 @@ def _ps_main(rank: int, world: int, port: int, model: str, scenario: str, steps:
         import checkpoint_engine.ps as ce_ps
         from checkpoint_engine.device_utils import get_ip
 
-        from weightsync.bench.run import SCENARIOS, canonical_region
         from weightsync.layout.materialize import TORCH_DTYPES
         from weightsync.spec import load_spec
 
@@ -305,7 +303,6 @@ def _receiver_main(gpu: int, model: str, infer: str, vllm_rank: int | None, step
         from checkpoint_engine.ps import _get_physical_gpu_id
         from checkpoint_engine.worker import update_weights_from_ipc
 
-        from weightsync.bench.run import canonical_region
         from weightsync.engines import make_layout
         from weightsync.layout.box import slices
         from weightsync.layout.materialize import TORCH_DTYPES, local_view
@@ -376,7 +373,6 @@ def run_checkpoint_engine(model: str, scenario: str, steps: int = 5, timeout: fl
     why = unavailable(scenario)
     if why:
         return {"ran": False, "why": why}
-    from weightsync.bench.run import SCENARIOS
     from weightsync.spec import load_spec
     from weightsync.transport.group import free_port
 
@@ -528,7 +524,6 @@ def _bucket_info(lines: list[str]) -> tuple[float | None, bool | None]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from weightsync.bench.run import SCENARIOS
 
     p = argparse.ArgumentParser(prog="python3 -m weightsync.bench.ckpt_engine",
                                 description="Time checkpoint-engine's broadcast mode (JSON on stdout).")

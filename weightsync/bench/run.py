@@ -23,246 +23,101 @@ wiring on machines without them.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import queue
 import statistics
 import sys
 import time
-import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.bench.ceilings import copy_ceiling, link_recv, peak_memory, peer_bandwidth, reset_peak
+from weightsync.bench.events import (
+    BaselineEnded,
+    BaselineStarted,
+    BaselineVerified,
+    InstanceMeasured,
+    LinkReady,
+    Phases,
+    TrainerMeasured,
+)
+from weightsync.bench.scenarios import (
+    SCENARIOS,
+    Scenario,
+    advance,
+    canonical_region,
+    check,
+    device_of,
+    init_weights,
+    memory,
+    moved_per_gpu,
+    synchronize,
+)
 from weightsync.errors import ConfigError
+from weightsync.local.events import Event, Participant, StepDone, StepStarted
+from weightsync.local.runner import Emit, LocalJob
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 
 CHECKPOINT_ENGINE = "checkpoint-engine"
 
 
-def _device(kind: str, index: int) -> torch.device:
-    """GPU ``index`` of a CUDA run; a CPU run (``--device cpu``: the wiring, no timings worth keeping) has one."""
-    return torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _memory(dev: torch.device, reset: bool = False) -> tuple[int, int]:
-    """(allocated, peak allocated) bytes on ``dev`` (0 on CPU); ``reset`` restarts the peak first."""
-    if dev.type != "cuda":
-        return 0, 0
-    if reset:
-        torch.cuda.reset_peak_memory_stats(dev)
-    return torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev)
-
-
-@dataclass(frozen=True)
-class Scenario:
-    train: str
-    infer: str
-    instances: int
-    colocate: bool
-    gpus: int
-
-
-SCENARIOS = {
-    "colo-1gpu": Scenario("hf", "vllm:tp=1", 1, True, 1),
-    "sep-1to1": Scenario("hf", "vllm:tp=1", 1, False, 2),
-    "colo-pp2-tp2": Scenario("megatron:pp=2", "vllm:tp=2", 1, True, 2),
-    "sep-tp2-tp2": Scenario("megatron:tp=2", "vllm:tp=2", 1, False, 4),
-    "sep-fsdp2-2x1": Scenario("fsdp:dp=2", "vllm:tp=1", 2, False, 4),
-    "colo-tp2pp2-tp4": Scenario("megatron:tp=2,pp=2", "vllm:tp=4", 1, True, 4),
-}
-
-
-def canonical_region(name: str, shape: tuple[int, ...], dtype: torch.dtype, box, device) -> torch.Tensor:
-    """A region of canonical tensor ``name``'s base data: the same bits on any rank that asks."""
-    g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
-    full = torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
-    return full[tuple(slice(o, o + n) for o, n in box)]
-
-
-def init_weights(layout, tensors: dict, spec) -> None:
-    """Write the base data into a rank's local tensors, following its pieces (once: it is slow for MoE)."""
-    from weightsync.layout.materialize import TORCH_DTYPES, local_view
-
-    with torch.no_grad():
-        for name, t in layout.tensors.items():
-            live = tensors[name]
-            for p in t.pieces:
-                c = spec.by_name[p.canonical]
-                local_view(live, p).copy_(canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], p.canon_box, live.device))
-
-
-def advance(tensors: dict) -> None:
-    """Make the next step's weights: every value doubled (exact in bf16), so each step's bits differ."""
-    with torch.no_grad():
-        for t in tensors.values():
-            t.mul_(2)
-
-
-def check(ctx, model: str, engine: str, doublings: int) -> bool:
-    """On an inference worker: every piece holds the base data doubled ``doublings`` times, bit for bit."""
-    from weightsync.engines import make_layout
-    from weightsync.layout.materialize import TORCH_DTYPES
-    from weightsync.spec import load_spec
-    from weightsync.testing import holds
-
-    spec = load_spec(model)
-
-    def expected(p):
-        c = spec.by_name[p.canonical]
-        return canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], p.canon_box, ctx.device) * (2 ** doublings)
-
-    return holds(make_layout(spec, engine).layout(ctx.rank), ctx.tensors, expected)
-
-
-def _copy_ceiling(ctx, nbytes: int) -> float:
-    """Device-to-device copy bandwidth on this worker's GPU, bytes copied per second (median of 5)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device).random_()
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize(ctx.device)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize(ctx.device)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times[1:])
-
-
-def _peer_buffers(ctx, nbytes: int) -> dict | None:
-    """Workers 0 and 1: allocate the peer-copy ceiling's buffers; return an export of the destination
-    for the other worker to open (CUDA IPC)."""
-    from weightsync.transport.share import export_tensors
-
-    if ctx.rank > 1:
-        return None
-    src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device).random_()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
-    ctx.state["peer_ceiling"] = {"src": src, "dst": dst}
-    return export_tensors({"dst": dst})
-
-
-def _peer_round(ctx, descs: list, message: int) -> tuple[float, float] | None:
-    """One round of the peer-copy ceiling: workers 0 and 1 each copy ``src`` into the other's ``dst`` at
-    once, by the copy engines in ``message``-byte copies (the fastest way measured,
-    ``benchmarks/peer_push.py``), the other GPU's memory opened in this worker's own context as the
-    co-located transport opens the trainers'. Returns wall-clock (start, end) of this worker's copies."""
-    from weightsync.transport.share import import_tensors
-
-    if ctx.rank > 1:
-        return None
-    state = ctx.state["peer_ceiling"]
-    if "peer" not in state:
-        state["peer"] = import_tensors(descs[1 - ctx.rank], cuda_device=ctx.device.index)["dst"]
-    src, peer = state["src"], state["peer"]
-    torch.cuda.synchronize(ctx.device)
-    t0 = time.time()
-    for k in range(0, src.numel(), message):
-        peer[k : k + message].copy_(src[k : k + message], non_blocking=True)
-    torch.cuda.synchronize(ctx.device)
-    return t0, time.time()
-
-
-def _peer_bandwidth(instance, nbytes: int, message: int) -> float:
-    """Co-located GPUs copying into each other both ways at once: the bytes each receives per second,
-    from the first start to the last end of a round (median of 3 after a warm-up). Co-located, every
-    GPU sends and receives at the same time, so this, not one direction alone, is the cross-GPU ceiling."""
-    descs = instance.call(_peer_buffers, nbytes)
-    spans = []
-    for _ in range(4):
-        rounds = [r for r in instance.call(_peer_round, descs, message) if r]
-        spans.append(max(e for _, e in rounds) - min(s for s, _ in rounds))
-    instance.call(_drop_peer_buffers)
-    return nbytes // message * message / statistics.median(spans[1:])
-
-
-def _drop_peer_buffers(ctx) -> None:
-    ctx.state.pop("peer_ceiling", None)
-    torch.cuda.empty_cache()
-
-
-def _peak(ctx) -> int:
-    return _memory(ctx.device)[1]
-
-
-def _link_recv(ctx, sizes: list[int], peer: int) -> None:
-    """Worker 0 receives the link-ceiling messages (3 rounds) the trainer sends; other workers idle."""
-    if ctx.rank != 0:
-        return
-    g = ctx.state["transport"].group
-    buf = torch.empty(max(sizes), dtype=torch.uint8, device=ctx.device)
-    for _ in range(3):
-        for s in sizes:
-            g.recv([buf[:s]], peer, 7).wait()
-    torch.cuda.synchronize(ctx.device)
-
-
 # -- processes --------------------------------------------------------------------------------------
 
 
-def _trainer(rank: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
+def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta: str, timeout: float,
              baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda", together=None) -> None:
     """One training rank. ``together`` (a barrier of the training ranks) starts every step's writes at
     once, as a training step's last collective would: the bench's stand-in for the optimizer (doubling
     every tensor, a kernel each: ~7,000 on a 30B PP stage) ends up to ~18 ms apart on two ranks, and
     that skew is the bench's, not the sync's."""
-    try:
-        from weightsync.bind import Bound
-        from weightsync.engines import make_layout
-        from weightsync.layout.materialize import TORCH_DTYPES
-        from weightsync.runtime.writer import WeightWriter
-        from weightsync.spec import load_spec
+    from weightsync.bind import Bound
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import TORCH_DTYPES
+    from weightsync.runtime.writer import WeightWriter
+    from weightsync.spec import load_spec
 
-        dev = _device(device, rank)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        spec = load_spec(model)
-        engine = make_layout(spec, scen.train)
-        layout = engine.layout(rank)
-        tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in layout.tensors.items()}
-        writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", timeout_s=timeout,
-                              colocate=scen.colocate)
-        peak = 0
-        init_weights(layout, tensors, spec)
-        for step in range(steps + 1):  # step 0 warms up
-            advance(tensors)  # step s holds the base data doubled s + 1 times
-            _sync(dev)
-            base, _ = _memory(dev, reset=True)
-            together.wait(timeout)
-            out.put(("start", rank, step, time.time()))
-            writer.write(step)
-            peak = max(peak, _memory(dev)[1] - base)
-            if step and rank == 0:
-                out.put(("phases", "writer", writer.last_timing))
-        sent = writer.bytes_per_step
-        link = None
-        if not scen.colocate and rank == 0 and writer.transport is not None and dev.type == "cuda":
-            # the ceiling: the same messages, raw, over the same communicator
-            sizes = [b.nbytes for bs in writer.plans.values() for b in bs]
-            peer = writer.ranks.infer(0, 0)
-            bufs = torch.empty(max(sizes), dtype=torch.uint8, device=dev)
-            out.put(("link-ready", rank, sizes, writer.ranks.train(rank)))
-            times = []
-            for _ in range(3):
-                _sync(dev)
-                t0 = time.perf_counter()
-                for s in sizes:
-                    writer.transport.group.send([bufs[:s]], peer, 7).wait()
-                _sync(dev)
-                times.append(time.perf_counter() - t0)
-            link = sum(sizes) / statistics.median(times)
-        if baselines:
-            _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines, dev,
-                             together)
-        out.put(("train-done", rank, sent, link, peak))
-    except BaseException as e:
-        import traceback
-
-        out.put(("error", f"train {rank}", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    me = emit.participant
+    dev = device_of(device, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    spec = load_spec(model)
+    engine = make_layout(spec, scen.train)
+    layout = engine.layout(rank)
+    tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in layout.tensors.items()}
+    writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", timeout_s=timeout,
+                          colocate=scen.colocate)
+    peak = 0
+    init_weights(layout, tensors, spec)
+    for step in range(steps + 1):  # step 0 warms up
+        advance(tensors)  # step s holds the base data doubled s + 1 times
+        synchronize(dev)
+        base, _ = memory(dev, reset=True)
+        together.wait(timeout)
+        emit(StepStarted(me, step, time.time()))
+        writer.write(step)
+        peak = max(peak, memory(dev)[1] - base)
+        if step and rank == 0:
+            emit(Phases(me, "writer", writer.last_timing))
+    sent = writer.bytes_per_step
+    link = None
+    if not scen.colocate and rank == 0 and writer.transport is not None and dev.type == "cuda":
+        # the ceiling: the same messages, raw, over the same communicator
+        sizes = [b.nbytes for bs in writer.plans.values() for b in bs]
+        peer = writer.ranks.infer(0, 0)
+        bufs = torch.empty(max(sizes), dtype=torch.uint8, device=dev)
+        emit(LinkReady(me, tuple(sizes), writer.ranks.train(rank)))
+        times = []
+        for _ in range(3):
+            synchronize(dev)
+            t0 = time.perf_counter()
+            for s in sizes:
+                writer.transport.group.send([bufs[:s]], peer, 7).wait()
+            synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        link = sum(sizes) / statistics.median(times)
+    if baselines:
+        _baselines_train(emit, rank, scen, engine, tensors, writer, store_port, steps, timeout, baselines, dev,
+                         together)
+    emit(TrainerMeasured(me, sent, link, peak))
 
 
 def _store(port: int, is_master: bool, timeout: float):
@@ -274,7 +129,8 @@ def _store(port: int, is_master: bool, timeout: float):
     return TCPStore("127.0.0.1", port, is_master=is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out, timeout, baselines, dev, together):
+def _baselines_train(emit: Emit, rank, scen, engine, tensors, writer, store_port, steps, timeout, baselines, dev,
+                     together):
     """Training side of the baselines: each kind in turn, ``steps + 1`` syncs each, over the same group
     (separated) or through the co-located hand-over."""
     from datetime import timedelta
@@ -306,68 +162,59 @@ def _baselines_train(rank, scen, engine, tensors, writer, store_port, steps, out
                 device=dev, timeout=wait)
         for step in range(steps + 1):
             advance(tensors)
-            _sync(dev)
+            synchronize(dev)
             together.wait(timeout)
-            out.put(("bstart", kind, step, time.time()))
+            emit(BaselineStarted(emit.participant, kind, step, time.time()))
             one(step)
-            _sync(dev)
+            synchronize(dev)
         if scen.colocate:
             side.finish(wait)  # rank 0 serves the store: it waits until every trainer and worker is through
 
 
-def _reader(inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, out, timeout: float,
-            link_in: mp.Queue, baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda",
+def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, timeout: float,
+            link_in, baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda",
             peer_copies: bool = True) -> None:
-    instance = None
-    try:
-        from weightsync.instances.faithful import FaithfulInstance
-        from weightsync.runtime.reader import WeightReader
-        from weightsync.spec import load_spec
+    from weightsync.instances.faithful import FaithfulInstance
+    from weightsync.runtime.reader import WeightReader
+    from weightsync.spec import load_spec
 
-        spec = load_spec(model)
-        instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}" if device == "cuda" else "cpu",
-                                    fill=float("nan"))
+    me = emit.participant
+    spec = load_spec(model)
+    instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}" if device == "cuda" else "cpu",
+                                fill=float("nan"))
+    try:
         reader = WeightReader(instance, meta=meta, job="bench", instance_id=inst, instances=scen.instances,
                               timeout_s=timeout, colocate=scen.colocate, peer_copies=peer_copies)
         # memory beyond the weights over all steps: the transport's buffers (allocated in the first step and
         # kept) and anything a step allocates on top
-        base = instance.call(_reset_peak)
+        base = instance.call(reset_peak)
         for step in range(steps + 1):
             reader.update(step)
-            out.put(("end", inst, step, time.time(), sum(s["bytes"] for s in reader.last_stats),
-                     max(s["seconds"] for s in reader.last_stats)))
+            emit(StepDone(me, step, 0.0, sum(s["bytes"] for s in reader.last_stats), None, end=time.time(),
+                          transfer_seconds=max(s["seconds"] for s in reader.last_stats)))
             if step and inst == 0:
-                out.put(("phases", "reader", reader.last_timing))
-        peak = max(p - b for p, b in zip(instance.call(_peak), base))
+                emit(Phases(me, "reader", reader.last_timing))
+        peak = max(p - b for p, b in zip(instance.call(peak_memory), base))
         exact = all(instance.call(check, model, scen.infer, steps + 1))
         on_gpu = device == "cuda"  # a CPU run measures no ceilings
-        copy_bw = instance.call(_copy_ceiling, 1 << 30)[0] if scen.colocate and on_gpu else None
+        copy_bw = instance.call(copy_ceiling, 1 << 30)[0] if scen.colocate and on_gpu else None
         nvlink = None
         if scen.colocate and instance.world_size > 1 and on_gpu:  # cross-GPU pieces: copies over NVLink
-            nvlink = _peer_bandwidth(instance, 4 << 30, 256 << 20)
+            nvlink = peer_bandwidth(instance, 4 << 30, 256 << 20)
         if not scen.colocate and inst == 0 and on_gpu:
-            _, _, sizes, trainer_group_rank = link_in.get(timeout=timeout)
-            instance.call(_link_recv, sizes, trainer_group_rank)
+            ready: LinkReady = link_in.get(timeout=timeout)
+            instance.call(link_recv, list(ready.sizes), ready.group_rank)
         for k, kind in enumerate(baselines):
             doublings = (steps + 1) * (k + 2)  # ours, then each baseline, advanced steps + 1 times each
             ends = instance.call(_baseline_worker, kind, model, scen, inst, steps, timeout, doublings,
                                  (meta, store_port), timeout_s=timeout * (steps + 2))
             for step in range(steps + 1):
-                out.put(("bend", kind, step, max(e[0][step] for e in ends)))
-            out.put(("bverified", kind, all(e[1] for e in ends)))
+                emit(BaselineEnded(me, kind, step, max(e[0][step] for e in ends)))
+            emit(BaselineVerified(me, kind, all(e[1] for e in ends)))
         pushed = sum(s["pushed_bytes"] for s in reader.last_stats)  # the last step's
-        out.put(("infer-done", inst, exact, copy_bw, peak, nvlink, reader.shape.peer_copies, pushed))
-    except BaseException as e:
-        import traceback
-
-        out.put(("error", f"instance {inst}", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        emit(InstanceMeasured(me, exact, copy_bw, peak, nvlink, reader.shape.peer_copies, pushed))
     finally:
-        if instance is not None:
-            instance.close()
-
-
-def _reset_peak(ctx) -> int:
-    return _memory(ctx.device, reset=True)[0]
+        instance.close()
 
 
 def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, steps: int, timeout: float,
@@ -397,7 +244,7 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
     ends = []
     for step in range(steps + 1):
         one()
-        _sync(ctx.device)
+        synchronize(ctx.device)
         ends.append(time.time())
     if scen.colocate:
         side.finish()
@@ -405,6 +252,23 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
 
 
 # -- driver -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Timings:
+    """What the driver gathers from the events, keyed by step (and baseline kind)."""
+
+    starts: dict[int, float] = field(default_factory=dict)
+    ends: dict[int, float] = field(default_factory=dict)
+    moved: dict[int, int] = field(default_factory=dict)
+    transfer: dict[int, float] = field(default_factory=dict)  # per step: the slowest worker's time in the transport
+    reported: dict[int, int] = field(default_factory=dict)  # per step: instances that reported it
+    phases: dict[str, list[float]] = field(default_factory=dict)  # per timed step (training rank 0, instance 0)
+    bstarts: dict[tuple[str, int], float] = field(default_factory=dict)
+    bends: dict[tuple[str, int], float] = field(default_factory=dict)
+    bverified: dict[str, bool] = field(default_factory=dict)
+    trainers: list[TrainerMeasured] = field(default_factory=list)
+    instances: list[InstanceMeasured] = field(default_factory=list)
 
 
 def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
@@ -417,8 +281,8 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     ``device="cpu"`` runs the same processes, groups (gloo, shared memory) and checks on CPU with no
     ceilings, floor or checkpoint-engine: a rehearsal of a scenario's wiring, not a measurement."""
     from weightsync.engines import make_layout
-    from weightsync.meta.server import MetaServer
     from weightsync.spec import load_spec
+    from weightsync.transport.group import free_port
 
     if scenario not in SCENARIOS:
         raise ConfigError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
@@ -437,103 +301,78 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         raise ConfigError(f"{CHECKPOINT_ENGINE} runs on GPUs only")
     requested = baselines
     baselines = tuple(b for b in baselines if b != CHECKPOINT_ENGINE)  # run in our processes
-    ctx = mp.get_context("spawn")
-    out, link_q = ctx.Queue(), ctx.Queue()
-    starts: dict[int, float] = {}
-    bstarts: dict = {}
-    bends: dict = {}
-    bverified: dict = {}
-    ends: dict[int, float] = {}
-    moved = {}
-    transfer: dict[int, float] = {}  # per step: the slowest worker's time inside the transport
-    reported: dict[int, int] = {}  # per step: instances that reported it
-    phases: dict[str, list[float]] = {}  # where a step's time goes (training rank 0, instance 0), per timed step
+    t = _Timings()
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
                     "instances": scen.instances, "colocate": scen.colocate, "device": device, "errors": [],
                     **environment()}
-    with MetaServer(port=0) as meta:
-        from weightsync.transport.group import free_port
+    with LocalJob(deadline_s=timeout * (steps + 4), exit_grace_s=30.0) as job:
+        link_q = job.ctx.Queue()
 
-        store_port = free_port()
-        together = ctx.Barrier(train.world_size)
-        procs = [ctx.Process(target=_trainer, args=(r, scen, model, steps, meta.url, out, timeout, baselines,
-                                                    store_port, device, together))
-                 for r in range(train.world_size)]
-        for i in range(scen.instances):
-            gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
-            procs.append(ctx.Process(target=_reader, args=(i, gpu, scen, model, steps, meta.url, out, timeout, link_q,
-                                                           baselines, store_port, device, peer_copies)))
-        for p in procs:
-            p.start()
-        done_t, done_i, train_info, infer_info = 0, 0, [], []
-        deadline = time.monotonic() + timeout * (steps + 4)
-        while (done_t < train.world_size or done_i < scen.instances) and time.monotonic() < deadline:
-            try:
-                msg = out.get(timeout=1.0)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    result["errors"].append("a bench process died")
-                    break
-                continue
-            kind = msg[0]
-            if kind == "start":
-                starts[msg[2]] = min(starts.get(msg[2], msg[3]), msg[3])
-            elif kind == "end":
-                ends[msg[2]] = max(ends.get(msg[2], 0.0), msg[3])
-                moved[msg[2]] = moved.get(msg[2], 0) + msg[4]
-                transfer[msg[2]] = max(transfer.get(msg[2], 0.0), msg[5])
-                reported[msg[2]] = reported.get(msg[2], 0) + 1
-                if msg[2] == steps and reported[msg[2]] == scen.instances:  # ours are done; baselines may take long
-                    ours = [ends[s] - starts[s] for s in range(1, steps + 1) if s in starts and s in ends]
+        def on_event(ev: Event) -> None:
+            if isinstance(ev, StepStarted):
+                t.starts[ev.step] = min(t.starts.get(ev.step, ev.at), ev.at)
+            elif isinstance(ev, StepDone):
+                s = ev.step
+                t.ends[s] = max(t.ends.get(s, 0.0), ev.end)
+                t.moved[s] = t.moved.get(s, 0) + ev.bytes
+                t.transfer[s] = max(t.transfer.get(s, 0.0), ev.transfer_seconds)
+                t.reported[s] = t.reported.get(s, 0) + 1
+                if s == steps and t.reported[s] == scen.instances:  # ours are done; baselines may take long
+                    ours = [t.ends[k] - t.starts[k] for k in range(1, steps + 1) if k in t.starts and k in t.ends]
                     if ours:
                         print(json.dumps({"scenario": scenario, "model": model, "partial": "weightsync steps done",
                                           "median_seconds": statistics.median(ours), "step_seconds": ours}),
                               file=sys.stderr, flush=True)
-            elif kind == "bstart":
-                key = (msg[1], msg[2])
-                bstarts[key] = min(bstarts.get(key, msg[3]), msg[3])
-            elif kind == "bend":
-                key = (msg[1], msg[2])
-                bends[key] = max(bends.get(key, 0.0), msg[3])
-            elif kind == "bverified":
-                bverified[msg[1]] = bverified.get(msg[1], True) and msg[2]
-            elif kind == "phases":
-                for name, sec in msg[2].items():
-                    phases.setdefault(f"{msg[1]}.{name}", []).append(sec)
-            elif kind == "link-ready":
-                link_q.put(msg)
-            elif kind == "train-done":
-                done_t += 1
-                train_info.append(msg)
-            elif kind == "infer-done":
-                done_i += 1
-                infer_info.append(msg)
-            elif kind == "error":
-                result["errors"].append(f"{msg[1]}: {msg[2]}")
-                break
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    times = [ends[s] - starts[s] for s in range(1, steps + 1) if s in ends and s in starts]
+            elif isinstance(ev, BaselineStarted):
+                key = (ev.kind, ev.step)
+                t.bstarts[key] = min(t.bstarts.get(key, ev.at), ev.at)
+            elif isinstance(ev, BaselineEnded):
+                key = (ev.kind, ev.step)
+                t.bends[key] = max(t.bends.get(key, 0.0), ev.at)
+            elif isinstance(ev, BaselineVerified):
+                t.bverified[ev.kind] = t.bverified.get(ev.kind, True) and ev.exact
+            elif isinstance(ev, Phases):
+                for name, sec in ev.seconds.items():
+                    t.phases.setdefault(f"{ev.side}.{name}", []).append(sec)
+            elif isinstance(ev, LinkReady):
+                link_q.put(ev)  # to instance 0, which receives the link-ceiling messages
+            elif isinstance(ev, TrainerMeasured):
+                t.trainers.append(ev)
+            elif isinstance(ev, InstanceMeasured):
+                t.instances.append(ev)
+
+        store_port = free_port()
+        together = job.ctx.Barrier(train.world_size)
+        for r in range(train.world_size):
+            job.add(Participant.trainer(r), _trainer, r, scen, model, steps, job.meta_url, timeout, baselines,
+                    store_port, device, together)
+        for i in range(scen.instances):
+            gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
+            job.add(Participant.instance(i), _reader, i, gpu, scen, model, steps, job.meta_url, timeout, link_q,
+                    baselines, store_port, device, peer_copies)
+        outcome = job.run(on_event=on_event)
+    if outcome.failure is not None:
+        f = outcome.failure
+        result["errors"].append(f"{f.line()}\n{f.traceback}" if f.traceback else f.line())
+    times = [t.ends[s] - t.starts[s] for s in range(1, steps + 1) if s in t.ends and s in t.starts]
     if result["errors"] or len(times) < steps:
         result["errors"].append(f"only {len(times)} of {steps} timed steps completed")
         return result
-    bytes_moved = moved[steps]
+    bytes_moved = t.moved[steps]
     per_gpu = moved_per_gpu(train, infer, scen)
     busiest = max(local + remote for local, remote in per_gpu.values())
     if device == "cpu":
         ceiling, floor, ceiling_name = None, None, "none: a CPU rehearsal measures no ceiling"
     elif scen.colocate:
-        ceiling = min(m[3] for m in infer_info if m[3])
-        nvlink = min((m[5] for m in infer_info if m[5]), default=None)
+        ceiling = min(m.copy_bytes_per_s for m in t.instances if m.copy_bytes_per_s)
+        nvlink = min((m.nvlink_bytes_per_s for m in t.instances if m.nvlink_bytes_per_s), default=None)
         # same-GPU bytes at copy speed and cross-GPU bytes over NVLink can overlap: the slower one bounds
         floor = max(max(local / ceiling, remote / nvlink if nvlink else 0.0) for local, remote in per_gpu.values())
         ceiling_name = ("device copy (bytes copied/s); for cross-GPU pieces, GPUs copying into each other "
                         "both ways at once by their copy engines")
         result["nvlink_bytes_per_s"] = nvlink
     else:
-        ceiling = min(m[3] for m in train_info if m[3])
+        ceiling = min(m.link_bytes_per_s for m in t.trainers if m.link_bytes_per_s)
         floor = busiest / ceiling
         ceiling_name = "NCCL send/recv, same messages, same communicator"
     median = statistics.median(times)
@@ -543,31 +382,32 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         min_seconds=min(times),
         max_seconds=max(times),
         step_seconds=times,
-        transfer_seconds=[transfer[s] for s in range(1, steps + 1)],
-        transfer_median_seconds=statistics.median(transfer[s] for s in range(1, steps + 1)),
-        phase_median_seconds={k: statistics.median(v) for k, v in sorted(phases.items())},
-        phase_seconds=dict(sorted(phases.items())),  # per timed step: an outlier step can be told apart
+        transfer_seconds=[t.transfer[s] for s in range(1, steps + 1)],
+        transfer_median_seconds=statistics.median(t.transfer[s] for s in range(1, steps + 1)),
+        phase_median_seconds={k: statistics.median(v) for k, v in sorted(t.phases.items())},
+        phase_seconds=dict(sorted(t.phases.items())),  # per timed step: an outlier step can be told apart
         ceiling_bytes_per_s=ceiling,
         ceiling=ceiling_name,
         floor_seconds=floor,
         efficiency=floor / median if floor is not None else None,
-        verified=all(m[2] for m in infer_info),
-        peak_transient_bytes=max([m[4] for m in train_info] + [m[4] for m in infer_info]),
+        verified=all(m.exact for m in t.instances),
+        peak_transient_bytes=max([m.peak_bytes for m in t.trainers] + [m.peak_bytes for m in t.instances]),
         memory_budget_bytes=DEFAULT_MEMORY_BUDGET,  # the writers' and readers' default, checked at set-up
         # co-located: whether workers copied other GPUs' pieces directly (else through their NCCL group)
-        peer_copies=all(m[6] for m in infer_info) if scen.colocate else None,
+        peer_copies=all(m.peer_copies for m in t.instances) if scen.colocate else None,
         # co-located: bytes a step's workers wrote into other workers' tensors on other GPUs (the push)
-        pushed_bytes=sum(m[7] for m in infer_info) if scen.colocate else None,
+        pushed_bytes=sum(m.pushed_bytes for m in t.instances) if scen.colocate else None,
     )
     result["baselines"] = {}
     for kind in baselines:
-        bt = [bends[kind, s] - bstarts[kind, s] for s in range(1, steps + 1) if (kind, s) in bends and (kind, s) in bstarts]
+        bt = [t.bends[kind, s] - t.bstarts[kind, s] for s in range(1, steps + 1)
+              if (kind, s) in t.bends and (kind, s) in t.bstarts]
         if len(bt) < steps:
             result["baselines"][kind] = {"ran": False, "why": f"only {len(bt)} steps completed"}
             continue
         m = statistics.median(bt)
         result["baselines"][kind] = {"ran": True, "median_seconds": m, "min_seconds": min(bt), "max_seconds": max(bt),
-                                     "verified": bverified.get(kind, False), "speedup": m / median}
+                                     "verified": t.bverified.get(kind, False), "speedup": m / median}
     if CHECKPOINT_ENGINE in requested:  # its own processes on the same GPUs, once ours have exited
         from weightsync.bench.ckpt_engine import run_checkpoint_engine
 
@@ -604,28 +444,6 @@ def environment() -> dict:
         "weightsync": __version__,
         "commit": commit,
     }
-
-
-def moved_per_gpu(train, infer, scen: Scenario) -> dict[int, tuple[int, int]]:
-    """(same-GPU bytes, bytes from other GPUs) each GPU must receive (the busiest one bounds the step)."""
-    from weightsync.plan.planner import Planner
-    from weightsync.plan.topology import Topology
-
-    make = Topology.colocated if scen.colocate else Topology.separated
-    topo = make(train.world_size, infer.world_size, scen.instances)
-    planner = Planner(train, infer, scen.instances, topo)
-    per: dict[int, tuple[int, int]] = {}
-    for inst in range(scen.instances):
-        for r in range(infer.world_size):
-            gpu = topo.infer_gpu(inst, r)
-            local, remote = per.get(gpu, (0, 0))
-            for c in planner.recv_copies(inst, r):
-                if topo.train_gpu(c.src_rank) == gpu:
-                    local += c.nbytes
-                else:
-                    remote += c.nbytes
-            per[gpu] = (local, remote)
-    return per
 
 
 def main_from_args(args) -> int:
@@ -669,3 +487,8 @@ def add_arguments(p) -> None:
                    help="co-located: take other GPUs' pieces through the workers' NCCL group instead of copying them "
                         "out of the trainers' memory (as on GPUs without peer access)")
     p.add_argument("--json", action="store_true")
+
+
+__all__ = ["run", "environment", "main_from_args", "add_arguments", "CHECKPOINT_ENGINE",
+           # the scenarios and their data, kept importable from here
+           "SCENARIOS", "Scenario", "advance", "canonical_region", "check", "init_weights", "moved_per_gpu"]
