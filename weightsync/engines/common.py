@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from typing import Iterable, Sequence
 
 from weightsync.errors import ConfigError
 from weightsync.layout.box import Box, full_box
 from weightsync.layout.layout import Group, Piece, Shard
 from weightsync.spec.model import ModelSpec
-
-EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
 
 def even(n: int, parts: int, index: int, what: str) -> tuple[int, int]:
     """(offset, length) of part ``index`` when ``n`` splits evenly into ``parts``."""

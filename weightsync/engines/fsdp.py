@@ -37,22 +37,15 @@ from weightsync.errors import ConfigError
 from weightsync.layout.box import Box, box_shape, full_box
 from weightsync.layout.layout import EngineLayout, Mesh, Piece, Shard
 from weightsync.spec.model import ModelSpec
+from weightsync.spec.roles import Kind, Role
 
-# local (hf) tensor name suffix -> the dim TP shards it on
-TP_DIMS: dict[str, int] = {
-    "self_attn.q_proj.weight": 0,
-    "self_attn.k_proj.weight": 0,
-    "self_attn.v_proj.weight": 0,
-    "self_attn.q_proj.bias": 0,
-    "self_attn.k_proj.bias": 0,
-    "self_attn.v_proj.bias": 0,
-    "self_attn.o_proj.weight": 1,
-    "mlp.gate_proj.weight": 0,
-    "mlp.up_proj.weight": 0,
-    "mlp.down_proj.weight": 1,
+# torchtitan's TP plan: the role of a tensor's canonical tensor -> the dim TP shards it on (colwise 0,
+# rowwise 1; an embedding's weight is Shard(0) over the vocab). Dense MLPs only: TP is refused for MoE.
+TP_DIMS: dict[Kind, int] = {
+    Kind.Q: 0, Kind.K: 0, Kind.V: 0, Kind.O: 1,  # biases (Qwen2) shard like their weights
+    Kind.GATE: 0, Kind.UP: 0, Kind.DOWN: 1,
+    Kind.EMBED: 0, Kind.LM_HEAD: 0,
 }
-TP_ROOT_DIMS: dict[str, int] = {"model.embed_tokens.weight": 0, "lm_head.weight": 0}
-UNSHARDED_BUFFERS = (".mlp.gate.e_score_correction_bias",)
 
 
 def chunk_range(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -124,27 +117,23 @@ class FSDPLayout(EngineLayout):
                     f"is not divisible by tp={tp}"
                 )
 
-    def tp_dim(self, tensor: str) -> int | None:
-        """The dim TP shards local tensor ``tensor`` on, or None when it is replicated over ``tp``."""
-        if self.tp == 1:
+    def tp_dim(self, role: Role) -> int | None:
+        """The dim TP shards the local tensor holding ``role`` on, or None when it is replicated over ``tp``."""
+        if self.tp == 1 or (role.kind in (Kind.GATE, Kind.UP, Kind.DOWN) and not role.dense_mlp):
             return None
-        if tensor in TP_ROOT_DIMS:
-            return TP_ROOT_DIMS[tensor]
-        if tensor.startswith("model.layers."):
-            rest = tensor.split(".", 3)[3]
-            return TP_DIMS.get(rest)
-        return None
+        return TP_DIMS.get(role.kind)
 
     def canonical_names(self, rank: int) -> Iterable[str]:
         return (t.name for t in self.spec.tensors)
 
     def _shards(self, canonical: str) -> Iterable[Shard]:
+        role = self.spec.tensor(canonical).role
         for hs in self._hf.shards(canonical):
             piece, shape = hs.piece, hs.shape
-            if piece.tensor.endswith(UNSHARDED_BUFFERS):  # a buffer: FSDP leaves it whole everywhere
+            if role.kind in self.spec.arch.hf_buffers:  # a buffer: FSDP leaves it whole everywhere
                 yield Shard(self._everyone, piece, shape, hs.dtype)
                 continue
-            tdim = self.tp_dim(piece.tensor)
+            tdim = self.tp_dim(role)
             if tdim is None:
                 tp_parts = [(None, full_box(shape))]
             else:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from weightsync.engines.common import EXPERT_RE, whole
+from weightsync.engines.common import whole
 from weightsync.engines.config import HFConfig
 from weightsync.layout.box import full_box
 from weightsync.layout.layout import EngineLayout, Mesh, Piece, Shard
 from weightsync.spec.model import ModelSpec
+from weightsync.spec.roles import Kind
 
 
 class HFLayout(EngineLayout):
@@ -33,28 +34,29 @@ class HFLayout(EngineLayout):
         self.fp32 = bool(self.config.fp32)
 
     def _dtype(self, canonical: str) -> str:
-        """The in-memory dtype: fp32 everywhere with ``fp32``; DeepSeek's router always (transformers keeps it)."""
-        if self.fp32 or (self.spec.architecture == "DeepseekV3ForCausalLM" and canonical.endswith(".mlp.gate.weight")):
+        """The in-memory dtype: fp32 everywhere with ``fp32``, and for what transformers keeps in fp32 (DeepSeek's router)."""
+        t = self.spec.tensor(canonical)
+        if self.fp32 or t.role.kind in self.spec.arch.hf_fp32:
             return "float32"
-        return self.spec.tensor(canonical).dtype
+        return t.dtype
 
     def canonical_names(self, rank: int) -> Iterable[str]:
         return (t.name for t in self.spec.tensors)
 
     def _shards(self, canonical: str) -> Iterable[Shard]:
         spec = self.spec
-        m = EXPERT_RE.match(canonical)
-        if m:
-            layer, e, proj = int(m[1]), int(m[2]), m[3]
+        t = spec.tensor(canonical)
+        role = t.role
+        if role.routed:  # stacked: mlp.experts.gate_up_proj [E, 2I, H] (gate rows first), mlp.experts.down_proj [E, H, I]
+            layer, e = role.layer, role.expert
             L = spec.layers[layer]
-            t = spec.tensor(canonical)
             prefix = f"model.layers.{layer}.mlp.experts."
-            if proj == "down_proj":
+            if role.kind == Kind.DOWN:
                 shape = (L.num_experts,) + t.shape
                 yield Shard(self._all, Piece(prefix + "down_proj", ((e, 1),) + full_box(t.shape), canonical, full_box(t.shape)), shape, self._dtype(canonical))
             else:
                 I, H = t.shape
-                row = 0 if proj == "gate_proj" else I
+                row = 0 if role.kind == Kind.GATE else I
                 shape = (L.num_experts, 2 * I, H)
                 yield Shard(self._all, Piece(prefix + "gate_up_proj", ((e, 1), (row, I), (0, H)), canonical, full_box(t.shape)), shape, self._dtype(canonical))
             return

@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from weightsync.engines.common import EXPERT_RE, LAYER_RE, cols, even, pad_to, rows, stacked, vocab_shards, whole
+from weightsync.engines.common import cols, even, pad_to, rows, stacked, vocab_shards, whole
 from weightsync.errors import ConfigError
 from weightsync.layout.box import full_box
 from weightsync.layout.layout import EngineLayout, Group, Mesh, Piece, Shard
+from weightsync.spec.records import TensorSpec
+from weightsync.spec.roles import ATTENTION, GATED_MLP, Kind
 
 
 @dataclass(frozen=True)
@@ -111,86 +113,76 @@ class TPInferenceLayout(EngineLayout):
         mine: dict[int, range] = {}
         ep_rank = self.moe_ep.index(rank)
         for t in self.spec.tensors:
-            m = EXPERT_RE.match(t.name)
-            if m:
-                layer = int(m[1])
+            layer, e = t.role.layer, t.role.expert
+            if e is not None:
                 r = mine.get(layer)
                 if r is None:
                     r = mine[layer] = self.experts_on(ep_rank, self.spec.layers[layer].num_experts)
-                if int(m[2]) not in r:
+                if e not in r:
                     continue
             yield t.name
 
     def _shards(self, canonical: str) -> Iterable[Shard]:
         spec = self.spec
-        if canonical == "model.embed_tokens.weight":
+        t = spec.tensor(canonical)
+        role = t.role
+        if role.kind == Kind.EMBED:
             return vocab_shards(self.vocab.group, canonical, spec, canonical, self._padded_vocab(self.vocab.size), self.vocab.size)
-        if canonical == "lm_head.weight":
+        if role.kind == Kind.LM_HEAD:
             return vocab_shards(self.head.group, canonical, spec, canonical, self._padded_vocab(self.head.size), self.head.size)
-        if canonical == "model.norm.weight":
+        if role.kind in (Kind.FINAL_NORM, Kind.INPUT_NORM, Kind.POST_ATTN_NORM):
             return [whole(self.replicated.group(), canonical, spec, canonical)]
-        m = LAYER_RE.match(canonical)
-        if not m:
-            raise ConfigError(f"{self.engine}: no rule for canonical tensor {canonical}")
-        layer, rest = int(m[1]), m[2]
-        p = f"model.layers.{layer}."
-        if rest.startswith("self_attn."):
-            return self._attention(p, rest[len("self_attn.") :], canonical)
-        if rest.startswith("mlp.experts."):
-            return self._expert(canonical)
-        if rest.startswith("mlp.shared_experts."):
+        p = f"model.layers.{role.layer}."
+        if role.kind in ATTENTION:
+            return self._attention(p, t)
+        if role.routed:
+            return self._expert(t)
+        if role.kind in GATED_MLP and role.shared:
             if self.fuse_shared_expert:
-                return self._fused_shared(canonical, layer)
-            return self._mlp(p + "mlp.shared_experts.", canonical, self.shared)
-        if rest.startswith("mlp.gate."):  # router weight, e_score_correction_bias
-            return [whole(self.replicated.group(), canonical, spec, canonical, self._router_dtype(rest))]
-        if rest.startswith("mlp."):
-            return self._mlp(p + "mlp.", canonical, self.mlp)
-        return [whole(self.replicated.group(), canonical, spec, canonical)]  # layer norms
-
-    def _router_dtype(self, rest: str) -> str | None:
-        return None  # canonical dtype: the model dtype for the router, fp32 for the correction bias
+                return self._fused_shared(t)
+            return self._mlp(p + "mlp.shared_experts.", t, self.shared)
+        if role.kind in (Kind.ROUTER, Kind.ROUTER_BIAS):
+            # canonical dtype: the model dtype for the router, fp32 for the correction bias
+            return [whole(self.replicated.group(), canonical, spec, canonical)]
+        if role.kind in GATED_MLP:
+            return self._mlp(p + "mlp.", t, self.mlp)
+        raise ConfigError(f"{self.engine}: no rule for canonical tensor {canonical} ({role})")
 
     # -- attention ------------------------------------------------------------------------------
-    def _attention(self, p: str, what: str, canonical: str) -> list[Shard]:
+    def _attention(self, p: str, t: TensorSpec) -> list[Shard]:
         a, spec, split = self.spec.attention, self.spec, self.attn
+        canonical, role = t.name, t.role
         G = split.size
         out: list[Shard] = []
-        if what.endswith("_norm.weight") and a.kind == "gqa":  # q_norm / k_norm per head
+        if role.kind in (Kind.Q_NORM, Kind.K_NORM):  # per head, replicated
             return [whole(self.replicated.group(), canonical, spec, canonical)]
+        if role.kind == Kind.O:
+            return self._row_parallel(p + "self_attn.o_proj.weight", canonical, split)
         if a.kind == "gqa":
-            if what.startswith("o_proj"):
-                return self._row_parallel(p + "self_attn.o_proj.weight", canonical, split)
-            kind = "bias" if what.endswith("bias") else "weight"
+            kind = "bias" if role.bias else "weight"
             name = p + f"self_attn.qkv_proj.{kind}"
+            q, k, v = (spec.tensor_of(role.sibling(x)) for x in (Kind.Q, Kind.K, Kind.V))
             hd, H = a.head_dim, spec.hidden_size
             kv_l = max(1, a.num_kv_heads // G)
             reps = max(1, G // a.num_kv_heads)
             for g in range(G):
                 q_rows = even(a.num_heads * hd, G, g, "q rows")
                 kv_rows = ((g // reps) * kv_l * hd, kv_l * hd)
-                blocks = [
-                    (p + f"self_attn.q_proj.{kind}", rows(q_rows, spec.tensor(p + f"self_attn.q_proj.{kind}").shape)),
-                    (p + f"self_attn.k_proj.{kind}", rows(kv_rows, spec.tensor(p + f"self_attn.k_proj.{kind}").shape)),
-                    (p + f"self_attn.v_proj.{kind}", rows(kv_rows, spec.tensor(p + f"self_attn.v_proj.{kind}").shape)),
-                ]
+                blocks = [(q.name, rows(q_rows, q.shape)), (k.name, rows(kv_rows, k.shape)), (v.name, rows(kv_rows, v.shape))]
                 n_rows = q_rows[1] + 2 * kv_rows[1]
                 shape = (n_rows, H) if kind == "weight" else (n_rows,)
                 out += stacked(split.group(g), name, shape, spec.dtype, blocks, canonical)
             return out
         # MLA
-        if what in ("q_a_proj.weight", "kv_a_proj_with_mqa.weight") and a.q_lora_rank:
+        if role.kind in (Kind.Q_A, Kind.KV_A) and a.q_lora_rank:
             name = p + f"self_attn.{self.fused_qkv_a}.weight"
-            parts = [p + "self_attn.q_a_proj.weight", p + "self_attn.kv_a_proj_with_mqa.weight"]
-            shapes = [spec.tensor(n).shape for n in parts]
-            shape = (sum(s[0] for s in shapes), spec.hidden_size)
-            blocks = [(n, full_box(s)) for n, s in zip(parts, shapes)]
+            parts = [spec.tensor_of(role.sibling(Kind.Q_A)), spec.tensor_of(role.sibling(Kind.KV_A))]
+            shape = (sum(x.shape[0] for x in parts), spec.hidden_size)
+            blocks = [(x.name, full_box(x.shape)) for x in parts]
             return stacked(self.replicated.group(), name, shape, spec.dtype, blocks, canonical)
-        if what in ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight"):
-            return self._col_parallel(p + "self_attn." + what, canonical, split)
-        if what == "o_proj.weight":
-            return self._row_parallel(p + "self_attn.o_proj.weight", canonical, split)
-        return [whole(self.replicated.group(), p + "self_attn." + what, spec, canonical)]  # norms, kv_a (no q lora)
+        if role.kind in (Kind.Q_B, Kind.Q, Kind.KV_B):
+            return self._col_parallel(canonical, canonical, split)
+        return [whole(self.replicated.group(), canonical, spec, canonical)]  # norms, kv_a (no q lora)
 
     def _col_parallel(self, name: str, canonical: str, split: Split) -> list[Shard]:
         t = self.spec.tensor(canonical)
@@ -211,61 +203,52 @@ class TPInferenceLayout(EngineLayout):
         return out
 
     # -- MLPs -------------------------------------------------------------------------------------
-    def _mlp(self, prefix: str, canonical: str, split: Split) -> list[Shard]:
-        spec = self.spec
-        if canonical.endswith("down_proj.weight"):
+    def _mlp(self, prefix: str, t: TensorSpec, split: Split) -> list[Shard]:
+        spec, canonical = self.spec, t.name
+        if t.role.kind == Kind.DOWN:
             return self._row_parallel(prefix + "down_proj.weight", canonical, split)
-        gate, up = prefix_canon(canonical, "gate_proj"), prefix_canon(canonical, "up_proj")
-        I, H = spec.tensor(gate).shape
+        gate, up = spec.tensor_of(t.role.sibling(Kind.GATE)), spec.tensor_of(t.role.sibling(Kind.UP))
+        I, H = gate.shape
         out = []
         for g in range(split.size):
-            r = even(I, split.size, g, f"{gate} rows")
-            blocks = [(gate, rows(r, (I, H))), (up, rows(r, (I, H)))]
+            r = even(I, split.size, g, f"{gate.name} rows")
+            blocks = [(gate.name, rows(r, (I, H))), (up.name, rows(r, (I, H)))]
             out += stacked(split.group(g), prefix + "gate_up_proj.weight", (2 * r[1], H), spec.dtype, blocks, canonical)
         return out
 
-    def _expert(self, canonical: str) -> list[Shard]:
-        m = EXPERT_RE.match(canonical)
-        layer, e, proj = int(m[1]), int(m[2]), m[3]
+    def _expert(self, t: TensorSpec) -> list[Shard]:
+        layer, e = t.role.layer, t.role.expert
         L = self.spec.layers[layer]
         ep_rank, local, count = self.expert_slot(e, L.num_experts)
-        return self._expert_shards(layer, proj, canonical, local, count, dict(ep=ep_rank))
+        return self._expert_shards(t, local, count, ep_rank)
 
-    def _fused_shared(self, canonical: str, layer: int) -> list[Shard]:
+    def _fused_shared(self, t: TensorSpec) -> list[Shard]:
         """SGLang's shared-expert fusion: the shared expert is one more expert at the end of each block."""
-        proj = canonical.rsplit(".", 2)[-2]
         out = []
         for ep_rank in range(self.moe_ep.size):
-            r = self.experts_on(ep_rank, self.spec.layers[layer].num_experts)
-            out += self._expert_shards(layer, proj, canonical, len(r), len(r) + 1, dict(ep=ep_rank))
+            r = self.experts_on(ep_rank, self.spec.layers[t.role.layer].num_experts)
+            out += self._expert_shards(t, len(r), len(r) + 1, ep_rank)
         return out
 
-    def _expert_shards(self, layer: int, proj: str, canonical: str, local: int, count: int, fixed: dict) -> list[Shard]:
-        spec, split = self.spec, self.moe_tp
-        t = spec.tensor(canonical)
-        p = f"model.layers.{layer}.{self.expert_prefix}"
+    def _expert_shards(self, t: TensorSpec, local: int, count: int, ep_rank: int) -> list[Shard]:
+        """One expert's (or the fused shared expert's) gate/up/down as slot ``local`` of ``count`` stacked on an EP rank."""
+        split, canonical = self.moe_tp, t.name
+        p = f"model.layers.{t.role.layer}.{self.expert_prefix}"
         lead = ((local, 1),)
-        ep_fixed = {self.moe_ep.dim: fixed["ep"]} if self.moe_ep.dim else {}
+        ep_fixed = {self.moe_ep.dim: ep_rank} if self.moe_ep.dim else {}
         out = []
         for j in range(split.size):
             group = split.group(j, **ep_fixed)
-            if proj == "down_proj":
+            if t.role.kind == Kind.DOWN:
                 box = cols(even(t.shape[1], split.size, j, f"{canonical} columns"), t.shape)
                 shape = (count, t.shape[0], box[1][1])
                 out.append(Shard(group, Piece(p + "w2_weight", lead + full_box(shape[1:]), canonical, box), shape, t.dtype))
             else:
                 I, H = t.shape
                 r = even(I, split.size, j, f"{canonical} rows")
-                row = 0 if proj == "gate_proj" else r[1]
+                row = 0 if t.role.kind == Kind.GATE else r[1]
                 shape = (count, 2 * r[1], H)
                 piece = Piece(p + "w13_weight", lead + ((row, r[1]), (0, H)), canonical, rows(r, t.shape))
                 out.append(Shard(group, piece, shape, t.dtype))
         return out
-
-
-def prefix_canon(canonical: str, proj: str) -> str:
-    """The sibling canonical tensor (gate_proj/up_proj) of an MLP projection."""
-    head, _, tail = canonical.rpartition(".")
-    head = head.rsplit(".", 1)[0]
-    return f"{head}.{proj}.{tail}"
 

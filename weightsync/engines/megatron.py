@@ -44,14 +44,14 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from weightsync.engines.common import LAYER_RE, cols, even, pad_to, rows, stacked, vocab_shards, whole
+from weightsync.engines.common import cols, even, pad_to, rows, stacked, vocab_shards, whole
 from weightsync.engines.config import MegatronConfig
 from weightsync.errors import ConfigError
 from weightsync.layout.box import full_box
 from weightsync.layout.layout import EngineLayout, Group, Mesh, Piece, Shard
 from weightsync.spec.model import ModelSpec
-
-_EXPERT_TAIL = ("gate_proj", "up_proj", "down_proj")
+from weightsync.spec.records import TensorSpec
+from weightsync.spec.roles import ATTENTION, GATED_MLP, Kind, Role
 
 
 class MegatronLayout(EngineLayout):
@@ -183,79 +183,46 @@ class MegatronLayout(EngineLayout):
 
     def canonical_names(self, rank: int) -> Iterator[str]:
         spec = self.spec
-        d = self.dense.coords(rank)
-        p = d["pp"]
+        p = self.dense.coords(rank)["pp"]
+        embed = spec.tensor_of(Role(Kind.EMBED)).name
         if p == 0:
-            yield "model.embed_tokens.weight"
+            yield embed
         ep_rank = self.expert.coords(rank)["ep"]
         for c in range(self.vpp):
             off, n = self.stages[p, c]
             for i in range(off, off + n):
-                yield from self._layer_names(i, ep_rank)
+                per = spec.layers[i].num_experts // self.ep
+                mine = range(ep_rank * per, (ep_rank + 1) * per)
+                yield from (t.name for t in spec.layer_tensors(i) if t.role.expert is None or t.role.expert in mine)
         if p == self.pp - 1:
-            yield "model.norm.weight"
-            if not spec.tie_word_embeddings:
-                yield "lm_head.weight"
-            elif self.pp > 1:
-                yield "model.embed_tokens.weight"
-
-    def _layer_names(self, i: int, ep_rank: int) -> Iterator[str]:
-        """Canonical names of layer ``i`` this EP rank touches (mirrors spec.model._canonical_tensors)."""
-        a, layer = self.spec.attention, self.spec.layers[i]
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight"
-        if a.kind == "mla":
-            if a.q_lora_rank:
-                for n in ("q_a_proj", "q_a_layernorm", "q_b_proj"):
-                    yield f"{p}self_attn.{n}.weight"
-            else:
-                yield p + "self_attn.q_proj.weight"
-            for n in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):
-                yield f"{p}self_attn.{n}.weight"
-        else:
-            for n in ("q_proj", "k_proj", "v_proj"):
-                yield f"{p}self_attn.{n}.weight"
-            if a.qkv_bias:
-                for n in ("q_proj", "k_proj", "v_proj"):
-                    yield f"{p}self_attn.{n}.bias"
-            yield p + "self_attn.o_proj.weight"
-            if a.qk_norm:
-                yield from (p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
-        yield p + "post_attention_layernorm.weight"
-        if not layer.moe:
-            yield from (f"{p}mlp.{n}.weight" for n in _EXPERT_TAIL)
-            return
-        yield p + "mlp.gate.weight"
-        if layer.router_bias:
-            yield p + "mlp.gate.e_score_correction_bias"
-        per = layer.num_experts // self.ep
-        for e in range(ep_rank * per, (ep_rank + 1) * per):
-            yield from (f"{p}mlp.experts.{e}.{n}.weight" for n in _EXPERT_TAIL)
-        if layer.shared_intermediate_size:
-            yield from (f"{p}mlp.shared_experts.{n}.weight" for n in _EXPERT_TAIL)
+            yield spec.tensor_of(Role(Kind.FINAL_NORM)).name
+            head = spec.by_role.get(Role(Kind.LM_HEAD))
+            if head is not None:
+                yield head.name
+            elif self.pp > 1:  # tied: the last stage holds its own copy of the embedding as output_layer
+                yield embed
 
     # -- shards -------------------------------------------------------------------------------
     def _shards(self, canonical: str) -> Iterable[Shard]:
         spec = self.spec
-        if canonical == "model.embed_tokens.weight":
+        t = spec.tensor(canonical)  # unknown names raise SpecError
+        kind = t.role.kind
+        if kind == Kind.EMBED:
             yield from self._vocab(canonical, 0, "embedding.word_embeddings.weight")
             if spec.tie_word_embeddings and self.pp > 1:
                 yield from self._vocab(canonical, self.pp - 1, "output_layer.weight")
             return
-        if canonical == "lm_head.weight":
+        if kind == Kind.LM_HEAD:
             yield from self._vocab(canonical, self.pp - 1, "output_layer.weight")
             return
-        if canonical == "model.norm.weight":
+        if kind == Kind.FINAL_NORM:
             name = self._chunk(self.vpp - 1) + "decoder.final_layernorm.weight"
             yield whole(self.dense.group(pp=self.pp - 1), name, spec, canonical)
             return
-        m = LAYER_RE.match(canonical)
-        if not m:
-            raise ConfigError(f"megatron: no rule for canonical tensor {canonical!r}")
-        i, rest = int(m[1]), m[2]
-        spec.tensor(canonical)  # unknown names raise SpecError
-        stage, pre = self._layer_prefix(i)
-        yield from self._layer_shards(canonical, i, rest, stage, pre)
+        if t.role.layer is None:
+            raise ConfigError(f"megatron: no rule for canonical tensor {canonical!r} ({t.role})")
+        stage, pre = self._layer_prefix(t.role.layer)
+        yield from self._layer_shards(t, stage, pre)
 
     def _vocab(self, canonical: str, stage: int, tensor: str) -> list[Shard]:
         chunk = 0 if stage == 0 and tensor.startswith("embedding") else self.vpp - 1
@@ -280,117 +247,110 @@ class MegatronLayout(EngineLayout):
             shape = (t.shape[0], box[1][1])
             yield Shard(groups(r), Piece(tensor, full_box(shape), canonical, box), shape, t.dtype)
 
-    def _gated_fc1(self, groups, tensor_of, base: str, canonical: str, parts: int) -> Iterator[Shard]:
+    def _gated_fc1(self, groups, tensor: str, t: TensorSpec, parts: int) -> Iterator[Shard]:
         """linear_fc1 = [gate shard; up shard] per TP rank (mlp.py apply_swiglu_sharded_factory)."""
-        t = self.spec.tensor(canonical)
+        gate, up = (self.spec.tensor_of(t.role.sibling(k)).name for k in (Kind.GATE, Kind.UP))
         I, H = t.shape
         for r in range(parts):
-            blk = even(I, parts, r, f"{canonical} rows")
-            blocks = [(base + "gate_proj.weight", rows(blk, (I, H))), (base + "up_proj.weight", rows(blk, (I, H)))]
-            yield from stacked(groups(r), tensor_of(r), (2 * blk[1], H), t.dtype, blocks, canonical)
+            blk = even(I, parts, r, f"{t.name} rows")
+            blocks = [(gate, rows(blk, (I, H))), (up, rows(blk, (I, H)))]
+            yield from stacked(groups(r), tensor, (2 * blk[1], H), t.dtype, blocks, t.name)
 
-    def _mlp(self, canonical: str, base: str, proj: str, groups, tensor: str, parts: int) -> Iterator[Shard]:
+    def _mlp(self, t: TensorSpec, groups, tensor: str, parts: int) -> Iterator[Shard]:
         """A gated MLP's gate/up/down canonical tensor onto linear_fc1/linear_fc2 (``tensor`` has a {fc} slot)."""
-        if proj == "down_proj":
-            yield from self._col_split(groups, tensor.format(fc="linear_fc2"), canonical, parts)
+        if t.role.kind == Kind.DOWN:
+            yield from self._col_split(groups, tensor.format(fc="linear_fc2"), t.name, parts)
         else:
-            yield from self._gated_fc1(groups, lambda r: tensor.format(fc="linear_fc1"), base, canonical, parts)
+            yield from self._gated_fc1(groups, tensor.format(fc="linear_fc1"), t, parts)
 
-    def _layer_shards(self, canonical: str, i: int, rest: str, stage: int, pre: str) -> Iterator[Shard]:
-        a, layer, tp = self.spec.attention, self.spec.layers[i], self.tp
+    def _layer_shards(self, t: TensorSpec, stage: int, pre: str) -> Iterator[Shard]:
+        a, tp = self.spec.attention, self.tp
+        canonical, role = t.name, t.role
+        kind, layer = role.kind, self.spec.layers[role.layer]
 
         def tp_group(r: int) -> Group:
             return self.dense.group(tp=r, pp=stage)
 
         attn = pre + "self_attention."
-        if rest == "input_layernorm.weight":
+        if kind == Kind.INPUT_NORM:
             fused = self.te and a.kind == "gqa"
             name = attn + "linear_qkv.layer_norm_weight" if fused else pre + "input_layernorm.weight"
             yield self._replicated(stage, name, canonical)
-        elif rest == "post_attention_layernorm.weight":
+        elif kind == Kind.POST_ATTN_NORM:
             fused = self.te and not layer.moe
             name = pre + ("mlp.linear_fc1.layer_norm_weight" if fused else "pre_mlp_layernorm.weight")
             yield self._replicated(stage, name, canonical)
-        elif rest == "self_attn.o_proj.weight":
+        elif kind == Kind.O:
             yield from self._col_split(tp_group, attn + "linear_proj.weight", canonical, tp)
-        elif a.kind == "gqa" and rest.startswith("self_attn.") and rest.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
-            yield from self._qkv(canonical, i, rest.split(".")[2], tp_group, attn)
-        elif rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-            name = attn + ("q_layernorm.weight" if rest.startswith("self_attn.q") else "k_layernorm.weight")
+        elif a.kind == "gqa" and kind in (Kind.Q, Kind.K, Kind.V):
+            yield from self._qkv(t, tp_group, attn)
+        elif kind in (Kind.Q_NORM, Kind.K_NORM):
+            name = attn + ("q_layernorm.weight" if kind == Kind.Q_NORM else "k_layernorm.weight")
             yield self._replicated(stage, name, canonical)
-        elif a.kind == "mla" and rest.startswith("self_attn."):
-            yield from self._mla(canonical, rest, stage, tp_group, attn)
-        elif rest.startswith("mlp.experts."):
-            yield from self._experts(canonical, i, rest, stage)
-        elif rest.startswith("mlp.shared_experts."):
-            proj = rest.split(".")[2]
-            base = f"model.layers.{i}.mlp.shared_experts."
-            yield from self._mlp(canonical, base, proj, tp_group, pre + "mlp.shared_experts.{fc}.weight", tp)
-        elif rest == "mlp.gate.weight":
+        elif a.kind == "mla" and kind in ATTENTION:
+            yield from self._mla(t, stage, tp_group, attn)
+        elif role.routed:
+            yield from self._experts(t, stage, pre)
+        elif role.shared and kind in GATED_MLP:
+            yield from self._mlp(t, tp_group, pre + "mlp.shared_experts.{fc}.weight", tp)
+        elif kind == Kind.ROUTER:
             yield self._replicated(stage, pre + "mlp.router.weight", canonical)
-        elif rest == "mlp.gate.e_score_correction_bias":
+        elif kind == Kind.ROUTER_BIAS:
             yield self._replicated(stage, pre + "mlp.router.expert_bias", canonical, "float32")
-        elif rest.startswith("mlp.") and rest.split(".")[1] in _EXPERT_TAIL:
-            proj = rest.split(".")[1]
-            yield from self._mlp(canonical, f"model.layers.{i}.mlp.", proj, tp_group, pre + "mlp.{fc}.weight", tp)
+        elif role.dense_mlp:
+            yield from self._mlp(t, tp_group, pre + "mlp.{fc}.weight", tp)
         else:
-            raise ConfigError(f"megatron: no rule for canonical tensor {canonical!r}")
+            raise ConfigError(f"megatron: no rule for canonical tensor {canonical!r} ({role})")
 
-    def _qkv(self, canonical: str, i: int, kind: str, tp_group, attn: str) -> Iterator[Shard]:
+    def _qkv(self, t: TensorSpec, tp_group, attn: str) -> Iterator[Shard]:
         """linear_qkv rows per TP rank: for each local query group, its q heads, k head, v head."""
-        a, tp = self.spec.attention, self.tp
+        a, tp, spec = self.spec.attention, self.tp, self.spec
         hd, ng = a.head_dim, a.num_kv_heads
         qpg = a.num_heads // ng
         local_groups = ng // tp
-        t = self.spec.tensor(canonical)
         tail = t.shape[1:]
-        base = f"model.layers.{i}.self_attn."
-        suffix = "weight" if kind == "weight" else "bias"
-        name = attn + f"linear_qkv.{suffix}"
+        q, k, v = (spec.tensor_of(t.role.sibling(x)).name for x in (Kind.Q, Kind.K, Kind.V))
+        name = attn + ("linear_qkv.bias" if t.role.bias else "linear_qkv.weight")
         shape = (local_groups * (qpg + 2) * hd,) + tail
         for r in range(tp):
             blocks = []
             for g in range(r * local_groups, (r + 1) * local_groups):
-                blocks.append((base + f"q_proj.{suffix}", rows((g * qpg * hd, qpg * hd), (0,) + tail)))
-                blocks.append((base + f"k_proj.{suffix}", rows((g * hd, hd), (0,) + tail)))
-                blocks.append((base + f"v_proj.{suffix}", rows((g * hd, hd), (0,) + tail)))
-            yield from stacked(tp_group(r), name, shape, t.dtype, blocks, canonical)
+                blocks.append((q, rows((g * qpg * hd, qpg * hd), (0,) + tail)))
+                blocks.append((k, rows((g * hd, hd), (0,) + tail)))
+                blocks.append((v, rows((g * hd, hd), (0,) + tail)))
+            yield from stacked(tp_group(r), name, shape, t.dtype, blocks, t.name)
 
-    def _mla(self, canonical: str, rest: str, stage: int, tp_group, attn: str) -> Iterator[Shard]:
-        tp = self.tp
-        proj = rest.split(".")[1]
-        if proj in ("q_a_proj", "kv_a_proj_with_mqa"):
-            name = attn + ("linear_q_down_proj.weight" if proj == "q_a_proj" else "linear_kv_down_proj.weight")
+    def _mla(self, t: TensorSpec, stage: int, tp_group, attn: str) -> Iterator[Shard]:
+        tp, canonical, kind = self.tp, t.name, t.role.kind
+        if kind in (Kind.Q_A, Kind.KV_A):
+            name = attn + ("linear_q_down_proj.weight" if kind == Kind.Q_A else "linear_kv_down_proj.weight")
             if self.te:  # TELinear(parallel_mode="duplicated")
                 yield self._replicated(stage, name, canonical)
             else:  # ColumnParallelLinear(gather_output=False)
                 yield from self._row_split(tp_group, name, canonical, tp)
-        elif proj in ("q_a_layernorm", "kv_a_layernorm"):
+        elif kind in (Kind.Q_A_NORM, Kind.KV_A_NORM):
             if self.te:
-                up = "linear_q_up_proj" if proj == "q_a_layernorm" else "linear_kv_up_proj"
+                up = "linear_q_up_proj" if kind == Kind.Q_A_NORM else "linear_kv_up_proj"
                 yield self._replicated(stage, attn + f"{up}.layer_norm_weight", canonical)
             else:
-                name = attn + ("q_layernorm.weight" if proj == "q_a_layernorm" else "kv_layernorm.weight")
+                name = attn + ("q_layernorm.weight" if kind == Kind.Q_A_NORM else "kv_layernorm.weight")
                 yield self._replicated(stage, name, canonical)
-        elif proj in ("q_b_proj", "q_proj", "kv_b_proj"):
-            name = {"q_b_proj": "linear_q_up_proj", "q_proj": "linear_q_proj", "kv_b_proj": "linear_kv_up_proj"}[proj]
+        elif kind in (Kind.Q_B, Kind.Q, Kind.KV_B):
+            name = {Kind.Q_B: "linear_q_up_proj", Kind.Q: "linear_q_proj", Kind.KV_B: "linear_kv_up_proj"}[kind]
             yield from self._row_split(tp_group, attn + name + ".weight", canonical, tp)
         else:
-            raise ConfigError(f"megatron: no MLA rule for canonical tensor {canonical!r}")
+            raise ConfigError(f"megatron: no MLA rule for canonical tensor {canonical!r} ({t.role})")
 
-    def _experts(self, canonical: str, i: int, rest: str, stage: int) -> Iterator[Shard]:
-        _, _, e, proj, _ = rest.split(".")
-        e = int(e)
-        layer = self.spec.layers[i]
-        per = layer.num_experts // self.ep
+    def _experts(self, t: TensorSpec, stage: int, pre: str) -> Iterator[Shard]:
+        e = t.role.expert
+        per = self.spec.layers[t.role.layer].num_experts // self.ep
         r, k = divmod(e, per)
-        _, pre = self._layer_prefix(i)
         if self.grouped:  # TEGroupedMLP: linear_fc1.weight{k}
             tensor = pre + "mlp.experts.{fc}.weight" + str(k)
         else:  # SequentialMLP
             tensor = pre + f"mlp.experts.local_experts.{k}." + "{fc}.weight"
 
-        def group(t: int) -> Group:
-            return self.expert.group(etp=t, ep=r, pp=stage)
+        def group(j: int) -> Group:
+            return self.expert.group(etp=j, ep=r, pp=stage)
 
-        yield from self._mlp(canonical, f"model.layers.{i}.mlp.experts.{e}.", proj, group, tensor, self.etp)
+        yield from self._mlp(t, group, tensor, self.etp)

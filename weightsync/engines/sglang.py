@@ -5,7 +5,8 @@
   attention TP size A = tp / dp, attn_tp_rank = rank % A (runtime_context.py,
   derive_attention_ranks). Attention and the embedding are sharded over the attention-TP group;
   dense MLPs, lm_head (unless ``dp_lm_head=1``) and unfused shared experts over the full TP group.
-  Llama and Qwen2 have no DP-attention code and are refused.
+  Llama and Qwen2 have no DP-attention code and are refused. (Such per-architecture facts live in
+  each architecture's record, ``Architecture.sglang_*`` in weightsync/spec/arch/.)
 - MoE: moe_tp = tp / ep, moe_tp_rank = rank % moe_tp, ep_rank = rank // moe_tp; contiguous expert
   blocks; w13 [E_local, 2I/moe_tp, H] gate first (layers/moe/fused_moe_triton/layer.py). For
   DeepSeek-V3 with ep=1 the shared expert is fused as one more expert at the end of each block
@@ -36,15 +37,15 @@ class SGLangLayout(TPInferenceLayout):
     def __init__(self, spec: ModelSpec, config: SGLangConfig | None = None, **options: int):
         self.config = c = SGLangConfig.of(config, **options)
         tp, dp, ep, dp_attention, dp_lm_head, fuse_shared = c.tp, c.dp, c.ep, c.dp_attention, c.dp_lm_head, c.fuse_shared
-        arch = spec.architecture
-        if dp_attention and arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
-            raise ConfigError(f"sglang: {arch} has no DP-attention support in SGLang's model code")
-        if arch == "Qwen3MoeForCausalLM" and not all(layer.moe for layer in spec.layers):
-            raise ConfigError("sglang: SGLang's Qwen3-MoE makes every layer MoE; mlp_only_layers is not supported")
-        has_shared = any(layer.shared_intermediate_size for layer in spec.layers)
+        arch = spec.arch  # what SGLang's model code for this architecture does (weightsync/spec/arch/)
+        if dp_attention and not arch.sglang_dp_attention:
+            raise ConfigError(f"sglang: {arch.name} has no DP-attention support in SGLang's model code")
+        if arch.sglang_all_moe and not all(layer.moe for layer in spec.layers):
+            raise ConfigError(f"sglang: SGLang's {arch.name} makes every layer MoE; mlp_only_layers is not supported")
+        shared = [layer for layer in spec.layers if layer.shared_intermediate_size]
         if fuse_shared < 0:
-            fuse_shared = int(has_shared and ep == 1 and arch == "DeepseekV3ForCausalLM")
-        if fuse_shared and (not has_shared or int(spec.config.get("n_shared_experts") or 0) != 1):
+            fuse_shared = int(bool(shared) and ep == 1 and arch.sglang_fuse_shared)
+        if fuse_shared and (not shared or any(layer.shared_experts != 1 for layer in shared)):
             raise ConfigError("sglang: shared-expert fusion needs exactly one shared expert")
         self.tp, self.dp, self.ep = tp, dp, ep
         self.dp_attention, self.dp_lm_head = dp_attention, dp_lm_head

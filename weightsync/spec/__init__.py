@@ -1,13 +1,16 @@
-"""Model specs: canonical tensors from an HF config.json."""
+"""Model specs: canonical tensors, with their roles, from an HF config.json (architectures in spec/arch/)."""
 
+from weightsync.spec.arch import ARCHITECTURES, Architecture, architecture
 from weightsync.spec.model import (
-    Attention,
-    Layer,
     ModelSpec,
-    TensorSpec,
     load_spec,
     preset_names,
     spec_from_config,
 )
+from weightsync.spec.records import Attention, Layer, TensorSpec
+from weightsync.spec.roles import Kind, Role
 
-__all__ = ["Attention", "Layer", "ModelSpec", "TensorSpec", "load_spec", "preset_names", "spec_from_config"]
+__all__ = [
+    "ARCHITECTURES", "Architecture", "Attention", "Kind", "Layer", "ModelSpec", "Role", "TensorSpec", "architecture",
+    "load_spec", "preset_names", "spec_from_config",
+]
