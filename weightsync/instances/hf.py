@@ -16,41 +16,11 @@ from weightsync.bind import hf_config_dict
 from weightsync.bind.infer import HFInferenceEngine
 from weightsync.instances import InstanceError
 from weightsync.runtime.instance import NoEngineHooks, WorkerContext
+from weightsync.spec.arch import config_keys
 from weightsync.spec.model import SUPPORTED_ARCHITECTURES, spec_from_config
 
-#: the config.json keys spec_from_config reads (for any supported architecture)
-SPEC_KEYS = (
-    "architectures",
-    "model_type",
-    "torch_dtype",
-    "dtype",
-    "hidden_size",
-    "vocab_size",
-    "tie_word_embeddings",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "attention_bias",
-    "mlp_bias",
-    # Qwen3-MoE
-    "num_experts",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "moe_intermediate_size",
-    # DeepSeek-V3
-    "n_routed_experts",
-    "first_k_dense_replace",
-    "moe_layer_freq",
-    "n_shared_experts",
-    "topk_method",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-)
+#: the config.json keys spec_from_config reads (for any supported architecture: each declares its own)
+SPEC_KEYS = config_keys()
 
 
 def spec_config(module: torch.nn.Module) -> dict[str, Any]:
