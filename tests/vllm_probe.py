@@ -69,13 +69,15 @@ def register() -> None:
 
 
 def _patch_plain_cpu_linears() -> None:
-    """A PATCH of vLLM: CPU unquantized linears keep ``layer.weight`` and run ``F.linear`` on it (GPU-like)."""
-    from vllm.model_executor.layers import linear
+    """A PATCH of vLLM: CPU unquantized linears and lm_heads keep ``layer.weight`` and run ``F.linear`` on it at
+    call time (what CUDA bf16 does), instead of a packed copy."""
+    from vllm.model_executor.layers import linear, vocab_parallel_embedding
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
 
     linear.UnquantizedLinearMethod.process_weights_after_loading = process_weights_after_loading
+    vocab_parallel_embedding.UnquantizedEmbeddingMethod.process_weights_after_loading = process_weights_after_loading
 
 
 def _write_plugin_dist(root: Path) -> Path:
@@ -412,7 +414,10 @@ def run(args, report: dict[str, Any]) -> dict[str, Any]:
 
         def back_to_a() -> None:
             """Reload A plus the fix-ups, so every step starts from a true A."""
-            llm.collective_rpc("probe_write", args=(str(ckpt_a), "reload"))
+            results = llm.collective_rpc("probe_write", args=(str(ckpt_a), "reload"))
+            if not all(r["ok"] for r in results):
+                # vLLM's reload failed in a worker: its layers are left on meta and the next forward kills the engine.
+                raise RuntimeError(f"reload of A failed: {[r.get('error') for r in results]}")
             fixups()
 
         check("inplace", ref_b, llm.collective_rpc("probe_write", args=(str(ckpt_b), "inplace")))
@@ -447,7 +452,7 @@ def run(args, report: dict[str, Any]) -> dict[str, Any]:
         failed = {"caller_saw": _try(lambda: llm.update_weights(bad))}
         failed["finish_after_failure"] = _try(llm.finish_weight_update)
         failed["generate_after_finish"] = _try(lambda: generate(llm)["tokens"] == ref_b["tokens"])
-        failed["generate_equals_before_failure"] = _try(lambda: generate(llm)["tokens"] == steps["engine"]["got"])
+        failed["generate_equals_before_failure"] = _try(lambda: generate(llm)["tokens"] == steps["engine_then_fixups"]["got"])
         failed["weight_version"] = llm.get_weight_version()
         steps["engine_failed_update"] = failed
         llm.start_weight_update()
