@@ -9,6 +9,7 @@ from weightsync.layout.box import Box, full_box
 from weightsync.layout.layout import Group, Piece, Shard
 from weightsync.spec.model import ModelSpec
 
+
 def even(n: int, parts: int, index: int, what: str) -> tuple[int, int]:
     """(offset, length) of part ``index`` when ``n`` splits evenly into ``parts``."""
     if n % parts:

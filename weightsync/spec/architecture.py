@@ -42,7 +42,7 @@ class Architecture:
     config_keys: tuple[str, ...]
     attention: Callable[[Mapping[str, Any]], Attention]
     layers: Callable[[Mapping[str, Any]], tuple[Layer, ...]]
-    tensors: Callable[["ModelSpec"], Iterable[TensorSpec]]
+    tensors: Callable[[ModelSpec], Iterable[TensorSpec]]
     #: transformers keeps these in fp32 whatever the model dtype (``_keep_in_fp32_modules_strict``)
     hf_fp32: frozenset[Kind] = field(default_factory=frozenset)
     #: transformers holds these as persistent buffers, not parameters (FSDP2 leaves them whole)

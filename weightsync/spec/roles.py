@@ -58,7 +58,7 @@ class Role:
     shared: bool = False  # a shared expert's gate/up/down (DeepSeek)
     bias: bool = False  # the bias vector of the projection, not its weight (Qwen2's q/k/v)
 
-    def sibling(self, kind: Kind) -> "Role":
+    def sibling(self, kind: Kind) -> Role:
         """The same place with another kind: the ``up`` of a ``gate``, the ``k`` of a ``q``."""
         return replace(self, kind=kind)
 
