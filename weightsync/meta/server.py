@@ -319,7 +319,6 @@ class _App:
         for _ in range(8):
             if self.persist.broken:
                 raise HTTPError(500, f"MetaServer state not saved: {self.persist.broken}; restart the server")
-            base = self.persist.settled
             last_mutation.set(0)
             error: HTTPError | None = None
             try:
@@ -328,7 +327,8 @@ class _App:
                     result = await result
             except HTTPError as e:
                 error = e
-            mine, seen = last_mutation.get(), self.coord.seq
+            # the answer was computed from memory = saved up to `base` + pending changes up to `seen`
+            base, mine, seen = self.persist.settled, last_mutation.get(), self.coord.seq
             await self.persist.settle(seen)
             if mine and self.persist.dropped(mine - 1, mine):
                 raise HTTPError(500, "MetaServer state not saved (see the server's log); nothing of this "

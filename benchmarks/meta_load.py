@@ -1,0 +1,249 @@
+"""MetaServer load on this machine, raw HTTP, no retries: the server of a commit against today's.
+
+    .venv/bin/python benchmarks/meta_load.py [--before COMMIT] [--only after] [--quick]
+
+Each phase starts a fresh server process (``--state`` in a temp directory where the phase says so)
+and drives it from one asyncio process (``meta_loadgen``), every participant on its own connection,
+all at once:
+
+- ``register N``: N training participants register with Qwen3-8B's config.json as model_config.
+- ``step by 640 ranks``: 640 registered ranks post ``written`` for the same step at once (3 steps).
+- ``job 1024x128``: 1,024 trainers and 128 instances (each instance one connection), set-up (register,
+  join), then steps: every trainer posts ``written`` and long-polls ``held``; every instance long-polls
+  ``written`` and then posts ``held``. A step's time is from its first post to the last trainer's answer.
+- ``long-polls``: K long-polls held open, ``/health`` timed meanwhile.
+
+Latencies are per request (connect included for the first); server CPU is the process's utime+stime
+over the phase. The "before" server is ``weightsync/meta/server.py`` as of ``--before``, run from a
+temp copy against this checkout's package (it needs nothing newer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from meta_loadgen import Conn, Result, at_once, cpu_seconds, request_bytes  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+with open(os.path.join(REPO, "weightsync", "spec", "presets", "qwen3-8b.json")) as f:
+    CONFIG = json.load(f)
+HOST = "127.0.0.1"
+
+
+def reg(rank: int, role: str = "train", instance: int | None = None) -> bytes:
+    body = {"role": role, "rank": rank, "host": f"node{rank // 8}", "gpu": rank % 8, "spec_digest": "ab" * 16,
+            "layout_digest": "cd" * 16, "version": "0.1.0", "address": f"10.0.{rank // 256}.{rank % 256}:29500",
+            "engine_config": {"engine": "megatron:tp=8,pp=4", "world": 1024, "model": "qwen3-8b"},
+            "model_config": CONFIG}
+    if instance is not None:
+        body["instance"] = instance
+    return request_bytes("POST", "/v1/jobs/bench/participants", body)
+
+
+class Server:
+    """A MetaServer process: today's (``python -m weightsync.meta.server``) or a commit's copy."""
+
+    def __init__(self, which: str, before: str, state: bool, tmp: str):
+        cmd = [sys.executable]
+        if which == "after":
+            cmd += ["-m", "weightsync.meta.server"]
+        else:
+            path = os.path.join(tmp, "server_before.py")
+            with open(path, "wb") as f:
+                f.write(subprocess.check_output(["git", "show", f"{before}:weightsync/meta/server.py"], cwd=REPO))
+            cmd += [path]
+        cmd += ["--port", "0"]
+        if state:
+            cmd += ["--state", os.path.join(tmp, f"state-{which}-{time.monotonic_ns()}")]
+        env = dict(os.environ, PYTHONPATH=REPO)
+        self.proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        m = re.search(r"listening on http://[^:]+:(\d+)", line)
+        assert m, line
+        self.port, self.pid = int(m.group(1)), self.proc.pid
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def _register_all(port: int, reqs: list[bytes]) -> None:
+    """Set-up outside the timed phase: few connections, one after another."""
+    conns = [await Conn.open(HOST, port) for _ in range(8)]
+    for i in range(0, len(reqs), 8):
+        await asyncio.gather(*(c.call(r) for c, r in zip(conns, reqs[i:i + 8])))
+    for c in conns:
+        c.close()
+
+
+async def phase_register(srv: Server, n: int) -> list[dict]:
+    res = await at_once(f"register {n}", HOST, srv.port, [[reg(r)] for r in range(n)], srv.pid)
+    return [res.summary()]
+
+
+async def phase_step(srv: Server, ranks: int, steps: int = 3) -> list[dict]:
+    await _register_all(srv.port, [reg(r) for r in range(ranks)])
+    out = []
+    conns = [await Conn.open(HOST, srv.port) for _ in range(ranks)]
+    for step in range(1, steps + 1):
+        res = Result(f"step by {ranks} ranks (written)")
+        cpu0, t0 = cpu_seconds(srv.pid), time.perf_counter()
+
+        async def one(c: Conn, r: int) -> None:
+            t = time.perf_counter()
+            status, _ = await c.call(request_bytes("POST", f"/v1/jobs/bench/steps/{step}/written", {"rank": r}))
+            (res.latencies.append(time.perf_counter() - t) if status == 200 else res.error(f"status {status}"))
+
+        await asyncio.gather(*(one(c, r) for r, c in enumerate(conns)))
+        res.wall_s, res.server_cpu_s = time.perf_counter() - t0, cpu_seconds(srv.pid) - cpu0
+        out.append(res.summary())
+    for c in conns:
+        c.close()
+    return out
+
+
+async def phase_job(srv: Server, trainers: int, instances: int, steps: int) -> list[dict]:
+    """A sync job's set-up and steps, every participant at once, no retries."""
+    setup = Result(f"job {trainers}x{instances}: set-up (register + join)")
+    conns: dict[str, Conn] = {}
+    cpu0, t0 = cpu_seconds(srv.pid), time.perf_counter()
+
+    async def trainer_setup(r: int) -> None:
+        t = time.perf_counter()
+        try:
+            c = conns[f"t{r}"] = await asyncio.wait_for(Conn.open(HOST, srv.port), 120)
+            status, _ = await c.call(reg(r))
+            (setup.latencies.append(time.perf_counter() - t) if status == 200 else setup.error(f"status {status}"))
+        except Exception as e:  # noqa: BLE001
+            setup.error(type(e).__name__)
+
+    async def instance_setup(i: int) -> None:
+        t = time.perf_counter()
+        try:
+            c = conns[f"i{i}"] = await asyncio.wait_for(Conn.open(HOST, srv.port), 120)
+            status, _ = await c.call(reg(0, "infer", i))
+            status2, _ = await c.call(request_bytes("POST", f"/v1/jobs/bench/instances/{i}/join", {}))
+            ok = status == status2 == 200
+            (setup.latencies.append(time.perf_counter() - t) if ok else setup.error(f"status {status}/{status2}"))
+        except Exception as e:  # noqa: BLE001
+            setup.error(type(e).__name__)
+
+    await asyncio.gather(*(trainer_setup(r) for r in range(trainers)), *(instance_setup(i) for i in range(instances)))
+    setup.wall_s, setup.server_cpu_s = time.perf_counter() - t0, cpu_seconds(srv.pid) - cpu0
+    out = [setup.summary()]
+    if setup.errors:
+        return out
+    req_lat = Result(f"job {trainers}x{instances}: a step's requests")
+    step_res = Result(f"job {trainers}x{instances}: step (first post to last trainer answered)")
+    cpu0 = cpu_seconds(srv.pid)
+    ids = ",".join(str(i) for i in range(instances))
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+
+        async def call(c: Conn, req: bytes) -> bool:
+            t = time.perf_counter()
+            status, body = await c.call(req)
+            if status != 200:
+                req_lat.error(f"status {status}")
+                return False
+            req_lat.latencies.append(time.perf_counter() - t)
+            return True
+
+        async def trainer(r: int) -> None:
+            c = conns[f"t{r}"]
+            await call(c, request_bytes("POST", f"/v1/jobs/bench/steps/{step}/written", {"rank": r}))
+            while True:  # a long-poll slice; again if not ready (as the client does)
+                status, body = await c.call(request_bytes(
+                    "GET", f"/v1/jobs/bench/held?min_step={step}&instances={ids}&timeout=25"))
+                if status != 200 or json.loads(body)["ready"]:
+                    break
+
+        async def instance(i: int) -> None:
+            c = conns[f"i{i}"]
+            while True:
+                status, body = await c.call(request_bytes("GET", f"/v1/jobs/bench/steps/{step}/written?timeout=25"))
+                if status != 200 or json.loads(body)["ready"]:
+                    break
+            await call(c, request_bytes("POST", f"/v1/jobs/bench/instances/{i}/held", {"step": step}))
+
+        await asyncio.gather(*(trainer(r) for r in range(trainers)), *(instance(i) for i in range(instances)))
+        step_res.latencies.append(time.perf_counter() - t0)
+    step_res.server_cpu_s = cpu_seconds(srv.pid) - cpu0
+    out += [step_res.summary(), req_lat.summary()]
+    for c in conns.values():
+        c.close()
+    return out
+
+
+async def phase_polls(srv: Server, k: int) -> list[dict]:
+    conns = []
+    for _ in range(k):
+        conns.append(await Conn.open(HOST, srv.port))
+    waits = [asyncio.create_task(c.call(request_bytes("GET", "/v1/jobs/polls/held?min_step=1&instances=0&timeout=60")))
+             for c in conns]
+    await asyncio.sleep(2.0)
+    probe = await Conn.open(HOST, srv.port)
+    res = Result(f"/health with {k} long-polls open")
+    for _ in range(50):
+        t = time.perf_counter()
+        await probe.call(request_bytes("GET", "/health"))
+        res.latencies.append(time.perf_counter() - t)
+        await asyncio.sleep(0.01)
+    for w in waits:
+        w.cancel()
+    for c in conns + [probe]:
+        c.close()
+    return [res.summary()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--before", default="0e83882^", help="commit whose server is 'before'")
+    p.add_argument("--only", choices=["before", "after"])
+    p.add_argument("--phases", default="register,step,job,polls")
+    p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    args = p.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    q = args.quick
+    plan = []
+    if "register" in args.phases:
+        plan += [(s, f"register {n}", False, lambda srv, n=n: phase_register(srv, n)) for n in (200, 1000) for s in [0]]
+    if "step" in args.phases:
+        plan += [(0, "step 640", st, lambda srv: phase_step(srv, 64 if q else 640)) for st in (False, True)]
+    if "job" in args.phases:
+        plan += [(0, "job", st, lambda srv: phase_job(srv, 128 if q else 1024, 16 if q else 128, 3)) for st in (False, True)]
+    if "polls" in args.phases:
+        plan += [(0, "polls", False, lambda srv, k=k: phase_polls(srv, k)) for k in ((500,) if q else (1000, 10000))]
+    for which in (["before", "after"] if args.only is None else [args.only]):
+        for _, name, state, fn in plan:
+            if which == "before" and name == "polls":
+                fn = (lambda srv: phase_polls(srv, 1000))  # a thread each: 10,000 is not tried
+            with tempfile.TemporaryDirectory() as tmp:
+                srv = Server(which, args.before, state, tmp)
+                try:
+                    rows = asyncio.run(asyncio.wait_for(fn(srv), 300))
+                except Exception as e:  # noqa: BLE001 - a phase the server cannot finish is a result too
+                    rows = [{"phase": name, "failed": f"{type(e).__name__}: {e}"[:200]}]
+                finally:
+                    srv.stop()
+            for row in rows:
+                print(json.dumps({"server": which, "state": state, **row}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
