@@ -168,7 +168,7 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
             t0 = time.perf_counter()
             reader.update(step)
             seconds, end = time.perf_counter() - t0, time.time()
-            got = sum(s["bytes"] for s in reader.last_stats)
+            got = sum(s.bytes for s in reader.last_stats)
             problems = [p for ps in local.instance.call(_verify, f"{refdir}/step{step}.safetensors", engine,
                                                         dict(spec.config), timeout_s=cfg.timeout_s) for p in ps]
             logits_equal = None

@@ -24,3 +24,54 @@ class PlanError(WeightSyncError):
 class WeightsMoved(WeightSyncError):
     """Tensors other processes reach by address (co-located sharing) were reallocated since they were
     shared: the others would still read or write the old memory."""
+
+
+class JobMismatch(WeightSyncError):
+    """Participants of one job disagree (model, parallel config, layouts, versions, plan)."""
+
+
+class TransportError(WeightSyncError):
+    """A transfer failed or timed out: the peer died, stalled, or the plans disagree.
+
+    ``peer`` (its group rank), ``pair`` and ``bucket`` say where, when known."""
+
+    def __init__(self, message: str, peer: int | None = None, pair: tuple[int, int, int] | None = None,
+                 bucket: int | None = None):
+        super().__init__(message)
+        self.peer, self.pair, self.bucket = peer, pair, bucket
+
+
+class MetaError(WeightSyncError):
+    """The MetaServer refused a request; ``status`` is the HTTP status, the message is the server's."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class MetaAborted(MetaError):
+    """The job was aborted (a peer died or refused the job); every waiter of the job gets this."""
+
+
+class MetaTimeout(MetaError, TimeoutError):
+    """A deadline passed: a long-poll's condition did not hold in time."""
+
+
+class MetaUnavailable(MetaTimeout):
+    """The deadline passed while the server could not be reached (down, restarting, stopping)."""
+
+
+class InstanceError(WeightSyncError):
+    """An inference instance could not run a call (closed, a worker died or stalled)."""
+
+
+class WorkerError(InstanceError):
+    """A worker raised an exception that could not be re-raised as itself (unpicklable)."""
+
+
+class WorkerDied(InstanceError):
+    """A worker process exited while a call was running; the instance is shut down."""
+
+
+class WorkerTimeout(InstanceError):
+    """Workers did not answer within the call's timeout; the instance is shut down."""

@@ -93,7 +93,7 @@ def link_recv(ctx, sizes: list[int], peer: int) -> None:
     """Worker 0 receives the link-ceiling messages (3 rounds) the trainer sends; other workers idle."""
     if ctx.rank != 0:
         return
-    g = ctx.state["transport"].group
+    g = ctx.reader.receiver.transport.group  # the job's P2PTransport
     buf = torch.empty(max(sizes), dtype=torch.uint8, device=ctx.device)
     for _ in range(3):
         for s in sizes:

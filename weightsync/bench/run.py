@@ -63,6 +63,15 @@ CHECKPOINT_ENGINE = "checkpoint-engine"
 # -- processes --------------------------------------------------------------------------------------
 
 
+def job_transport(writer):
+    """The job's point-to-point transport (group and ranks) on a separated trainer, which the link
+    ceiling and the baselines reuse so they run over the same communicator; None otherwise."""
+    from weightsync.transport.p2p import P2PSender
+
+    sender = writer.connect().session.sender
+    return sender.transport if isinstance(sender, P2PSender) else None
+
+
 def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta: str, timeout: float,
              baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda", together=None) -> None:
     """One training rank. ``together`` (a barrier of the training ranks) starts every step's writes at
@@ -99,18 +108,19 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta
             emit(Phases(me, "writer", writer.last_timing))
     sent = writer.bytes_per_step
     link = None
-    if not scen.colocate and rank == 0 and writer.transport is not None and dev.type == "cuda":
+    p2p = job_transport(writer)
+    if not scen.colocate and rank == 0 and p2p is not None and dev.type == "cuda":
         # the ceiling: the same messages, raw, over the same communicator
         sizes = [b.nbytes for bs in writer.plans.values() for b in bs]
-        peer = writer.ranks.infer(0, 0)
+        peer = p2p.ranks.infer(0, 0)
         bufs = torch.empty(max(sizes), dtype=torch.uint8, device=dev)
-        emit(LinkReady(me, tuple(sizes), writer.ranks.train(rank)))
+        emit(LinkReady(me, tuple(sizes), p2p.ranks.train(rank)))
         times = []
         for _ in range(3):
             synchronize(dev)
             t0 = time.perf_counter()
             for s in sizes:
-                writer.transport.group.send([bufs[:s]], peer, 7).wait()
+                p2p.group.send([bufs[:s]], peer, 7).wait()
             synchronize(dev)
             times.append(time.perf_counter() - t0)
         link = sum(sizes) / statistics.median(times)
@@ -157,8 +167,9 @@ def _baselines_train(emit: Emit, rank, scen, engine, tensors, writer, store_port
                                     writer.client.publish, group)
             one = lambda step, side=side: side.step(step, wait)
         else:
+            p2p = job_transport(writer)
             one = lambda step, kind=kind: sync_step(
-                kind, writer.transport.group, writer.ranks, engine, dst, train_rank=rank, tensors=tensors,
+                kind, p2p.group, p2p.ranks, engine, dst, train_rank=rank, tensors=tensors,
                 device=dev, timeout=wait)
         for step in range(steps + 1):
             advance(tensors)
@@ -190,8 +201,8 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
         base = instance.call(reset_peak)
         for step in range(steps + 1):
             reader.update(step)
-            emit(StepDone(me, step, 0.0, sum(s["bytes"] for s in reader.last_stats), None, end=time.time(),
-                          transfer_seconds=max(s["seconds"] for s in reader.last_stats)))
+            emit(StepDone(me, step, 0.0, sum(s.bytes for s in reader.last_stats), None, end=time.time(),
+                          transfer_seconds=max(s.seconds for s in reader.last_stats)))
             if step and inst == 0:
                 emit(Phases(me, "reader", reader.last_timing))
         peak = max(p - b for p, b in zip(instance.call(peak_memory), base))
@@ -211,7 +222,7 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
             for step in range(steps + 1):
                 emit(BaselineEnded(me, kind, step, max(e[0][step] for e in ends)))
             emit(BaselineVerified(me, kind, all(e[1] for e in ends)))
-        pushed = sum(s["pushed_bytes"] for s in reader.last_stats)  # the last step's
+        pushed = sum(s.stats.pushed_bytes for s in reader.last_stats)  # the last step's
         emit(InstanceMeasured(me, exact, copy_bw, peak, nvlink, reader.shape.peer_copies, pushed))
     finally:
         instance.close()
@@ -238,7 +249,7 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
                                lambda key: client.lookup(key, timeout=timeout))
         one = lambda: side.step(step, wait)
     else:
-        transport = ctx.state["transport"]
+        transport = ctx.reader.receiver.transport  # the job's P2PTransport: its group and ranks
         one = lambda: sync_step(kind, transport.group, transport.ranks, src, dst, infer=(inst, ctx.rank),
                                 tensors=ctx.tensors, device=ctx.device, timeout=wait)
     ends = []

@@ -15,23 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from weightsync.errors import WeightSyncError
-
-
-class InstanceError(WeightSyncError):
-    """An inference instance could not run a call (closed, a worker died or stalled)."""
-
-
-class WorkerError(InstanceError):
-    """A worker raised an exception that could not be re-raised as itself (unpicklable)."""
-
-
-class WorkerDied(InstanceError):
-    """A worker process exited while a call was running; the instance is shut down."""
-
-
-class WorkerTimeout(InstanceError):
-    """Workers did not answer within the call's timeout; the instance is shut down."""
+from weightsync.errors import InstanceError, WorkerDied, WorkerError, WorkerTimeout  # noqa: F401 - raised here
 
 
 class RemoteTraceback(Exception):

@@ -79,6 +79,7 @@ class HFInstance(NoEngineHooks):
     def close(self) -> None:
         self._closed = True
         self._ctx.state.clear()
+        self._ctx.reader = None
 
     def __enter__(self) -> "HFInstance":
         return self

@@ -21,31 +21,11 @@ import urllib.parse
 from typing import Any, Iterable, Mapping
 
 from weightsync import __version__
-from weightsync.errors import WeightSyncError
+from weightsync.errors import MetaAborted, MetaError, MetaTimeout, MetaUnavailable  # noqa: F401 - raised here, imported from here by callers
 
 POLL_SLICE_S = 25.0  # one long-poll request; well under the server's 300 s cap and common proxy timeouts
 DEADLINE_MARGIN_S = 0.5  # a call returns within its timeout plus this (the last answer's way back)
 BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
-
-
-class MetaError(WeightSyncError):
-    """The MetaServer refused a request; ``status`` is the HTTP status, the message is the server's."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-class MetaAborted(MetaError):
-    """The job was aborted (a peer died); every waiter of the job gets this."""
-
-
-class MetaTimeout(MetaError, TimeoutError):
-    """A deadline passed: a long-poll's condition did not hold in time."""
-
-
-class MetaUnavailable(MetaTimeout):
-    """The deadline passed while the server could not be reached (down, restarting, stopping)."""
 
 
 _RETRY = (http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError)

@@ -9,10 +9,29 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where each rank of a job said it runs: (host index, GPU index on that host), from registration.
+
+    ``infer`` is indexed by the flat inference rank ``instance * infer_world + rank``."""
+
+    train: tuple[tuple[int, int], ...]
+    infer: tuple[tuple[int, int], ...]
+
+    @property
+    def gpus_per_host(self) -> int:
+        return 1 + max(g for _, g in self.train + self.infer)
+
+    def describe(self) -> str:
+        hosts = len({h for h, _ in self.train + self.infer})
+        return f"{hosts} host(s), {len(set(self.train + self.infer))} GPU(s)"
+
+
+@dataclass(frozen=True)
 class Topology:
     """Global GPU index of every training rank and every (instance, inference rank).
 
-    GPUs are numbered host by host, ``gpus_per_host`` to a host.
+    GPUs are numbered host by host, ``gpus_per_host`` to a host. With a :class:`Placement` (what the
+    ranks registered) the GPUs are where the ranks are; without one, the arithmetic rules below.
     """
 
     train_world: int
@@ -20,6 +39,12 @@ class Topology:
     instances: int
     gpus_per_host: int = 8
     colocate: bool = False
+    placement: Placement | None = None
+
+    @classmethod
+    def placed(cls, placement: Placement, infer_world: int, instances: int, colocate: bool) -> "Topology":
+        """Where the ranks registered: GPUs numbered host by host, as many to a host as the most used."""
+        return cls(len(placement.train), infer_world, instances, placement.gpus_per_host, colocate, placement)
 
     @classmethod
     def separated(cls, train_world: int, infer_world: int, instances: int = 1, gpus_per_host: int = 8) -> "Topology":
@@ -32,10 +57,16 @@ class Topology:
         return cls(train_world, infer_world, instances, gpus_per_host, True)
 
     def train_gpu(self, rank: int) -> int:
+        if self.placement is not None:
+            host, gpu = self.placement.train[rank]
+            return host * self.gpus_per_host + gpu
         return rank
 
     def infer_gpu(self, instance: int, rank: int) -> int:
         flat = instance * self.infer_world + rank
+        if self.placement is not None:
+            host, gpu = self.placement.infer[flat]
+            return host * self.gpus_per_host + gpu
         return flat % self.train_world if self.colocate else self.train_world + flat
 
     def host(self, gpu: int) -> int:

@@ -19,14 +19,16 @@ class WorkerContext:
     """Handed to functions run on a worker: its rank in the instance and its live tensors.
 
     ``tensors`` maps the engine layout's local tensor names to the live storage (writes land in the
-    engine's parameters). ``state`` persists between calls on the same worker (the worker reader
-    keeps its transport and plan there, built once and reused every step).
+    engine's parameters). ``reader`` persists between calls on the same worker: the worker reader's
+    plan and transport (:class:`weightsync.runtime.worker.WorkerReader`), built once and reused every
+    step. ``state`` is the instance adapter's own (engine handles it keeps beside the tensors).
     """
 
     rank: int
     device: torch.device
     tensors: dict[str, torch.Tensor]
     state: dict[str, Any] = field(default_factory=dict)
+    reader: Any = None
 
 
 class InferenceInstance(Protocol):

@@ -17,18 +17,19 @@ from typing import Any
 
 from weightsync import __version__
 from weightsync.engines import make_layout
-from weightsync.errors import ConfigError, PlanError, WeightSyncError
+from weightsync.errors import ConfigError, JobMismatch, PlanError
 from weightsync.layout.layout import EngineLayout, Layout
 from weightsync.meta.client import MetaClient, MetaError
 from weightsync.plan.planner import Bucket, Pair, Planner, pair_hash
-from weightsync.plan.topology import Topology
+from weightsync.plan.topology import Placement, Topology
 from weightsync.spec.model import ModelSpec, spec_from_config
+from weightsync.transport.base import Buffers
 from weightsync.transport.colocated import ColocatedRanks
 
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes a transport may keep on a GPU beyond the weights
 
 
-def enforce_memory_budget(client: MetaClient, budget: int | None, slots: int, largest: int, who: str) -> int:
+def enforce_memory_budget(client: MetaClient, budget: int | None, buffers: Buffers, who: str) -> int:
     """Refuse, before any byte moves, a transport whose buffers would exceed ``budget``; return their bytes.
 
     A transport keeps ``slots`` reusable buffers, each at most as large as the ``largest`` bucket it moves
@@ -37,7 +38,7 @@ def enforce_memory_budget(client: MetaClient, budget: int | None, slots: int, la
     an async writer's snapshot are chosen on top of it). ``None``: no budget. A refusal aborts the
     whole job, so every peer stops at once.
     """
-    need = slots * largest
+    slots, largest, need = buffers.slots, buffers.largest, buffers.bytes
     if budget is not None and need > budget:
         reason = (
             f"{who}: the transport would keep {slots} buffers of {largest} bytes (its largest bucket) = {need} "
@@ -47,10 +48,6 @@ def enforce_memory_budget(client: MetaClient, budget: int | None, slots: int, la
         client.abort(reason)
         raise ConfigError(reason)
     return need
-
-
-class JobMismatch(WeightSyncError):
-    """Participants of one job disagree (model, parallel config, versions, plan)."""
 
 
 @dataclass(frozen=True)
@@ -67,17 +64,25 @@ class JobShape:
     transport: str = "p2p"
     mode: str = "sync"
     peer_copies: bool = True  # co-located: workers read other GPUs' trainers directly (every participant can)
+    #: where the ranks registered (hosts, GPUs); None when some rank has no GPU (CPU jobs): then the
+    #: arithmetic rules of :class:`Topology` place them
+    placement: Placement | None = None
+
+    def topology(self) -> Topology:
+        if self.placement is not None:
+            return Topology.placed(self.placement, self.infer_world, self.instances, self.colocate)
+        make = Topology.colocated if self.colocate else Topology.separated
+        return make(self.train_world, self.infer_world, self.instances)
 
     def planner(self, spec: ModelSpec, src: EngineLayout | None = None, dst: EngineLayout | None = None) -> Planner:
         src = src or make_layout(spec, self.train)
         dst = dst or make_layout(spec, self.infer)
-        make = Topology.colocated if self.colocate else Topology.separated
-        topo = make(self.train_world, self.infer_world, self.instances)
-        return Planner(src, dst, self.instances, topo, bucket_bytes=self.bucket_bytes)
+        return Planner(src, dst, self.instances, self.topology(), bucket_bytes=self.bucket_bytes)
 
     def colocated_ranks(self) -> ColocatedRanks:
         """Who opens, reads, sends and receives what in a co-located job (the planner's topology)."""
-        return ColocatedRanks(self.train_world, self.infer_world, self.instances, peer=self.peer_copies)
+        return ColocatedRanks(self.train_world, self.infer_world, self.instances, peer=self.peer_copies,
+                              placement=self.placement)
 
 
 def layout_digest(layout: Layout) -> str:
@@ -180,6 +185,7 @@ def job_shape(people: list[dict], colocate: bool, bucket_bytes: int) -> JobShape
         bucket_bytes=int(check_agreement(people, "bucket_bytes", "the bucket budget")),
         # a capability, not an agreement: one participant without it sends those pieces through the group
         peer_copies=all(p["engine_config"].get("peer_copies", True) for p in people),
+        placement=placement_of(train, infer),
     )
     if shape.colocate != colocate or shape.bucket_bytes != bucket_bytes:
         raise ConfigError("this participant's options differ from the job's")
@@ -189,6 +195,36 @@ def job_shape(people: list[dict], colocate: bool, bucket_bytes: int) -> JobShape
             f"got {len(train)} and {len(infer)}"
         )
     return shape
+
+
+def placement_of(train: list[dict], infer: list[dict]) -> Placement | None:
+    """Where every rank runs, from what it registered: hosts by name, GPUs by their UUID (stable
+    whatever ``CUDA_VISIBLE_DEVICES`` each process saw). None when some rank has no GPU."""
+    people = train + infer
+    gpus = [p["engine_config"].get("gpu") for p in people]
+    if not all(gpus):
+        return None
+    hosts = sorted({p["host"] for p in people})
+    on_host = {h: sorted({p["engine_config"]["gpu"] for p in people if p["host"] == h}) for h in hosts}
+
+    def where(p: dict) -> tuple[int, int]:
+        return hosts.index(p["host"]), on_host[p["host"]].index(p["engine_config"]["gpu"])
+
+    return Placement(tuple(where(p) for p in sorted(train, key=lambda p: p["rank"])),
+                     tuple(where(p) for p in sorted(infer, key=lambda p: (p["instance"], p["rank"]))))
+
+
+def check_own_layout(shape_engine: str, spec: ModelSpec, rank: int, registered: str, who: str) -> None:
+    """The job plans every rank's layout from the engine string it agreed on: refuse, before any byte
+    moves, a participant whose own layout that string does not rebuild (an engine option lost on the
+    wire would make both ends plan a layout nobody holds)."""
+    rebuilt = layout_digest(make_layout(spec, shape_engine).layout(rank))
+    if rebuilt != registered:
+        raise JobMismatch(
+            f"{who}: the layout the job plans from {shape_engine!r} differs from the one it holds (digest "
+            f"{rebuilt} against {registered}); the engine's description drops an option it was built with: "
+            "report this as a weightsync bug, and meanwhile use the engine's defaults for that option"
+        )
 
 
 def wait_plan_proven(client: MetaClient, timeout_s: float, participants: int) -> None:

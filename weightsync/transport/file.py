@@ -51,7 +51,9 @@ import torch
 from safetensors import safe_open
 
 from weightsync.plan.planner import Bucket, Pair, pair_hash
-from weightsync.transport.p2p import TransferStats, TransportError, describe
+from weightsync.errors import TransportError
+from weightsync.transport.base import Receiver, ReceiverContext, Sender, SenderContext, StepStats
+from weightsync.transport.p2p import TransferStats, describe
 from weightsync.transport.pack import pack, unpack
 
 FORMAT = "weightsync.file/1"
@@ -283,3 +285,29 @@ class FileTransport:
                 count, nbytes = count + 1, nbytes + b.nbytes
         os.unlink(path)  # consumed: each pair's file has exactly one reader
         return count, nbytes
+
+
+# -- the transport interface (weightsync.transport.base) -------------------------------------------
+
+
+class FileSender(Sender):
+    """A training rank writes one file per pair and step into the job's directory."""
+
+    def connect(self, ctx: SenderContext) -> None:
+        self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s)
+        self.plans, self.tensors = ctx.plans, ctx.tensors
+
+    def send(self, step: int) -> StepStats:
+        with torch.no_grad():
+            return self.transport.send(self.plans, self.tensors, step=step)
+
+
+class FileReceiver(Receiver):
+    """An inference worker waits for its pairs' files of the step and unpacks them in place."""
+
+    def connect(self, ctx: ReceiverContext) -> None:
+        self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s)
+        self.plans = ctx.plans
+
+    def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
+        return self.transport.recv(self.plans, targets, step=step)

@@ -52,20 +52,13 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch.distributed import ProcessGroup
 
-from weightsync.errors import WeightSyncError
+from weightsync.errors import TransportError
 from weightsync.plan.planner import Bucket, Pair
+from weightsync.transport.base import Buffers, Pulled, Receiver, ReceiverContext, Sender, SenderContext, StepStats
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, pack_pairs, stage, unpack_pairs
 
 DEFAULT_WINDOW = 2  # transfers in flight per rank, each with its buffer (pack k+1 overlaps transfer k)
-
-
-class TransportError(WeightSyncError):
-    """A transfer failed or timed out: the peer died, stalled, or the plans disagree."""
-
-    def __init__(self, message: str, peer: int | None = None, pair: Pair | None = None, bucket: int | None = None):
-        super().__init__(message)
-        self.peer, self.pair, self.bucket = peer, pair, bucket
 
 
 @dataclass(frozen=True)
@@ -93,12 +86,7 @@ class JobRanks:
         return self.infer(pair[1], pair[2])
 
 
-@dataclass(frozen=True)
-class TransferStats:
-    buckets: int
-    bytes: int
-    seconds: float
-    posted: float = 0.0  # seconds until the CPU had posted everything (the GPU works on after that)
+TransferStats = StepStats  # the name this module used before the transport interface
 
 
 def order_key(b: Bucket) -> tuple[int, int, int, int]:
@@ -331,3 +319,93 @@ def ensure_buffers(
     if have is not None and len(buffers) == window and have.numel() >= size and have.device == device:
         return buffers
     return [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(window)]
+
+
+# -- the transport interface (weightsync.transport.base) -------------------------------------------
+
+
+def largest_bucket(plans: Mapping[Pair, list[Bucket]]) -> int:
+    return max((b.nbytes for bs in plans.values() for b in bs), default=0)
+
+
+def job_group(client, ranks: JobRanks, me: int, options, device: torch.device, host: str | None = None) -> ProcessGroup:
+    """The train+inference group, built beside the trainers' own: training rank 0 hosts the rendezvous
+    (``host`` given) and publishes it, every other member looks it up."""
+    from weightsync.transport.group import free_port, new_group
+
+    if host is not None:
+        port = free_port(host)
+        client.publish("group", f"{host}:{port}")
+    else:
+        host, port_s = client.lookup("group", timeout=options.timeout_s).rsplit(":", 1)
+        port = int(port_s)
+    return new_group(host, port, me, ranks.world_size, options.backend, options.timeout_s,
+                     device=device if device.type == "cuda" else None, name="weightsync")
+
+
+class P2PSender(Sender):
+    """A training rank sends its buckets over the train+inference group; async, it stages a snapshot and
+    serves pulls (:mod:`weightsync.transport.pull`)."""
+
+    modes = frozenset({"sync", "async"})
+
+    def memory(self, ctx: SenderContext) -> Buffers:
+        return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans))
+
+    def connect(self, ctx: SenderContext) -> None:
+        shape = ctx.shape
+        ranks = JobRanks(shape.train_world, shape.infer_world, shape.instances)
+        device = next(iter(ctx.tensors.values())).device
+        group = job_group(ctx.client, ranks, ranks.train(ctx.rank), self.options, device,
+                          host=self.options.host if ctx.rank == 0 else None)
+        # sync jobs run every rank every step, so each bucket's messages can go as one NCCL group
+        self.transport = P2PTransport(group, ranks, timeout_s=self.options.timeout_s,
+                                      coalesce=self.options.mode == "sync")
+        self.plans, self.tensors = ctx.plans, ctx.tensors
+        self.server = None
+        if self.options.mode == "async":
+            from weightsync.transport.pull import PullServer
+
+            self.server = PullServer(ctx.client, self.transport, ctx.plans, ctx.tensors, self.options.timeout_s)
+
+    def send(self, step: int) -> StepStats | None:
+        if self.server is not None:
+            self.server.stage(step)
+            return None
+        with torch.no_grad():
+            return self.transport.send(self.plans, self.tensors)
+
+    def close(self) -> None:
+        if getattr(self, "server", None) is not None:
+            self.server.close()
+        self.transport = None  # the group dies with its last reference
+
+
+class P2PReceiver(Receiver):
+    """An inference worker receives its buckets over the train+inference group, in place."""
+
+    modes = frozenset({"sync", "async"})
+
+    def memory(self, ctx: ReceiverContext) -> Buffers:
+        return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans))
+
+    def connect(self, ctx: ReceiverContext) -> None:
+        shape = ctx.shape
+        ranks = JobRanks(shape.train_world, shape.infer_world, shape.instances)
+        client = ctx.link.client(self.options.timeout_s)
+        group = job_group(client, ranks, ranks.infer(ctx.instance, ctx.rank), self.options, ctx.device)
+        self.transport = P2PTransport(group, ranks, timeout_s=self.options.timeout_s,
+                                      coalesce=self.options.mode == "sync")
+        self.plans = ctx.plans
+
+    def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
+        return self.transport.recv(self.plans, targets)
+
+    def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:
+        from weightsync.transport.pull import receive_pull
+
+        steps, stats = receive_pull(self.transport, self.plans, targets)
+        return Pulled(frozenset(steps), stats)
+
+    def close(self) -> None:
+        self.transport = None

@@ -23,7 +23,8 @@ import torch
 
 from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.transport.p2p import JobRanks, P2PTransport, TransportError
+from weightsync.errors import TransportError
+from weightsync.transport.p2p import JobRanks, P2PTransport
 
 HEADER_TAG = 1 << 24  # distinct from bucket tags (bucket indices)
 

@@ -1,0 +1,111 @@
+"""The transport interface, the job session's checks and the public surface (unit tests, one process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from weightsync.engines import make_layout
+from weightsync.errors import ConfigError, JobMismatch
+from weightsync.plan.topology import Placement, Topology
+from weightsync.runtime.job import check_own_layout, layout_digest, placement_of
+from weightsync.runtime.session import SessionOptions
+from weightsync.spec import load_spec
+from weightsync.transport.base import (
+    TRANSPORTS,
+    Receiver,
+    Sender,
+    TransportOptions,
+    make_receiver,
+    make_sender,
+    receiver_class,
+    resolve,
+)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPORTS))
+def test_every_registered_transport_implements_both_sides(name):
+    options = TransportOptions(name=name, directory="/tmp/unused")
+    sender, receiver = make_sender(options), make_receiver(options)  # abstract methods left out would raise
+    assert isinstance(sender, Sender) and isinstance(receiver, Receiver)
+    assert sender.modes <= TRANSPORTS[name].modes >= receiver.modes
+
+
+def test_only_the_colocated_receiver_reads_after_the_step_is_written():
+    assert {n: receiver_class(n).reads_after_written for n in TRANSPORTS} == {
+        "p2p": False, "colocated": True, "file": False}
+
+
+@pytest.mark.parametrize("kwargs, selected", [
+    (dict(name="p2p", colocate=False, mode="sync", directory=None), "p2p"),
+    (dict(name="p2p", colocate=True, mode="sync", directory=None), "colocated"),
+    (dict(name="colocated", colocate=True, mode="sync", directory=None), "colocated"),
+    (dict(name="p2p", colocate=False, mode="async", directory=None), "p2p"),
+    (dict(name="file", colocate=False, mode="sync", directory="/d"), "file"),
+])
+def test_options_select_a_transport(kwargs, selected):
+    assert resolve(**kwargs) == selected
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(name="rdma", colocate=False, mode="sync", directory=None), "unknown transport 'rdma'"),
+    (dict(name="file", colocate=False, mode="sync", directory=None), "needs a directory"),
+    (dict(name="file", colocate=True, mode="sync", directory="/d"), "not co-located"),
+    (dict(name="p2p", colocate=True, mode="async", directory=None), "async mode runs over the p2p"),
+    (dict(name="p2p", colocate=False, mode="eventually", directory=None), "mode must be"),
+])
+def test_options_that_fit_no_transport_are_refused_naming_what_fits(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        resolve(**kwargs)
+
+
+def test_session_options_are_validated_before_any_io():
+    with pytest.raises(ConfigError, match="timeout_s"):
+        SessionOptions(timeout_s=0)
+    with pytest.raises(ConfigError, match="async"):
+        SessionOptions(colocate=True, mode="async")
+    assert SessionOptions(colocate=True).registered()["transport"] == "colocated"
+
+
+def test_a_layout_the_agreed_engine_string_does_not_rebuild_is_refused():
+    spec = load_spec("tiny-qwen3")
+    mine = make_layout(spec, "vllm:tp=2").layout(1)
+    check_own_layout("vllm:tp=2", spec, 1, layout_digest(mine), "instance 0 rank 1")  # rebuilds: fine
+    with pytest.raises(JobMismatch, match=r"instance 0 rank 1: the layout the job plans from 'vllm:tp=1'"):
+        check_own_layout("vllm:tp=1", spec, 1 % 1, layout_digest(mine), "instance 0 rank 1")
+
+
+def _person(role, rank, host, gpu, instance=None):
+    return {"role": role, "rank": rank, "instance": instance, "host": host, "engine_config": {"gpu": gpu}}
+
+
+def test_placement_comes_from_the_registered_hosts_and_gpus():
+    train = [_person("train", 1, "b", "GPU-2"), _person("train", 0, "a", "GPU-9")]
+    infer = [_person("infer", 0, "a", "GPU-9", 0), _person("infer", 0, "b", "GPU-1", 1)]
+    p = placement_of(train, infer)
+    assert p == Placement(train=((0, 0), (1, 1)), infer=((0, 0), (1, 0)))
+    topo = Topology.placed(p, infer_world=1, instances=2, colocate=True)
+    assert [topo.train_gpu(r) for r in (0, 1)] == [0, 3] and topo.infer_gpu(1, 0) == 2
+    assert topo.host(topo.infer_gpu(1, 0)) == topo.host(topo.train_gpu(1)) == 1  # same host, other GPU
+    # a rank without a GPU (CPU jobs): the arithmetic rules place them
+    assert placement_of(train, [_person("infer", 0, "a", None, 0)]) is None
+
+
+def test_a_plain_install_imports_the_public_surface_without_optional_packages():
+    """torch is the only core dependency: the public names import with safetensors, transformers,
+    megatron and vllm unavailable, and the MetaServer without torch."""
+    code = (
+        "import sys\n"
+        "for m in ('safetensors', 'transformers', 'megatron', 'vllm', 'sglang'):\n"
+        "    sys.modules[m] = None\n"
+        "from weightsync import WeightWriter, WeightReader, MetaServer, WeightSyncError, TransportError\n"
+        "from weightsync import ConfigError, JobMismatch, WeightsMoved, MetaError, MetaTimeout\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    code = "import sys\nsys.modules['torch'] = None\nfrom weightsync import MetaServer, MetaError\nprint('ok')\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -1,0 +1,342 @@
+"""The job session: the set-up sequence every participant process runs, written once for both sides.
+
+A training rank runs a :class:`TrainerSession` (it speaks for itself); an inference instance's control
+process runs an :class:`InstanceSession` (it speaks for every worker of its instance, which plan and
+connect through :mod:`weightsync.runtime.worker`). :meth:`JobSession.setup` runs, in order::
+
+    1. register   every participant this process speaks for registers what it holds (model, layout
+                  and its digest, host and GPU, options); a model differing from the job's is refused
+    2. agree      wait for the whole job; cross-check every registration (versions, layouts, options)
+                  into one :class:`JobShape`; check this process's own layouts rebuild from it
+    3. plan       this process's plans, their pair hashes, and the memory each transport will keep
+    4. budget     that memory against the budget: a refusal aborts the job, so every peer stops at once
+    5. bells      publish this process's doorbells -- before the proof, so every bell is out once the
+                  plan is proven and the peers may open them in step 7
+    6. prove      post the pair hashes; wait until every pair's two ends agree
+    7. connect    the transports join their groups, share or open memory; open the peers' bells
+
+Nothing moves before step 7, and every refusal before it names the tensor, rank or option. The steps
+are methods so a topology change can run them again (``setup`` is re-entrant once ``close`` ran the
+old transports down). Writer and reader (:mod:`weightsync.runtime.writer`, ``.reader``) only drive
+steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.engines import make_layout
+from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.meta.client import MetaClient, MetaError
+from weightsync.plan.planner import DEFAULT_BUCKET_BYTES, Bucket, Pair
+from weightsync.runtime.doorbell import Doorbell, open_bells
+from weightsync.runtime.job import (
+    DEFAULT_MEMORY_BUDGET,
+    JobShape,
+    check_own_layout,
+    enforce_memory_budget,
+    hashes_of,
+    job_shape,
+    layout_digest,
+    register,
+    wait_plan_proven,
+    wait_side,
+)
+from weightsync.spec.model import ModelSpec
+from weightsync.transport.base import (
+    Buffers,
+    MetaLink,
+    Sender,
+    SenderContext,
+    TransportOptions,
+    make_sender,
+    receiver_class,
+    resolve,
+)
+
+log = logging.getLogger("weightsync.session")
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """What one participant chose; validated once, here (a bad option is refused before any I/O)."""
+
+    colocate: bool = False
+    mode: str = "sync"
+    transport: str = "p2p"  # as the user named it; ``transport_name`` is the registered one
+    directory: str | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    memory_budget: int | None = DEFAULT_MEMORY_BUDGET
+    timeout_s: float = 60.0
+    peer_copies: bool = True
+    host: str = "127.0.0.1"
+    backend: str | None = None  # None: nccl for CUDA tensors, gloo otherwise
+    transport_name: str = field(init=False, default="")  # the registered transport these options select
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.bucket_bytes <= 0:
+            raise ConfigError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        object.__setattr__(self, "transport_name", resolve(self.transport, colocate=self.colocate, mode=self.mode,
+                                                           directory=self.directory))
+
+    def transport_options(self, backend: str) -> TransportOptions:
+        return TransportOptions(self.transport_name, self.mode, backend, self.timeout_s, self.host,
+                                self.directory, self.peer_copies)
+
+    def registered(self) -> dict[str, Any]:
+        """The options every participant must agree on, as registered with the MetaServer."""
+        return {"colocate": self.colocate, "bucket_bytes": self.bucket_bytes, "transport": self.transport_name,
+                "mode": self.mode}
+
+
+class JobSession(ABC):
+    """One participant process's set-up (the steps in the module docstring)."""
+
+    role: str  # "train" or "infer"
+
+    def __init__(self, client: MetaClient, link: MetaLink, spec: ModelSpec, options: SessionOptions):
+        self.client, self.link, self.spec, self.options = client, link, spec, options
+        self.shape: JobShape | None = None
+        self.people: list[dict] = []  # every registration of the job, as agreed
+        self.connected = False
+
+    def setup(self) -> None:
+        """Run steps 1-7; return once the job is proven and this process connected."""
+        t0 = time.perf_counter()
+        self.register()
+        self.people = self.agree()
+        buffers = self.plan()
+        self.budget(buffers)
+        self.publish_bells()
+        self.prove()
+        self.connect()
+        self.connected = True
+        log.info("%s set up in %.3f s: %s", self.who, time.perf_counter() - t0, self.shape)
+
+    # -- the steps ------------------------------------------------------------------------------
+    @abstractmethod
+    def register(self) -> None: ...
+
+    def agree(self) -> list[dict]:
+        mine, theirs = ("train", "infer") if self.role == "train" else ("infer", "train")
+        own = wait_side(self.client, mine, self.options.timeout_s, count=self.expected())
+        other = wait_side(self.client, theirs, self.options.timeout_s)
+        people = (own + other) if self.role == "train" else (other + own)
+        try:
+            self.shape = job_shape(people, self.options.colocate, self.options.bucket_bytes)
+            self.check_layouts()
+        except WeightSyncError as e:  # every participant learns of it at once, not at its timeout
+            log.error("%s refused the job: %s", self.who, e)
+            with contextlib.suppress(MetaError):
+                self.client.abort(f"{self.who}: {e}")
+            raise
+        return people
+
+    @abstractmethod
+    def expected(self) -> int:
+        """How many participants of this process's own role the job has."""
+
+    @abstractmethod
+    def check_layouts(self) -> None:
+        """Check this process's layouts rebuild from the agreed shape (:func:`check_own_layout`)."""
+
+    @abstractmethod
+    def plan(self) -> list[tuple[str, Buffers]]:
+        """Plan; return (who, buffers) for each participant this process speaks for."""
+
+    def budget(self, buffers: list[tuple[str, Buffers]]) -> None:
+        for who, b in buffers:
+            enforce_memory_budget(self.client, self.options.memory_budget, b, who)
+
+    @abstractmethod
+    def publish_bells(self) -> None: ...
+
+    def prove(self) -> None:
+        self.post_hashes()
+        wait_plan_proven(self.client, self.options.timeout_s, self.participants_expected())
+
+    @abstractmethod
+    def post_hashes(self) -> None: ...
+
+    def participants_expected(self) -> int:
+        shape = self.shape
+        return shape.train_world + shape.instances * shape.infer_world
+
+    @abstractmethod
+    def connect(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def who(self) -> str: ...
+
+
+class TrainerSession(JobSession):
+    """A training rank's set-up: one participant, its own sender."""
+
+    role = "train"
+
+    def __init__(self, client: MetaClient, link: MetaLink, train: Any, options: SessionOptions):
+        super().__init__(client, link, train.spec, options)
+        self.train = train
+        device = next(iter(train.tensors.values())).device
+        self.backend = options.backend or ("nccl" if device.type == "cuda" else "gloo")
+        self.sender: Sender = make_sender(options.transport_options(self.backend))
+        self.plans: Mapping[Pair, list[Bucket]] = {}
+        self.written_bell: Doorbell | None = None
+        self.held_bells: list[Doorbell] | None = None
+
+    @property
+    def who(self) -> str:
+        return f"training rank {self.train.rank}"
+
+    def register(self) -> None:
+        t = self.train
+        register(self.client, t.spec, "train", t.rank, t.engine, t.layout,
+                 extra={**self.options.registered(), "backend": self.backend, "peer_copies": self.options.peer_copies,
+                        "gpu": device_uuid(next(iter(t.tensors.values())).device)})
+
+    def expected(self) -> int:
+        return self.train.engine.world_size
+
+    def check_layouts(self) -> None:
+        t = self.train
+        check_own_layout(self.shape.train, t.spec, t.rank, layout_digest(t.layout), self.who)
+
+    def plan(self) -> list[tuple[str, Buffers]]:
+        planner = self.shape.planner(self.spec, src=self.train.engine)
+        self.plans = planner.send_plan(self.train.rank)
+        self.context = SenderContext(self.link, self.client, self.shape, self.train.rank, planner, self.plans,
+                                     self.train.tensors)
+        return [(self.who, self.sender.memory(self.context))]
+
+    def publish_bells(self) -> None:
+        # co-located readers wait for our `written` on this bell rather than on the MetaServer
+        if self.options.colocate and self.options.mode == "sync":
+            self.written_bell = Doorbell()
+            self.client.publish(f"bell.written.{self.train.rank}", self.written_bell.address, replace=True)
+
+    def post_hashes(self) -> None:
+        self.client.post_plan_hashes("train", self.train.rank, hashes_of(self.plans))
+
+    def connect(self) -> None:
+        # sync: the instances' `held` bells, when every reader is on this host
+        if self.options.mode == "sync":
+            names = [f"bell.held.{i}" for i in range(self.shape.instances)]
+            self.held_bells = open_bells(self.client, names, self.options.timeout_s)
+        self.sender.connect(self.context)
+
+    def close(self) -> None:
+        self.sender.close()
+        if self.written_bell is not None:
+            self.written_bell.close()
+
+
+class InstanceSession(JobSession):
+    """An inference instance's set-up, in its control process: every worker registers, plans and
+    connects (the workers' halves run on them, :mod:`weightsync.runtime.worker`)."""
+
+    role = "infer"
+
+    def __init__(self, client: MetaClient, link: MetaLink, instance: Any, instance_id: int, instances: int,
+                 options: SessionOptions, push: bool, staged: bool):
+        from weightsync.spec.model import spec_from_config
+
+        super().__init__(client, link, spec_from_config(instance.model_config), options)
+        self.instance, self.instance_id, self.instances = instance, instance_id, instances
+        self.push, self.staged = push, staged
+        self.engine = make_layout(self.spec, instance.engine)
+        self.hashes: list[dict[Pair, str]] = []
+        self.held_bell: Doorbell | None = None
+        self.written_bells: list[Doorbell] | None = None
+        self.backend = "gloo"
+
+    @property
+    def who(self) -> str:
+        return f"instance {self.instance_id}"
+
+    def register(self) -> None:
+        from weightsync.runtime import worker
+
+        opts = self.options
+        # co-located: can each worker read the other GPUs (CUDA peer access)? One that cannot makes the job
+        # send those pieces through the workers' group instead
+        probes = self.instance.call(worker.probe, opts.colocate and opts.peer_copies, timeout_s=opts.timeout_s)
+        self.client.join(self.instance_id)
+        for rank, p in enumerate(probes):
+            register(self.client, self.spec, "infer", rank, self.engine, self.engine.layout(rank),
+                     instance=self.instance_id,
+                     extra={**opts.registered(), "instances": self.instances,
+                            "peer_copies": p.reaches_peers if opts.colocate and opts.peer_copies else opts.peer_copies,
+                            "gpu": p.gpu})
+
+    @property
+    def reads_after_written(self) -> bool:
+        """Whether the workers copy out of the trainers' memory, so a step may start only once announced."""
+        return receiver_class(self.options.transport_name).reads_after_written
+
+    def expected(self) -> int:
+        return self.instances * self.engine.world_size
+
+    def check_layouts(self) -> None:
+        for rank in range(self.engine.world_size):
+            check_own_layout(self.shape.infer, self.spec, rank, layout_digest(self.engine.layout(rank)),
+                             f"{self.who} rank {rank}")
+
+    def plan(self) -> list[tuple[str, Buffers]]:
+        from weightsync.runtime import worker
+
+        trainers = [p for p in self.people if p["role"] == "train"]
+        self.backend = trainers[0]["engine_config"].get("backend", "gloo")
+        # co-located workers write into each other's weights (``push``: their live tensors are exported
+        # to each other by CUDA IPC; off when the engine's cannot be), unless each commits its own copy
+        planned = self.instance.call(worker.plan, self.shape, dict(self.instance.model_config), self.instance_id,
+                                     self.push and not self.staged, self.options.transport_options(self.backend),
+                                     timeout_s=self.options.timeout_s)
+        self.hashes = [p.hashes for p in planned]
+        return [(f"{self.who} rank {r}", p.buffers) for r, p in enumerate(planned)]
+
+    def publish_bells(self) -> None:
+        # sync: the trainers on this host wait for our `held` on this bell rather than on the MetaServer
+        if self.options.mode == "sync":
+            self.held_bell = Doorbell()
+            self.client.publish(f"bell.held.{self.instance_id}", self.held_bell.address, replace=True)
+
+    def post_hashes(self) -> None:
+        for rank, pairs in enumerate(self.hashes):
+            self.client.post_plan_hashes("infer", rank, pairs, instance=self.instance_id)
+
+    def connect(self) -> None:
+        from weightsync.runtime import worker
+
+        opts = self.options
+        # co-located: the trainers' `written` bells, when every trainer is on this host
+        if opts.colocate and opts.mode == "sync":
+            names = [f"bell.written.{t}" for t in range(self.shape.train_world)]
+            self.written_bells = open_bells(self.client, names, opts.timeout_s)
+        # joining a group waits for every member: twice the timeout, so the group's own timeout fires first
+        self.instance.call(worker.connect, self.link, timeout_s=opts.timeout_s * 2)
+
+    def close(self) -> None:
+        from weightsync.runtime import worker
+
+        if self.held_bell is not None:
+            self.held_bell.close()
+        self.instance.call(worker.disconnect, timeout_s=self.options.timeout_s)
+
+
+def device_uuid(device) -> str | None:
+    """A GPU's stable identity (its UUID), or None for the CPU."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
