@@ -127,9 +127,9 @@ def test_fsdp_engine_refuses_unsharded_module():
 
 
 def run_world(world: int, job: dict, timeout: float = 120) -> list[str]:
-    from test_fsdp_layout import _free_port
+    from helpers import free_port
 
-    port = _free_port()
+    port = free_port()
     env = dict(
         os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
         GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore",
@@ -190,9 +190,10 @@ def test_megatron_tp2_pp2_live():
 def _fsdp_worker(rank: int, world: int) -> None:  # pragma: no cover - runs in subprocesses
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from test_fsdp_layout import _apply_tp, _build_model, hf_tensors, preset
+    from helpers import build_model, hf_tensors, preset
 
     from weightsync.bind import FSDPTrainEngine
+    from weightsync.local.trainers import apply_tp
 
     cases = [  # (preset, mesh shape, mesh dim names or None for "tell by placements")
         ("tiny-qwen3-moe", (2,), ("dp",)),
@@ -203,10 +204,10 @@ def _fsdp_worker(rank: int, world: int) -> None:  # pragma: no cover - runs in s
         cfg = preset(name)
         spec = spec_from_config(cfg)
         torch.manual_seed(0)
-        model = _build_model(cfg)
+        model = build_model(cfg)
         if len(shape) == 2:
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-            _apply_tp(model, mesh[names[1]], spec.tie_word_embeddings)
+            apply_tp(model, mesh[names[1]], spec.tie_word_embeddings)
             dp_mesh = mesh[names[0]]
         else:
             dp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -269,7 +270,9 @@ def _megatron_worker(rank: int, world: int) -> None:  # pragma: no cover - runs 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.module import Float16Module
-    from test_megatron_layout import _mcore_config, model
+    from helpers import megatron_model as model
+
+    from weightsync.local.trainers import mcore_config
 
     import megatron.core.transformer.multi_latent_attention as mla
     from weightsync.bind import MegatronTrainEngine
@@ -289,7 +292,7 @@ def _megatron_worker(rank: int, world: int) -> None:  # pragma: no cover - runs 
             virtual_pipeline_model_parallel_size=want.vpp if want.vpp > 1 else None,
             expert_model_parallel_size=want.ep, expert_tensor_parallel_size=want.etp,
         )
-        cfg = _mcore_config(spec, want)
+        cfg = mcore_config(spec, want)
         p = ps.get_pipeline_model_parallel_rank()
         torch.manual_seed(1234 + rank)
         wrapped = []

@@ -21,7 +21,8 @@ import traceback
 import pytest
 import torch
 
-from test_p2p import _same, simulate
+from helpers import same as _same
+from helpers import simulate
 from weightsync.engines import make_layout
 from weightsync.errors import ConfigError
 from weightsync.layout.materialize import TORCH_DTYPES, scatter
@@ -36,7 +37,8 @@ from weightsync.transport.pack import DIRECT_MIN_BYTES
 from weightsync.transport.p2p import TransportError, order_key
 
 TIMEOUT_S = 4.0
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
 def _ctx():
@@ -527,6 +529,7 @@ def test_colocated_several_steps(name, mode, tmp_path):
     _run_steps({**CASES[name], "seeds": [21, 22, 23], **MODES[mode]}, tmp_path)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_colocated_cuda_ipc_local_copies(tmp_path):
     """On a GPU: trainers' tensors opened through CUDA IPC, same-GPU pieces copied device to device.

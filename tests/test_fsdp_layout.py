@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,17 +24,15 @@ from weightsync.errors import ConfigError  # noqa: E402
 from weightsync.layout.box import contains, full_box  # noqa: E402
 from weightsync.layout.layout import check_live  # noqa: E402
 from weightsync.layout.materialize import DTYPE_NAMES, TORCH_DTYPES, canonical_view, local_view, scatter  # noqa: E402
-from weightsync.spec.model import PRESET_DIR, ModelSpec, load_spec, spec_from_config  # noqa: E402
-
-EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+from weightsync.local.trainers import apply_tp as _apply_tp  # noqa: E402
+from weightsync.spec.model import ModelSpec, load_spec, spec_from_config  # noqa: E402
+from helpers import EXPERT, hf_tensors, preset  # noqa: E402
+from helpers import build_model as _build_model  # noqa: E402
+from helpers import free_port as _free_port  # noqa: E402
 
 # The test's own statement of the torchtitan TP plan: hf tensor suffix -> sharded dim.
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-
-
-def preset(name: str) -> dict:
-    return json.loads((PRESET_DIR / f"{name}.json").read_text())
 
 
 def variant(name: str, **changes) -> dict:
@@ -61,23 +57,6 @@ def ref_tp_dim(name: str, tp: int) -> int | None:
 
 def is_buffer(name: str) -> bool:
     return name.endswith("e_score_correction_bias")
-
-
-def hf_tensors(spec: ModelSpec, canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers-5 in-memory tensors from checkpoint tensors (experts stacked, gate rows first)."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for t in spec.tensors:
-        m = EXPERT.match(t.name)
-        if m:
-            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = canonical[t.name]
-        else:
-            out[t.name] = canonical[t.name]
-    for prefix, by_e in experts.items():
-        es = [by_e[e] for e in range(len(by_e))]
-        out[prefix + ".gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]], 0) for x in es])
-        out[prefix + ".down_proj"] = torch.stack([x["down_proj"] for x in es])
-    return out
 
 
 def torch_chunk(x: torch.Tensor, parts: int, dim: int, index: int) -> torch.Tensor:
@@ -261,12 +240,6 @@ def test_shards_are_analytic():
 # Live: real FSDP2 (+TP) on gloo
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, job: dict, timeout: float = 150) -> None:
     port = _free_port()
     procs = []
@@ -320,42 +293,6 @@ def test_live_dp3_uneven():
 def test_live_dp2_tp2():
     # llama3: vocab 250 -> TP 125 -> FSDP 63/62 ; qwen2: q/k/v biases ; qwen3: tied + q/k norms
     run_world(4, {"dp": 2, "tp": 2, "models": [preset("tiny-llama3"), preset("tiny-qwen2"), preset("tiny-qwen3")]})
-
-
-def _build_model(cfg: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    rest = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
-    config = AutoConfig.for_model(cfg["model_type"], **rest)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-
-
-def _apply_tp(model, tp_mesh, tied: bool) -> None:
-    """torchtitan's Llama plan (weights only matter here; no forward is run)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-
-    root = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "model.norm": SequenceParallel(),
-    }
-    if not tied:
-        root["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
-    parallelize_module(model, tp_mesh, root)
-    if tied:  # lm_head shares the (Shard(0) over vocab) embedding DTensor, as ColwiseParallel would shard it
-        model.lm_head.weight = model.model.embed_tokens.weight
-    for layer in model.model.layers:
-        plan = {
-            "input_layernorm": SequenceParallel(),
-            "post_attention_layernorm": SequenceParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        }
-        for m in ("q_proj", "k_proj", "v_proj"):
-            plan[f"self_attn.{m}"] = ColwiseParallel()
-        parallelize_module(layer, tp_mesh, plan)
 
 
 def _worker(job: dict) -> None:

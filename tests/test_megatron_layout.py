@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -27,7 +26,10 @@ from weightsync.engines import make_layout
 from weightsync.engines.megatron import MegatronLayout
 from weightsync.errors import ConfigError
 from weightsync.layout.box import box_shape, contains, full_box, intersect
-from weightsync.spec.model import load_spec, spec_from_config
+from weightsync.spec.model import load_spec
+from helpers import free_port as _free_port
+from helpers import megatron_model as model
+from helpers import tiny
 
 try:
     import megatron.core  # noqa: F401
@@ -37,22 +39,6 @@ except Exception:  # pragma: no cover
     HAVE_MCORE = False
 
 needs_mcore = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not importable")
-
-
-def tiny(preset: str, **overrides):
-    cfg = dict(load_spec(preset).config)
-    cfg.update(overrides)
-    return spec_from_config(cfg, name=f"{preset}{overrides or ''}")
-
-
-def model(name: str):
-    if name == "llama10":
-        return tiny("tiny-llama3", num_hidden_layers=10)
-    if name == "dsv3-noqlora":
-        return tiny("tiny-deepseek-v3", q_lora_rank=None)
-    if name == "dsv3-8":
-        return tiny("tiny-deepseek-v3", num_hidden_layers=8)
-    return load_spec(name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,12 +275,6 @@ LIVE = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @needs_mcore
 @pytest.mark.megatron
 @pytest.mark.parametrize("case", list(LIVE))
@@ -397,43 +377,6 @@ def _reference_globals(spec, L, canon):
     return out
 
 
-def _mcore_config(spec, L):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-
-    a = spec.attention
-    dense = [x for x in spec.layers if not x.moe]
-    moe = [x for x in spec.layers if x.moe]
-    kw = dict(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=a.num_heads,
-        ffn_hidden_size=dense[0].intermediate_size if dense else spec.config["intermediate_size"],
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=a.qkv_bias, qk_layernorm=a.qk_norm or a.kind == "mla", layernorm_epsilon=1e-6,
-        use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True,
-        pipeline_dtype=torch.bfloat16 if L.pp > 1 else None,
-        tensor_model_parallel_size=L.tp, pipeline_model_parallel_size=L.pp,
-        virtual_pipeline_model_parallel_size=L.vpp if L.vpp > 1 else None,
-        expert_model_parallel_size=L.ep, expert_tensor_parallel_size=L.etp,
-        num_layers_in_first_pipeline_stage=L.pp_first or None, num_layers_in_last_pipeline_stage=L.pp_last or None,
-    )
-    if moe:
-        kw.update(
-            num_moe_experts=moe[0].num_experts, moe_ffn_hidden_size=moe[0].intermediate_size,
-            moe_router_topk=int(spec.config.get("num_experts_per_tok", 2)),
-            moe_layer_freq=[1 if x.moe else 0 for x in spec.layers],
-            moe_shared_expert_intermediate_size=moe[0].shared_intermediate_size or None,
-            moe_router_enable_expert_bias=moe[0].router_bias,
-            moe_router_score_function="sigmoid" if moe[0].router_bias else "softmax",
-        )
-    if a.kind == "mla":
-        return MLATransformerConfig(
-            **kw, multi_latent_attention=True, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
-            qk_head_dim=a.qk_nope_head_dim, qk_pos_emb_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim,
-            rope_type="rope",
-        )
-    return TransformerConfig(**kw, num_query_groups=a.num_kv_heads, kv_channels=a.head_dim)
-
-
 def _worker(args):  # pragma: no cover - runs in subprocesses
     import datetime
 
@@ -456,6 +399,7 @@ def _worker(args):  # pragma: no cover - runs in subprocesses
 
     from weightsync.layout.layout import check_live
     from weightsync.layout.materialize import TORCH_DTYPES, DTYPE_NAMES, fill_from
+    from weightsync.local.trainers import mcore_config as _mcore_config
 
     spec = model(args["model"])
     L = MegatronLayout(spec, **args["kw"])

@@ -13,12 +13,13 @@ import os
 import queue
 import time
 import traceback
-from collections import deque
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from helpers import same as _same
+from helpers import simulate
 
 from weightsync.engines import make_layout
 from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
@@ -38,11 +39,6 @@ def _ctx():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "weightsync.transport.p2p", "weightsync.engines", "test_p2p"])
     return ctx
-
-
-def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Bitwise equal, NaN where NaN (the padding the plan never writes must keep its poison)."""
-    return torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 def _die_after(name: str, calls: int) -> None:
@@ -238,32 +234,6 @@ def test_stalled_peer_times_out():
 
 
 # -- in-process checks of the ordering argument ----------------------------------------------------
-
-def simulate(ops_per_rank: dict[int, list[tuple]], window: int) -> bool:
-    """Strict in-order completion (NCCL-like): True iff every rank finishes all its operations.
-
-    Each rank has at most ``window`` posted operations; only its oldest can complete, and only when
-    the oldest of the peer's queue is the same transfer.
-    """
-    todo = {r: deque(ops) for r, ops in ops_per_rank.items()}
-    posted = {r: deque() for r in ops_per_rank}
-    progress = True
-    while progress:
-        progress = False
-        for r in todo:
-            while todo[r] and len(posted[r]) < window:
-                posted[r].append(todo[r].popleft())
-                progress = True
-        for r in posted:
-            if not posted[r]:
-                continue
-            op, peer = posted[r][0]
-            if posted[peer] and posted[peer][0][0] == op:
-                posted[r].popleft()
-                posted[peer].popleft()
-                progress = True
-    return not any(todo.values()) and not any(posted.values())
-
 
 @settings(max_examples=25, deadline=None)
 @given(

@@ -1,0 +1,103 @@
+"""Helpers shared by several test files, so that no test file imports another's.
+
+(The end-to-end harness is :mod:`e2e`; transformers checkpoints are :mod:`hf_models`.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from collections import deque
+
+import torch
+
+from weightsync.spec.model import PRESET_DIR, ModelSpec, load_spec, spec_from_config
+
+EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bitwise equal, NaN where NaN (the padding the plan never writes must keep its poison)."""
+    return torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def simulate(ops_per_rank: dict[int, list[tuple]], window: int) -> bool:
+    """Strict in-order completion (NCCL-like): True iff every rank finishes all its operations.
+
+    Each rank has at most ``window`` posted operations; only its oldest can complete, and only when
+    the oldest of the peer's queue is the same transfer.
+    """
+    todo = {r: deque(ops) for r, ops in ops_per_rank.items()}
+    posted = {r: deque() for r in ops_per_rank}
+    progress = True
+    while progress:
+        progress = False
+        for r in todo:
+            while todo[r] and len(posted[r]) < window:
+                posted[r].append(todo[r].popleft())
+                progress = True
+        for r in posted:
+            if not posted[r]:
+                continue
+            op, peer = posted[r][0]
+            if posted[peer] and posted[peer][0][0] == op:
+                posted[r].popleft()
+                posted[peer].popleft()
+                progress = True
+    return not any(todo.values()) and not any(posted.values())
+
+
+def preset(name: str) -> dict:
+    """A preset's config.json as a dict."""
+    return json.loads((PRESET_DIR / f"{name}.json").read_text())
+
+
+def hf_tensors(spec: ModelSpec, canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers-5 in-memory tensors from checkpoint tensors (experts stacked, gate rows first)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for t in spec.tensors:
+        m = EXPERT.match(t.name)
+        if m:
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = canonical[t.name]
+        else:
+            out[t.name] = canonical[t.name]
+    for prefix, by_e in experts.items():
+        es = [by_e[e] for e in range(len(by_e))]
+        out[prefix + ".gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]], 0) for x in es])
+        out[prefix + ".down_proj"] = torch.stack([x["down_proj"] for x in es])
+    return out
+
+
+def build_model(cfg: dict):
+    """A bf16 transformers model from a config dict (random init)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rest = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    config = AutoConfig.for_model(cfg["model_type"], **rest)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def tiny(name: str, **overrides) -> ModelSpec:
+    """A preset's spec with config keys changed."""
+    cfg = dict(load_spec(name).config)
+    cfg.update(overrides)
+    return spec_from_config(cfg, name=f"{name}{overrides or ''}")
+
+
+def megatron_model(name: str) -> ModelSpec:
+    """A preset, or one of the megatron tests' variants of one (``llama10``, ``dsv3-noqlora``, ``dsv3-8``)."""
+    if name == "llama10":
+        return tiny("tiny-llama3", num_hidden_layers=10)
+    if name == "dsv3-noqlora":
+        return tiny("tiny-deepseek-v3", q_lora_rank=None)
+    if name == "dsv3-8":
+        return tiny("tiny-deepseek-v3", num_hidden_layers=8)
+    return load_spec(name)
