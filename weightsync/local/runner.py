@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import re
 import signal
@@ -92,10 +91,10 @@ def log_name(participant: Participant) -> str:
     return re.sub(r"[^A-Za-z0-9_.]+", "-", str(participant)).strip("-") + ".log"
 
 
-def _participant_main(participant: Participant, payload: bytes, q: Any, log_path: str | None) -> None:
+def _participant_main(participant: Participant, target: Callable[..., None], args: tuple, q: Any,
+                      log_path: str | None) -> None:
     """A participant's process: lead a process group (so the driver can stop whatever it starts), send
-    its output to its log, run ``target(emit, *args)`` (pickled in ``payload``, opened only once the
-    group is ours: importing the target's module can take seconds) and report how it ended."""
+    its output to its log, run ``target(emit, *args)`` and report how it ended."""
     os.setpgrp()
     if log_path:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -107,7 +106,6 @@ def _participant_main(participant: Participant, payload: bytes, q: Any, log_path
     emit = Emit(participant, q)
     code = 0
     try:
-        target, args = pickle.loads(payload)
         target(emit, *args)
         end: Event = Done(participant)
     except BaseException as e:  # noqa: BLE001 -- reported, not printed
@@ -122,7 +120,8 @@ def _participant_main(participant: Participant, payload: bytes, q: Any, log_path
 
 
 def _kill(p: Any) -> None:
-    """SIGKILL a participant and its process group: every process it started that is still there."""
+    """SIGKILL a participant, then its process group: every process it started that is still there
+    (a participant killed before it made its group has started nothing)."""
     if p.pid is None:
         return
     if p.exitcode is None:
@@ -192,8 +191,7 @@ class LocalJob:
         q = self.ctx.Queue()
         for s in self._spawns:
             path = os.path.join(self.log_dir, log_name(s.participant)) if self.log_dir else None
-            payload = pickle.dumps((s.target, s.args))
-            p = self.ctx.Process(target=_participant_main, args=(s.participant, payload, q, path),
+            p = self.ctx.Process(target=_participant_main, args=(s.participant, s.target, s.args, q, path),
                                  name=f"weightsync {s.participant}")
             p.start()
             self._procs[s.participant] = p
