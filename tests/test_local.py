@@ -82,7 +82,8 @@ def test_first_failure_stops_everyone_and_what_they_started():
     assert isinstance(f, Failed) and f.participant == T0 and f.kind == "ValueError", result.events
     assert "ValueError: bucket 3" in f.traceback and "fail_after" in f.traceback
     line = f.line()
-    assert line == "training rank 0: ValueError: bucket 3 of training rank 0 has shape (2, 3), the plan says (3, 2)"
+    assert line == ("training rank 0: ValueError: bucket 3 of training rank 0 has shape (2, 3), the plan says (3, 2); "
+                    "second line")
     child = [e.bytes for e in result.of(StepDone) if e.participant == I0]
     if child:  # the sleeper got as far as starting its child: killed with it
         deadline = time.monotonic() + 10
@@ -131,6 +132,16 @@ def test_logs_go_to_a_file_per_participant(tmp_path):
     assert (tmp_path / "training-rank-0.log").read_text() == "hello from the participant\n"
     assert "ValueError: bucket 3" in (tmp_path / log_name(I0)).read_text()  # the traceback, not on the terminal
     assert log_name(I0) == "instance-0-of-j.log"
+
+
+def test_a_failure_line_is_one_line_without_tracebacks():
+    message = ("layout mismatch on vllm:tp=2 rank 1:\n  tensor a: live shape (2,), derived (3,)\n"
+               "raised on rank 1 of vllm:tp=2; worker traceback:\nTraceback (most recent call last):\n  File \"x.py\"\n")
+    line = Failed(I0, "LayoutMismatch", message).line()
+    assert line == ("instance 0 of j: LayoutMismatch: layout mismatch on vllm:tp=2 rank 1: tensor a: live shape (2,), "
+                    "derived (3,); raised on rank 1 of vllm:tp=2")
+    long = Failed(T1, "X", "y" * 1000).line()
+    assert "\n" not in long and len(long) < 450 and long.endswith(" ...")
 
 
 def test_a_participant_added_twice_is_refused():

@@ -121,10 +121,23 @@ class Failed(Event):
 
         return Failed(participant, type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)))
 
-    def line(self) -> str:
-        """One line: who failed, with what, and the first line of what it said."""
-        first = self.message.strip().splitlines()[0] if self.message.strip() else "(no message)"
-        return f"{self.participant}: {self.kind}: {first}"
+    def line(self, limit: int = 400) -> str:
+        """One line: who failed, with what, and what it said (a multi-line message's lines joined, any
+        traceback in it left out, cut at ``limit`` characters)."""
+        parts: list[str] = []
+        for raw in self.message.splitlines():
+            text = raw.strip()
+            if text.startswith("Traceback (most recent call last)"):
+                break
+            if text:
+                parts.append(text)
+        said = ""
+        for text in parts:
+            said += text if not said else (" " if said.endswith((":", ";", ",")) else "; ") + text
+        said = said.removesuffix("; worker traceback:").removesuffix(" worker traceback:") or "(no message)"
+        if len(said) > limit:
+            said = said[: limit - 4].rstrip() + " ..."
+        return f"{self.participant}: {self.kind}: {said}"
 
 
 __all__ = ["Participant", "Event", "Ready", "StepStarted", "Wrote", "StepDone", "Pulled", "UpdateFailed", "Done",
