@@ -9,7 +9,6 @@ agree.
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import time
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any
 from weightsync import __version__
 from weightsync.engines import make_layout
 from weightsync.errors import ConfigError, JobMismatch, PlanError
-from weightsync.layout.layout import EngineLayout, Layout
+from weightsync.layout.layout import EngineLayout, Layout, layout_digest
 from weightsync.meta.client import MetaClient, MetaError
 from weightsync.plan.planner import Bucket, Pair, Planner, pair_hash
 from weightsync.plan.topology import Placement, Topology
@@ -83,13 +82,6 @@ class JobShape:
         """Who opens, reads, sends and receives what in a co-located job (the planner's topology)."""
         return ColocatedRanks(self.train_world, self.infer_world, self.instances, peer=self.peer_copies,
                               placement=self.placement)
-
-
-def layout_digest(layout: Layout) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    for name, t in layout.tensors.items():
-        h.update(f"{name}:{t.shape}:{t.dtype};".encode())
-    return h.hexdigest()
 
 
 def first_difference(mine: ModelSpec, theirs: ModelSpec) -> str:
