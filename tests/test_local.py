@@ -136,7 +136,8 @@ def test_logs_go_to_a_file_per_participant(tmp_path):
 
 def test_a_failure_line_is_one_line_without_tracebacks():
     message = ("layout mismatch on vllm:tp=2 rank 1:\n  tensor a: live shape (2,), derived (3,)\n"
-               "raised on rank 1 of vllm:tp=2; worker traceback:\nTraceback (most recent call last):\n  File \"x.py\"\n")
+               "raised on rank 1 of vllm:tp=2; worker traceback:\n"
+               "Traceback (most recent call last):\n  File \"x.py\"\n")
     line = Failed(I0, "LayoutMismatch", message).line()
     assert line == ("instance 0 of j: LayoutMismatch: layout mismatch on vllm:tp=2 rank 1: tensor a: live shape (2,), "
                     "derived (3,); raised on rank 1 of vllm:tp=2")

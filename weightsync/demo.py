@@ -1,13 +1,14 @@
 """``weightsync demo``: real training processes, real inference instances, real weight syncs.
 
 An embedded MetaServer; training processes holding a tiny model under any training layout
-(``hf``, ``fsdp:dp=N``, ``megatron:tp=..,pp=..,ep=..,dp=..``, as ``weightsync plan`` takes them)
+(``hf``, ``fsdp:dp=N[,tp=T]``, ``megatron:tp=..,pp=..,ep=..,dp=..``, as ``weightsync plan`` takes them)
 that take real optimizer steps, so the weights change; and inference instances -- by default one
 real transformers model and one vLLM-layout TP=2 instance (worker processes holding exactly a vLLM
 worker's tensors). Each step: train, write, update, then verify every inference tensor bit for bit
 against the trainers' weights (every training rank saves the canonical regions it holds; rank 0
-puts them together, checking that replicas agree) and, for transformers instances of a
-transformers-family trainer, that their logits equal the trainer's.
+puts them together, checking that replicas agree) and, for transformers instances, that their
+logits equal the trainer's where the trainer computes them as one transformers model would (``hf``,
+and ``fsdp`` without TP).
 
 Instances of different layouts are separate weight-sync jobs (one plan per layout); the trainer
 runs one WeightWriter per job. The processes run under :class:`weightsync.local.runner.LocalJob`:
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.errors import ConfigError, WeightSyncError
-from weightsync.local.events import Event, Failed, Participant, Ready, StepDone, StepStarted
+from weightsync.local.events import Event, Participant, Ready, StepDone, StepStarted
 from weightsync.local.runner import Emit, LocalJob
 
 DEFAULT_INFER = ("hf", "vllm:tp=2")
@@ -85,7 +86,8 @@ def _trainer(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: DemoC
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     trainer = build_trainer(spec, cfg.train, rank, world, device=cfg.device)
-    writers = [WeightWriter(trainer.bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate)
+    # set up every job before the first step (else the first write would), so step 1 times a step
+    writers = [WeightWriter(trainer.bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate).connect()
                for job, _ in _jobs(cfg)]
     emit(Ready(emit.participant))
     dev = next(iter(trainer.bound.tensors.values())).device
@@ -115,8 +117,8 @@ def _held_pieces(bound) -> list[tuple[str, list[list[int]], torch.Tensor]]:
     from weightsync.layout.materialize import local_view
 
     with torch.no_grad():
-        return [(p.canonical, [list(b) for b in p.canon_box], local_view(bound.tensors[p.tensor], p).detach().cpu().clone())
-                for p in bound.layout.pieces()]
+        return [(p.canonical, [list(b) for b in p.canon_box],
+                 local_view(bound.tensors[p.tensor], p).detach().cpu().clone()) for p in bound.layout.pieces()]
 
 
 def _assemble_reference(spec, refdir: str, step: int, world: int) -> None:
@@ -159,7 +161,7 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
     local = build_instance(spec, engine, device=f"cuda:{gpu}" if cfg.device == "cuda" else "cpu", seed=99)
     try:
         reader = WeightReader(local.instance, meta=meta, job=job, instance_id=inst, instances=instances,
-                              timeout_s=cfg.timeout_s, colocate=cfg.colocate)
+                              timeout_s=cfg.timeout_s, colocate=cfg.colocate).connect()
         emit(Ready(emit.participant))
         probe = torch.arange(16).remainder(spec.vocab_size).view(1, 16)
         if local.model is not None:
@@ -182,7 +184,8 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
                 raise VerificationError(f"step {step}: {len(problems)} pieces differ from the trainers' weights, "
                                         f"first {problems[0]}")
             if logits_equal is False:
-                raise VerificationError(f"step {step}: the logits differ from the trainer's (its tensors are bit-exact)")
+                raise VerificationError(f"step {step}: the logits differ from the trainer's "
+                                        "(its tensors are bit-exact)")
             if reader.version != step:
                 raise VerificationError(f"step {step}: the reader says it holds version {reader.version}")
     finally:
@@ -200,7 +203,8 @@ def _verify(ctx, ref_path: str, engine: str, model_config: dict) -> list[str]:
 
     ref = load_file(ref_path)
     layout = make_layout(spec_from_config(model_config), engine).layout(ctx.rank)
-    return [f"rank {ctx.rank}: {d}" for d in differences(layout, ctx.tensors, lambda p: ref[p.canonical][slices(p.canon_box)])]
+    differ = differences(layout, ctx.tensors, lambda p: ref[p.canonical][slices(p.canon_box)])
+    return [f"rank {ctx.rank}: {d}" for d in differ]
 
 
 # -- the driver -------------------------------------------------------------------------------------
@@ -218,16 +222,14 @@ def check(cfg: DemoConfig) -> None:
     spec = load_spec(cfg.model)
     train = make_layout(spec, cfg.train)
     if train.engine not in ("hf", "fsdp", "megatron"):
-        raise ConfigError(f"demo: {cfg.train!r} is not a training layout; use hf, fsdp:dp=N[,tp=T] or megatron:...")
-    if train.engine == "fsdp" and train.config.get("tp", 1) > 1:
-        raise ConfigError(f"demo: {cfg.train!r}: FSDP2 with TP trains nowhere in the demo yet (torchtitan's TP plan "
-                          "needs its attention input hooks); use fsdp:dp=N, or megatron:tp=N for tensor parallelism")
+        raise ConfigError(f"demo: {cfg.train!r} is not a training layout; use hf, fsdp:dp=N[,tp=T] or megatron:k=v,...")
     if train.engine == "megatron":
         if importlib.util.find_spec("megatron.core") is None:
             raise ConfigError("demo: --train megatron needs megatron-core (pip install megatron-core)")
         if spec.attention.kind == "mla":
             raise ConfigError(f"demo: {cfg.model} has multi-latent attention, which megatron-core runs only with "
-                              "Transformer Engine; use a GQA model (tiny-qwen3, tiny-llama3, tiny-qwen3-moe) under megatron")
+                              "Transformer Engine; use a GQA model (tiny-qwen3, tiny-llama3, tiny-qwen3-moe) "
+                              "under megatron")
         if train.vpp > 1:
             raise ConfigError("demo: megatron with vpp > 1 (virtual pipeline stages) is not in the demo; use vpp=1")
     for e in cfg.infer:
@@ -313,7 +315,8 @@ def _line(r: dict) -> str:
             what += ", logits equal" if i["logits_equal"] else ", LOGITS DIFFER"
         parts.append(f"{i['job'].split('-', 2)[-1]}#{i['instance']}: {what}")
     loss = f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss n/a"
-    return f"step {r['step']}: {r['seconds']:.3f} s, {r['bytes'] / 1e6:.3f} MB, {gbps:.3f} GB/s, {loss}; " + "; ".join(parts)
+    return (f"step {r['step']}: {r['seconds']:.3f} s, {r['bytes'] / 1e6:.3f} MB, {gbps:.3f} GB/s, {loss}; "
+            + "; ".join(parts))
 
 
 def main_from_args(args) -> int:
@@ -337,7 +340,7 @@ def main_from_args(args) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny-qwen3")
-    p.add_argument("--train", default="fsdp:dp=2", help="hf, fsdp:dp=N or megatron:tp=..,pp=..,ep=..,dp=.. "
+    p.add_argument("--train", default="fsdp:dp=2", help="hf, fsdp:dp=N[,tp=T] or megatron:tp=..,pp=..,ep=..,dp=.. "
                                                          "(as weightsync plan takes it)")
     p.add_argument("--infer", default=None, help="one inference layout (default: an hf instance and a vllm:tp=2 one)")
     p.add_argument("--instances", type=int, default=1, help="instances per inference layout")

@@ -92,8 +92,9 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta
     engine = make_layout(spec, scen.train)
     layout = engine.layout(rank)
     tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in layout.tensors.items()}
+    # set up now, as the constructor used to: neither the warm-up step's time nor its memory peak includes it
     writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", timeout_s=timeout,
-                          colocate=scen.colocate)
+                          colocate=scen.colocate).connect()
     peak = 0
     init_weights(layout, tensors, spec)
     for step in range(steps + 1):  # step 0 warms up
@@ -195,7 +196,7 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
                                 fill=float("nan"))
     try:
         reader = WeightReader(instance, meta=meta, job="bench", instance_id=inst, instances=scen.instances,
-                              timeout_s=timeout, colocate=scen.colocate, peer_copies=peer_copies)
+                              timeout_s=timeout, colocate=scen.colocate, peer_copies=peer_copies).connect()
         # memory beyond the weights over all steps: the transport's buffers (allocated in the first step and
         # kept) and anything a step allocates on top
         base = instance.call(reset_peak)

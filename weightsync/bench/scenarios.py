@@ -116,4 +116,5 @@ def moved_per_gpu(train, infer, scen: Scenario) -> dict[int, tuple[int, int]]:
     return per
 
 
-__all__ = ["device_of", "synchronize", "memory", "Scenario", "SCENARIOS", "canonical_region", "init_weights", "advance", "check", "moved_per_gpu"]
+__all__ = ["device_of", "synchronize", "memory", "Scenario", "SCENARIOS", "canonical_region", "init_weights", "advance",
+           "check", "moved_per_gpu"]

@@ -13,8 +13,7 @@ moved by them.
 from __future__ import annotations
 
 import contextlib
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -24,8 +23,6 @@ from weightsync.engines import make_layout
 from weightsync.errors import ConfigError
 from weightsync.spec.model import ModelSpec
 
-log = logging.getLogger("weightsync.local")
-
 
 @dataclass
 class LocalTrainer:
@@ -33,8 +30,8 @@ class LocalTrainer:
 
     ``train_step(tokens)`` runs forward, backward and an AdamW step on a ``[batch, seq]`` batch
     (collective: every rank calls it) and returns the loss where this rank computes one.
-    ``logits(tokens)`` is the full model's output, for the transformers-family engines only (also
-    collective under FSDP2); None elsewhere.
+    ``logits(tokens)`` is the full model's output where it equals a plain transformers model's bit for
+    bit (``hf``, and ``fsdp`` without TP, where it is collective); None elsewhere.
     """
 
     bound: Bound
@@ -42,7 +39,6 @@ class LocalTrainer:
     train_step: Callable[[torch.Tensor], float | None]
     logits: Callable[[torch.Tensor], torch.Tensor] | None = None
     data_rank: int = 0  # which batch this rank takes: ranks holding one replica's shards take the same one
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def build_trainer(spec: ModelSpec, train: str, rank: int, world: int, *, device: str = "cpu", fp32: bool = False,
@@ -80,7 +76,7 @@ def build_trainer(spec: ModelSpec, train: str, rank: int, world: int, *, device:
         tp = engine.config.get("tp", 1)
         if tp > 1:  # torchtitan's order: TP first, then FSDP over dp (2-D mesh, tp fastest)
             mesh2 = init_device_mesh(dev.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-            apply_tp(model, mesh2["tp"], spec.tie_word_embeddings)
+            apply_tp(model, mesh2["tp"], spec.tie_word_embeddings, sequence_parallel=False)
             mesh = mesh2["dp"]
         else:
             mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
@@ -102,7 +98,9 @@ def build_trainer(spec: ModelSpec, train: str, rank: int, world: int, *, device:
         with torch.no_grad():
             return model(input_ids=tokens).logits.detach()
 
-    return LocalTrainer(bound, [model], train_step, logits, data_rank)
+    # under TP the row-parallel sums run in another order than one process's: the logits are not the
+    # transformers model's bit for bit (the weights are), so none are offered
+    return LocalTrainer(bound, [model], train_step, logits if engine.config.get("tp", 1) == 1 else None, data_rank)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,36 +124,49 @@ def shard_fsdp(model: torch.nn.Module, mesh: Any) -> None:
             own = {p.dtype for p in sub.parameters(recurse=False)}
             if name and own and own != {main}:
                 if len(own) > 1:
-                    raise ConfigError(f"fsdp: module {name} of a layer holds parameters of dtypes {sorted(map(str, own))}; "
-                                      "FSDP2 needs one dtype per group")
+                    raise ConfigError(f"fsdp: module {name} of a layer holds parameters of dtypes "
+                                      f"{sorted(map(str, own))}; FSDP2 needs one dtype per group")
                 fully_shard(sub, mesh=mesh)
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
-def apply_tp(model: torch.nn.Module, tp_mesh: Any, tied: bool) -> None:
-    """torchtitan's Llama TP plan on a transformers model (weights only matter here; no forward is run)."""
+def apply_tp(model: torch.nn.Module, tp_mesh: Any, tied: bool, sequence_parallel: bool = True) -> None:
+    """torchtitan's Llama TP plan on a transformers model: q/k/v, gate and up column-parallel, o and down
+    row-parallel, the embedding and the output layer split over the vocab.
+
+    ``sequence_parallel`` (torchtitan's default) also splits the norms' activations over the sequence:
+    the weights are the same, but a transformers decoder cannot run a forward so (it takes its
+    positions and mask from the sequence length it sees), so a trainer that runs one passes False
+    and keeps every activation whole."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-    root = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "model.norm": SequenceParallel(),
-    }
-    if not tied:
-        root["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if sequence_parallel:
+        root = {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+    else:
+        root = {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        }
+    if tied and sequence_parallel:
+        del root["lm_head"]  # it shares the (Shard(0) over vocab) embedding DTensor, as ColwiseParallel would shard it
     parallelize_module(model, tp_mesh, root)
-    if tied:  # lm_head shares the (Shard(0) over vocab) embedding DTensor, as ColwiseParallel would shard it
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     for layer in model.model.layers:
         plan = {
-            "input_layernorm": SequenceParallel(),
-            "post_attention_layernorm": SequenceParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel(),
         }
+        if sequence_parallel:
+            plan.update(input_layernorm=SequenceParallel(), post_attention_layernorm=SequenceParallel())
         for m in ("q_proj", "k_proj", "v_proj"):
             plan[f"self_attn.{m}"] = ColwiseParallel()
         parallelize_module(layer, tp_mesh, plan)
@@ -267,7 +278,8 @@ def _megatron(spec: ModelSpec, engine: Any, rank: int, dev: torch.device, seed: 
     chunks = megatron_model(spec, engine, dev, seed)
     bound = MegatronTrainEngine(chunks, dict(spec.config)).bound
     with torch.no_grad():  # the same start as every other engine: the transformers model's weights
-        fill_from(bound.layout, bound.tensors, {n: t.to(dev) for n, t in hf_canonical(build_hf_model(spec, seed)).items()})
+        start = hf_canonical(build_hf_model(spec, seed))
+        fill_from(bound.layout, bound.tensors, {n: t.to(dev) for n, t in start.items()})
     model = chunks[0]
     inner = model.module
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
