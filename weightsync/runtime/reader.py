@@ -22,12 +22,12 @@ from weightsync.runtime import worker
 from weightsync.runtime.doorbell import wait_rung
 from weightsync.runtime.instance import InferenceInstance
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
-from weightsync.runtime.session import InstanceSession, SessionOptions
+from weightsync.runtime.session import InstanceSession, SessionDriven, SessionOptions
 from weightsync.runtime.worker import WorkerReport
 from weightsync.transport.base import MetaLink
 
 
-class WeightReader:
+class WeightReader(SessionDriven):
     """Receives every step into one inference instance's live weights.
 
     The constructor checks the options and does no I/O; :meth:`connect` (or the first ``update`` /
@@ -70,16 +70,6 @@ class WeightReader:
         #: ``transport`` in the slowest worker's transport, ``posting`` until its CPU had posted everything,
         #: co-located ``started`` until it posted its first copy) and handing the step's ``held`` report over
         self.last_timing: dict[str, float] = {}
-
-    def connect(self) -> WeightReader:
-        """Set the job up (once; :class:`~weightsync.runtime.session.InstanceSession`)."""
-        if not self.session.connected:
-            self.session.setup()
-        return self
-
-    @property
-    def shape(self):
-        return self.connect().session.shape
 
     def update(self, step: int) -> int:
         """Receive step ``step`` into every worker; return it once every worker fully holds it."""

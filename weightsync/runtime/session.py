@@ -332,6 +332,23 @@ class InstanceSession(JobSession):
         self.instance.call(worker.disconnect, timeout_s=self.options.timeout_s)
 
 
+class SessionDriven:
+    """What writer and reader share: a session set up once, on :meth:`connect` or their first step."""
+
+    session: JobSession
+
+    def connect(self):
+        """Set the job up (once): register, agree, plan, budget, bells, prove, connect. Call it on every
+        participant at once (each waits for the whole job), or let the first write/update/pull do it."""
+        if not self.session.connected:
+            self.session.setup()
+        return self
+
+    @property
+    def shape(self) -> JobShape:
+        return self.connect().session.shape
+
+
 def device_uuid(device) -> str | None:
     """A GPU's stable identity (its UUID), or None for the CPU."""
     if device.type != "cuda":

@@ -20,7 +20,7 @@ from weightsync.meta.client import MetaClient, MetaError
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.doorbell import wait_rung
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
-from weightsync.runtime.session import SessionOptions, TrainerSession
+from weightsync.runtime.session import SessionDriven, SessionOptions, TrainerSession
 from weightsync.spec.model import ModelSpec
 from weightsync.transport.base import MetaLink, StepStats
 
@@ -35,7 +35,7 @@ class TrainSide(Protocol):
     spec: ModelSpec
 
 
-class WeightWriter:
+class WeightWriter(SessionDriven):
     """Sends this training rank's part of every step to every inference instance.
 
     The constructor checks the options and does no I/O; :meth:`connect` (or the first :meth:`write`)
@@ -68,16 +68,6 @@ class WeightWriter:
         self.last: StepStats | None = None
         #: seconds the last write spent sending, announcing the step and (sync) waiting until it is held
         self.last_timing: dict[str, float] = {}
-
-    def connect(self) -> WeightWriter:
-        """Set the job up (once; :class:`~weightsync.runtime.session.TrainerSession`)."""
-        if not self.session.connected:
-            self.session.setup()
-        return self
-
-    @property
-    def shape(self):
-        return self.connect().session.shape
 
     @property
     def plans(self):
