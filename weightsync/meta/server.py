@@ -231,7 +231,9 @@ class _App:
 
     def __init__(self, coord: Coordinator, persist: _Persister, token: str | None):
         self.coord, self.persist, self.token = coord, persist, token
-        self.routes = _routes(coord)
+        self.routes: dict[int, list] = {}  # by number of path segments: a request is matched against few
+        for route in _routes(coord):
+            self.routes.setdefault(len(route[1]), []).append(route)
         self.requests: dict[tuple[str, int], int] = {}
         self._expected = f"Bearer {token}".encode() if token is not None else b""
 
@@ -287,7 +289,7 @@ class _App:
             if method == "GET" and parts == ["metrics"]:
                 route = "GET /metrics"
                 return self._answer(route, 200, self.coord.metrics(self.requests))
-            found = [(m, t, fn, p) for m, t, fn in self.routes if (p := _match(t, parts)) is not None]
+            found = [(m, t, fn, p) for m, t, fn in self.routes.get(len(parts), ()) if (p := _match(t, parts)) is not None]
             if not found:
                 route = "unmatched"
                 raise HTTPError(404, f"no route {short(url.path)}")

@@ -57,6 +57,7 @@ class Job:
     train_set: set[int] = field(default_factory=set)
     role_count: dict[str, int] = field(default_factory=dict)
     listing: dict[str | None, bytes] = field(default_factory=dict)  # encoded participants by role
+    held_answers: dict[tuple, Encoded] = field(default_factory=dict)  # encoded wait_held answers, until held moves
 
     def rebuild_counts(self) -> None:
         self.train_set = {p["rank"] for p in self.participants.values() if p["role"] == "train"}
@@ -167,11 +168,16 @@ class Coordinator:
                 if not groups:
                     continue
                 for key, g in list(groups.items()):
-                    if topic == "*" or j.aborted is not None or g.ready(j):
-                        del groups[key]
-                        for f in g.futures:
-                            if not f.done():
-                                f.set_result(None)
+                    if topic == "*" or j.aborted is not None:
+                        verdict = None  # each waiter looks again (stopping, aborted, deleted)
+                    elif g.ready(j):
+                        verdict = True  # ready now: its waiters need not ask again
+                    else:
+                        continue
+                    del groups[key]
+                    for f in g.futures:
+                        if not f.done():
+                            f.set_result(verdict)
 
     def reload(self, jobs: dict[str, Job]) -> None:
         """Replace memory with the last saved state (after a failed save); nobody is woken."""
@@ -207,7 +213,8 @@ class Coordinator:
                 g.futures.add(fut)
                 timer = loop.call_later(left, _expire, fut)
                 try:
-                    await fut
+                    if await fut and not self.closing:
+                        return True, self.jobs.get(job) or Job()
                 finally:
                     timer.cancel()
                     g.futures.discard(fut)
@@ -390,6 +397,7 @@ class Coordinator:
         if changed:
             (j.instances.add if join else j.instances.discard)(instance)
             j.topology_version += 1
+            j.held_answers.clear()
             row = Put(job, "instance", str(instance), "true") if join else Delete(job, "instance", str(instance))
             self._save(job, j, ("instances", "held"), [row, Put(job, "job", "topology_version", str(j.topology_version))])
         return {"instance": instance, "changed": changed, "version": j.topology_version,
@@ -473,6 +481,7 @@ class Coordinator:
                                  f"step {step} goes back (send reset to allow it)")
         if prev != step:
             j.held[instance] = step
+            j.held_answers.clear()
             self._save(job, j, ("held",), [Put(job, "held", str(instance), str(step))])
         return {"instance": instance, "step": step, "previous": prev}
 
@@ -490,8 +499,15 @@ class Coordinator:
 
         key = (min_step, None if listed is None else tuple(listed))
         ok, j = await self._wait("held", job, "held", key, timeout, ready)
-        ids = which(j)
-        return {"ready": ok, "min_step": min_step, "instances": ids, "held": {str(i): j.held.get(i) for i in ids}}
+        cached = j.held_answers.get((ok, key))
+        if cached is None:  # 1,024 trainers get the same answer: encode it once
+            if len(j.held_answers) >= 1024:
+                j.held_answers.clear()
+            ids = which(j)
+            cached = j.held_answers[(ok, key)] = Encoded(json.dumps(
+                {"ready": ok, "min_step": min_step, "instances": ids, "held": {str(i): j.held.get(i) for i in ids}}
+            ).encode())
+        return cached
 
     # -- rendezvous -----------------------------------------------------------------------------
     def publish(self, job: str, name: str, body: dict) -> dict:

@@ -5,6 +5,7 @@ Everything here runs before any state changes, so a refused request changes noth
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -216,7 +217,16 @@ class Query:
         s = self.values.get(name)
         if s is None:
             return None
-        parts = s.split(",") if s else []
-        if len(parts) > MAX_PARTICIPANTS or not all(INT_RE.fullmatch(p) and int(p) <= MAX_RANK for p in parts):
+        got = _int_list(s)
+        if got is None:
             raise bad(f"{name} must be a comma-separated list of instance numbers, got {short(s)}")
-        return sorted({int(p) for p in parts})
+        return list(got)
+
+
+@functools.lru_cache(maxsize=256)
+def _int_list(s: str) -> tuple[int, ...] | None:
+    """A parsed instance list; cached, as every trainer of a job sends the same one each step."""
+    parts = s.split(",") if s else []
+    if len(parts) > MAX_PARTICIPANTS or not all(INT_RE.fullmatch(p) and int(p) <= MAX_RANK for p in parts):
+        return None
+    return tuple(sorted({int(p) for p in parts}))
