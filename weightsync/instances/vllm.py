@@ -1,164 +1,157 @@
-"""A vLLM offline engine (``vllm.LLM``) as an inference instance.
+"""A vLLM engine (offline ``vllm.LLM``, or ``AsyncLLM``) as an inference instance, for ``WeightReader``.
 
-Written against vLLM 0.33.0's documented APIs (/work/notes/vllm-layout.md §8); it cannot run on our
-machines (tests/test_instances.py runs it where vLLM and a GPU exist).
+Start the engine with weightsync's worker extension, then hand it to an unchanged ``WeightReader``::
 
-- ``call`` uses ``LLM.collective_rpc(callable, timeout=, args=)``: the callable receives the worker as
-  ``self``. vLLM V1 ships callables to its workers only when ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
-  is set before the LLM is created.
-- Each worker keeps its :class:`WorkerContext` on the worker object (``worker._weightsync_ctx``),
-  built once from ``model_runner.get_model().named_parameters()`` minus the tensors vLLM derives
-  after loading (``VLLMLayout.derived_tensors``: MLA ``W_UK_T``/``W_UV``).
-- The layout rank of a worker is ``data_parallel_rank * tp + tp_rank`` (VLLMLayout). One offline LLM
-  drives the workers of its own DP rank; ``world_size`` counts those, ``ranks`` lists their layout ranks.
-- The offline LLM generates only inside ``generate()``, so ``pause`` has nothing to stop; ``resume``
-  resets the prefix cache (KV blocks computed with the old weights). ``after_update`` re-runs MLA
-  ``process_weights_after_loading`` on layers whose ``W_UK_T``/``W_UV`` are copies, not views, of
-  ``kv_b_proj`` (fp8 and AITER paths; bf16 ones are views and see the new weights already).
+    llm = LLM(model=..., worker_extension_cls="weightsync.vllm.extension.WeightSyncExtension")
+    reader = WeightReader(VLLMInstance(llm), meta=url, job="job", instance_id=0, instances=1)
+    reader.update(step)          # every step; generate() between steps
+
+- ``call(fn, *args)`` pickles ``(fn, args)`` into bytes for the extension's ``weightsync_call``, called
+  by name through ``collective_rpc``; each worker answers bytes, an exception comes back as itself
+  (:mod:`weightsync.vllm.rpc`). Workers run ``fn`` on their loaded-form tensors
+  (:mod:`weightsync.vllm.live`, decided per layer at construction and logged, ``self.reports``).
+- ``after_update`` re-runs the post-load transforms (CPU re-packs, expert prepack) from the loaded form.
+- ``pause``: ``AsyncLLM.pause_generation(mode=pause_mode)`` (``"keep"`` freezes in-flight requests);
+  the offline ``LLM`` generates only inside ``generate()``, so there is nothing to pause.
+  ``resume``: ``reset_prefix_cache()`` (cached KV of the old weights), then ``resume_generation``.
+- ``set_version(step)``: ``update_weight_version(str(step))``, readable with ``get_weight_version()``.
+
+An ``AsyncLLM`` runs on an asyncio loop: pass it as ``loop``; the reader must then run on another
+thread (the calls are made with ``asyncio.run_coroutine_threadsafe``).
+
+If a ``collective_rpc`` itself fails (a worker died: ``EngineDeadError``; or its backstop
+``timeout_s`` passed, after which vLLM's executor answers later calls with stale results) the
+instance is marked broken and every later call raises :class:`~weightsync.errors.InstanceError`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 from typing import Any, Callable
 
-import torch
+from weightsync.errors import ConfigError, InstanceError, WorkerDied, WorkerTimeout
+from weightsync.vllm.config import describe
+from weightsync.vllm.extension import EXTENSION
+from weightsync.vllm.live import LiveReport
+from weightsync.vllm.rpc import pack_call, result
 
-from weightsync.bind import hf_config_dict
-from weightsync.engines import make_layout
-from weightsync.errors import ConfigError
-from weightsync.engines.vllm import VLLMLayout
-from weightsync.layout.layout import check_live
-from weightsync.runtime.instance import WorkerContext
-from weightsync.spec.model import spec_from_config
+log = logging.getLogger("weightsync.vllm")
 
-DERIVED = VLLMLayout.derived_tensors
-
-
-# -- functions run on the vLLM workers (``self`` is the worker) ----------------------------------
-
-
-def _layout_rank(worker) -> int:
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    pc = worker.vllm_config.parallel_config
-    return pc.data_parallel_rank * pc.tensor_parallel_size + get_tensor_model_parallel_rank()
-
-
-def _worker_ctx(worker) -> WorkerContext:
-    ctx = getattr(worker, "_weightsync_ctx", None)
-    if ctx is None:
-        model = worker.model_runner.get_model()
-        tensors = {n: p for n, p in model.named_parameters() if not n.endswith(DERIVED)}
-        ctx = WorkerContext(rank=_layout_rank(worker), device=torch.device(worker.device), tensors=tensors)
-        worker._weightsync_ctx = ctx
-    return ctx
-
-
-def _worker_call(worker, fn: Callable[..., Any], args: tuple) -> Any:
-    ctx = _worker_ctx(worker)
-    with torch.no_grad():
-        return fn(ctx, *args)
-
-
-def _worker_probe(worker) -> tuple[int, dict[str, tuple[tuple[int, ...], str]]]:
-    model = worker.model_runner.get_model()
-    live = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()}
-    return _layout_rank(worker), live
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _worker_after_update(worker) -> int:
-    """Recompute MLA W_UK_T/W_UV where they are copies of kv_b_proj; returns how many layers were redone."""
-    model = worker.model_runner.get_model()
-    dtype = worker.vllm_config.model_config.dtype
-    redone = 0
-    with torch.no_grad():
-        for _, mod in model.named_modules():
-            w_uk, w_uv, kv_b = getattr(mod, "W_UK_T", None), getattr(mod, "W_UV", None), getattr(mod, "kv_b_proj", None)
-            if w_uk is None or w_uv is None or kv_b is None or not hasattr(mod, "process_weights_after_loading"):
-                continue
-            weight = getattr(kv_b, "weight", None)
-            if weight is not None and _same_storage(w_uk, weight) and _same_storage(w_uv, weight):
-                continue  # views: they already see the new kv_b_proj
-            mod.process_weights_after_loading(dtype)
-            redone += 1
-    return redone
+PAUSE_MODES = ("keep", "wait", "abort")
 
 
 class VLLMInstance:
-    """``vllm.LLM`` behind the :class:`~weightsync.runtime.instance.InferenceInstance` protocol.
+    """``vllm.LLM`` / ``AsyncLLM`` behind :class:`~weightsync.runtime.instance.InferenceInstance`."""
 
-    At construction every worker's ``named_parameters()`` (names, shapes, dtypes) is checked against
-    the derived ``vllm`` layout of its rank, ignoring ``W_UK_T``/``W_UV``; any difference raises
-    :class:`~weightsync.errors.LayoutMismatch` naming the tensor and rank.
-    """
-
-    def __init__(self, llm: Any, *, timeout_s: float | None = 600.0):
+    def __init__(self, engine: Any, *, loop: asyncio.AbstractEventLoop | None = None, pause_mode: str = "keep",
+                 timeout_s: float = 600.0):
         import vllm  # noqa: F401 -- fail here, clearly, where vLLM is missing
 
-        self.llm = llm
-        self.timeout_s = timeout_s
-        vc = llm.llm_engine.vllm_config
-        pc = vc.parallel_config
-        tp, dp, pp = pc.tensor_parallel_size, pc.data_parallel_size, pc.pipeline_parallel_size
-        if pp != 1:
-            raise ConfigError(f"vllm: pipeline_parallel_size={pp}: the vllm layout has no PP (only tp, dp, ep)")
-        ep = tp * dp if pc.enable_expert_parallel and tp * dp > 1 else 1
-        self.engine = f"vllm:tp={tp},dp={dp},ep={ep}"
-        cfg = hf_config_dict(vc.model_config.hf_config)
-        self.model_config: dict = cfg
-        self.spec = spec_from_config(cfg)
-        self.engine_layout = make_layout(self.spec, self.engine)
-        probes = self.llm.collective_rpc(_worker_probe, timeout=timeout_s)
-        self.ranks = [rank for rank, _ in probes]
-        for rank, live in probes:
-            where = f"{self.engine} rank {rank} ({self.spec.name})"
-            check_live(self.engine_layout.layout(rank), live, where=where, ignore=DERIVED)
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.llm, self.loop, self.pause_mode, self.timeout_s = engine, loop, pause_mode, timeout_s
+        self.is_async = not hasattr(engine, "llm_engine")
+        if self.is_async and loop is None:
+            raise ConfigError("VLLMInstance(AsyncLLM): pass the asyncio loop the engine runs on as loop=")
+        vc = engine.vllm_config if self.is_async else engine.llm_engine.vllm_config
+        ext = vc.parallel_config.worker_extension_cls
+        if ext != EXTENSION:
+            raise ConfigError(f"VLLMInstance needs vLLM's workers to carry weightsync's extension: start the engine "
+                              f"with worker_extension_cls={EXTENSION!r} (it has {ext!r})")
+        info = describe(vc)
+        self.info = info
+        self.engine = info.engine
+        self.model_config: dict = info.model_config
+        self.world_size = info.tp
+        self._broken: str | None = None
+        self._paused = False
+        #: per worker: which path each layer takes (in place, re-packed, staged), decided once here
+        self.reports: list[LiveReport] = self._rpc("weightsync_setup", timeout_s=timeout_s)
+        for r in self.reports:
+            log.info("%s: %s", self.engine, r.summary())
 
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
+    # -- the protocol ---------------------------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
-        results = self.llm.collective_rpc(_worker_call, timeout=timeout_s or self.timeout_s, args=(fn, args))
-        return list(results)
-
-    def pause(self) -> None:
-        # The offline LLM generates only inside generate(); an AsyncLLM-style engine can pause in place.
-        pause = getattr(self.llm, "pause_generation", None)
-        if pause is not None:
-            pause(mode="keep")
-
-    def resume(self) -> None:
-        self.llm.reset_prefix_cache()
-        resume = getattr(self.llm, "resume_generation", None)
-        if resume is not None:
-            resume()
-
-    def set_version(self, step: int) -> None:
-        """Report the weight version to the engine where it has the API (documented; not run here)."""
-        update = getattr(self.llm, "update_weight_version", None)
-        if update is not None:
-            update(str(step))
+        return self._rpc("weightsync_call", pack_call(fn, args), timeout_s=timeout_s)
 
     def after_update(self) -> None:
-        self.llm.collective_rpc(_worker_after_update, timeout=self.timeout_s)
+        self._rpc("weightsync_refresh")
+
+    def pause(self) -> None:
+        if self.is_async:
+            self._run(self.llm.pause_generation(mode=self.pause_mode, clear_cache=self.pause_mode != "keep"))
+            self._paused = True
+
+    def resume(self) -> None:
+        if self._broken is not None:
+            return
+        reset = self._run(self.llm.reset_prefix_cache()) if self.is_async else self.llm.reset_prefix_cache()
+        if not reset:
+            log.warning("%s: the prefix cache was not reset: requests still running hold KV blocks computed with "
+                        "the previous weights", self.engine)
+        if self._paused:
+            self._run(self.llm.resume_generation())
+            self._paused = False
+
+    def set_version(self, step: int) -> None:
+        if self.is_async:
+            self._run(self.llm.update_weight_version(str(step)))
+        else:
+            self.llm.update_weight_version(str(step))
+
+    def get_version(self) -> str:
+        return self._run(self.llm.get_weight_version()) if self.is_async else self.llm.get_weight_version()
 
     def close(self) -> None:
-        try:
-            self.llm.collective_rpc(_worker_forget, timeout=self.timeout_s)
-        except Exception:
-            pass
+        if self._broken is None:
+            try:
+                self._rpc("weightsync_close")
+            except Exception as e:  # noqa: BLE001 -- closing: the engine may be gone
+                log.debug("%s: close: %s", self.engine, e)
+            self._broken = "closed"
 
     def __repr__(self) -> str:
-        return f"VLLMInstance({self.spec.name}, {self.engine!r}, ranks={self.ranks})"
+        return f"VLLMInstance({self.engine!r}, {self.model_config.get('architectures')})"
+
+    # -- internals ------------------------------------------------------------------------------
+    def _run(self, coro: Any) -> Any:
+        """Run one of AsyncLLM's coroutines on its loop, from this (other) thread."""
+        if self.loop is None:
+            raise ConfigError("an AsyncLLM call needs the engine's loop")
+        if _on_loop(self.loop):
+            coro.close()
+            raise ConfigError("VLLMInstance(AsyncLLM) was called on the engine's own loop thread; run the "
+                              "WeightReader in another thread (e.g. loop.run_in_executor)")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def _rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        if self._broken is not None:
+            raise InstanceError(f"{self!r} is unusable: {self._broken}")
+        timeout = timeout_s or self.timeout_s
+        try:
+            if self.is_async:
+                answers = self._run(self.llm.collective_rpc(method, timeout=timeout, args=args))
+            else:
+                answers = self.llm.collective_rpc(method, timeout=timeout, args=args)
+        except TimeoutError as e:
+            self._broken = f"{method} timed out after {timeout:g} s (vLLM's executor is now out of step)"
+            raise WorkerTimeout(f"{self.engine}: vLLM workers did not answer {method} within {timeout:g} s; "
+                                "vLLM's executor answers later calls with stale results, so this instance is "
+                                "unusable: restart the engine") from e
+        except Exception as e:  # a dead worker: EngineDeadError / "Executor failed" / a failed RPC
+            self._broken = f"{method} failed in vLLM: {e}"
+            raise WorkerDied(f"{self.engine}: {method} failed inside vLLM ({type(e).__name__}: {e}); a worker "
+                             "died or the engine shut down: restart the engine") from e
+        return [result(a, rank, self.engine) for rank, a in enumerate(answers)]
 
 
-def _worker_forget(worker) -> None:
-    worker.__dict__.pop("_weightsync_ctx", None)
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return getattr(loop, "_thread_id", None) == threading.get_ident()
 
 
-__all__ = ["VLLMInstance"]
+__all__ = ["VLLMInstance", "PAUSE_MODES"]

@@ -1,0 +1,34 @@
+"""weightsync inside stock vLLM (imported lazily: ``import weightsync`` never imports vLLM).
+
+Two entry points share one worker side (:mod:`weightsync.vllm.side`, :mod:`weightsync.vllm.live`):
+
+- offline: ``LLM(..., worker_extension_cls=EXTENSION)`` and ``WeightReader(VLLMInstance(llm), ...)``;
+- the plug-in backend ``weightsync`` (registered through the ``vllm.general_plugins`` entry point):
+  ``LLM(..., weight_transfer_config={"backend": "weightsync"})``, driven by vLLM's own
+  ``init_weight_transfer_engine`` / ``update_weights`` (or :class:`VLLMWeightSync`, which raises
+  failures and sets the weight version once the step is held).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+EXTENSION = "weightsync.vllm.extension.WeightSyncExtension"
+BACKEND = "weightsync"
+
+_LAZY = {
+    "VLLMInstance": "weightsync.instances.vllm",
+    "VLLMWeightSync": "weightsync.vllm.driver",
+    "InitInfo": "weightsync.vllm.driver",
+    "CallStatus": "weightsync.vllm.status",
+    "LiveReport": "weightsync.vllm.live",
+}
+
+__all__ = ["EXTENSION", "BACKEND", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'weightsync.vllm' has no attribute {name!r}")

@@ -1,0 +1,55 @@
+"""What a vLLM engine is, as weightsync sees it: its layout string, its model, its dtype.
+
+Both entry points (the offline :class:`~weightsync.instances.vllm.VLLMInstance` in the driver, the
+plug-in backend inside every worker) derive the same :class:`EngineInfo` from the engine's own
+``VllmConfig``, so the control side and each worker agree on the layout without exchanging it.
+
+The model dtype is the engine's (``model_config.dtype``), not the checkpoint's: an engine started
+with ``dtype="float32"`` on a bf16 checkpoint holds fp32 parameters, and its layout says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One vLLM engine's weightsync description."""
+
+    engine: str  # the layout string, e.g. "vllm:tp=2"
+    model_config: dict[str, Any]  # config.json keys of the served model, dtype set to the engine's
+    dtype: str  # the engine's model dtype ("bfloat16")
+    tp: int
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe(vllm_config: Any) -> EngineInfo:
+    """The :class:`EngineInfo` of an engine, or a ConfigError for a parallel config weightsync cannot map."""
+    from weightsync.instances.hf import SPEC_KEYS
+    from weightsync.bind import hf_config_dict
+
+    pc, mc = vllm_config.parallel_config, vllm_config.model_config
+    tp, pp, dp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.data_parallel_size
+    if pp != 1:
+        raise ConfigError(f"vllm: pipeline_parallel_size={pp}: the vllm layout has no pipeline parallelism; "
+                          "start the engine with pipeline_parallel_size=1")
+    if dp != 1:
+        raise ConfigError(f"vllm: data_parallel_size={dp}: weightsync drives one vLLM data-parallel rank per "
+                          "instance; start one engine per instance (data_parallel_size=1)")
+    ep = tp if pc.enable_expert_parallel and tp > 1 else 1
+    engine = f"vllm:tp={tp}" + (f",ep={ep}" if ep > 1 else "")
+    dtype = dtype_name(mc.dtype)
+    cfg = hf_config_dict(mc.hf_config)
+    cfg = {k: cfg[k] for k in SPEC_KEYS if k in cfg and cfg[k] is not None}
+    cfg["torch_dtype"] = dtype
+    cfg.pop("dtype", None)
+    if not cfg.get("architectures"):
+        cfg["architectures"] = list(getattr(mc, "architectures", None) or [])
+    return EngineInfo(engine, cfg, dtype, tp)

@@ -1,0 +1,97 @@
+"""The driver's side of the ``weightsync`` plug-in backend, for an offline ``vllm.LLM``.
+
+The backend never raises out of vLLM's worker RPCs (see :mod:`weightsync.vllm.backend`); this helper
+makes each vLLM call, reads the call's outcome from the MetaServer and raises a failure as its
+weightsync error. It sets the engine's weight version only once the MetaServer records the step
+held by this instance, so a version vLLM reports is always one every worker fully holds::
+
+    llm = LLM(model=..., weight_transfer_config={"backend": "weightsync"})
+    sync = VLLMWeightSync(llm, meta=url, job="job", instance_id=0, instances=1).connect()
+    sync.update(step)   # start_weight_update, update_weights({"step": step}), finish_weight_update
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from weightsync.meta.client import MetaClient
+from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
+from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
+from weightsync.vllm.status import CallStatus, wait_status
+
+log = logging.getLogger("weightsync.vllm")
+
+
+@dataclass(frozen=True)
+class InitInfo:
+    """What ``init_weight_transfer_engine`` carries to the backend (the WeightReader's options)."""
+
+    meta: str
+    job: str
+    instance_id: int = 0
+    instances: int = 1
+    token: str | None = None
+    mode: str = "sync"
+    staged: bool = False
+    timeout_s: float = 60.0
+    transport: str = "p2p"
+    directory: str | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    memory_budget: int | None = DEFAULT_MEMORY_BUDGET
+
+    def as_dict(self, call: str = "") -> dict[str, Any]:
+        return {**asdict(self), "call": call}
+
+
+def new_call() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class VLLMWeightSync:
+    """Drive an ``LLM`` started with ``weight_transfer_config={"backend": "weightsync"}`` (module docstring)."""
+
+    def __init__(self, llm: Any, **options: Any):
+        self.llm = llm
+        self.info = InitInfo(**options)
+        self.client = MetaClient(self.info.meta, self.info.job, token=self.info.token, timeout=self.info.timeout_s)
+        self.version: int | None = None
+        self.last: CallStatus | None = None
+
+    def connect(self) -> "VLLMWeightSync":
+        """``init_weight_transfer_engine``: every worker builds its loaded-form tensors and the job is set up."""
+        call = new_call()
+        self.llm.init_weight_transfer_engine({"init_info": self.info.as_dict(call)})
+        self.last = wait_status(self.client, self.info.instance_id, call, self.info.timeout_s)
+        return self
+
+    def update(self, step: int) -> int:
+        """Sync mode: receive ``step`` into every worker; return it once the MetaServer records it held."""
+        return self._update({"step": step})
+
+    def pull(self) -> int:
+        """Async mode: receive the latest step the trainers staged; return it."""
+        return self._update({"pull": True})
+
+    def _update(self, update: dict[str, Any]) -> int:
+        call = new_call()
+        self.version = None
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {**update, "call": call}})  # raises only if vLLM itself failed
+        self.llm.finish_weight_update()  # never with weight_version: vLLM would set it unconditionally
+        status = wait_status(self.client, self.info.instance_id, call, self.info.timeout_s)
+        self.last = status
+        step = int(status.step)
+        held = self.client.wait_held(step, [self.info.instance_id], timeout=self.info.timeout_s)
+        if held.get(self.info.instance_id, -1) < step:  # pragma: no cover - wait_held returns only once it is
+            raise RuntimeError(f"instance {self.info.instance_id}: step {step} not recorded held: {held}")
+        self.llm.update_weight_version(str(step))
+        if not self.llm.reset_prefix_cache():
+            log.warning("prefix cache not reset: requests still running hold KV blocks of the previous weights")
+        self.version = step
+        return step
+
+    def close(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()

@@ -1,0 +1,44 @@
+"""``worker_extension_cls`` for the offline entry point: ``LLM(..., worker_extension_cls=EXTENSION)``.
+
+vLLM appends this class to every worker's bases (``worker_base.py``, ``init_worker``), so its methods
+are called by name through ``collective_rpc("weightsync_call", args=(payload,))``: nothing is
+pickled on the client and ``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off. Every method takes and
+returns bytes (:mod:`weightsync.vllm.rpc`) and never raises.
+"""
+
+from __future__ import annotations
+
+from weightsync.vllm.rpc import answer, unpack_call
+
+#: the qualname to pass as ``worker_extension_cls``
+EXTENSION = "weightsync.vllm.extension.WeightSyncExtension"
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``vllm_config``, ``device``)."""
+
+    def _weightsync_worker(self):
+        from weightsync.vllm.side import worker_of
+
+        return worker_of(self.model_runner.get_model(), self.vllm_config, self.device)
+
+    def weightsync_setup(self) -> bytes:
+        """Build this worker's loaded-form tensors; answers its :class:`~weightsync.vllm.live.LiveReport`."""
+        return answer(lambda: self._weightsync_worker().report)
+
+    def weightsync_call(self, payload: bytes) -> bytes:
+        """Run a pickled ``(fn, args)`` as ``fn(ctx, *args)`` on this worker's context."""
+        def run():
+            fn, args = unpack_call(payload)
+            return self._weightsync_worker().run(fn, args)
+
+        return answer(run)
+
+    def weightsync_refresh(self) -> bytes:
+        """Re-run the post-load transforms from the loaded form (after an update)."""
+        return answer(lambda: self._weightsync_worker().refresh())
+
+    def weightsync_close(self) -> bytes:
+        from weightsync.vllm.side import forget
+
+        return answer(lambda: forget(self.model_runner.get_model()))

@@ -1,0 +1,295 @@
+"""One vLLM worker's tensors in LOADED form, and the transforms that turn them into what it computes with.
+
+weightsync's ``vllm`` layout describes what vLLM's weight loaders write (fused qkv / gate_up,
+TP-sharded, vocab-padded, experts stacked ``[E, 2I, H]`` / ``[E, H, I]``). After loading, vLLM's
+``process_weights_after_loading`` may turn a layer into something else, and then a write into the
+loaded form is not what the next forward pass reads. So at set-up every layer with parameters takes
+one of these paths, decided once and reported (:class:`LiveReport`):
+
+``in-place``
+    The live parameter is what the engine computes with (norms; on GPU every unquantized bf16
+    dense parameter; CPU linears on the plain ``F.linear`` fallback). Steps land in it directly.
+``in-place+repack``
+    The live parameter is kept and used (the embedding lookup) but another part of the engine uses a
+    packed copy of it (CPU ``VocabParallelEmbedding`` / ``ParallelLMHead``, tied or not: logits come
+    from the packed copy). Steps land in the parameter; after each update the layer's own
+    ``quant_method.process_weights_after_loading`` re-packs it.
+``staged+repack``
+    The live parameter was packed away and replaced by an empty ``[0]`` tensor (CPU oneDNN / sgl /
+    zentorch linears, ``dispatch_cpu_unquantized_gemm(remove_weight=True)``). A loaded-form staging
+    tensor is allocated once; after each update it is put back as ``layer.weight`` and the layer's
+    ``process_weights_after_loading`` packs it again (and removes it again).
+``staged+prepack``
+    CPU fused-MoE experts (``CPUUnquantizedExperts``): staging tensors in loaded form; after each
+    update they are zero-padded to the kernel's intermediate alignment (``_pad_moe_intermediate``)
+    and ``torch.ops._C.prepack_moe_weight`` writes the packed form into the live storage. The padding
+    is therefore never a layout piece: the layout (and ``check_live``) sees the loaded form.
+
+Anything else is refused at set-up, naming the layer: quantized methods, MLA attention (its
+``W_UK_T``/``W_UV`` are derived from ``kv_b_proj`` after loading), MoE backends that re-lay experts
+(AITER, FlashInfer, MoonEP, zentorch), MoE biases, a staging tensor whose loaded form has regions no
+piece writes. What each path re-runs is vLLM's own transform, so a fresh engine loading the same
+checkpoint computes with the same bytes (the tests compare both engines' packed forms).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightsync.errors import ConfigError
+from weightsync.layout.layout import Layout, check_live
+
+log = logging.getLogger("weightsync.vllm")
+
+IN_PLACE = "in-place"
+IN_PLACE_REPACK = "in-place+repack"
+STAGED_REPACK = "staged+repack"
+STAGED_PREPACK = "staged+prepack"
+PATHS = (IN_PLACE, IN_PLACE_REPACK, STAGED_REPACK, STAGED_PREPACK)
+
+#: unquantized fused-MoE backends whose kernel reads the loaded form as is (GPU)
+_PLAIN_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+
+
+@dataclass(frozen=True)
+class LayerPath:
+    """How one layer receives a step: its path (one of :data:`PATHS`) and the layout tensors it holds."""
+
+    layer: str
+    path: str
+    tensors: tuple[str, ...]
+    detail: str = ""  # the kernel or method behind the path, in words
+
+
+@dataclass(frozen=True)
+class LiveReport:
+    """What :class:`LiveModel` decided for one worker."""
+
+    rank: int
+    device: str
+    dtype: str
+    layers: tuple[LayerPath, ...]
+    staging_bytes: int
+
+    def counts(self) -> dict[str, int]:
+        c = Counter(p.path for p in self.layers)
+        return {path: c[path] for path in PATHS if c[path]}
+
+    def path_of(self, layer: str) -> str:
+        for p in self.layers:
+            if p.layer == layer:
+                return p.path
+        raise KeyError(layer)
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{n} {path}" for path, n in self.counts().items())
+        return f"rank {self.rank} ({self.device}, {self.dtype}): {counts}; staging {self.staging_bytes / 2**20:.2f} MiB"
+
+
+class _Transform(ABC):
+    """A layer's post-load transform, re-run after every update."""
+
+    def __init__(self, layer: str, module: torch.nn.Module):
+        self.layer, self.module = layer, module
+
+    @abstractmethod
+    def run(self) -> None: ...
+
+
+class _Repack(_Transform):
+    """CPU unquantized linear / embedding: ``process_weights_after_loading`` from the loaded weight."""
+
+    def __init__(self, layer: str, module: torch.nn.Module, loaded: torch.Tensor):
+        super().__init__(layer, module)
+        self.loaded = loaded
+
+    def run(self) -> None:
+        mod = self.module
+        w = mod.weight
+        if w.data_ptr() != self.loaded.data_ptr() or w.shape != self.loaded.shape:
+            # packed away at load (an empty [0] parameter): put the loaded form back for the transform
+            mod.weight = torch.nn.Parameter(self.loaded, requires_grad=False)
+        mod.quant_method.process_weights_after_loading(mod)
+
+
+class _Experts(_Transform):
+    """CPU unquantized fused-MoE experts: pad the intermediate size, prepack into the live storage."""
+
+    def __init__(self, layer: str, module: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, isa: str,
+                 padded: int):
+        super().__init__(layer, module)
+        self.w13, self.w2, self.isa, self.padded = w13, w2, isa, padded
+
+    def run(self) -> None:
+        mod, i, p = self.module, self.w2.shape[-1], self.padded
+        w13, w2 = self.w13, self.w2
+        if p != i:  # vLLM's CPUUnquantizedExperts._pad_moe_intermediate, exactly
+            e, _, h = w13.shape
+            padded13 = w13.new_zeros(e, 2 * p, h)
+            padded13[:, :i] = w13[:, :i]
+            padded13[:, p:p + i] = w13[:, i:]
+            padded2 = w2.new_zeros(e, h, p)
+            padded2[:, :, :i] = w2
+            w13, w2 = padded13, padded2
+        torch.ops._C.prepack_moe_weight(w13.contiguous(), mod.w13_weight.data, self.isa)
+        torch.ops._C.prepack_moe_weight(w2.contiguous(), mod.w2_weight.data, self.isa)
+
+
+class LiveModel:
+    """The loaded-form tensors of one worker's model (``tensors``, under the layout's names) and the
+    transforms that make the engine compute with them (:meth:`refresh`, after every update).
+
+    Raises :class:`~weightsync.errors.ConfigError` naming every layer whose form cannot be produced,
+    and :class:`~weightsync.errors.LayoutMismatch` if what it would hand the reader differs from the
+    layout (names, shapes, dtypes)."""
+
+    def __init__(self, model: torch.nn.Module, layout: Layout, device: torch.device, where: str):
+        self.model, self.layout, self.where = model, layout, where
+        self.cpu = device.type == "cpu"
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.transforms: list[_Transform] = []
+        self._paths: list[LayerPath] = []
+        self._refused: list[str] = []
+        self._staging = 0
+        names = {id(p): n for n, p in model.named_parameters()}  # tied parameters appear once, first name
+        for mname, mod in model.named_modules():
+            direct = list(mod.named_parameters(recurse=False))
+            if not direct:
+                continue
+            self._classify(mname, mod, {local: names[id(p)] for local, p in direct})
+        if self._refused:
+            raise ConfigError(f"{where}: weightsync cannot produce what vLLM computes with for "
+                              f"{len(self._refused)} layer(s), refused before any byte moves:\n  "
+                              + "\n  ".join(self._refused[:12])
+                              + ("\n  ..." if len(self._refused) > 12 else ""))
+        check_live(layout, {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in self.tensors.items()},
+                   where=where)
+        dtype = str(next(iter(self.tensors.values())).dtype).removeprefix("torch.") if self.tensors else "?"
+        self.report = LiveReport(layout.rank, str(device), dtype, tuple(self._paths), self._staging)
+        log.info("%s: %s", where, self.report.summary())
+        for p in self._paths:
+            log.debug("%s: %s -> %s (%s)", where, p.layer, p.path, p.detail)
+
+    # -- per layer -------------------------------------------------------------------------------
+    def _classify(self, mname: str, mod: torch.nn.Module, params: dict[str, str]) -> None:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        qm = getattr(mod, "quant_method", None)
+        kind = type(mod).__name__
+        if hasattr(mod, "W_UK_T") or hasattr(mod, "W_UV") or "MLA" in kind:
+            return self._refuse(mname, f"{kind}: MLA attention derives W_UK_T/W_UV from kv_b_proj after loading; "
+                                       "the weightsync vLLM backend does not re-derive them yet")
+        if qm is None:
+            if callable(getattr(mod, "process_weights_after_loading", None)):
+                return self._refuse(mname, f"{kind} has its own process_weights_after_loading, a post-load "
+                                           "transform weightsync does not know")
+            return self._in_place(mname, mod, params, kind)
+        if isinstance(qm, UnquantizedLinearMethod):
+            return self._linear(mname, mod, params, kind)
+        if isinstance(qm, UnquantizedEmbeddingMethod):
+            return self._embedding(mname, mod, params, kind)
+        if isinstance(qm, UnquantizedFusedMoEMethod):
+            return self._experts(mname, mod, params, qm)
+        self._refuse(mname, f"{kind} with {type(qm).__name__}: a quantized or unknown method whose "
+                            "post-load form weightsync cannot produce; serve the model unquantized")
+
+    def _refuse(self, mname: str, why: str) -> None:
+        self._refused.append(f"{mname}: {why}")
+
+    def _add(self, name: str, t: torch.Tensor) -> None:
+        self.tensors.setdefault(name, t)  # a tied parameter is one tensor
+
+    def _in_place(self, mname: str, mod: torch.nn.Module, params: dict[str, str], detail: str,
+                  path: str = IN_PLACE) -> None:
+        for local, name in params.items():
+            self._add(name, getattr(mod, local))
+        self._paths.append(LayerPath(mname, path, tuple(params.values()), detail))
+
+    def _linear(self, mname: str, mod: torch.nn.Module, params: dict[str, str], kind: str) -> None:
+        w = mod.weight
+        if not self.cpu or getattr(mod, "_cpu_skip_gemm_dispatch", False) or w.numel() > 0:
+            # GPU: the GEMM reads layer.weight; CPU: MLA's kv_b_proj or the F.linear fallback read it too
+            return self._in_place(mname, mod, params, f"{kind}: the GEMM reads layer.weight")
+        name = params["weight"]
+        want = self.layout.tensors.get(name)
+        if want is None:
+            return self._refuse(mname, f"{kind}: its weight {name} was packed away and the layout has no such tensor")
+        if not self._covered(name):
+            return self._refuse(mname, f"{kind}: its loaded form {name} has regions no piece writes (padding), so "
+                                       "its packed form cannot be rebuilt from received data")
+        staged = torch.empty(want.shape, dtype=w.dtype, device=w.device)
+        self._add(name, staged)
+        self._staging += staged.numel() * staged.element_size()
+        for local, other in params.items():  # the bias (read at call time), DeepSeek's correction bias
+            if local != "weight":
+                self._add(other, getattr(mod, local))
+        self.transforms.append(_Repack(mname, mod, staged))
+        self._paths.append(LayerPath(mname, STAGED_REPACK, tuple(params.values()),
+                                     f"{kind}: CPU packed GEMM, weight removed after packing"))
+
+    def _embedding(self, mname: str, mod: torch.nn.Module, params: dict[str, str], kind: str) -> None:
+        if not self.cpu:
+            return self._in_place(mname, mod, params, f"{kind}: lookup and logits read layer.weight")
+        self._in_place(mname, mod, params, f"{kind}: CPU logits from a packed copy", IN_PLACE_REPACK)
+        self.transforms.append(_Repack(mname, mod, mod.weight))
+
+    def _experts(self, mname: str, mod: torch.nn.Module, params: dict[str, str], qm: Any) -> None:
+        backend = getattr(getattr(qm, "unquantized_backend", None), "name", "?")
+        extra = sorted(set(params) - {"w13_weight", "w2_weight"})
+        if extra:
+            return self._refuse(mname, f"fused MoE with {', '.join(extra)}: expert biases are not supported")
+        if not self.cpu:
+            if backend in _PLAIN_MOE_BACKENDS:
+                return self._in_place(mname, mod, params, f"fused MoE, {backend} backend reads w13/w2 as loaded")
+            return self._refuse(mname, f"fused MoE backend {backend} re-lays the experts after loading; "
+                                       f"weightsync writes the loaded form only for {'/'.join(_PLAIN_MOE_BACKENDS)}")
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        experts = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+            return self._refuse(mname, f"fused MoE experts {type(experts).__name__} (backend {backend}): only "
+                                       "CPUUnquantizedExperts' prepacked form is rebuilt on CPU")
+        n13, n2 = params["w13_weight"], params["w2_weight"]
+        want13, want2 = self.layout.tensors.get(n13), self.layout.tensors.get(n2)
+        if want13 is None or want2 is None:
+            return self._refuse(mname, f"fused MoE: the layout has no {n13} / {n2}")
+        live13, live2 = mod.w13_weight, mod.w2_weight
+        e, two_i, h = want13.shape
+        i, p = two_i // 2, live2.shape[-1]
+        if live13.shape != (e, 2 * p, h) or live2.shape != (e, h, p) or p < i or want2.shape != (e, h, i):
+            return self._refuse(mname, f"fused MoE: live w13 {list(live13.shape)} / w2 {list(live2.shape)} are not "
+                                       f"the loaded {list(want13.shape)} / {list(want2.shape)} padded along the "
+                                       "intermediate size")
+        if not (self._covered(n13) and self._covered(n2)):
+            return self._refuse(mname, "fused MoE: the loaded experts have regions no piece writes")
+        s13 = torch.empty(want13.shape, dtype=live13.dtype, device=live13.device)
+        s2 = torch.empty(want2.shape, dtype=live2.dtype, device=live2.device)
+        self._add(n13, s13)
+        self._add(n2, s2)
+        self._staging += (s13.numel() + s2.numel()) * s13.element_size()
+        self.transforms.append(_Experts(mname, mod, s13, s2, experts.isa, p))
+        pad = f", intermediate {i} padded to {p} per rank" if p != i else ""
+        self._paths.append(LayerPath(mname, STAGED_PREPACK, (n13, n2),
+                                     f"fused MoE, CPUUnquantizedExperts isa={experts.isa}{pad}"))
+
+    def _covered(self, name: str) -> bool:
+        """Whether the layout's pieces cover every element of local tensor ``name`` (they never overlap)."""
+        t = self.layout.tensors[name]
+        return sum(math.prod(n for _, n in p.local_box) for p in t.pieces) == t.numel
+
+    # -- every step ------------------------------------------------------------------------------
+    def refresh(self) -> int:
+        """Re-run every layer's transform from the loaded form (after an update); returns how many ran."""
+        with torch.no_grad():
+            for t in self.transforms:
+                t.run()
+        return len(self.transforms)
