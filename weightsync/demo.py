@@ -87,8 +87,8 @@ def _trainer(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: DemoC
                             world_size=world)
     trainer = build_trainer(spec, cfg.train, rank, world, device=cfg.device)
     # set up every job before the first step (else the first write would), so step 1 times a step
-    writers = [WeightWriter(trainer.bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate).connect()
-               for job, _ in _jobs(cfg)]
+    writers = [WeightWriter(trainer.bound, meta=meta, job=job, timeout_s=cfg.timeout_s,
+                            colocate=cfg.colocate).connect() for job, _ in _jobs(cfg)]
     emit(Ready(emit.participant))
     dev = next(iter(trainer.bound.tensors.values())).device
     probe = torch.arange(16, device=dev).remainder(spec.vocab_size).view(1, 16)

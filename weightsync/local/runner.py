@@ -40,6 +40,7 @@ from weightsync.local.events import Done, Event, Failed, Participant
 log = logging.getLogger("weightsync.local")
 
 _POLL_S = 0.5  # how often the driver looks for processes that died without a word
+_LAST_WORDS_S = 1.0  # how long it then reads what may still be in flight from them
 
 
 class Emit:
@@ -139,6 +140,8 @@ class LocalJob:
     :class:`Failed` (else wait for every participant). ``log_dir``: each participant's stdout and
     stderr go to a file there (:func:`log_name`); by default they share the driver's.
     ``exit_grace_s``: how long participants that are done get to exit before they are killed.
+    ``ctx`` is the multiprocessing context they run in: queues and barriers made from it may be
+    passed to :meth:`add` as arguments.
     """
 
     def __init__(self, *, deadline_s: float, stop_on_failure: bool = True, meta: Any = None,
@@ -238,9 +241,10 @@ class LocalJob:
         dead = [who for who, p in self._procs.items() if who not in finished and p.exitcode is not None]
         if not dead:
             return
+        until = time.monotonic() + _LAST_WORDS_S
         try:
-            while True:
-                take(q.get(timeout=1.0))
+            while time.monotonic() < until:
+                take(q.get(timeout=max(0.0, until - time.monotonic())))
         except queue.Empty:
             pass
         for who in dead:
