@@ -26,12 +26,15 @@ from weightsync.engines.config import (
     SGLangConfig,
     VLLMConfig,
 )
+from weightsync.engines.hf import FP32_KEYS
 from weightsync.errors import ConfigError
 from weightsync.layout import layout_digest
 from weightsync.plan.planner import Planner
 from weightsync.plan.stats import job_stats
 from weightsync.plan.topology import Topology
 from weightsync.spec import load_spec
+
+from helpers import tiny
 
 TINY = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"]
 
@@ -42,6 +45,10 @@ EVERY_KEY = [
     ("tiny-qwen3", FSDPConfig(dp=2)),
     ("tiny-qwen3", FSDPConfig(tp=2)),
     ("tiny-qwen3", FSDPConfig(dp=2, tp=2, fp32=1)),
+    ("tiny-deepseek-v3", HFConfig(fp32_router=1, fp32_router_bias=1)),  # as transformers 5.24 keeps them
+    ("tiny-deepseek-v3", HFConfig(fp32_router=0, fp32_router_bias=0)),  # as from_config under 5.19 makes them
+    ("tiny-qwen3-moe", HFConfig(fp32_router=1)),  # a trainer keeping Qwen3-MoE's router in fp32
+    ("tiny-deepseek-v3", FSDPConfig(dp=2, fp32_router=0, fp32_router_bias=1)),  # as 5.19 loads them
     ("tiny-qwen3", MegatronConfig(tp=2)),
     ("tiny-qwen3", MegatronConfig(pp=2)),
     ("tiny-qwen3", MegatronConfig(pp=2, vpp=2)),
@@ -138,7 +145,10 @@ def test_any_valid_layout_is_rebuilt_from_its_description(model, config):
         assume(False)
     assume(layout.world_size <= 32)
     again = make_layout(spec, layout.describe())
-    assert again.config == layout.config == config
+    assert again.config == layout.config
+    # the layout keeps every key given; only the fp32_* keys are resolved (auto) or made canonical
+    assert dataclasses.replace(layout.config, **{k: getattr(config, k) for k in FP32_KEYS}) == config
+    assert make_layout(spec, layout.config).config == layout.config  # resolving is idempotent
     for r in range(layout.world_size):
         assert layout_digest(again.layout(r)) == layout_digest(layout.layout(r))
     for t in spec.tensors:
@@ -153,7 +163,7 @@ def _plan_hash(src, dst) -> str:
 @pytest.mark.parametrize(
     "infer,differs_from",
     [
-        ("sglang:tp=2,fuse_shared=0", "sglang:tp=2"),  # DeepSeek-V3 fuses the shared expert by default
+        ("sglang:tp=2,fuse_shared=1", "sglang:tp=2"),  # SGLang fuses only 256-expert DeepSeek-V3 by default, not this tiny one
         ("sglang:tp=4,dp=2,dp_attention=1,dp_lm_head=1", "sglang:tp=4,dp=2,dp_attention=1"),
     ],
 )
@@ -179,7 +189,8 @@ def test_sglang_options_survive_the_job_rebuilding_layouts(infer, differs_from):
 
 def test_auto_fuse_shared_is_kept_as_auto():
     """``fuse_shared`` left at -1 (SGLang's default for the model) prints as nothing and rebuilds the same choice."""
-    spec = load_spec("tiny-deepseek-v3")
+    assert not make_layout(load_spec("tiny-deepseek-v3"), "sglang:tp=2").fuse_shared_expert  # 8 experts: not by default
+    spec = tiny("tiny-deepseek-v3", n_routed_experts=256)  # SGLang's default fuses DeepSeek-V3's 256 (docs/sglang.md)
     auto = make_layout(spec, "sglang:tp=2")
     assert auto.config.fuse_shared == -1 and auto.fuse_shared_expert and auto.describe() == "sglang:tp=2"
     fused = make_layout(spec, "sglang:tp=2,fuse_shared=1")
@@ -192,8 +203,9 @@ def test_auto_fuse_shared_is_kept_as_auto():
     [
         ("vllm:tp=2,foo=1", "vllm: unknown key 'foo'; known keys: tp, dp, ep"),
         ("megatron:tpp=2", "known keys: tp, pp, vpp, dp, ep, etp, pp_first, pp_last, te, grouped, vocab_multiple"),
-        ("hf:dp=2", "hf: unknown key 'dp'; known keys: fp32"),
-        ("fsdp:dp=0", "fsdp: dp must be at least 1, got 0; known keys: dp, tp, fp32"),
+        ("hf:dp=2", "hf: unknown key 'dp'; known keys: fp32, fp32_router, fp32_router_bias"),
+        ("fsdp:dp=0", "fsdp: dp must be at least 1, got 0; known keys: dp, tp, fp32, fp32_router, fp32_router_bias"),
+        ("hf:fp32_router=2", "fp32_router must be -1 (auto), 0 or 1, got 2"),
         ("megatron:te=2", "megatron: te must be 0 or 1, got 2"),
         ("megatron:pp=2,pp_first=-1", "pp_first must be at least 0, got -1"),
         ("sglang:fuse_shared=2", "fuse_shared must be -1 (auto), 0 or 1, got 2"),
@@ -248,7 +260,7 @@ def test_text_forms_and_old_reads():
     assert parse_engine("megatron:pp=2,tp=2") == parse_engine("megatron:tp=2,pp=2")
     c = parse_engine("fsdp:tp=2")
     assert c.get("tp", 1) == 2 and c.get("dp", 1) == 1 and c.get("ep", 7) == 7  # what callers of the old dict read
-    assert c.items() == {"tp": 2} and c.as_dict() == {"dp": 1, "tp": 2, "fp32": 0}
+    assert c.items() == {"tp": 2} and c.as_dict() == {"dp": 1, "tp": 2, "fp32": 0, "fp32_router": -1, "fp32_router_bias": -1}
     for cls in CONFIGS.values():
         assert len(cls.help().splitlines()) == len(cls.keys())
     assert isinstance(c, EngineConfig)

@@ -9,8 +9,10 @@
   each architecture's record, ``Architecture.sglang_*`` in weightsync/spec/arch/.)
 - MoE: moe_tp = tp / ep, moe_tp_rank = rank % moe_tp, ep_rank = rank // moe_tp; contiguous expert
   blocks; w13 [E_local, 2I/moe_tp, H] gate first (layers/moe/fused_moe_triton/layer.py). For
-  DeepSeek-V3 with ep=1 the shared expert is fused as one more expert at the end of each block
-  (the default on NVIDIA GPUs; ``fuse_shared=0`` mirrors --disable-shared-experts-fusion).
+  DeepSeek-V3 with ep=1 and 256 routed experts the shared expert is fused as one more expert at the
+  end of each block (SGLang's default on NVIDIA GPUs, models/deepseek_v2.py
+  shared_experts_fusion_disable_reason; ``fuse_shared=0`` mirrors --disable-shared-experts-fusion,
+  ``fuse_shared=1`` --enforce-shared-experts-fusion for other expert counts).
   Qwen3-MoE treats every layer as MoE, so configs with mlp_only_layers are refused.
 - Vocab padded to a multiple of 64, or of 64 * TP when that does not divide
   (layers/vocab_parallel_embedding.py).
@@ -26,6 +28,18 @@ from weightsync.engines.inference import Split, TPInferenceLayout
 from weightsync.errors import ConfigError
 from weightsync.layout.layout import Mesh
 from weightsync.spec.model import ModelSpec
+
+
+#: routed-expert counts SGLang fuses the shared expert for by default (models/deepseek_v2.py,
+#: shared_experts_fusion_disable_reason: 256 is DeepSeek-V3/R1; 384 only for a Quark-quantized Kimi-K2.5,
+#: which no unquantized layout is), with exactly one shared expert and moe_ep_size 1 on NVIDIA GPUs
+FUSABLE_EXPERT_COUNTS = (256,)
+
+
+def fusable_by_default(spec: ModelSpec) -> bool:
+    """Whether SGLang 0.5.23 fuses this model's shared expert unless told otherwise (``fuse_shared=-1``)."""
+    moe = [layer for layer in spec.layers if layer.moe]
+    return bool(moe) and all(layer.num_experts in FUSABLE_EXPERT_COUNTS and layer.shared_experts == 1 for layer in moe)
 
 
 class SGLangLayout(TPInferenceLayout):
@@ -44,7 +58,7 @@ class SGLangLayout(TPInferenceLayout):
             raise ConfigError(f"sglang: SGLang's {arch.name} makes every layer MoE; mlp_only_layers is not supported")
         shared = [layer for layer in spec.layers if layer.shared_intermediate_size]
         if fuse_shared < 0:
-            fuse_shared = int(bool(shared) and ep == 1 and arch.sglang_fuse_shared)
+            fuse_shared = int(bool(shared) and ep == 1 and arch.sglang_fuse_shared and fusable_by_default(spec))
         if fuse_shared and (not shared or any(layer.shared_experts != 1 for layer in shared)):
             raise ConfigError("sglang: shared-expert fusion needs exactly one shared expert")
         self.tp, self.dp, self.ep = tp, dp, ep

@@ -1,31 +1,49 @@
 """An SGLang offline engine (``sglang.Engine``) as an inference instance.
 
-Written against SGLang 0.5.23's documented APIs (/work/notes/sglang-layout.md §8); it cannot run on
-our machines (tests/test_instances.py runs it where SGLang and a GPU exist).
+Read against SGLang 0.5.23's source, cited in docs/sglang.md (section numbers below); SGLang 0.5.23
+pins torch 2.14.1 and CUDA kernels, so this adapter has **not run against a real engine**. What can
+run here is tested with stand-ins (tests/test_sglang_instance.py).
 
-SGLang's ``Engine.collective_rpc`` only calls named Scheduler methods and returns nothing, so
-``call`` rides on the one documented hook that runs our code in every TP worker with the model:
-a *custom weight loader*. The engine must be started with
-``custom_weight_loader=[weightsync.instances.sglang.RPC_LOADER]``; ``call`` then sends
-``update_weights_from_tensor([("__weightsync_rpc__", <pickled (fn, args) as uint8>)],
-load_format=RPC_LOADER, flush_cache=False)``, and each worker's :func:`rpc_loader` runs
-``fn(ctx, *args)`` on its live parameters and writes its result (or exception) to a per-call file in
-a directory of this instance, which the control process reads in rank order (one host).
+How a call reaches the workers (docs/sglang.md §1). ``Engine.collective_rpc`` only calls Scheduler
+methods by name with flat scalar kwargs and returns nothing, so ``call`` rides on SGLang's *custom
+weight loader* hook, the one place that runs our code in every TP worker with the live model. Start
+the engine with ``custom_weight_loader=[weightsync.instances.sglang.RPC_LOADER]``. ``call`` sends
+``update_weights_from_tensor([(RPC_NAME, uint8 tensor of our pickled message)], load_format=RPC_LOADER,
+flush_cache=False)``: the list is ForkingPickled per TP rank by the engine, crosses the tokenizer ->
+scheduler ZMQ hop (pickle by default, msgpack ``bytes`` otherwise) and the rank-0 -> TP broadcast
+(pickle), and is unpickled in each worker by SGLang's restricted ``SafeUnpickler``, which admits
+containers, str and tensors only: hence our function and arguments travel as opaque bytes inside a
+uint8 tensor and are unpickled by :func:`rpc_loader` itself. SGLang does not catch an exception from
+a custom loader (it would take the scheduler down), so :func:`rpc_loader` never raises: each rank
+writes its result or error to a per-call file in a directory of this instance (one host), read back
+in rank order. A call that times out leaves SGLang busy; later calls are refused until it returns, so
+a late answer is never taken for a later call's.
 
-- The layout rank is the TP rank (world = tp with DP attention; dp > 1 without DP attention runs
-  independent replicas and is refused here). The parallel config and shared-expert fusion come from
-  ``engine.server_args`` and the live model, then every rank's ``named_parameters()`` is checked
-  against the derived ``sglang`` layout (:class:`~weightsync.errors.LayoutMismatch`).
-- SGLang 0.5.23 accepts tensor updates only inside a ``begin_weight_update()`` /
-  ``end_weight_update()`` session: ``pause`` opens one (after ``pause_generation``) and ``resume``
-  closes it, then flushes the cache and continues generation; a ``call`` outside a session opens and
-  closes its own. On engines without sessions these steps are skipped.
-- ``after_update`` recomputes MLA ``w_kc``/``w_vc`` (copies of ``kv_b_proj``) with the model's
-  ``post_load_weights()``: in-place writes bypass ``load_weights``, so SGLang would not.
+- SGLang 0.5.23 accepts ``update_weights_from_tensor`` only inside a ``begin_weight_update()`` /
+  ``end_weight_update()`` session; begin undoes in-place re-layouts (flashinfer TRT-LLM experts), end
+  re-runs every layer's ``process_weights_after_loading`` (§2). ``pause`` opens the session for the
+  whole update; a ``call`` outside one opens and closes its own. Their answers are checked.
+- Post-load transforms (§2): SGLang skips ``post_load_weights`` at the end of a session in which
+  something was loaded, and our calls count as loads, so ``after_update`` runs the model's
+  ``post_load_weights()`` (MLA ``w_kc``/``w_vc``, copies of ``kv_b_proj``) as SGLang's own
+  ``post_load_weights(model)`` does for loaders that bypass ``load_weights``. Layers whose live form
+  weightsync does not produce (quantized methods, AMX-packed CPU weights, ``[up; gate]`` or
+  transposed or interleaved experts, AITER-shuffled experts) are refused at construction, by name.
+- ``pause``/``resume``/``set_version`` (§4): ``sglang.Engine`` has no ``pause_generation``,
+  ``continue_generation`` or ``update_weight_version`` methods; they are the tokenizer manager's,
+  run on the engine's event loop. ``pause_mode`` is ``"retract"`` (running requests go back to the
+  queue and are recomputed with the new weights; the cache can be flushed) or ``"abort"``;
+  ``"in_place"`` keeps KV computed with the old weights and makes the flush fail, so it is refused.
+  ``resume`` closes the session, flushes the cache (its answer checked) and continues generation.
+- The layout (§3, §5) comes from the *resolved* server args (0.5.23 resolves the deprecated
+  ``dp_size`` + ``enable_dp_attention`` into ``attn_dp_size``) and the live model (shared-expert
+  fusion), its dtype must equal the engine's ``model_config.dtype``, and every rank's
+  ``named_parameters()`` is checked against it (:class:`~weightsync.errors.LayoutMismatch`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import shutil
@@ -33,202 +51,186 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
 
 import torch
 
 from weightsync.bind import hf_config_dict
 from weightsync.engines import make_layout
-from weightsync.errors import ConfigError
+from weightsync.engines.config import SGLangConfig
+from weightsync.errors import ConfigError, WeightsMoved
 from weightsync.instances import InstanceError, WorkerTimeout, error_record, rebuild_error
 from weightsync.layout.layout import check_live
 from weightsync.runtime.instance import WorkerContext
 from weightsync.spec.model import spec_from_config
 
+log = logging.getLogger("weightsync.instances.sglang")
+
 RPC_LOADER = "weightsync.instances.sglang.rpc_loader"
 RPC_NAME = "__weightsync_rpc__"
+PAUSE_MODES = ("retract", "abort")
 
 # per worker process: one context per instance id, and the model of the call being run
 _CONTEXTS: dict[str, WorkerContext] = {}
 _CURRENT: dict[str, Any] = {}
 
 
-def rpc_loader(model: torch.nn.Module, named_tensors: list) -> None:
-    """SGLang custom weight loader (runs in each TP worker): execute one weightsync call."""
+# -- what crosses the hop ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RpcMessage:
+    """One call, pickled by the control process and unpickled by :func:`rpc_loader` (never by SGLang)."""
+
+    instance: str
+    dir: str
+    seq: int
+    fn: Callable[..., Any]
+    args: tuple
+
+
+@dataclass(frozen=True)
+class RpcAnswer:
+    """A rank's answer, written to ``<dir>/<seq>.<rank>``: ``ok`` with ``value``, or ``error`` (an error_record)."""
+
+    ok: bool
+    value: Any = None
+    error: tuple | None = None
+
+
+def rpc_payload(msg: RpcMessage) -> list[tuple[str, torch.Tensor]]:
+    """The ``named_tensors`` argument of ``update_weights_from_tensor``: one (str, uint8 CPU tensor) pair.
+
+    Only a list, a tuple, a str and a plain tensor: what SGLang's SafeUnpickler admits (docs/sglang.md §1).
+    """
+    return [(RPC_NAME, torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8))]
+
+
+def read_payload(named_tensors: list) -> RpcMessage:
+    tensors = dict(named_tensors)
+    if RPC_NAME not in tensors:
+        raise InstanceError(f"rpc_loader got tensors {sorted(tensors)[:4]} without {RPC_NAME!r}: "
+                            f"load_format={RPC_LOADER!r} is weightsync's call channel, not a weight loader")
+    msg = pickle.loads(tensors[RPC_NAME].detach().cpu().numpy().tobytes())
+    if not isinstance(msg, RpcMessage):
+        raise InstanceError(f"rpc_loader: payload is a {type(msg).__name__}, not an RpcMessage")
+    return msg
+
+
+# -- worker side (runs inside each SGLang TP worker) ---------------------------------------------
+
+
+def _tp_rank() -> int:
     from sglang.srt.distributed import get_tensor_model_parallel_rank
 
-    payload = dict(named_tensors)[RPC_NAME]
-    msg = pickle.loads(payload.detach().cpu().numpy().tobytes())
-    rank = get_tensor_model_parallel_rank()
+    return get_tensor_model_parallel_rank()
+
+
+def _worker_context(model: torch.nn.Module, instance: str, rank: int) -> WorkerContext:
+    """This rank's context, built once; later calls check SGLang did not replace a parameter meanwhile."""
+    params = dict(model.named_parameters())
+    ctx = _CONTEXTS.get(instance)
+    if ctx is None:
+        first = next(iter(params.values()))
+        ctx = _CONTEXTS[instance] = WorkerContext(rank=rank, device=first.device, tensors=params)
+        return ctx
+    moved = [n for n, t in ctx.tensors.items() if n not in params or params[n] is not t
+             or params[n].data_ptr() != t.data_ptr() or params[n].shape != t.shape]
+    if moved or len(params) != len(ctx.tensors):
+        raise WeightsMoved(
+            f"rank {rank}: SGLang replaced {len(moved)} parameters since weightsync bound them "
+            f"(first: {moved[:3]}); a post-load transform re-allocates them, so writes would land in dead memory"
+        )
+    return ctx
+
+
+def rpc_loader(model: torch.nn.Module, named_tensors: list) -> None:
+    """SGLang custom weight loader (runs in each TP worker): execute one weightsync call; never raises."""
+    msg: RpcMessage | None = None
+    rank = -1
     try:
-        ctx = _CONTEXTS.get(msg["instance"])
-        if ctx is None:
-            first = next(model.parameters())
-            ctx = WorkerContext(rank=rank, device=first.device, tensors=dict(model.named_parameters()))
-            _CONTEXTS[msg["instance"]] = ctx
+        rank = _tp_rank()
+        msg = read_payload(named_tensors)
+        ctx = _worker_context(model, msg.instance, rank)
         _CURRENT["model"] = model
         try:
             with torch.no_grad():
-                out = ("ok", msg["fn"](ctx, *msg["args"]))
+                answer = RpcAnswer(True, msg.fn(ctx, *msg.args))
         finally:
             _CURRENT.pop("model", None)
-    except BaseException as e:  # noqa: BLE001 -- reported to the control process, the engine stays up
-        out = ("err", error_record(e))
-    path = os.path.join(msg["dir"], f"{msg['seq']}.{rank}")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(out, f)
-    os.replace(path + ".tmp", path)
+        blob = pickle.dumps(answer)
+    except BaseException as e:  # noqa: BLE001 -- reported to the control process; the engine stays up
+        blob = pickle.dumps(RpcAnswer(False, error=error_record(e)))
+    if msg is None:
+        log.error("weightsync rpc_loader on rank %s got no readable message; nothing to answer", rank)
+        return
+    path = os.path.join(msg.dir, f"{msg.seq}.{rank}")
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(blob)
+        os.replace(path + ".tmp", path)
+    except OSError:  # the control process times out naming this rank
+        log.exception("weightsync rpc_loader on rank %s could not write its answer to %s", rank, path)
 
 
-def _probe(ctx: WorkerContext):
-    return ctx.rank, {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in ctx.tensors.items()}
+# audited quant methods: their process_weights_after_loading keeps the loaded form on CUDA (§2)
+PLAIN_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod"})
 
 
-class SGLangInstance:
-    """``sglang.Engine`` as an :class:`~weightsync.runtime.instance.InferenceInstance` (see the module docstring)."""
-
-    def __init__(self, engine: Any, *, timeout_s: float = 600.0):
-        import sglang  # noqa: F401 -- fail here, clearly, where SGLang is missing
-
-        self.sgl = engine
-        self.timeout_s = timeout_s
-        args = engine.server_args
-        if RPC_LOADER not in (getattr(args, "custom_weight_loader", None) or []):
-            raise ConfigError(
-                f"start the SGLang engine with custom_weight_loader=[{RPC_LOADER!r}] (weightsync runs its calls through it)"
-            )
-        tp, dp, ep = args.tp_size, args.dp_size, getattr(args, "ep_size", 1) or 1
-        dp_attention = int(bool(getattr(args, "enable_dp_attention", False)))
-        if dp > 1 and not dp_attention:
-            raise ConfigError(
-                "sglang: dp > 1 without DP attention (independent replicas) is not supported by SGLangInstance yet"
-            )
-        if getattr(args, "pp_size", 1) != 1:
-            raise ConfigError("sglang: the sglang layout has no PP")
-        from transformers import AutoConfig
-
-        trust = getattr(args, "trust_remote_code", False)
-        cfg = hf_config_dict(AutoConfig.from_pretrained(args.model_path, trust_remote_code=trust))
-        self.model_config: dict = cfg
-        self.spec = spec_from_config(cfg)
-        self._id = uuid.uuid4().hex
-        self._dir = tempfile.mkdtemp(prefix="weightsync-sglang-")
-        self._seq = 0
-        self._session = False
-        self._world = tp
-        fused = self._call(_fused_shared, timeout_s)[0]
-        parts = [f"tp={tp}", f"dp={dp}", f"ep={ep}", f"dp_attention={dp_attention}"]
-        if getattr(args, "enable_dp_lm_head", False):
-            parts.append("dp_lm_head=1")
-        if fused is not None:
-            parts.append(f"fuse_shared={int(bool(fused))}")
-        self.engine = "sglang:" + ",".join(parts)
-        self.engine_layout = make_layout(self.spec, self.engine)
-        for rank, live in self._call(_probe, timeout_s):
-            check_live(self.engine_layout.layout(rank), live, where=f"{self.engine} rank {rank} ({self.spec.name})")
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
-        return self._call(fn, timeout_s or self.timeout_s, *args)
-
-    def pause(self) -> None:
-        if hasattr(self.sgl, "pause_generation"):
-            self.sgl.pause_generation()
-        if hasattr(self.sgl, "begin_weight_update") and not self._session:
-            self.sgl.begin_weight_update()
-            self._session = True
-
-    def set_version(self, step: int) -> None:
-        """Report the weight version to the engine where it has the API (documented; not run here)."""
-        update = getattr(self.sgl, "update_weight_version", None)
-        if update is not None:
-            update(str(step))
-
-    def after_update(self) -> None:
-        self._call(_post_load_weights, self.timeout_s)
-
-    def resume(self) -> None:
-        if self._session:
-            self.sgl.end_weight_update()
-            self._session = False
-        self.sgl.flush_cache()
-        if hasattr(self.sgl, "continue_generation"):
-            self.sgl.continue_generation()
-
-    def close(self) -> None:
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __repr__(self) -> str:
-        return f"SGLangInstance({self.spec.name}, {getattr(self, 'engine', '?')!r})"
-
-    # -- internals ------------------------------------------------------------------------------
-    def _call(self, fn: Callable[..., Any], timeout_s: float, *args: Any) -> list[Any]:
-        self._seq += 1
-        seq = self._seq
-        msg = {"instance": self._id, "dir": self._dir, "seq": seq, "fn": fn, "args": args}
-        payload = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
-        own_session = hasattr(self.sgl, "begin_weight_update") and not self._session
-
-        def send():
-            if own_session:
-                self.sgl.begin_weight_update()
-            try:
-                return self.sgl.update_weights_from_tensor([(RPC_NAME, payload)], load_format=RPC_LOADER, flush_cache=False)
-            finally:
-                if own_session:
-                    self.sgl.end_weight_update()
-
-        box: dict[str, Any] = {}
-
-        def run():
-            try:
-                box["ret"] = send()
-            except BaseException as e:  # noqa: BLE001
-                box["exc"] = e
-
-        t = threading.Thread(target=run, daemon=True, name="weightsync-sglang-call")
-        t.start()
-        deadline = time.monotonic() + timeout_s
-        t.join(timeout_s)
-        if t.is_alive():
-            raise WorkerTimeout(f"{self!r}: update_weights_from_tensor did not return within {timeout_s}s")
-        if "exc" in box:
-            raise box["exc"]
-        ret = box.get("ret")
-        if isinstance(ret, tuple) and ret and ret[0] is False:
-            raise InstanceError(f"{self!r}: SGLang refused the call: {ret[1] if len(ret) > 1 else ret}")
-        results: list[Any] = [None] * self._world
-        errors = {}
-        for rank in range(self._world):
-            path = os.path.join(self._dir, f"{seq}.{rank}")
-            while not os.path.exists(path):
-                if time.monotonic() > deadline:
-                    raise WorkerTimeout(f"{self!r}: rank {rank} wrote no answer within {timeout_s}s")
-                time.sleep(0.01)
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            os.remove(path)
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors[rank] = value
-        if errors:
-            first = min(errors)
-            raise rebuild_error(errors[first], first, repr(self))
-        return results
+def transform_refusals(model: torch.nn.Module, aiter: bool = False) -> list[str]:
+    """Layers whose live form is a transform of the loaded form weightsync does not reproduce (§2)."""
+    out = []
+    for name, mod in model.named_modules():
+        if getattr(mod, "use_intel_amx_backend", False):
+            out.append(f"{name}: weights packed for Intel AMX on CPU (amx_utils.py, parameters replaced)")
+        qm = getattr(mod, "quant_method", None)
+        if qm is None:
+            continue
+        kind = type(qm).__name__
+        if kind not in PLAIN_METHODS:
+            out.append(f"{name}: quant method {kind} (its process_weights_after_loading form is not the sglang layout)")
+            continue
+        if kind != "UnquantizedFusedMoEMethod":
+            continue
+        if getattr(qm, "use_triton_kernels", False):
+            out.append(f"{name}: triton_kernels MoE backend stores w13/w2 transposed")
+        if getattr(qm, "load_up_proj_weight_first", False):
+            out.append(f"{name}: flashinfer_cutlass MoE backend loads w13 as [up; gate]")
+        if getattr(qm, "w13_swiglu_interleaved", False):
+            out.append(f"{name}: SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED interleaves w13 rows, which no session undoes")
+        if aiter:
+            out.append(f"{name}: AITER shuffles w13/w2 after loading, which no session undoes")
+    return out
 
 
-def _fused_shared(ctx: WorkerContext):
-    """Whether the live DeepSeek model fused its shared expert into the routed ones (None: not DeepSeek)."""
+@dataclass(frozen=True)
+class WorkerProbe:
+    """What one worker reports at set-up: its rank, live parameters, shared-expert fusion, refusals."""
+
+    rank: int
+    live: dict[str, tuple[tuple[int, ...], str]]
+    fused_shared: int | None
+    refusals: tuple[str, ...]
+
+
+def _aiter() -> bool:
+    try:
+        from sglang.srt.layers.quantization import unquant
+    except ImportError:
+        return False
+    return bool(getattr(unquant, "_use_aiter", False))
+
+
+def _probe(ctx: WorkerContext) -> WorkerProbe:
     model = _find_model(ctx)
+    live = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in ctx.tensors.items()}
     n = getattr(model, "num_fused_shared_experts", None)
-    return None if n is None else n > 0
+    return WorkerProbe(ctx.rank, live, None if n is None else int(n), tuple(transform_refusals(model, _aiter())))
 
 
 def _post_load_weights(ctx: WorkerContext) -> bool:
+    """SGLang's ``post_load_weights(model)`` (model_loader/loader.py): MLA w_kc/w_vc from kv_b_proj."""
     model = _find_model(ctx)
     if hasattr(model, "post_load_weights"):
         model.post_load_weights()
@@ -241,4 +243,281 @@ def _find_model(ctx: WorkerContext) -> torch.nn.Module:
     return _CURRENT["model"]
 
 
-__all__ = ["SGLangInstance", "rpc_loader", "RPC_LOADER"]
+# -- reading the engine's configuration ---------------------------------------------------------
+
+
+def resolved_args(server_args: Any) -> dict[str, Any]:
+    """The server args SGLang resolved (``ServerArgs.resolved_dict``, server_args.py:316), else the raw fields."""
+    resolved = getattr(server_args, "resolved_dict", None)
+    if callable(resolved):
+        return dict(resolved())
+    return dict(vars(server_args))
+
+
+def engine_config(args: Mapping[str, Any]) -> SGLangConfig:
+    """The ``sglang`` layout config of resolved server args; anything the layout does not model is refused.
+
+    ``fuse_shared`` is left at auto: the instance takes it from the live model.
+    """
+    problems = []
+
+    def refuse(key: str, why: str) -> None:
+        problems.append(f"{key}={args.get(key)!r}: {why}")
+
+    if RPC_LOADER not in (args.get("custom_weight_loader") or []):
+        problems.append(f"start the SGLang engine with custom_weight_loader=[{RPC_LOADER!r}] (weightsync runs its calls through it)")
+    tp = int(args.get("tp_size", 1))
+    attn_dp = int(args.get("attn_dp_size", 1) or 1)
+    replicas = int(args.get("dp_size", 1) or 1)
+    if "attn_dp_size" not in args and args.get("enable_dp_attention"):  # before 0.5.23's resolution
+        attn_dp, replicas = replicas, 1
+    if replicas != 1:
+        refuse("dp_size", "independent replicas: update_weights_from_tensor asserts dp_size == 1; use one SGLangInstance per engine")
+    for key, default, why in (
+        ("pp_size", 1, "the sglang layout has no pipeline parallelism"),
+        ("nnodes", 1, "answers come back through files on one host"),
+        ("attn_cp_size", 1, "attention context parallelism shrinks the attention TP group"),
+        ("dcp_size", 1, "decode context parallelism is not modelled"),
+        ("moe_dp_size", 1, "MoE data parallelism changes the MoE TP size (tp / ep / moe_dp)"),
+        ("ep_num_redundant_experts", 0, "redundant experts are extra physical copies"),
+        ("init_expert_location", "trivial", "experts would not sit in contiguous blocks"),
+        ("weight_cache_mode", "off", "SGLang raises on every weight update with the weight cache on"),
+        ("speculative_algorithm", None, "draft models also receive the update and are not synced"),
+        ("rl_on_policy_target", None, "fp32 norms and embeddings are not modelled"),
+        ("cpu_offload_gb", 0, "offloaded weights are moved between devices"),
+    ):
+        value = args.get(key)
+        if value is not None and value != default:
+            refuse(key, why)
+    for key, why in (
+        ("enable_eplb", "EPLB moves experts between ranks"),
+        ("enable_dense_mlp_attn_tp", "dense MLPs over attention TP are not modelled"),
+        ("enable_shared_experts_attn_tp", "shared experts over attention TP are not modelled"),
+    ):
+        if args.get(key):
+            refuse(key, why)
+    if args.get("shared_experts_tp_size") is not None:
+        refuse("shared_experts_tp_size", "a shared-expert TP size is not modelled")
+    if args.get("moe_dense_tp_size") not in (None, tp):
+        refuse("moe_dense_tp_size", f"dense MLP layers of MoE models sharded other than over tp={tp} are not modelled")
+    if (args.get("offload_group_size", -1) or -1) > 0:
+        refuse("offload_group_size", "offloaded layers are moved between devices")
+    if problems:
+        raise ConfigError("sglang engine not supported by SGLangInstance:\n  " + "\n  ".join(problems))
+    dp_attention = int(attn_dp > 1)
+    return SGLangConfig(tp=tp, dp=attn_dp if dp_attention else 1, ep=int(args.get("ep_size", 1) or 1),
+                        dp_attention=dp_attention, dp_lm_head=int(bool(dp_attention and args.get("enable_dp_lm_head"))))
+
+
+def _success(answer: Any, what: str) -> None:
+    """Raise unless an SGLang answer says success: a (success, message) tuple or an object with ``.success``."""
+    if isinstance(answer, tuple) and answer and isinstance(answer[0], bool):
+        ok, message = answer[0], (answer[1] if len(answer) > 1 else "")
+    elif hasattr(answer, "success"):
+        ok, message = bool(answer.success), getattr(answer, "message", "")
+    else:
+        return
+    if not ok:
+        raise InstanceError(f"SGLang refused {what}: {message or answer!r}")
+
+
+# -- the control process -------------------------------------------------------------------------
+
+
+class SGLangInstance:
+    """``sglang.Engine`` as an :class:`~weightsync.runtime.instance.InferenceInstance` (see the module docstring)."""
+
+    def __init__(self, engine: Any, *, timeout_s: float = 600.0, pause_mode: str = "retract"):
+        import sglang  # noqa: F401 -- fail here, clearly, where SGLang is missing
+
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigError(
+                f"sglang: pause_mode={pause_mode!r}; use one of {PAUSE_MODES} ('in_place' keeps KV computed with "
+                f"the old weights, and SGLang refuses to flush the cache while requests run in place)"
+            )
+        self.sgl = engine
+        self.timeout_s = timeout_s
+        self.pause_mode = pause_mode
+        args = resolved_args(engine.server_args)
+        config = engine_config(args)
+        from transformers import AutoConfig
+
+        cfg = hf_config_dict(AutoConfig.from_pretrained(args["model_path"], trust_remote_code=bool(args.get("trust_remote_code"))))
+        self.model_config: dict = cfg
+        self.spec = spec_from_config(cfg)
+        engine_dtype = self._engine_dtype()
+        if engine_dtype is not None and engine_dtype != self.spec.dtype:
+            raise ConfigError(
+                f"sglang: the engine computes in {engine_dtype} (model_config.dtype; dtype={args.get('dtype', 'auto')!r}, "
+                f"and 'auto' turns a float32 config into float16), the checkpoint config says {self.spec.dtype}: "
+                f"start the engine with dtype={self.spec.dtype!r}"
+            )
+        self._id = uuid.uuid4().hex
+        self._dir = tempfile.mkdtemp(prefix="weightsync-sglang-")
+        self._seq = 0
+        self._session = False
+        self._paused = False
+        self._inflight: threading.Thread | None = None
+        self._world = config.tp
+        probes: list[WorkerProbe] = self._call(_probe, timeout_s)
+        refusals = sorted({r for p in probes for r in p.refusals})
+        if refusals:
+            raise ConfigError(f"sglang: {len(refusals)} layers hold a form weightsync cannot write in place "
+                              f"(set-up refused, nothing written):\n  " + "\n  ".join(refusals[:20]))
+        fused = {p.fused_shared for p in probes}
+        if len(fused) != 1:
+            raise InstanceError(f"sglang: ranks disagree on shared-expert fusion: {sorted(map(str, fused))}")
+        (n_fused,) = fused
+        if n_fused is not None:
+            config = replace(config, fuse_shared=int(n_fused > 0))
+        self.engine = str(config)
+        self.engine_layout = make_layout(self.spec, config)
+        for p in probes:
+            check_live(self.engine_layout.layout(p.rank), p.live, where=f"{self.engine} rank {p.rank} ({self.spec.name})")
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        return self._call(fn, timeout_s or self.timeout_s, *args)
+
+    def pause(self) -> None:
+        """Stop generating (``pause_generation(mode=pause_mode)``) and open the weight-update session."""
+        self._not_busy()
+        if not self._paused:
+            self._tokenizer(lambda tm, io: tm.pause_generation(io.PauseGenerationReqInput(mode=self.pause_mode)))
+            self._paused = True
+        if not self._session:
+            _success(self.sgl.begin_weight_update(), "begin_weight_update")
+            self._session = True
+
+    def after_update(self) -> None:
+        self._call(_post_load_weights, self.timeout_s)
+
+    def resume(self) -> None:
+        """Close the session, flush the cache, continue generating; the first failure is raised after all three.
+
+        While a timed-out call still runs inside SGLang nothing can be sent: the session stays open and
+        generation paused, and a later ``resume()`` (after the call returned) finishes them.
+        """
+        if self._busy():
+            log.warning("%r: a timed-out call still runs in SGLang; the weight-update session stays open and "
+                        "generation paused until resume() is called again after it returns", self)
+            return
+        errors: list[BaseException] = []
+        for step in (self._end_session, self._flush, self._continue):
+            try:
+                step()
+            except BaseException as e:  # noqa: BLE001 -- every step runs; the first error is raised
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def set_version(self, step: int) -> None:
+        """Report the weight version (tokenizer manager's ``update_weight_version``; read back by ``served_version``)."""
+        self._not_busy()
+        self._tokenizer(lambda tm, io: tm.update_weight_version(
+            io.UpdateWeightVersionReqInput(new_version=str(step), abort_all_requests=False)))
+
+    @property
+    def served_version(self) -> str | None:
+        """The weight version the engine reports (``Engine.get_model_info()['weight_version']``)."""
+        return self.sgl.get_model_info().get("weight_version")
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        return f"SGLangInstance({self.spec.name}, {getattr(self, 'engine', '?')!r})"
+
+    # -- internals ------------------------------------------------------------------------------
+    def _engine_dtype(self) -> str | None:
+        mc = getattr(getattr(self.sgl, "tokenizer_manager", None), "model_config", None)
+        dtype = getattr(mc, "dtype", None)
+        return None if dtype is None else str(dtype).removeprefix("torch.")
+
+    def _tokenizer(self, make: Callable[[Any, Any], Any]) -> Any:
+        """Run a tokenizer-manager coroutine on the engine's loop (what ``Engine``'s own methods do)."""
+        from sglang.srt.managers import io_struct
+
+        return self.sgl.loop.run_until_complete(make(self.sgl.tokenizer_manager, io_struct))
+
+    def _end_session(self) -> None:
+        if self._session:
+            self._session = False
+            _success(self.sgl.end_weight_update(), "end_weight_update")
+
+    def _flush(self) -> None:
+        _success(self.sgl.flush_cache(), "flush_cache (KV computed with the old weights stays cached)")
+
+    def _continue(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._tokenizer(lambda tm, io: tm.continue_generation(io.ContinueGenerationReqInput()))
+
+    def _busy(self) -> bool:
+        return self._inflight is not None and self._inflight.is_alive()
+
+    def _not_busy(self) -> None:
+        if self._busy():
+            raise InstanceError(f"{self!r}: an earlier call has not returned from SGLang yet (it timed out); "
+                                f"the engine runs one weight update at a time")
+
+    def _call(self, fn: Callable[..., Any], timeout_s: float, *args: Any) -> list[Any]:
+        self._not_busy()
+        self._seq += 1
+        seq = self._seq
+        payload = rpc_payload(RpcMessage(self._id, self._dir, seq, fn, args))
+        own_session = not self._session
+
+        def send():
+            if own_session:
+                _success(self.sgl.begin_weight_update(), "begin_weight_update")
+            try:
+                return self.sgl.update_weights_from_tensor(payload, load_format=RPC_LOADER, flush_cache=False)
+            finally:
+                if own_session:
+                    _success(self.sgl.end_weight_update(), "end_weight_update")
+
+        box: dict[str, Any] = {}
+
+        def run():
+            try:
+                box["ret"] = send()
+            except BaseException as e:  # noqa: BLE001
+                box["exc"] = e
+
+        t = threading.Thread(target=run, daemon=True, name="weightsync-sglang-call")
+        self._inflight = t
+        t.start()
+        deadline = time.monotonic() + timeout_s
+        t.join(timeout_s)
+        if t.is_alive():
+            raise WorkerTimeout(f"{self!r}: update_weights_from_tensor did not return within {timeout_s}s")
+        if "exc" in box:
+            raise box["exc"]
+        _success(box.get("ret"), f"weightsync's call {getattr(fn, '__name__', fn)}")
+        results: list[Any] = [None] * self._world
+        errors = {}
+        for rank in range(self._world):
+            path = os.path.join(self._dir, f"{seq}.{rank}")
+            while not os.path.exists(path):
+                if time.monotonic() > deadline:
+                    raise WorkerTimeout(f"{self!r}: rank {rank} wrote no answer within {timeout_s}s")
+                time.sleep(0.01)
+            with open(path, "rb") as f:
+                answer: RpcAnswer = pickle.load(f)
+            os.remove(path)
+            if answer.ok:
+                results[rank] = answer.value
+            else:
+                errors[rank] = answer.error
+        if errors:
+            first = min(errors)
+            raise rebuild_error(errors[first], first, repr(self))
+        return results
+
+
+__all__ = ["SGLangInstance", "rpc_loader", "RPC_LOADER", "RPC_NAME", "RpcMessage", "RpcAnswer", "WorkerProbe",
+           "engine_config", "resolved_args", "transform_refusals", "rpc_payload", "read_payload"]
