@@ -53,9 +53,39 @@ def assert_bound(b: Bound) -> None:
 # HF, in process
 
 
+def router_keys(module) -> dict[str, int]:
+    """The ``fp32_*`` keys a DeepSeek-V3 module's own dtypes say, read off the module here."""
+    gates = [layer.mlp.gate for layer in module.model.layers if hasattr(layer.mlp, "gate")]
+    return {
+        "fp32_router": int(all(g.weight.dtype == torch.float32 for g in gates)),
+        "fp32_router_bias": int(all(g.e_score_correction_bias.dtype == torch.float32 for g in gates)),
+    }
+
+
+def loaded(module, directory: Path):
+    """``module`` saved and loaded back with ``from_pretrained``: the installed transformers'
+    ``_keep_in_fp32_modules_strict`` applied, which the layouts' auto ``fp32_*`` keys follow."""
+    from transformers import AutoModelForCausalLM
+
+    module.save_pretrained(directory)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+
+
+def check_writes(b: Bound, module, seed: int = 3) -> None:
+    """Canonical values written in place through the layout are what the module's state_dict holds."""
+    canonical = random_canonical(b.spec, seed=seed)
+    with torch.no_grad():
+        fill_from(b.layout, b.tensors, canonical)
+    want = scatter(b.layout, canonical)
+    sd = module.state_dict()
+    for name in b.layout.tensors:
+        assert torch.equal(sd[name], want[name]), f"{name}: in-place write not visible in state_dict"
+
+
+@pytest.mark.parametrize("load", ["from_config", "from_pretrained"])
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
 @pytest.mark.parametrize("side", ["train", "infer"])
-def test_hf_bind_and_write(model, side):
+def test_hf_bind_and_write(model, side, load, tmp_path):
     from hf_models import build_hf_model
 
     from weightsync.bind import HFInferenceEngine, HFTrainEngine
@@ -63,27 +93,79 @@ def test_hf_bind_and_write(model, side):
     spec = load_spec(model)
     torch.manual_seed(0)
     module = build_hf_model(spec)
+    if load == "from_pretrained":
+        module = loaded(module, tmp_path)
     eng = (HFTrainEngine if side == "train" else HFInferenceEngine)(module)
     b = eng.bound
     assert b.rank == 0 and b.layout.engine == "hf" and b.spec.digest == spec.digest  # spec read from module.config
     assert_bound(b)
-    # derived == the preset's layout, piece for piece
-    ref = HFLayout(spec).layout(0)
+    # derived == the preset's layout, piece for piece: a model transformers loaded holds what the auto
+    # rule (the installed transformers' list) says; one built with from_config, which applies no fp32
+    # list, what its own dtypes say -- and the description records it for the other end of a job
+    keys = router_keys(module) if model == "tiny-deepseek-v3" else {}
+    ref = HFLayout(spec, **({} if load == "from_pretrained" else keys))
     assert {n: (t.shape, t.dtype, t.pieces) for n, t in b.layout.tensors.items()} == {
-        n: (t.shape, t.dtype, t.pieces) for n, t in ref.tensors.items()
+        n: (t.shape, t.dtype, t.pieces) for n, t in ref.layout(0).tensors.items()
     }
+    assert b.engine.describe() == ref.describe() == HFLayout(spec, **keys).describe()
     if model == "tiny-deepseek-v3":
         bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-        assert bias in b.tensors and b.tensors[bias].dtype == torch.float32
-        assert b.tensors[bias] is dict(module.named_buffers())[bias]
+        assert bias in b.tensors and b.tensors[bias] is dict(module.named_buffers())[bias]
+        if load == "from_pretrained":  # every transformers 5 keeps it in fp32 when it loads a bf16 model
+            assert b.tensors[bias].dtype == torch.float32 and b.engine.config.fp32_router_bias == 1
+    check_writes(b, module)
 
-    canonical = random_canonical(spec, seed=3)
-    with torch.no_grad():
-        fill_from(b.layout, b.tensors, canonical)
-    want = scatter(b.layout, canonical)
-    sd = module.state_dict()
-    for name in b.layout.tensors:
-        assert torch.equal(sd[name], want[name]), f"{name}: in-place write not visible in state_dict"
+
+def deepseek_as_524_builds_it(spec):
+    """A DeepSeek-V3 module in the form transformers 5.24 builds in memory: router weight and
+    ``e_score_correction_bias`` fp32 beside bf16 weights (5.24 creates them fp32 and lists both in
+    ``_keep_in_fp32_modules_strict``; 5.19-5.23 list only the bias)."""
+    from hf_models import build_hf_model
+
+    torch.manual_seed(0)
+    module = build_hf_model(spec)
+    for layer in module.model.layers:
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.float()
+    return module
+
+
+@pytest.mark.parametrize("side", ["train", "infer"])
+def test_hf_bind_follows_a_fp32_router(side):
+    # the 5.24 rule, set explicitly: the binding reads it off the live router, whatever transformers is here
+    from weightsync.bind import HFInferenceEngine, HFTrainEngine
+
+    spec = load_spec("tiny-deepseek-v3")
+    module = deepseek_as_524_builds_it(spec)
+    b = (HFTrainEngine if side == "train" else HFInferenceEngine)(module).bound
+    assert_bound(b)
+    assert b.engine.describe() == "hf:fp32_router=1,fp32_router_bias=1"
+    ref = HFLayout(spec, fp32_router=1, fp32_router_bias=1).layout(0)
+    assert b.layout.tensors == ref.tensors
+    assert b.tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    check_writes(b, module, seed=4)
+
+
+@pytest.mark.parametrize("strict,fp32_router", [
+    (["e_score_correction_bias"], 0),  # transformers 5.19-5.23
+    (["e_score_correction_bias", "gate.weight"], 1),  # transformers 5.24
+])
+def test_auto_follows_the_installed_transformers_list(strict, fp32_router, tmp_path, monkeypatch):
+    # the class's list set to each version's, then a real from_pretrained under it: the auto rule and
+    # the loaded model agree, and a binding of it derives the auto layout
+    from hf_models import build_hf_model
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3PreTrainedModel
+
+    from weightsync.bind import HFTrainEngine
+
+    monkeypatch.setattr(DeepseekV3PreTrainedModel, "_keep_in_fp32_modules_strict", strict)
+    spec = load_spec("tiny-deepseek-v3")
+    auto = HFLayout(spec)
+    assert auto.config.fp32_router == fp32_router and auto.config.fp32_router_bias == 1
+    module = loaded(build_hf_model(spec), tmp_path)
+    assert router_keys(module) == {"fp32_router": fp32_router, "fp32_router_bias": 1}
+    b = HFTrainEngine(module).bound
+    assert b.engine.describe() == auto.describe() and b.layout.tensors == auto.layout(0).tensors
 
 
 def test_hf_wrong_model_raises():
@@ -189,31 +271,34 @@ def test_megatron_tp2_pp2_live():
 
 def _fsdp_worker(rank: int, world: int) -> None:  # pragma: no cover - runs in subprocesses
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from helpers import build_model, hf_tensors, preset
 
     from weightsync.bind import FSDPTrainEngine
-    from weightsync.local.trainers import apply_tp
+    from weightsync.local.trainers import apply_tp, shard_fsdp
 
     cases = [  # (preset, mesh shape, mesh dim names or None for "tell by placements")
         ("tiny-qwen3-moe", (2,), ("dp",)),
-        ("tiny-deepseek-v3", (2,), ("dp",)),
+        ("tiny-deepseek-v3", (2,), ("dp",)),  # router and its bias as from_config makes them here
+        ("tiny-deepseek-v3:fp32-router", (2,), ("dp",)),  # as transformers 5.24 makes them: fp32
         ("tiny-llama3", (1, 2), ("outer", "inner")),  # dp=1 x tp=2, dims told apart by placements
     ]
-    for name, shape, names in cases:
+    for case, shape, names in cases:
+        name, _, variant = case.partition(":")
         cfg = preset(name)
         spec = spec_from_config(cfg)
         torch.manual_seed(0)
         model = build_model(cfg)
+        if variant == "fp32-router":
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.float()
         if len(shape) == 2:
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             apply_tp(model, mesh[names[1]], spec.tie_word_embeddings)
             dp_mesh = mesh[names[0]]
         else:
             dp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+        shard_fsdp(model, dp_mesh)  # an fp32 router is a group of its own (FSDP2: one dtype per group)
 
         eng = FSDPTrainEngine(model)
         b = eng.bound
@@ -228,6 +313,12 @@ def _fsdp_worker(rank: int, world: int) -> None:  # pragma: no cover - runs in s
                 assert t.untyped_storage().data_ptr() == params[n].to_local().untyped_storage().data_ptr(), n
         if name == "tiny-deepseek-v3":
             assert "model.layers.1.mlp.gate.e_score_correction_bias" in b.tensors
+            gate = model.model.layers[1].mlp.gate  # the description records the live router's dtypes
+            want_keys = dict(fp32_router=int(gate.weight.dtype == torch.float32),
+                             fp32_router_bias=int(gate.e_score_correction_bias.dtype == torch.float32))
+            if variant:
+                assert want_keys == {"fp32_router": 1, "fp32_router_bias": 1}
+            assert {k: getattr(eng.engine.config, k) for k in want_keys} == want_keys, eng.engine.describe()
 
         canonical = random_canonical(spec, seed=5)  # same on every rank
         with torch.no_grad():
@@ -240,8 +331,8 @@ def _fsdp_worker(rank: int, world: int) -> None:  # pragma: no cover - runs in s
             if n in b.tensors:
                 assert torch.equal(sd[n].to_local(), b.tensors[n]), n
         for n, x in model.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                assert torch.equal(x, hf[n]), n
+            if n.endswith("e_score_correction_bias"):  # rounded to the buffer's dtype, as a load would
+                assert torch.equal(x, hf[n].to(x.dtype)), n
 
         try:
             FSDPTrainEngine(model, spec=wrong(cfg, vocab_size=260))

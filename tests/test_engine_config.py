@@ -147,7 +147,8 @@ def test_any_valid_layout_is_rebuilt_from_its_description(model, config):
     again = make_layout(spec, layout.describe())
     assert again.config == layout.config
     # the layout keeps every key given; only the fp32_* keys are resolved (auto) or made canonical
-    assert dataclasses.replace(layout.config, **{k: getattr(config, k) for k in FP32_KEYS}) == config
+    given = {k: getattr(config, k) for k in FP32_KEYS if k in config.keys()}
+    assert dataclasses.replace(layout.config, **given) == config
     assert make_layout(spec, layout.config).config == layout.config  # resolving is idempotent
     for r in range(layout.world_size):
         assert layout_digest(again.layout(r)) == layout_digest(layout.layout(r))
@@ -264,3 +265,124 @@ def test_text_forms_and_old_reads():
     for cls in CONFIGS.values():
         assert len(cls.help().splitlines()) == len(cls.keys())
     assert isinstance(c, EngineConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# What transformers keeps in fp32 beside a bf16 model (fp32_router, fp32_router_bias): which tensors
+# depends on its version, so auto is resolved once, from the installed class's list, printed, and
+# rebuilt from the text by a process whose transformers may differ
+
+LIST_519 = ["e_score_correction_bias"]  # DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict, 5.19-5.23
+LIST_524 = ["e_score_correction_bias", "gate.weight"]  # from 5.24
+
+
+@pytest.fixture
+def strict_list(monkeypatch):
+    """Set the installed DeepseekV3PreTrainedModel's ``_keep_in_fp32_modules_strict`` to a version's list."""
+    module = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    return lambda patterns: monkeypatch.setattr(module.DeepseekV3PreTrainedModel, "_keep_in_fp32_modules_strict", patterns)
+
+
+def _gate_dtypes(layout) -> dict[str, str]:
+    """DeepSeek-V3 layer 1's router tensors -> dtype, on rank 0."""
+    return {n.rsplit(".", 1)[1]: t.dtype for n, t in layout.layout(0).tensors.items() if n.startswith("model.layers.1.mlp.gate.")}
+
+
+def test_auto_is_what_the_installed_transformers_keeps():
+    transformers = pytest.importorskip("transformers")
+    from packaging.version import Version
+
+    spec = load_spec("tiny-deepseek-v3")
+    router = int(Version(transformers.__version__) >= Version("5.24.0"))  # gate.weight joined the list in 5.24
+    for text in ("hf", "fsdp:dp=2"):
+        layout = make_layout(spec, text)
+        assert (layout.config.fp32_router, layout.config.fp32_router_bias) == (router, 1)
+        assert layout.describe() == f"{text}{',' if ':' in text else ':'}fp32_router={router},fp32_router_bias=1"
+        assert _gate_dtypes(layout) == {"weight": "float32" if router else "bfloat16", "e_score_correction_bias": "float32"}
+
+
+@pytest.mark.parametrize("patterns,router", [(LIST_519, 0), (LIST_524, 1), ([], 0), (["*gate.weight", "e_score_*"], 1)])
+def test_auto_follows_the_class_list(strict_list, patterns, router):
+    strict_list(patterns)
+    spec = load_spec("tiny-deepseek-v3")
+    bias = int(any(p.startswith("e_score") for p in patterns))
+    for text in ("hf", "fsdp:dp=2"):
+        layout = make_layout(spec, text)
+        assert (layout.config.fp32_router, layout.config.fp32_router_bias) == (router, bias), layout.describe()
+        assert _gate_dtypes(layout) == {"weight": ("bfloat16", "float32")[router],
+                                        "e_score_correction_bias": ("bfloat16", "float32")[bias]}
+
+
+def test_without_transformers_the_newest_known_version_is_assumed(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    spec = load_spec("tiny-deepseek-v3")
+    assert make_layout(spec, "hf").describe() == "hf:fp32_router=1,fp32_router_bias=1"  # as 5.24
+    assert make_layout(spec, "fsdp:dp=2").describe() == "fsdp:dp=2,fp32_router=1,fp32_router_bias=1"
+
+
+def test_both_ends_plan_the_same_layout_whatever_their_transformers(strict_list):
+    # one end under 5.19 registers its description; the job plans from it under 5.24 and gets the same
+    # layouts and plan (the auto default itself differs between the two: the key is what carries it)
+    spec = load_spec("tiny-deepseek-v3")
+    strict_list(LIST_519)
+    src, dst = make_layout(spec, "fsdp:dp=2"), make_layout(spec, "hf")
+    texts, plan = (src.describe(), dst.describe()), _plan_hash(src, dst)
+    assert texts == ("fsdp:dp=2,fp32_router=0,fp32_router_bias=1", "hf:fp32_router=0,fp32_router_bias=1")
+    strict_list(LIST_524)
+    rebuilt = [make_layout(spec, t) for t in texts]
+    for old, new in zip((src, dst), rebuilt):
+        assert new.config == old.config and new.describe() == old.describe()
+        assert [layout_digest(new.layout(r)) for r in range(new.world_size)] == [
+            layout_digest(old.layout(r)) for r in range(old.world_size)]
+    assert _plan_hash(*rebuilt) == plan
+    assert _plan_hash(make_layout(spec, "fsdp:dp=2"), make_layout(spec, "hf")) != plan  # 5.24's own auto differs
+
+
+def test_fp32_keys_leave_other_models_alone(monkeypatch):
+    # no other architecture has a tensor transformers may keep in fp32: nothing is asked of transformers,
+    # nothing printed, the layouts are the same as without the keys
+    import weightsync.engines.hf_fp32 as hf_fp32
+
+    def asked(*_):
+        raise AssertionError("transformers was asked about a model with no hf_fp32 kinds")
+
+    monkeypatch.setattr(hf_fp32, "installed_strict_list", asked)
+    for model in TINY[:-1]:
+        spec = load_spec(model)
+        for text in ("hf", "hf:fp32=1", "fsdp:dp=2", "fsdp:dp=3,fp32=1"):
+            layout = make_layout(spec, text)
+            assert layout.describe() == text and all(getattr(layout.config, k) == -1 for k in FP32_KEYS)
+        # a 0 that changes nothing is made auto (one text per layout); 1 on Qwen3-MoE's router is a real choice
+        assert make_layout(spec, "hf:fp32_router=0,fp32_router_bias=0").describe() == "hf"
+    moe = load_spec("tiny-qwen3-moe")
+    router = make_layout(moe, "hf:fp32_router=1")
+    assert router.describe() == "hf:fp32_router=1"
+    assert router.layout(0).tensors["model.layers.1.mlp.gate.weight"].dtype == "float32"
+    assert make_layout(moe, "hf").layout(0).tensors["model.layers.1.mlp.gate.weight"].dtype == "bfloat16"
+    # the DeepSeek-V3 model in fp32 (fp32=1, or an fp32 checkpoint) keeps everything in fp32, whatever the list
+    spec = load_spec("tiny-deepseek-v3")
+    assert make_layout(spec, "hf:fp32=1").describe() == "hf:fp32=1,fp32_router=1,fp32_router_bias=1"
+    fp32_model = tiny("tiny-deepseek-v3", torch_dtype="float32")
+    assert make_layout(fp32_model, "fsdp:dp=2").describe() == "fsdp:dp=2,fp32_router=1,fp32_router_bias=1"
+
+
+@pytest.mark.parametrize("model,text,message", [
+    ("tiny-qwen3", "hf:fp32_router=1", "hf: fp32_router=1, but tiny-qwen3 has no router tensor; drop fp32_router"),
+    ("tiny-qwen3-moe", "fsdp:dp=2,fp32_router_bias=1", "has no router_bias tensor"),
+    ("tiny-deepseek-v3", "hf:fp32=1,fp32_router=0", "fp32=1 keeps every tensor in fp32; fp32_router=0 contradicts it"),
+])
+def test_fp32_keys_refused_against_the_model(model, text, message):
+    with pytest.raises(ConfigError) as e:
+        make_layout(load_spec(model), text)
+    assert message in str(e.value)
+
+
+def test_the_strict_list_matches_names_as_transformers_does():
+    from weightsync.engines.hf_fp32 import StrictList
+
+    s = StrictList(("gate.weight", "e_score_*"), "test")
+    assert s.keeps("model.layers.3.mlp.gate.weight") and s.keeps("model.layers.3.mlp.gate.e_score_correction_bias")
+    assert not s.keeps("model.layers.3.mlp.gate_proj.weight") and not s.keeps("model.layers.3.mlp.experts.gate_up_proj")
+    assert not StrictList((), "test").keeps("model.layers.3.mlp.gate.weight")

@@ -200,7 +200,7 @@ def test_registry_and_config_errors():
     spec = load_spec("tiny-llama3")
     lay = make_layout(spec, "fsdp:dp=2,tp=2")
     assert isinstance(lay, FSDPLayout) and lay.describe() == "fsdp:dp=2,tp=2" and lay.world_size == 4
-    assert FSDPLayout.keys == ("dp", "tp", "fp32") and FSDPLayout.engine == "fsdp"
+    assert FSDPLayout.keys == ("dp", "tp", "fp32", "fp32_router", "fp32_router_bias") and FSDPLayout.engine == "fsdp"
     assert make_layout(spec, "fsdp").world_size == 1
     bad = [
         ("tiny-llama3", "fsdp:pp=2"),
@@ -295,6 +295,20 @@ def test_live_dp2_tp2():
     run_world(4, {"dp": 2, "tp": 2, "models": [preset("tiny-llama3"), preset("tiny-qwen2"), preset("tiny-qwen3")]})
 
 
+def _loaded_model(cfg: dict):
+    """The model as ``from_pretrained`` loads it under the installed transformers (its
+    ``_keep_in_fp32_modules_strict`` applied: DeepSeek-V3's router bias fp32, its router weight fp32
+    from 5.24 on), which the layout's auto ``fp32_*`` keys follow. ``from_config`` applies no such
+    list; a binding reads that model's dtypes instead (tests/test_bind.py)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as d:
+        _build_model(cfg).save_pretrained(d)
+        return AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+
+
 def _worker(job: dict) -> None:
     from datetime import timedelta
 
@@ -306,13 +320,17 @@ def _worker(job: dict) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dp, tp = job["dp"], job["tp"]
+    models = []
+    for cfg in job["models"]:  # before the group is up: save_pretrained under torch.distributed writes on rank 0 only
+        torch.manual_seed(0)
+        models.append(_loaded_model(cfg))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     if tp > 1:
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
     else:
         dp_mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
-    for cfg in job["models"]:
+    for cfg, model in zip(job["models"], models):
         spec = spec_from_config(cfg)
         layout = FSDPLayout(spec, dp=dp, tp=tp).layout(rank)
 
@@ -324,8 +342,6 @@ def _worker(job: dict) -> None:
             canonical[t.name] = x
         hf = hf_tensors(spec, canonical)
 
-        torch.manual_seed(0)
-        model = _build_model(cfg)
         state_names = set(model.state_dict())
         filled = set()
         with torch.no_grad():

@@ -110,6 +110,37 @@ def hf_module_spec(module: torch.nn.Module) -> ModelSpec:
     return spec_from_config(cfg)
 
 
+def live_fp32_keys(spec: ModelSpec, live: Mapping[str, torch.Tensor], fp32: int = 0) -> dict[str, int]:
+    """The hf/fsdp layouts' ``fp32_*`` keys as the live module holds its tensors.
+
+    Which tensors transformers keeps in fp32 depends on its version and on how the model was made
+    (``from_pretrained`` applies ``_keep_in_fp32_modules_strict``; ``from_config`` in 5.19 leaves
+    DeepSeek-V3's router bias in bf16), so a binding reads the live dtype instead: 1 where every
+    tensor of the kind is fp32, 0 where every one holds the model dtype. A kind in some other dtype
+    is left to the layout's rule, for :func:`check_live` to report by name.
+    """
+    from weightsync.engines.hf import FP32_KEYS, HFLayout
+
+    canonical = {t.name: t.role.kind for t in spec.tensors if t.role.kind in FP32_KEYS.values()}
+    if not canonical:
+        return {}
+    ref = HFLayout(spec, fp32=fp32, **{k: 1 for k, kind in FP32_KEYS.items() if kind in set(canonical.values())})
+    found: dict[str, set[str]] = {}
+    for name, kind in canonical.items():
+        for shard in ref.shards(name):
+            t = live.get(shard.piece.tensor)
+            if t is not None:
+                found.setdefault(kind, set()).add(dtype_name(t.dtype))
+    out: dict[str, int] = {}
+    for key, kind in FP32_KEYS.items():
+        dtypes = found.get(kind, set())
+        if dtypes == {"float32"}:
+            out[key] = 1
+        elif dtypes == {spec.dtype}:
+            out[key] = 0
+    return out
+
+
 def bind(engine: EngineLayout, rank: int, live: Mapping[str, torch.Tensor], where: str = "") -> Bound:
     """Derive ``rank``'s layout, check it against ``live`` (raising :class:`LayoutMismatch`), bind.
 
@@ -166,4 +197,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Bound", "LiveEngine", "bind", "module_tensors", "hf_config_dict", "as_spec", "hf_module_spec", "dtype_name", *_LAZY]
+__all__ = ["Bound", "LiveEngine", "bind", "live_fp32_keys", "module_tensors", "hf_config_dict", "as_spec", "hf_module_spec", "dtype_name", *_LAZY]

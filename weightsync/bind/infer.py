@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.bind import Bound, LiveEngine, bind, hf_module_spec, module_tensors
+from weightsync.bind import Bound, LiveEngine, bind, hf_module_spec, live_fp32_keys, module_tensors
 from weightsync.engines.hf import HFLayout
 from weightsync.spec.model import ModelSpec
 
@@ -26,7 +26,9 @@ class HFInferenceEngine(LiveEngine):
     def __init__(self, module: torch.nn.Module, spec: ModelSpec | None = None):
         spec = spec or hf_module_spec(module)
         self.module = module
-        self.bound: Bound = bind(HFLayout(spec), 0, module_tensors(module), where=f"hf rank 0 ({spec.name})")
+        live = module_tensors(module)
+        engine = HFLayout(spec, **live_fp32_keys(spec, live))  # fp32_router...: as the live module holds them
+        self.bound: Bound = bind(engine, 0, live, where=f"{engine.describe()} rank 0 ({spec.name})")
 
 
 __all__ = ["HFInferenceEngine"]

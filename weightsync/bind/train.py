@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from weightsync.bind import Bound, LiveEngine, as_spec, bind, hf_module_spec, module_tensors
+from weightsync.bind import Bound, LiveEngine, as_spec, bind, hf_module_spec, live_fp32_keys, module_tensors
 from weightsync.engines.fsdp import FSDPLayout
 from weightsync.engines.hf import HFLayout
 from weightsync.engines.megatron import MegatronLayout
@@ -27,13 +27,17 @@ class HFTrainEngine(LiveEngine):
 
     The spec comes from ``module.config`` so the binding cannot disagree with the model about which
     model it is; ``spec`` overrides it (e.g. a trainer keeping fp32 weights of a bf16 checkpoint).
+    fp32 master weights and what is kept in fp32 beside bf16 ones (``fp32_router``...) are read
+    from the live tensors (:func:`weightsync.bind.live_fp32_keys`), and the layout's description
+    records them for the other end of the job.
     """
 
     def __init__(self, module: torch.nn.Module, spec: ModelSpec | None = None):
         spec = spec or hf_module_spec(module)
         self.module = module
         live = module_tensors(module)
-        engine = HFLayout(spec, fp32=fp32_master(spec, live.values()))
+        fp32 = fp32_master(spec, live.values())
+        engine = HFLayout(spec, fp32=fp32, **live_fp32_keys(spec, live, fp32))
         self.bound: Bound = bind(engine, 0, live, where=f"{engine.describe()} rank 0 ({spec.name})")
 
 
@@ -116,7 +120,8 @@ class FSDPTrainEngine(LiveEngine):
             raise ConfigError(f"fsdp: this process is not in the parameters' device mesh {mesh}")
         dp = mesh.size(dp_dim)
         tp = 1 if tp_dim is None else mesh.size(tp_dim)
-        engine = FSDPLayout(spec, dp=dp, tp=tp, fp32=fp32_master(spec, live.values()))
+        fp32 = fp32_master(spec, live.values())
+        engine = FSDPLayout(spec, dp=dp, tp=tp, fp32=fp32, **live_fp32_keys(spec, live, fp32))
         rank = engine.mesh.rank({"dp": coord[dp_dim], "tp": 0 if tp_dim is None else coord[tp_dim]})
         local = {n: (t._local_tensor if isinstance(t, DTensor) else t) for n, t in live.items()}
         self.mesh = mesh

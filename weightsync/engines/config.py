@@ -153,22 +153,39 @@ class EngineConfig:
 # The engines
 
 
+FP32_ROUTER_DOC = ("router weight (DeepSeek-V3's mlp.gate.weight) in fp32 beside a bf16 model (-1: as the installed "
+                   "transformers keeps it; the layout records the answer)")
+FP32_ROUTER_BIAS_DOC = ("router bias (DeepSeek-V3's e_score_correction_bias) in fp32 beside a bf16 model (-1: as the "
+                        "installed transformers keeps it; the layout records the answer)")
+
+
 @dataclass(frozen=True)
 class HFConfig(EngineConfig):
-    """``hf``: one rank holding a transformers model."""
+    """``hf``: one rank holding a transformers model.
+
+    ``fp32_router``/``fp32_router_bias`` say whether the tensors transformers may keep in fp32
+    (``Architecture.hf_fp32``) are fp32. Which ones it keeps depends on its version, so ``-1``
+    (auto) is resolved once, when the layout is built (:mod:`weightsync.engines.hf_fp32`), and the
+    layout's description prints the answer: both ends of a job then plan the same layout whatever
+    transformers each has. A binding sets them from the live tensors' dtypes.
+    """
 
     engine: ClassVar[str] = "hf"
     fp32: int = key(0, FLAG, "fp32 master weights of a lower-precision model (they travel as fp32)")
+    fp32_router: int = key(-1, AUTO_FLAG, FP32_ROUTER_DOC)
+    fp32_router_bias: int = key(-1, AUTO_FLAG, FP32_ROUTER_BIAS_DOC)
 
 
 @dataclass(frozen=True)
 class FSDPConfig(EngineConfig):
-    """``fsdp``: a transformers model under FSDP2, optionally with TP applied first."""
+    """``fsdp``: a transformers model under FSDP2, optionally with TP applied first (``fp32*`` as :class:`HFConfig`)."""
 
     engine: ClassVar[str] = "fsdp"
     dp: int = key(1, SIZE, "FSDP (data-parallel sharding) size")
     tp: int = key(1, SIZE, "tensor-parallel size")
     fp32: int = key(0, FLAG, "fp32 master weights of a lower-precision model (they travel as fp32)")
+    fp32_router: int = key(-1, AUTO_FLAG, FP32_ROUTER_DOC)
+    fp32_router_bias: int = key(-1, AUTO_FLAG, FP32_ROUTER_BIAS_DOC)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """``fsdp``: a transformers model under PyTorch FSDP2 (``fully_shard``), optionally with TP first.
 
-Local tensors are the ``hf`` layout's (same names, dtypes, stacked experts, fp32 DeepSeek router);
+Local tensors are the ``hf`` layout's (same names, dtypes, stacked experts, ``fp32_*`` keys);
 each rank holds the *local tensor* of a sharded DTensor parameter (``param.to_local()``).
 
 Sharding, as torch 2.x computes it:
@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from weightsync.engines.config import FSDPConfig, HFConfig
-from weightsync.engines.hf import HFLayout
+from weightsync.engines.hf import HFLayout, resolve_fp32_keys
 from weightsync.errors import ConfigError
 from weightsync.layout.box import Box, box_shape, full_box
 from weightsync.layout.layout import EngineLayout, Mesh, Piece, Shard
@@ -87,14 +87,15 @@ class FSDPLayout(EngineLayout):
     keys = FSDPConfig.keys()
 
     def __init__(self, spec: ModelSpec, config: FSDPConfig | None = None, **options: int):
-        self.config = c = FSDPConfig.of(config, **options)
+        self.config = c = resolve_fp32_keys(spec, FSDPConfig.of(config, **options))
         dp, tp = c.dp, c.tp
         self.dp, self.tp = dp, tp
         if tp > 1:
             self._check_tp(spec, tp)
         self.mesh = Mesh("fsdp", [("tp", tp), ("dp", dp)])
         super().__init__(spec, [self.mesh])
-        self._hf = HFLayout(spec, HFConfig(fp32=c.fp32))  # fp32=1: fp32 master weights (FSDP2 mixed precision)
+        # fp32=1: fp32 master weights (FSDP2 mixed precision); fp32_*: what transformers keeps in fp32
+        self._hf = HFLayout(spec, HFConfig(fp32=c.fp32, fp32_router=c.fp32_router, fp32_router_bias=c.fp32_router_bias))
         self._everyone = self.mesh.group()
 
     @staticmethod

@@ -43,8 +43,15 @@ class Architecture:
     attention: Callable[[Mapping[str, Any]], Attention]
     layers: Callable[[Mapping[str, Any]], tuple[Layer, ...]]
     tensors: Callable[[ModelSpec], Iterable[TensorSpec]]
-    #: transformers keeps these in fp32 whatever the model dtype (``_keep_in_fp32_modules_strict``)
-    hf_fp32: frozenset[Kind] = field(default_factory=frozenset)
+    #: the transformers model class (``transformers.<hf_class>``); empty: ``name``
+    hf_class: str = ""
+    #: what transformers may keep in fp32 beside a bf16/fp16 model: each kind with the name its
+    #: module gives a tensor of that kind (``{layer}``: the layer index). Whether the installed
+    #: transformers does is read from ``hf_class``'s ``_keep_in_fp32_modules_strict`` (patterns
+    #: matched against these names) and recorded in the hf/fsdp layouts' ``fp32_*`` keys
+    #: (:mod:`weightsync.engines.hf_fp32`); without transformers, every kind listed here is fp32, as in
+    #: the newest version we know (5.24).
+    hf_fp32: Mapping[Kind, str] = field(default_factory=dict)
     #: transformers holds these as persistent buffers, not parameters (FSDP2 leaves them whole)
     hf_buffers: frozenset[Kind] = field(default_factory=frozenset)
     #: SGLang's model code has DP attention (--enable-dp-attention)
@@ -53,6 +60,10 @@ class Architecture:
     sglang_fuse_shared: bool = False
     #: SGLang's model makes every layer MoE (so ``mlp_only_layers`` cannot be mirrored)
     sglang_all_moe: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.hf_class:  # dataclasses.replace keeps the class of the record it copies
+            object.__setattr__(self, "hf_class", self.name)
 
     @property
     def keys(self) -> tuple[str, ...]:

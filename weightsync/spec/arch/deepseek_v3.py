@@ -41,7 +41,11 @@ ARCH = Architecture(
     attention=mla_attention,
     layers=layers,
     tensors=decoder_tensors,
-    hf_fp32=frozenset({Kind.ROUTER}),  # the router weight: _keep_in_fp32_modules_strict
+    # transformers 5.24 keeps both in fp32 (_keep_in_fp32_modules_strict); 5.19-5.23 only the bias
+    hf_fp32={
+        Kind.ROUTER: "model.layers.{layer}.mlp.gate.weight",
+        Kind.ROUTER_BIAS: "model.layers.{layer}.mlp.gate.e_score_correction_bias",
+    },
     hf_buffers=frozenset({Kind.ROUTER_BIAS}),  # e_score_correction_bias is an nn.Buffer in transformers 5
     sglang_fuse_shared=True,  # the default on NVIDIA GPUs (--disable-shared-experts-fusion turns it off)
 )
