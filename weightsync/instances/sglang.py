@@ -71,8 +71,8 @@ RPC_LOADER = "weightsync.instances.sglang.rpc_loader"
 RPC_NAME = "__weightsync_rpc__"
 PAUSE_MODES = ("retract", "abort")
 
-# per worker process: one context per instance id, and the model of the call being run
-_CONTEXTS: dict[str, WorkerContext] = {}
+# per worker process: one context per (instance id, TP rank), and the model of the call being run
+_CONTEXTS: dict[tuple[str, int], WorkerContext] = {}
 _CURRENT: dict[str, Any] = {}
 
 
@@ -130,10 +130,10 @@ def _tp_rank() -> int:
 def _worker_context(model: torch.nn.Module, instance: str, rank: int) -> WorkerContext:
     """This rank's context, built once; later calls check SGLang did not replace a parameter meanwhile."""
     params = dict(model.named_parameters())
-    ctx = _CONTEXTS.get(instance)
+    ctx = _CONTEXTS.get((instance, rank))
     if ctx is None:
         first = next(iter(params.values()))
-        ctx = _CONTEXTS[instance] = WorkerContext(rank=rank, device=first.device, tensors=params)
+        ctx = _CONTEXTS[instance, rank] = WorkerContext(rank=rank, device=first.device, tensors=params)
         return ctx
     moved = [n for n, t in ctx.tensors.items() if n not in params or params[n] is not t
              or params[n].data_ptr() != t.data_ptr() or params[n].shape != t.shape]
@@ -359,6 +359,14 @@ class SGLangInstance:
         self._paused = False
         self._inflight: threading.Thread | None = None
         self._world = config.tp
+        try:
+            self._check(config, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check(self, config: SGLangConfig, timeout_s: float) -> None:
+        """Probe every rank: refuse untransformable layers, take the fusion, check the live tensors."""
         probes: list[WorkerProbe] = self._call(_probe, timeout_s)
         refusals = sorted({r for p in probes for r in p.refusals})
         if refusals:

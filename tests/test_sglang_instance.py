@@ -1,0 +1,437 @@
+"""SGLangInstance against a STAND-IN for ``sglang.Engine`` (a test aid, not evidence that SGLang works).
+
+SGLang 0.5.23 cannot run here (it pins torch 2.14.1 and CUDA kernels). What these tests run for real:
+weightsync's own code on both sides of SGLang's call path -- the payload is serialized with
+``multiprocessing.reduction.ForkingPickler`` (what SGLang's ``MultiprocessingSerializer.serialize`` is)
+and unpickled in a *spawned process* by an unpickler restricted to globals on SGLang 0.5.23's
+``SafeUnpickler.ALLOWED_GLOBALS`` (utils/common.py:3148-3358, docs/sglang.md §1); :func:`rpc_loader`
+runs on real torch modules whose parameters follow the sglang layout; results, errors, timeouts,
+sessions, pause/flush/continue and the weight version go through ``SGLangInstance`` unchanged. The
+stand-in engine only reproduces the engine-side contract that docs/sglang.md cites (a session is
+required around ``update_weights_from_tensor``; answers are ``(success, message)``; flush answers
+``.success``; the tokenizer manager's coroutines run on ``engine.loop``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import multiprocessing as mp
+import pickle
+import sys
+import threading
+import types
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+from helpers import preset
+
+from weightsync.engines import make_layout
+from weightsync.errors import ConfigError, LayoutMismatch, WeightsMoved
+from weightsync.instances import InstanceError, WorkerTimeout
+from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
+from weightsync.runtime.instance import WorkerContext
+from weightsync.spec.model import spec_from_config
+from weightsync.testing import random_canonical
+
+S = pytest.importorskip("weightsync.instances.sglang")
+
+# The SafeUnpickler globals a CPU uint8 tensor in a list of (str, tensor) pairs needs, each one on
+# SGLang 0.5.23's ALLOWED_GLOBALS (utils/common.py): containers, the storage-sharing rebuilds, the dtype.
+SGLANG_ALLOWED = {
+    ("builtins", "list"), ("builtins", "tuple"), ("builtins", "str"), ("collections", "OrderedDict"),
+    ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"), ("torch", "uint8"),
+    ("torch.multiprocessing.reductions", "rebuild_tensor"), ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"), ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"), ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"), ("multiprocessing.resource_sharer", "DupFd"),
+    ("multiprocessing.reduction", "_rebuild_partial"), ("functools", "partial"), ("copyreg", "__newobj__"),
+    ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch._tensor", "_rebuild_from_type_v2"),
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Stand-in for SGLang's SafeUnpickler: refuses any global not in SGLANG_ALLOWED (a subset of SGLang's)."""
+
+    def find_class(self, module, name):
+        if (module, name) not in SGLANG_ALLOWED:
+            raise pickle.UnpicklingError(f"blocked global {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _receive(blob: bytes, q) -> None:
+    """In a spawned process (same authkey, as SGLang's schedulers are spawned): SGLang's unpickle, then ours."""
+    try:
+        named = RestrictedUnpickler(io.BytesIO(blob)).load()
+        msg = S.read_payload([(n, t.to("cpu")) for n, t in named])
+        q.put(("ok", msg.instance, msg.seq, msg.args))
+    except BaseException as e:  # noqa: BLE001
+        q.put(("err", repr(e)))
+
+
+def rank_and_count(ctx: WorkerContext, extra):
+    return ctx.rank, len(ctx.tensors), extra
+
+
+def fail_on(ctx: WorkerContext, rank, message):
+    if ctx.rank == rank:
+        raise ValueError(message)
+    return ctx.rank
+
+
+def unpicklable(ctx: WorkerContext):
+    return lambda: None
+
+
+def write_canonical(ctx: WorkerContext, canonical, cfg, engine):
+    fill_from(make_layout(spec_from_config(cfg), engine).layout(ctx.rank), ctx.tensors, canonical)
+    return ctx.rank
+
+
+def test_payload_passes_sglang_unpickler_in_a_spawned_process():
+    msg = S.RpcMessage("inst", "/tmp/x", 3, rank_and_count, ("a", (1, 2)))
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(S.rpc_payload(msg))  # SGLang's MultiprocessingSerializer.serialize
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_receive, args=(buf.getvalue(), q))
+    p.start()
+    try:
+        got = q.get(timeout=120)
+    finally:
+        p.join(30)
+    assert got == ("ok", "inst", 3, ("a", (1, 2)))
+
+
+def test_a_function_in_the_tensor_list_would_be_refused_by_sglang():
+    """Why the call travels as bytes: a callable next to the tensors is a global SafeUnpickler blocks."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump([("x", torch.zeros(2, dtype=torch.uint8)), ("fn", rank_and_count)])
+    with pytest.raises(pickle.UnpicklingError, match="blocked global"):
+        RestrictedUnpickler(io.BytesIO(buf.getvalue())).load()
+
+
+# -- rpc_loader on a real torch module --------------------------------------------------------------
+
+
+class Model(torch.nn.Module):
+    """Parameters under SGLang's dotted names (a stand-in for SGLang's model classes)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], **attrs):
+        super().__init__()
+        self._p = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in tensors.items()}
+        self.post_loads = 0
+        for k, v in attrs.items():
+            setattr(self, k, v)
+
+    def named_parameters(self, *a, **k):
+        return iter(self._p.items())
+
+    def parameters(self, *a, **k):
+        return iter(self._p.values())
+
+    def post_load_weights(self):
+        self.post_loads += 1
+
+
+def run_loader(model, msg, rank=0, monkeypatch=None):
+    monkeypatch.setattr(S, "_tp_rank", lambda: rank)
+    named = pickle.loads(pickle.dumps(S.rpc_payload(msg)))
+    assert S.rpc_loader(model, named) is None
+    with open(f"{msg.dir}/{msg.seq}.{rank}", "rb") as f:
+        return pickle.load(f)
+
+
+def test_rpc_loader_answers_values_errors_and_never_raises(tmp_path, monkeypatch):
+    model = Model({"a.weight": torch.randn(3, 2), "b.weight": torch.randn(2)})
+    ok = run_loader(model, S.RpcMessage("i1", str(tmp_path), 1, rank_and_count, ("x",)), 1, monkeypatch)
+    assert ok == S.RpcAnswer(True, (1, 2, "x"))
+    bad = run_loader(model, S.RpcMessage("i1", str(tmp_path), 2, fail_on, (1, "boom")), 1, monkeypatch)
+    assert not bad.ok and bad.error[1] == "ValueError" and bad.error[2] == "boom"
+    odd = run_loader(model, S.RpcMessage("i1", str(tmp_path), 3, unpicklable, ()), 1, monkeypatch)
+    assert not odd.ok and "pickle" in odd.error[2].lower()
+    # SGLang replacing a parameter (what AMX packing does) is found, not written into
+    model._p["a.weight"] = torch.nn.Parameter(torch.randn(3, 2), requires_grad=False)
+    moved = run_loader(model, S.RpcMessage("i1", str(tmp_path), 4, rank_and_count, (0,)), 1, monkeypatch)
+    assert not moved.ok and moved.error[1] == WeightsMoved.__name__ and "a.weight" in moved.error[2]
+    # a stray tensor list (someone else's load through our load_format): logged, no answer, no raise
+    assert S.rpc_loader(model, [("model.x", torch.zeros(1))]) is None
+
+
+def test_transform_refusals_name_the_layers():
+    class UnquantizedFusedMoEMethod:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    class Fp8LinearMethod:
+        pass
+
+    root = torch.nn.Module()
+    root.ok = torch.nn.Module()
+    root.ok.quant_method = UnquantizedFusedMoEMethod()
+    root.cutlass = torch.nn.Module()
+    root.cutlass.quant_method = UnquantizedFusedMoEMethod(load_up_proj_weight_first=True)
+    root.tk = torch.nn.Module()
+    root.tk.quant_method = UnquantizedFusedMoEMethod(use_triton_kernels=True)
+    root.fp8 = torch.nn.Module()
+    root.fp8.quant_method = Fp8LinearMethod()
+    root.amx = torch.nn.Module()
+    root.amx.use_intel_amx_backend = True
+    got = S.transform_refusals(root)
+    assert [g.split(":")[0] for g in got] == ["cutlass", "tk", "fp8", "amx"]
+    assert "[up; gate]" in got[0] and "transposed" in got[1] and "Fp8LinearMethod" in got[2]
+    assert len(S.transform_refusals(root, aiter=True)) == 7
+
+
+# -- the server args SGLang resolved ------------------------------------------------------------------
+
+BASE = {"model_path": "/m", "custom_weight_loader": [S.RPC_LOADER], "tp_size": 4}
+
+
+@pytest.mark.parametrize(
+    "args,want",
+    [
+        ({}, "sglang:tp=4"),
+        ({"ep_size": 2}, "sglang:tp=4,ep=2"),
+        # 0.5.23 resolves --dp-size 2 --enable-dp-attention into attn_dp_size=2, dp_size=1 (fields/parallel.py:192-194)
+        ({"attn_dp_size": 2, "dp_size": 1, "enable_dp_attention": True}, "sglang:tp=4,dp=2,dp_attention=1"),
+        ({"attn_dp_size": 2, "enable_dp_lm_head": True}, "sglang:tp=4,dp=2,dp_attention=1,dp_lm_head=1"),
+        ({"dp_size": 2, "enable_dp_attention": True}, "sglang:tp=4,dp=2,dp_attention=1"),  # unresolved (older) record
+        ({"enable_dp_lm_head": True}, "sglang:tp=4"),  # no attention DP: the LM head stays over TP
+        ({"moe_dense_tp_size": 4, "speculative_algorithm": None, "weight_cache_mode": "off"}, "sglang:tp=4"),
+    ],
+)
+def test_engine_config_from_resolved_args(args, want):
+    assert str(S.engine_config({**BASE, **args})) == want
+
+
+def test_engine_config_refuses_what_the_layout_does_not_model_all_at_once():
+    args = {**BASE, "custom_weight_loader": [], "dp_size": 2, "pp_size": 2, "nnodes": 2, "moe_dp_size": 2,
+            "enable_eplb": True, "speculative_algorithm": "EAGLE", "weight_cache_mode": "daemon", "moe_dense_tp_size": 1}
+    with pytest.raises(ConfigError) as e:
+        S.engine_config(args)
+    text = str(e.value)
+    for key in ("custom_weight_loader=[", "dp_size=2", "pp_size=2", "nnodes=2", "moe_dp_size=2", "enable_eplb=True",
+                "speculative_algorithm='EAGLE'", "weight_cache_mode='daemon'", "moe_dense_tp_size=1"):
+        assert key in text, key
+
+
+def test_resolved_args_prefers_resolved_dict():
+    class Args:
+        tp_size, dp_size, enable_dp_attention = 4, 2, True
+
+        def resolved_dict(self):
+            return {"tp_size": 4, "dp_size": 1, "attn_dp_size": 2, "enable_dp_attention": True}
+
+    assert S.resolved_args(Args())["attn_dp_size"] == 2
+
+
+# -- SGLangInstance against the stand-in engine ------------------------------------------------------
+
+
+@dataclass
+class PauseGenerationReqInput:
+    mode: str = "abort"
+
+
+@dataclass
+class ContinueGenerationReqInput:
+    torch_empty_cache: bool = True
+
+
+@dataclass
+class UpdateWeightVersionReqInput:
+    new_version: str
+    abort_all_requests: bool = True
+
+
+@dataclass
+class Flush:
+    success: bool
+    message: str = ""
+
+
+class TokenizerManager:
+    def __init__(self, engine):
+        self.engine = engine
+        self.model_config = types.SimpleNamespace(dtype=engine.dtype)
+
+    async def pause_generation(self, obj):
+        self.engine.log.append(("pause", obj.mode))
+
+    async def continue_generation(self, obj):
+        self.engine.log.append(("continue",))
+
+    async def update_weight_version(self, obj):
+        self.engine.log.append(("version", obj.new_version, obj.abort_all_requests))
+        self.engine.version = obj.new_version
+
+
+class StandInEngine:
+    """The engine-side contract of sglang.Engine 0.5.23 as docs/sglang.md cites it; each TP rank a Model."""
+
+    def __init__(self, model_path, models, dtype=torch.bfloat16, **args):
+        self.server_args = types.SimpleNamespace(resolved_dict=lambda: {
+            "model_path": model_path, "custom_weight_loader": [S.RPC_LOADER], "tp_size": len(models), **args})
+        self.models, self.dtype, self.log = models, dtype, []
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = TokenizerManager(self)
+        self.session = False
+        self.flush_ok = True
+        self.version = None
+        self.gate: threading.Event | None = None
+
+    def begin_weight_update(self):
+        self.log.append(("begin",))
+        if self.session:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        self.log.append(("end",))
+        if not self.session:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session = False
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        assert load_format == S.RPC_LOADER and flush_cache is False
+        if not self.session:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        blobs = []
+        for _ in self.models:  # one payload per TP rank, as engine.py _serialize_tensors_per_rank (a DupFd is single-use)
+            blobs.append(io.BytesIO())
+            ForkingPickler(blobs[-1]).dump(named_tensors)
+        if self.gate is not None:
+            self.gate.wait(30)
+        for rank, model in enumerate(self.models):
+            S._tp_rank = lambda rank=rank: rank  # noqa: B023 -- each "worker" knows its TP rank
+            named = RestrictedUnpickler(io.BytesIO(blobs[rank].getvalue())).load()
+            S.rpc_loader(model, named)
+        return True, "Success"
+
+    def flush_cache(self):
+        self.log.append(("flush",))
+        return Flush(self.flush_ok, "" if self.flush_ok else "Cache not flushed because there are pending requests.")
+
+    def get_model_info(self):
+        return {"weight_version": self.version}
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    """``import sglang`` and ``sglang.srt.managers.io_struct`` answered by stand-in modules (test aid)."""
+    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
+    for cls in (PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightVersionReqInput):
+        setattr(io_struct, cls.__name__, cls)
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+    monkeypatch.setattr(sys.modules["sglang.srt.managers"], "io_struct", io_struct, raising=False)
+    monkeypatch.setattr(S, "_tp_rank", S._tp_rank)  # restored after the stand-in engine rebinds it
+    yield
+
+
+def engine_for(tmp_path, name, engine_text, poison=True, drop=None, **kw):
+    cfg = preset(name)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = spec_from_config(cfg)
+    layout = make_layout(spec, engine_text)
+    attrs = {"num_fused_shared_experts": kw.pop("fused")} if "fused" in kw else {}
+    models = []
+    for r in range(layout.world_size):
+        tensors = {n: torch.full(t.shape, float("nan") if poison else 0.0, dtype=TORCH_DTYPES[t.dtype])
+                   for n, t in layout.layout(r).tensors.items() if n != drop}
+        models.append(Model(tensors, **attrs))
+    return spec, layout, StandInEngine(str(tmp_path), models, **kw)
+
+
+def test_instance_writes_bit_exact_through_the_whole_update(tmp_path, fake_sglang):
+    spec, layout, eng = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=2")
+    inst = S.SGLangInstance(eng, timeout_s=30)
+    try:
+        assert inst.engine == "sglang:tp=2" and inst.world_size == 2
+        assert inst.call(rank_and_count, "z") == [(0, len(layout.layout(0).tensors), "z"), (1, len(layout.layout(1).tensors), "z")]
+        eng.log.clear()
+        canonical = random_canonical(spec, seed=11)
+        inst.pause()
+        assert inst.call(write_canonical, canonical, preset("tiny-qwen3"), inst.engine) == [0, 1]
+        inst.after_update()
+        inst.resume()
+        inst.set_version(7)
+        assert eng.log == [("pause", "retract"), ("begin",), ("end",), ("flush",), ("continue",), ("version", "7", False)]
+        assert inst.served_version == "7" and all(m.post_loads == 1 for m in eng.models)
+        for r, m in enumerate(eng.models):
+            want = scatter(layout.layout(r), canonical)
+            for n, t in m.named_parameters():
+                assert torch.equal(t.isnan(), want[n].isnan()) and torch.equal(t.nan_to_num(), want[n].nan_to_num()), n
+    finally:
+        inst.close()
+
+
+def test_calls_outside_an_update_open_their_own_session_and_errors_keep_their_type(tmp_path, fake_sglang):
+    _, _, eng = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=2")
+    inst = S.SGLangInstance(eng, timeout_s=30)
+    eng.log.clear()
+    with pytest.raises(ValueError, match="boom") as e:
+        inst.call(fail_on, 1, "boom")
+    assert e.value.rank == 1 and eng.log == [("begin",), ("end",)] and not eng.session
+    eng.session = True  # a session someone else left open: SGLang refuses begin, and so do we
+    with pytest.raises(InstanceError, match="already open"):
+        inst.call(rank_and_count, 0)
+
+
+def test_resume_raises_a_failed_flush_after_continuing_generation(tmp_path, fake_sglang):
+    _, _, eng = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=1")
+    inst = S.SGLangInstance(eng, timeout_s=30)
+    inst.pause()
+    eng.flush_ok = False
+    eng.log.clear()
+    with pytest.raises(InstanceError, match="flush_cache.*pending requests"):
+        inst.resume()
+    assert eng.log == [("end",), ("flush",), ("continue",)]
+
+
+def test_a_timed_out_call_makes_the_instance_busy_until_sglang_returns(tmp_path, fake_sglang):
+    _, _, eng = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=1")
+    inst = S.SGLangInstance(eng, timeout_s=30)
+    inst.pause()
+    eng.gate = threading.Event()
+    with pytest.raises(WorkerTimeout):
+        inst.call(rank_and_count, 1, timeout_s=0.3)
+    with pytest.raises(InstanceError, match="has not returned"):
+        inst.call(rank_and_count, 2)
+    inst.resume()  # nothing can be sent yet: the session stays open, generation paused
+    assert eng.session
+    eng.gate.set()
+    inst._inflight.join(10)
+    eng.gate = None
+    assert inst.call(rank_and_count, 3) == [(0, len(eng.models[0]._p), 3)]
+    inst.resume()
+    assert not eng.session and eng.log[-1] == ("continue",)
+
+
+def test_construction_refuses_dtype_layout_and_pause_mode(tmp_path, fake_sglang):
+    _, _, eng = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=2", dtype=torch.float16)
+    with pytest.raises(ConfigError, match="float16.*dtype='bfloat16'"):
+        S.SGLangInstance(eng)
+    _, _, eng = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=2", drop="model.layers.1.mlp.gate_up_proj.weight")
+    with pytest.raises(LayoutMismatch, match="missing tensor model.layers.1.mlp.gate_up_proj.weight"):
+        S.SGLangInstance(eng)
+    with pytest.raises(ConfigError, match="in_place"):
+        S.SGLangInstance(eng, pause_mode="in_place")
+
+
+@pytest.mark.parametrize("fused,engine_text", [(0, "sglang:tp=2,fuse_shared=0"), (1, "sglang:tp=2,fuse_shared=1")])
+def test_shared_expert_fusion_comes_from_the_live_model(tmp_path, fake_sglang, fused, engine_text):
+    _, _, eng = engine_for(tmp_path, "tiny-deepseek-v3", engine_text, fused=fused)
+    inst = S.SGLangInstance(eng, timeout_s=30)
+    assert inst.engine == engine_text
+    inst.pause()
+    inst.after_update()
+    inst.resume()
+    assert all(m.post_loads == 1 for m in eng.models)  # MLA w_kc/w_vc recomputed by the model's own hook
