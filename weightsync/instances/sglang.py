@@ -122,9 +122,19 @@ def read_payload(named_tensors: list) -> RpcMessage:
 
 
 def _tp_rank() -> int:
-    from sglang.srt.distributed import get_tensor_model_parallel_rank
+    """This worker's TP rank (the layout rank; with DP attention too, since tp is the whole world).
 
-    return get_tensor_model_parallel_rank()
+    SGLang 0.5.23 reads it from ``get_parallel().tp_rank``: ``get_tensor_model_parallel_rank`` is a
+    deprecated getter that ``sglang.srt.distributed`` no longer re-exports (parallel_state.py:3489-3558),
+    so importing it from there raises ImportError inside the worker.
+    """
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:  # SGLang before runtime_context
+        from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    return int(get_parallel().tp_rank)
 
 
 def _worker_context(model: torch.nn.Module, instance: str, rank: int) -> WorkerContext:
