@@ -90,11 +90,12 @@ def test_hf_bind_and_write(model, side, load, tmp_path):
 
     from weightsync.bind import HFInferenceEngine, HFTrainEngine
 
+    from helpers import build_model, preset
+
     spec = load_spec(model)
     torch.manual_seed(0)
-    module = build_hf_model(spec)
-    if load == "from_pretrained":
-        module = loaded(module, tmp_path)
+    # from_config as a user may call it (no fp32 list applied), or a real checkpoint load
+    module = build_model(preset(model)) if load == "from_config" else loaded(build_hf_model(spec), tmp_path)
     eng = (HFTrainEngine if side == "train" else HFInferenceEngine)(module)
     b = eng.bound
     assert b.rank == 0 and b.layout.engine == "hf" and b.spec.digest == spec.digest  # spec read from module.config

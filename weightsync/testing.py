@@ -60,8 +60,15 @@ def coverage_problems(engine: EngineLayout) -> list[str]:
 
 
 def build_hf_model(spec: ModelSpec, seed: int | None = None):
-    """The real transformers module for a spec, in its dtype, on CPU (random init)."""
+    """The real transformers module for a spec, in its dtype, on CPU (random init), in the form
+    ``from_pretrained`` gives it, as a trainer loading a checkpoint has it: what the installed
+    transformers keeps in fp32 beside a bf16 model (``_keep_in_fp32_modules_strict``, the hf
+    layout's auto ``fp32_*`` keys) is made fp32. ``from_config`` applies no such list (under
+    transformers 5.19-5.23 it leaves DeepSeek-V3's ``e_score_correction_bias`` bf16)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from weightsync.bind import module_tensors
+    from weightsync.engines.hf import HFLayout
 
     cfg = dict(spec.config)
     model_type = cfg.pop("model_type")
@@ -70,7 +77,12 @@ def build_hf_model(spec: ModelSpec, seed: int | None = None):
     config.architectures = [spec.architecture]
     if seed is not None:
         torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[spec.dtype])
+    model = AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[spec.dtype])
+    local = HFLayout(spec).layout(0).tensors
+    for name, t in module_tensors(model).items():
+        if name in local and (want := TORCH_DTYPES[local[name].dtype]) != t.dtype:
+            t.data = t.data.to(want)
+    return model
 
 
 def holds(layout: Layout, tensors: dict[str, torch.Tensor], expected: Callable[[Piece], torch.Tensor]) -> bool:
