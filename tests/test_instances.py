@@ -179,7 +179,7 @@ def test_hf_instance_writes_into_the_live_module(model):
     spec = load_spec(model)
     module = build_hf_model(spec)
     inst = HFInstance(module)
-    assert inst.world_size == 1 and inst.engine == "hf"
+    assert inst.world_size == 1 and inst.engine.partition(":")[0] == "hf"  # plus what it keeps in fp32 (DeepSeek)
     from weightsync.spec.model import spec_from_config
 
     assert spec_from_config(inst.model_config).digest == spec.digest

@@ -50,12 +50,12 @@ class HFInstance(NoEngineHooks):
     nothing: transformers derives nothing from its weights and keeps no cache between generate calls.
     """
 
-    engine = "hf"
-
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self.model_config = spec_config(module)
         self.bound = HFInferenceEngine(module, spec_from_config(self.model_config)).bound  # check_live: LayoutMismatch
+        #: the layout as bound to the live module (``hf`` plus what it keeps in fp32, e.g. DeepSeek's router)
+        self.engine = self.bound.engine.describe()
         tensors = dict(self.bound.tensors)
         first = next(iter(tensors.values()), None)
         device = first.device if first is not None else torch.device("cpu")
