@@ -383,6 +383,10 @@ def test_calls_outside_an_update_open_their_own_session_and_errors_keep_their_ty
     eng.session = True  # a session someone else left open: SGLang refuses begin, and so do we
     with pytest.raises(InstanceError, match="already open"):
         inst.call(rank_and_count, 0)
+    eng.log.clear()
+    with pytest.raises(InstanceError, match="already open"):
+        inst.pause()
+    assert eng.log == [("pause", "retract"), ("begin",), ("continue",)]  # not left paused
 
 
 def test_resume_raises_a_failed_flush_after_continuing_generation(tmp_path, fake_sglang):

@@ -407,7 +407,11 @@ class SGLangInstance:
             self._tokenizer(lambda tm, io: tm.pause_generation(io.PauseGenerationReqInput(mode=self.pause_mode)))
             self._paused = True
         if not self._session:
-            _success(self.sgl.begin_weight_update(), "begin_weight_update")
+            try:
+                _success(self.sgl.begin_weight_update(), "begin_weight_update")
+            except BaseException:
+                self._continue()  # the reader resumes only after a successful pause: do not leave it paused
+                raise
             self._session = True
 
     def after_update(self) -> None:
