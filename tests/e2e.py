@@ -91,7 +91,8 @@ def trainer(emit: Emit, rank: int, world: int, port: int, meta: str, job: dict) 
                             timeout=datetime.timedelta(seconds=60))
     spec = load_spec(job["model"])
     device = "cuda" if job.get("gpu_base") is not None and torch.cuda.is_available() else "cpu"
-    bound = build_trainer(spec, job["train"], rank, world, device=device, fp32=job.get("fp32", False)).bound
+    bound = build_trainer(spec, job["train"], rank, world, device=device, fp32=job.get("fp32", False),
+                          same_start=False).bound  # every step overwrites every weight
     writer = WeightWriter(bound, meta=meta, job=job["job"], timeout_s=job["timeout"], token=job.get("token"),
                           bucket_bytes=job.get("bucket_bytes", 256 << 20), mode=job.get("mode", "sync"),
                           memory_budget=job.get("memory_budget", 2 << 30),

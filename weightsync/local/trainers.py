@@ -42,11 +42,13 @@ class LocalTrainer:
 
 
 def build_trainer(spec: ModelSpec, train: str, rank: int, world: int, *, device: str = "cpu", fp32: bool = False,
-                  seed: int = 0, lr: float = 1e-3) -> LocalTrainer:
+                  seed: int = 0, lr: float = 1e-3, same_start: bool = True) -> LocalTrainer:
     """Build training rank ``rank`` of ``world`` for the layout ``train`` (the default group must be up).
 
     ``device``: ``cpu`` or ``cuda`` (rank r on ``cuda:r``). ``fp32``: keep fp32 weights of a
     lower-precision model (mixed precision's master copy; transformers and FSDP2 only).
+    ``same_start=False`` leaves megatron-core's own initial weights (seconds less to start, for a
+    caller that overwrites every weight anyway) instead of the transformers model's.
     """
     engine = make_layout(spec, train)
     if engine.world_size != world:
@@ -56,7 +58,7 @@ def build_trainer(spec: ModelSpec, train: str, rank: int, world: int, *, device:
         if fp32:
             raise ConfigError("megatron: fp32 master weights live in Megatron's optimizer, not the model; "
                               "train megatron in the model dtype")
-        return _megatron(spec, engine, rank, dev, seed, lr)
+        return _megatron(spec, engine, rank, dev, seed, lr, same_start)
     from weightsync.testing import build_hf_model
 
     model = build_hf_model(spec, seed=seed)
@@ -267,7 +269,8 @@ def megatron_model(spec: ModelSpec, layout: Any, device: torch.device, seed: int
     return [Float16Module(cfg, m).to(device)]
 
 
-def _megatron(spec: ModelSpec, engine: Any, rank: int, dev: torch.device, seed: int, lr: float) -> LocalTrainer:
+def _megatron(spec: ModelSpec, engine: Any, rank: int, dev: torch.device, seed: int, lr: float,
+              same_start: bool) -> LocalTrainer:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -277,9 +280,10 @@ def _megatron(spec: ModelSpec, engine: Any, rank: int, dev: torch.device, seed: 
 
     chunks = megatron_model(spec, engine, dev, seed)
     bound = MegatronTrainEngine(chunks, dict(spec.config)).bound
-    with torch.no_grad():  # the same start as every other engine: the transformers model's weights
-        start = hf_canonical(build_hf_model(spec, seed))
-        fill_from(bound.layout, bound.tensors, {n: t.to(dev) for n, t in start.items()})
+    if same_start:  # the same start as every other engine: the transformers model's weights
+        with torch.no_grad():
+            start = hf_canonical(build_hf_model(spec, seed))
+            fill_from(bound.layout, bound.tensors, {n: t.to(dev) for n, t in start.items()})
     model = chunks[0]
     inner = model.module
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
