@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from weightsync.layout.layout import EngineLayout, Layout, check_live
-from weightsync.spec.model import SUPPORTED_ARCHITECTURES, ModelSpec, spec_from_config
+from weightsync.spec.model import ModelSpec, spec_from_config
 
 
 @dataclass
@@ -95,19 +95,25 @@ def as_spec(config: ModelSpec | Mapping[str, Any] | str | Any) -> ModelSpec:
     return spec_from_config(config)
 
 
-def hf_module_spec(module: torch.nn.Module) -> ModelSpec:
-    """The spec of a transformers model, from ``module.config``.
+def hf_module_config(module: torch.nn.Module) -> dict[str, Any]:
+    """``module.config`` as a config.json dict, with its ``architectures``.
 
     A model built with ``from_config`` has no ``architectures`` in its config (only checkpoints
     record it), so the architecture falls back to the module's class -- searched along the MRO
     because FSDP2's ``fully_shard`` swaps in a subclass named ``FSDP<Class>``.
     """
+    from weightsync.spec.arch import known_class
+
     cfg = hf_config_dict(module.config)
     if not cfg.get("architectures"):
         names = [c.__name__ for c in type(module).__mro__]
-        known = [n for n in names if n in SUPPORTED_ARCHITECTURES]
-        cfg["architectures"] = [known[0] if known else names[0]]
-    return spec_from_config(cfg)
+        cfg["architectures"] = [known_class(names) or names[0]]
+    return cfg
+
+
+def hf_module_spec(module: torch.nn.Module) -> ModelSpec:
+    """The spec of a transformers model, from ``module.config`` (:func:`hf_module_config`)."""
+    return spec_from_config(hf_module_config(module))
 
 
 def live_fp32_keys(spec: ModelSpec, live: Mapping[str, torch.Tensor], fp32: int = 0) -> dict[str, int]:

@@ -12,12 +12,12 @@ from typing import Any, Callable
 
 import torch
 
-from weightsync.bind import hf_config_dict
+from weightsync.bind import hf_module_config
 from weightsync.bind.infer import HFInferenceEngine
 from weightsync.instances import InstanceError
 from weightsync.runtime.instance import NoEngineHooks, WorkerContext
 from weightsync.spec.arch import config_keys
-from weightsync.spec.model import SUPPORTED_ARCHITECTURES, spec_from_config
+from weightsync.spec.model import spec_from_config
 
 #: the config.json keys spec_from_config reads (for any supported architecture: each declares its own)
 SPEC_KEYS = config_keys()
@@ -27,13 +27,9 @@ def spec_config(module: torch.nn.Module) -> dict[str, Any]:
     """``module.config`` as a config.json dict, keeping only what :func:`spec_from_config` needs.
 
     A module built with ``from_config`` records no ``architectures``; it is taken from the module's
-    class (as :func:`weightsync.bind.hf_module_spec` does).
+    class (:func:`weightsync.bind.hf_module_config`).
     """
-    cfg = hf_config_dict(module.config)
-    if not cfg.get("architectures"):
-        names = [c.__name__ for c in type(module).__mro__]
-        known = [n for n in names if n in SUPPORTED_ARCHITECTURES]
-        cfg["architectures"] = [known[0] if known else names[0]]
+    cfg = hf_module_config(module)
     out = {k: cfg[k] for k in SPEC_KEYS if k in cfg and cfg[k] is not None}
     for k in ("torch_dtype", "dtype"):
         if k in out and not isinstance(out[k], str):
