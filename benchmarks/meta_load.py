@@ -97,12 +97,32 @@ async def phase_register(srv: Server, n: int) -> list[dict]:
 
 
 async def phase_step(srv: Server, ranks: int, steps: int = 3) -> list[dict]:
-    """Registered ranks connect and post ``written`` for one step at once (connect included)."""
+    """Registered ranks, each on a kept-alive connection (opened a few at a time beforehand, as a
+    job's would be by its set-up), post ``written`` for one step at once."""
     await _register_all(srv.port, [reg(r) for r in range(ranks)])
+    conns: list[Conn] = []
+    for i in range(0, ranks, 8):
+        conns += await asyncio.gather(*(Conn.open(HOST, srv.port) for _ in range(min(8, ranks - i))))
     out = []
     for step in range(1, steps + 1):
-        reqs = [[request_bytes("POST", f"/v1/jobs/bench/steps/{step}/written", {"rank": r})] for r in range(ranks)]
-        out.append((await at_once(f"step by {ranks} ranks (written)", HOST, srv.port, reqs, srv.pid)).summary())
+        res = Result(f"step by {ranks} ranks (written, kept-alive)")
+        cpu0, t0 = cpu_seconds(srv.pid), time.perf_counter()
+
+        async def one(c: Conn, r: int) -> None:
+            t = time.perf_counter()
+            try:
+                status, _ = await asyncio.wait_for(
+                    c.call(request_bytes("POST", f"/v1/jobs/bench/steps/{step}/written", {"rank": r})), 120)
+            except Exception as e:  # noqa: BLE001 - counted
+                res.error(f"io {type(e).__name__}")
+                return
+            (res.latencies.append(time.perf_counter() - t) if status == 200 else res.error(f"status {status}"))
+
+        await asyncio.gather(*(one(c, r) for r, c in enumerate(conns)))
+        res.wall_s, res.server_cpu_s = time.perf_counter() - t0, cpu_seconds(srv.pid) - cpu0
+        out.append(res.summary())
+    for c in conns:
+        c.close()
     return out
 
 
@@ -189,8 +209,14 @@ async def phase_polls(srv: Server, k: int) -> list[dict]:
         conns.append(await Conn.open(HOST, srv.port))
     waits = [asyncio.create_task(c.call(request_bytes("GET", "/v1/jobs/polls/held?min_step=1&instances=0&timeout=60")))
              for c in conns]
-    await asyncio.sleep(2.0)
     probe = await Conn.open(HOST, srv.port)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 60:  # every poll arrived and waits (the server says so)
+        _, text = await probe.call(request_bytes("GET", "/metrics"))
+        m = re.search(rb'weightsync_meta_waiting\{route="held"\} (\d+)', text)
+        if m and int(m.group(1)) >= k:
+            break
+        await asyncio.sleep(0.2)
     res = Result(f"/health with {k} long-polls open")
     for _ in range(50):
         t = time.perf_counter()
