@@ -451,6 +451,9 @@ class MetaServer:
 def serve(host: str = "127.0.0.1", port: int = 0, token: str | None = None, state_path: str | None = None,
           allow_no_token: bool = False) -> int:
     """Run until SIGINT or SIGTERM; print the URL first so a launcher can read the chosen port."""
+    # aiohttp logs each request its parser refuses with a traceback; those are answered 400 and are
+    # the client's mistake (a port scanner's, often). Our own handler's failures are printed by it.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     try:
         server = MetaServer(host, port, token, state_path, allow_no_token=allow_no_token).start()
     except OSError as e:
