@@ -99,7 +99,7 @@ class WeightReader(SessionDriven):
         t1 = time.perf_counter()
         self.instance.pause()
         try:
-            self.last_stats = self.instance.call(worker.receive, step, self.staged, timeout_s=self.timeout_s * 2)
+            self.last_stats = self.instance.call(worker.receive, step, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
             self.instance.after_update()
         except WeightsMoved as e:  # no later step can succeed either: stop the trainers waiting for us now
             with contextlib.suppress(MetaError):
@@ -134,7 +134,7 @@ class WeightReader(SessionDriven):
                 self.version = None
             self.instance.pause()
             try:
-                results = self.instance.call(worker.pull, self.staged, timeout_s=self.timeout_s * 2)
+                results = self.instance.call(worker.pull, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
                 self.instance.after_update()
             finally:
                 self.instance.resume()

@@ -321,8 +321,7 @@ class InstanceSession(JobSession):
         if opts.colocate and opts.mode == "sync":
             names = [f"bell.written.{t}" for t in range(self.shape.train_world)]
             self.written_bells = open_bells(self.client, names, opts.timeout_s)
-        # joining a group waits for every member: twice the timeout, so the group's own timeout fires first
-        self.instance.call(worker.connect, self.link, timeout_s=opts.timeout_s * 2)
+        self.instance.call(worker.connect, self.link, timeout_s=worker.call_timeout(opts.timeout_s))
 
     def close(self) -> None:
         from weightsync.runtime import worker

@@ -32,6 +32,16 @@ from weightsync.transport.base import (
 )
 
 
+#: how much longer than the transport's own timeout a call on the workers may take: a worker whose peer
+#: died raises its own error (naming peer and bucket) at ``timeout_s``, and a worker that itself stalls
+#: is given up on this little later -- never twice the timeout
+CALL_MARGIN_S = 2.0
+
+
+def call_timeout(timeout_s: float) -> float:
+    return timeout_s + CALL_MARGIN_S
+
+
 @dataclass(frozen=True)
 class WorkerProbe:
     """What a worker says of itself before registering."""
