@@ -109,3 +109,37 @@ def test_a_plain_install_imports_the_public_surface_without_optional_packages():
     code = "import sys\nsys.modules['torch'] = None\nfrom weightsync import MetaServer, MetaError\nprint('ok')\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_files_a_killed_participant_left_are_removed_by_the_next_one_on_the_host(tmp_path, monkeypatch):
+    """Doorbells and share descriptions are named by pid: a participant killed before closing them
+    leaves them behind (issue 15), and the next bell or share on the host removes them."""
+    import os
+    import tempfile
+
+    import torch
+
+    from weightsync.runtime import doorbell
+    from weightsync.transport.share import open_shared, share_tensors, unshare
+
+    monkeypatch.setattr(doorbell, "_directory", lambda: str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = _dead_pid()
+    stale = [tmp_path / f"weightsync-bell-{dead}-{'ab' * 16}", tmp_path / f"weightsync-job-1-{dead}-train0-for1.json"]
+    alive = tmp_path / f"weightsync-bell-{os.getpid()}-{'cd' * 16}"
+    for f in [*stale, alive]:
+        f.write_bytes(b"x" * 8)
+    bell = doorbell.Doorbell()
+    assert not stale[0].exists() and alive.exists() and os.path.exists(bell.path)
+    t = {"w": torch.randn(4, 3)}
+    path = share_tensors(t, "job-1", "train0-for0")
+    assert not stale[1].exists() and torch.equal(open_shared(path)["w"], t["w"])
+    unshare(path)  # a transport's close
+    bell.close()
+    assert not os.path.exists(path) and not os.path.exists(bell.path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from weightsync.meta.client import MetaClient, MetaTimeout, MetaUnavailable
+from weightsync.transport.share import remove_files_of_dead_processes
 
 #: waiters spin this long, then look every SLEEP_S (a sleeping look costs ~65 us of latency, a spin a core)
 SPIN_S = 0.02
@@ -34,6 +36,9 @@ _SIZE = 8
 NONE = -1
 
 
+_BELL = re.compile(r"^weightsync-bell-(\d+)-[0-9a-f]+$")
+
+
 def _directory() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -43,7 +48,9 @@ class Doorbell:
 
     def __init__(self, path: str | None = None):
         self.owner = path is None
-        self.path = path or os.path.join(_directory(), f"weightsync-bell-{uuid.uuid4().hex}")
+        if self.owner:  # bells are named by pid: those of processes killed before closing them go now
+            remove_files_of_dead_processes(_directory(), _BELL)
+        self.path = path or os.path.join(_directory(), f"weightsync-bell-{os.getpid()}-{uuid.uuid4().hex}")
         if self.owner:  # a fresh bell holds NONE: step 0 is a step like any other
             with open(self.path, "wb") as f:
                 f.write(NONE.to_bytes(_SIZE, sys.byteorder, signed=True))

@@ -679,9 +679,11 @@ class ColocatedSender(Sender):
         from weightsync.transport.share import addresses, share_tensors
 
         # one export per worker that opens them (CUDA IPC counts one opening process per export)
+        self.files = []
         for g in ctx.shape.colocated_ranks().importers(ctx.rank, ctx.plans):
             path = share_tensors(ctx.tensors, ctx.link.job, f"train{ctx.rank}-for{g}")
             ctx.client.publish(f"share.{ctx.rank}.{g}", path)
+            self.files.append(path)
         self.rank, self.tensors = ctx.rank, ctx.tensors
         self.device = next(iter(ctx.tensors.values())).device
         self.shared_at = addresses(ctx.tensors)  # after sharing: on CPU it moves them to shared memory
@@ -698,6 +700,12 @@ class ColocatedSender(Sender):
         from weightsync.transport.share import check_in_place
 
         check_in_place(self.tensors, self.shared_at, f"training rank {self.rank}", "the co-located inference workers")
+
+    def close(self) -> None:
+        from weightsync.transport.share import unshare
+
+        for path in getattr(self, "files", ()):
+            unshare(path)
 
 
 class ColocatedReceiver(Receiver):
@@ -743,9 +751,11 @@ class ColocatedReceiver(Receiver):
                         for t in ranks.sources(me, ctx.plans, self.send_plans)}
         # pushing: my instance's workers open my live tensors (one export each), I open theirs
         pushers = ranks.pushers_into(me, ctx.plans)
+        self.files = []
         for p in pushers:
             path = share_tensors(ctx.tensors, ctx.link.job, f"infer{me}-for{p}")
             client.publish(f"push.{me}.{p}", path, replace=True)
+            self.files.append(path)
         # they write where my tensors were shared: each step checks they are still there
         self.shared_at = addresses(ctx.tensors) if pushers else None
         self.push_targets = {g: open_shared(client.lookup(f"push.{g}.{me}", timeout=timeout_s), mine)
@@ -766,6 +776,10 @@ class ColocatedReceiver(Receiver):
                        "the instance's other workers, which write their pieces into it")
 
     def close(self) -> None:
+        from weightsync.transport.share import unshare
+
+        for path in getattr(self, "files", ()):
+            unshare(path)
         self.transport = None
 
 

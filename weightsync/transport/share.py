@@ -53,9 +53,12 @@ their dtype, shape, stride and storage offset, so the aliasing between them is p
 
 from __future__ import annotations
 
+import atexit
 import base64
+import contextlib
 import json
 import os
+import re
 import tempfile
 import threading
 from typing import Any, Mapping
@@ -258,18 +261,65 @@ def import_tensors(desc: Mapping[str, Any], cuda_device: int | None = None) -> d
     return out
 
 
+_SHARED = re.compile(r"^weightsync-.+-(\d+)-(?:train|infer)\d+-for\d+\.json(?:\.tmp)?$")
+
+
 def share_tensors(tensors: Mapping[str, torch.Tensor], job: str, name: str) -> str:
     """Export live tensors (:func:`export_tensors`) and write their description to a local file.
 
     Co-located peers are on this host by definition, so a file is the simplest way to hand over a
-    description too large for a MetaServer field; its path goes through the MetaServer.
+    description too large for a MetaServer field; its path goes through the MetaServer. The file is
+    removed by :func:`unshare` (a transport's ``close``) or when this process exits; files a killed
+    process left are removed by the next share on the host (they are named by pid).
     """
-    path = os.path.join(tempfile.gettempdir(), f"weightsync-{job}-{os.getpid()}-{name}.json")
+    directory = tempfile.gettempdir()
+    remove_files_of_dead_processes(directory, _SHARED)
+    path = os.path.join(directory, f"weightsync-{job}-{os.getpid()}-{name}.json")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(export_tensors(tensors), f)
     os.replace(tmp, path)
+    _shared_files.add(path)
     return path
+
+
+def unshare(path: str) -> None:
+    """Remove a description :func:`share_tensors` wrote (its peers opened it at set-up)."""
+    _shared_files.discard(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+_shared_files: set[str] = set()
+atexit.register(lambda: [unshare(p) for p in list(_shared_files)])
+
+
+def remove_files_of_dead_processes(directory: str, pattern: re.Pattern[str]) -> int:
+    """Remove the files in ``directory`` whose name ``pattern`` matches with a pid (group 1) that no
+    longer runs on this host: what a killed participant left behind. Returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = pattern.match(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def open_shared(path: str, cuda_device: int | None = None) -> dict[str, torch.Tensor]:
