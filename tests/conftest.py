@@ -7,6 +7,40 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
+#: what kind of test each module holds, so a reader (and ``pytest -m KIND``) sees what is what:
+#: unit: one process, no server; multiprocess: real process groups, worker processes or an HTTP server;
+#: e2e: whole jobs (trainers, MetaServer, instances) or real inference engines; gpu: CUDA GPUs only
+#: (a CUDA case inside another module carries the ``gpu`` marker itself). A new module is refused until
+#: it is listed here.
+KINDS = {
+    "unit": ["test_spec", "test_arch", "test_engine_config", "test_roundtrip", "test_planner",
+             "test_inference_rules", "test_batch_copy", "test_sglang_layout", "test_transport_interface",
+             "test_cli"],
+    "multiprocess": ["test_p2p", "test_colocated", "test_file_transport", "test_fsdp_layout",
+                     "test_megatron_layout", "test_engine_live", "test_hf_live", "test_bind", "test_instances",
+                     "test_meta", "test_meta_faults", "test_sglang_instance", "test_baselines", "test_doorbell"],
+    "e2e": ["test_runtime", "test_demo", "test_local", "test_bench", "test_ckpt_engine", "test_sglang_probe",
+            "test_vllm*"],
+    "gpu": ["test_gpu"],
+}
+
+
+def _kind(module: str) -> str | None:
+    for kind, names in KINDS.items():
+        if any(module == n or (n.endswith("*") and module.startswith(n[:-1])) for n in names):
+            return kind
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        kind = _kind(module)
+        if kind is None:
+            raise pytest.UsageError(f"{module}: say what kind of test it is in KINDS (tests/conftest.py)")
+        item.add_marker(kind)
+
+
 TINY = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"]
 
 
