@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from weightsync.dtypes import dtype_name
 from weightsync.layout.layout import EngineLayout, Layout, check_live
 from weightsync.spec.model import ModelSpec, spec_from_config
 
@@ -45,11 +46,6 @@ class Bound:
     @property
     def spec(self) -> ModelSpec:
         return self.engine.spec
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``, the spelling layouts use (any dtype, so a surprise one is reported, not a KeyError)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def module_tensors(module: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -1,9 +1,9 @@
 """Inference-side bindings.
 
-Only a plain transformers module is bound here (one process, layout ``hf``, rank 0): the reference
-"inference engine" of tests and of small deployments. vLLM / SGLang bindings would read their
-tensor-parallel rank from the engine's worker and bind ``model_runner.model`` the same way; they are
-not written yet because neither engine runs on our machines (tests/test_engine_live.py).
+A plain transformers module is bound here (one process, layout ``hf``, rank 0): the reference
+"inference engine" of tests and of small deployments. vLLM workers are bound in their own processes
+by :mod:`weightsync.vllm.live` (the loaded form of every layer, and how each is brought back to the
+form the engine computes with), SGLang workers by :mod:`weightsync.instances.sglang`.
 """
 
 from __future__ import annotations

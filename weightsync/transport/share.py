@@ -66,6 +66,7 @@ from typing import Any, Mapping
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from weightsync.dtypes import dtype_name
 from weightsync.errors import WeightsMoved
 
 FORMAT = "weightsync.share/1"
@@ -84,12 +85,8 @@ def _unb64(s: str | None) -> bytes | None:
     return None if s is None else base64.b64decode(s)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
+    dt = getattr(torch, name, None)  # any torch dtype: a live tensor may hold one the table lacks
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in a shared-tensor description")
     return dt
@@ -149,7 +146,7 @@ def export_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
             owners.append(st)
         entries[name] = {
             "storage": index[key],
-            "dtype": _dtype_name(t.dtype),
+            "dtype": dtype_name(t.dtype),
             "shape": list(t.shape),
             "stride": list(t.stride()),
             "offset": int(t.storage_offset()),
