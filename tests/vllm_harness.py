@@ -5,20 +5,24 @@
 - :func:`start_llm`: a real multiprocess ``vllm.LLM`` on CPU (enforce_eager, 64 MiB KV cache) with
   weightsync's worker extension (for ``VLLMInstance`` and for inspecting any engine) and, when
   asked, the ``weightsync`` weight-transfer backend.
-- :class:`Reference`: what a FRESH engine loaded from a checkpoint computes with
-  (:func:`weightsync.vllm.verify.computed`) and its greedy tokens.
+- :class:`Engines`: two engines of one model and parallel config, X started on checkpoint seed 1 and
+  Y on seed 2. Right after start each is a FRESH engine on its checkpoint, so its
+  :class:`Reference` (what it computes with, :func:`weightsync.vllm.verify.computed`, and its greedy
+  tokens) is the reference for that seed; tests then sync either engine to the other seed and back.
 - :class:`Trainers`: training processes (``weightsync.local.trainers``: hf / fsdp / megatron) that
-  write the weights of a checkpoint seed per step through a real ``WeightWriter``.
+  write a checkpoint seed's weights per step through a real ``WeightWriter``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import multiprocessing as mp
 import os
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,8 @@ from weightsync.spec.model import ModelSpec
 EXTENSION = "weightsync.vllm.extension.WeightSyncExtension"
 PROMPTS = [[3, 17, 42, 99, 7, 128], [200, 5, 61, 11]]
 MAX_TOKENS = 8
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+SEEDS = (1, 2)
 
 
 # -- checkpoints ------------------------------------------------------------------------------------
@@ -75,10 +81,8 @@ def start_llm(path: Path, tp: int = 1, backend: bool = False, **kw: Any):
 
 
 def stop_llm(llm) -> None:
-    try:
+    with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
     gc.collect()
 
 
@@ -105,20 +109,94 @@ def reference(inst, llm, seed: int) -> Reference:
     return Reference(seed, inst.call(computed), generate(llm))
 
 
-def check_engine(inst, llm, ref: Reference, spec: ModelSpec) -> None:
-    """Every loaded-form tensor bit-exact to the checkpoint, every computed tensor bit-exact to the fresh
-    engine's, and the same greedy tokens."""
-    from weightsync.vllm.verify import computed, differences, loaded_problems
+@contextlib.contextmanager
+def environ(env: dict[str, str]):
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
-    canonical = weights(spec, ref.seed)
-    problems = [p for ps in inst.call(loaded_problems, canonical) for p in ps]
-    assert not problems, problems[:10]
-    got = inst.call(computed)
-    for rank, (mine, fresh) in enumerate(zip(got, ref.computed)):
-        diff = differences(mine, fresh)
-        assert not diff, f"rank {rank}: {diff[:10]}"
-        assert len(mine) > 0
-    assert generate(llm) == ref.tokens
+
+@dataclass
+class Engines:
+    """Engines X (fresh on seed 1) and Y (fresh on seed 2) of one model and TP size, both with weightsync's
+    extension and backend; ``refs[seed]`` is the fresh engine's :class:`Reference`, ``holds[name]`` the
+    seed an engine was last verified to hold (None once broken)."""
+
+    spec: ModelSpec
+    tp: int
+    llms: dict[str, Any]
+    insts: dict[str, Any]
+    refs: dict[int, Reference]
+    holds: dict[str, int | None]
+    startup_s: float
+    meta: Any = None
+
+    @staticmethod
+    def start(model: str | ModelSpec, tp: int, root: Path, meta: Any) -> "Engines":
+        from weightsync.instances.vllm import VLLMInstance
+
+        spec = model if isinstance(model, ModelSpec) else load_spec(model)
+        paths = {s: checkpoint(spec, s, root / f"seed{s}") for s in SEEDS}
+        t0 = time.perf_counter()
+        with environ(TP2_ENV if tp > 1 else {}), ThreadPoolExecutor(2) as pool:  # two starts overlap on 2 cores
+            futures = {name: pool.submit(start_llm, paths[s], tp, backend=True) for name, s in zip("XY", SEEDS)}
+            llms = {}
+            for name, f in futures.items():
+                try:
+                    llms[name] = f.result()
+                except BaseException:
+                    for other in llms.values():
+                        stop_llm(other)
+                    raise
+        startup = time.perf_counter() - t0
+        insts = {name: VLLMInstance(llm) for name, llm in llms.items()}
+        refs = {s: reference(insts[n], llms[n], s) for n, s in zip("XY", SEEDS)}
+        assert refs[1].tokens != refs[2].tokens, "the two checkpoints must decode differently"
+        return Engines(spec, tp, llms, insts, refs, dict(zip("XY", SEEDS)), startup, meta)
+
+    def other(self, name: str) -> int:
+        """The seed the engine does not hold: a step that certainly changes every weight."""
+        held = self.holds[name]
+        assert held is not None, f"engine {name} is broken"
+        return SEEDS[1] if held == SEEDS[0] else SEEDS[0]
+
+    def alternating(self, name: str, steps: int, first: int = 1) -> list[tuple[int, int]]:
+        """``steps`` (step, seed) pairs from ``first`` on, each to the seed the engine does not hold then."""
+        out, held = [], self.holds[name]
+        for step in range(first, first + steps):
+            held = SEEDS[1] if held == SEEDS[0] else SEEDS[0]
+            out.append((step, held))
+        return out
+
+    def check(self, name: str, seed: int) -> None:
+        """Engine ``name`` holds checkpoint ``seed``: every loaded-form tensor bit-exact to it, every tensor
+        the engine computes with bit-exact to the fresh engine's, and the same greedy tokens."""
+        from weightsync.vllm.verify import computed, differences, loaded_problems
+
+        inst, llm, ref = self.insts[name], self.llms[name], self.refs[seed]
+        self.holds[name] = None
+        problems = [p for ps in inst.call(loaded_problems, weights(self.spec, seed)) for p in ps]
+        assert not problems, problems[:10]
+        for rank, (mine, fresh) in enumerate(zip(inst.call(computed), ref.computed)):
+            diff = differences(mine, fresh)
+            assert not diff, f"engine {name} rank {rank} vs a fresh engine on seed {seed}: {diff[:10]}"
+            assert any(k.startswith("gemm:") for k in mine) and any(k.startswith("param:") for k in mine)
+        assert generate(llm) == ref.tokens
+        self.holds[name] = seed
+
+    def close(self) -> None:
+        for inst in self.insts.values():
+            with contextlib.suppress(Exception):
+                inst.close()
+        for llm in self.llms.values():
+            stop_llm(llm)
 
 
 # -- trainers ---------------------------------------------------------------------------------------
@@ -136,6 +214,7 @@ class TrainJob:
     mode: str = "sync"
     timeout_s: float = 60.0
     die_at: int | None = None  # rank 0 exits abruptly while sending this step
+    bucket_bytes: int = 256 << 20  # the readers must use the same
     extra: dict = field(default_factory=dict)
 
 
@@ -151,8 +230,9 @@ def _trainer_main(rank: int, world: int, port: int, job: TrainJob, q: Any) -> No
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=job.timeout_s))
         spec = load_spec(job.model)
-        bound = build_trainer(spec, job.train, rank, world).bound
-        writer = WeightWriter(bound, meta=job.meta, job=job.job, timeout_s=job.timeout_s, mode=job.mode).connect()
+        bound = build_trainer(spec, job.train, rank, world, same_start=False).bound
+        writer = WeightWriter(bound, meta=job.meta, job=job.job, timeout_s=job.timeout_s, mode=job.mode,
+                              bucket_bytes=job.bucket_bytes).connect()
         for step, seed in job.steps:
             with torch.no_grad():
                 fill_from(bound.layout, bound.tensors, weights(spec, seed))
@@ -181,6 +261,16 @@ def _die_after_posts(count: int) -> None:
         return real(*a, **k)
 
     p2p.post = post
+
+
+def rank_of(ctx) -> int:
+    return ctx.rank
+
+
+def arm_worker_death(ctx, posts: int = 2) -> int:
+    """On a vLLM worker (through ``VLLMInstance.call``): exit abruptly inside its ``posts``-th p2p post."""
+    _die_after_posts(posts)
+    return os.getpid()
 
 
 class Trainers:
@@ -212,6 +302,10 @@ class Trainers:
                     if r not in out and p.exitcode is not None and self.q.empty():
                         out[r] = ("died", str(p.exitcode))
         return out
+
+    def assert_ok(self) -> None:
+        got = self.results()
+        assert got == {r: ("ok", "") for r in range(self.world)}, got
 
     def close(self) -> None:
         for p in self.procs:

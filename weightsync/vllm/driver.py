@@ -17,6 +17,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from weightsync.errors import WorkerDied
 from weightsync.meta.client import MetaClient
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
@@ -63,7 +64,12 @@ class VLLMWeightSync:
     def connect(self) -> "VLLMWeightSync":
         """``init_weight_transfer_engine``: every worker builds its loaded-form tensors and the job is set up."""
         call = new_call()
-        self.llm.init_weight_transfer_engine({"init_info": self.info.as_dict(call)})
+        try:
+            self.llm.init_weight_transfer_engine({"init_info": self.info.as_dict(call)})
+        except Exception as e:
+            raise WorkerDied(f"instance {self.info.instance_id}: vLLM failed in init_weight_transfer_engine "
+                             f"({type(e).__name__}: {e}); is the engine started with "
+                             'weight_transfer_config={"backend": "weightsync"}?') from e
         self.last = wait_status(self.client, self.info.instance_id, call, self.info.timeout_s)
         return self
 
@@ -78,9 +84,13 @@ class VLLMWeightSync:
     def _update(self, update: dict[str, Any]) -> int:
         call = new_call()
         self.version = None
-        self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": {**update, "call": call}})  # raises only if vLLM itself failed
-        self.llm.finish_weight_update()  # never with weight_version: vLLM would set it unconditionally
+        try:  # the backend never raises: an exception here is vLLM's own (a worker died, the engine is dead)
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": {**update, "call": call}})
+            self.llm.finish_weight_update()  # never with weight_version: vLLM would set it unconditionally
+        except Exception as e:
+            raise WorkerDied(f"instance {self.info.instance_id}: vLLM failed during the weight update "
+                             f"({type(e).__name__}: {e}); restart the engine") from e
         status = wait_status(self.client, self.info.instance_id, call, self.info.timeout_s)
         self.last = status
         step = int(status.step)

