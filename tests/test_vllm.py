@@ -252,11 +252,11 @@ class TestQwen3TP2:
             trainers.assert_ok()
             reader.close()
 
-    def test_plugin_tp2_megatron_trainer(self, tp2):
+    def test_plugin_tp2_megatron_pp2_trainer(self, tp2):
         from weightsync.vllm.driver import VLLMWeightSync
         from vllm_harness import TrainJob, Trainers
 
-        job = TrainJob(MODEL, "megatron:tp=2", tp2.meta.url, "tp2-plugin", tp2.alternating("Y", 2))
+        job = TrainJob(MODEL, "megatron:pp=2", tp2.meta.url, "tp2-plugin", tp2.alternating("Y", 2))
         with Trainers(job) as trainers:
             sync = VLLMWeightSync(tp2.llms["Y"], meta=tp2.meta.url, job=job.job).connect()
             for step, seed in job.steps:

@@ -45,7 +45,7 @@ from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.instance import NoEngineHooks
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 from weightsync.vllm.rpc import answer, result
-from weightsync.vllm.status import CallStatus, publish
+from weightsync.vllm.status import CallStatus, abort_reason, publish
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -105,6 +105,7 @@ class _Group:
 
 
 _END = ("end",)
+_REFUSALS = tuple(c.__name__ for c in (ConfigError, LayoutMismatch, JobMismatch))
 
 
 def _serve(group: _Group, run: Callable[[Callable[..., Any], tuple], Any]) -> None:
@@ -193,18 +194,20 @@ class WeightSyncTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             status = CallStatus(info.instance_id if info else -1, call, what, False, None, type(e).__name__, str(e))
             if what == "init":
                 self._init_error = f"{type(e).__name__}: {e}"
-                if isinstance(e, (ConfigError, LayoutMismatch, JobMismatch)) and info is not None:
-                    # a refusal of this instance: stop every participant now, not at its timeout
-                    with contextlib.suppress(Exception):
-                        info_client(info).abort(f"vLLM instance {info.instance_id}: {e}")
         finally:
             group.broadcast(_END)
         log.info("weightsync %s: ok=%s step=%s in %.3f s", what, status.ok, status.step, time.perf_counter() - t0)
-        if info is not None:
-            try:
-                publish(info_client(info), status)
-            except MetaError as e:
-                log.error("weightsync %s: could not publish its status: %s", what, e)
+        if info is None:
+            return
+        client = info_client(info)
+        try:
+            publish(client, status)
+        except MetaError as e:
+            log.error("weightsync %s: could not publish its status: %s", what, e)
+        if what == "init" and status.error_type in _REFUSALS:
+            # this instance refused the job: stop every participant now, not at its timeout
+            with contextlib.suppress(MetaError):
+                client.abort(abort_reason(info.instance_id, status))
 
     # -- WeightTransferEngine --------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:

@@ -10,6 +10,7 @@ as a :class:`CallStatus` under the rendezvous names :func:`status_key` (the late
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 
 from weightsync import errors
@@ -71,8 +72,21 @@ def publish(client: MetaClient, status: CallStatus) -> None:
         client.publish(call_key(status.instance, status.call), text, replace=True)
 
 
+def abort_reason(instance: int, status: CallStatus) -> str:
+    """What the backend aborts the job with when this instance refuses it (:func:`wait_status` reads it back)."""
+    return f"vLLM instance {instance}: {status.error_type}: {status.error}"
+
+
 def wait_status(client: MetaClient, instance: int, call: str, timeout_s: float) -> CallStatus:
-    """The status of call ``call`` (waiting for it), its error raised."""
-    status = CallStatus.from_json(client.lookup(call_key(instance, call), timeout=timeout_s))
+    """The status of call ``call`` (waiting for it), its error raised. When this instance's refusal aborted
+    the job, the MetaServer answers nothing more of it: the refusal is raised from the abort's reason."""
+    try:
+        text = client.lookup(call_key(instance, call), timeout=timeout_s)
+    except errors.MetaAborted as e:
+        mine = re.search(rf"vLLM instance {instance}: (\w+): (.*)", str(e), re.S)
+        if mine:
+            CallStatus(instance, call, "init", False, None, mine[1], mine[2]).raise_error()
+        raise
+    status = CallStatus.from_json(text)
     status.raise_error()
     return status
