@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from weightsync.dtypes import dtype_name
 from weightsync.engines import make_layout
 from weightsync.instances import (
     InstanceError,
@@ -54,7 +55,7 @@ def snapshot(ctx: WorkerContext) -> dict[str, torch.Tensor]:
 
 def live_shapes(ctx: WorkerContext) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{name: (shape, dtype name)}`` of a worker's tensors, as :func:`check_live` takes them."""
-    return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in ctx.tensors.items()}
+    return {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in ctx.tensors.items()}
 
 
 def first_gpu(device: str) -> int:

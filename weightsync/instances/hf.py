@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from weightsync.dtypes import dtype_name
 from weightsync.bind import hf_module_config
 from weightsync.bind.infer import HFInferenceEngine
 from weightsync.instances import InstanceError
@@ -33,7 +34,7 @@ def spec_config(module: torch.nn.Module) -> dict[str, Any]:
     out = {k: cfg[k] for k in SPEC_KEYS if k in cfg and cfg[k] is not None}
     for k in ("torch_dtype", "dtype"):
         if k in out and not isinstance(out[k], str):
-            out[k] = str(out[k]).removeprefix("torch.")
+            out[k] = dtype_name(out[k])
     return out
 
 

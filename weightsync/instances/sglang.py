@@ -56,6 +56,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from weightsync.dtypes import dtype_name
 from weightsync.bind import hf_config_dict
 from weightsync.engines import make_layout
 from weightsync.engines.config import SGLangConfig
@@ -234,7 +235,7 @@ def _aiter() -> bool:
 
 def _probe(ctx: WorkerContext) -> WorkerProbe:
     model = _find_model(ctx)
-    live = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in ctx.tensors.items()}
+    live = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in ctx.tensors.items()}
     n = getattr(model, "num_fused_shared_experts", None)
     return WorkerProbe(ctx.rank, live, None if n is None else int(n), tuple(transform_refusals(model, _aiter())))
 
@@ -457,7 +458,7 @@ class SGLangInstance:
     def _engine_dtype(self) -> str | None:
         mc = getattr(getattr(self.sgl, "tokenizer_manager", None), "model_config", None)
         dtype = getattr(mc, "dtype", None)
-        return None if dtype is None else str(dtype).removeprefix("torch.")
+        return None if dtype is None else dtype_name(dtype)
 
     def _tokenizer(self, make: Callable[[Any, Any], Any]) -> Any:
         """Run a tokenizer-manager coroutine on the engine's loop (what ``Engine``'s own methods do)."""
