@@ -7,6 +7,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 from weightsync.dtypes import DTYPE_SIZES
+from weightsync.plan.messages import messages
 from weightsync.plan.planner import Bucket, Pair, Planner, combine_hashes, pair_hash
 from weightsync.plan.simulate import LinkModel, predict_seconds
 
@@ -70,7 +71,7 @@ def _summarize(
         max_rank_send_bytes=max(senders, default=0),
         max_rank_recv_bytes=max(recv.values(), default=0),
         send_balance=max(senders) / (sum(senders) / len(senders)) if senders else 0.0,
-        messages=len(all_buckets),
+        messages=sum(len(messages(b)) for b in all_buckets),
         buckets=len(all_buckets),
         plan_hash=combine_hashes({p: pair_hash(bs) for p, bs in plans.items()}),
         plan_seconds=seconds,
