@@ -100,8 +100,9 @@ def test_staged_reader_keeps_the_old_version_when_a_trainer_dies():
 def test_colocated_trainer_dying_before_its_step_leaves_the_old_version():
     """Co-located, the workers copy only once every trainer announced the step: a trainer that dies first
     makes the reader give up after its timeout, still holding (and reporting) exactly step 1."""
-    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=20.0,
                bucket_bytes=4096, colocate=True, fault="train-dies-before-write")  # set-up too fits in the timeout
+    # (20 s: under a loaded 2-core machine two megatron pp=2 trainers took over 10 s to register)
     start = time.monotonic()
     result = run_job(job)
     failed = result.of(UpdateFailed)
