@@ -37,26 +37,55 @@ def meta():
         yield server
 
 
-def _engines(model, tp, tmp_path_factory, meta):
+@pytest.fixture(scope="module")
+def prefetch():
+    from vllm_harness import Prefetch
+
+    p = Prefetch()
+    yield p
+    p.close()
+
+
+def _engines(tp, tmp_path_factory, meta):
     from vllm_harness import Engines
 
-    engines = Engines.start(model, tp, tmp_path_factory.mktemp(f"vllm-{tp}"), meta)
-    print(f"\n{model} tp={tp}: two engines started in {engines.startup_s:.1f} s")
-    return engines
+    def start():
+        e = Engines.start(MODEL, tp, tmp_path_factory.mktemp(f"vllm-{tp}"), meta)
+        print(f"\n{MODEL} tp={tp}: two engines started in {e.startup_s:.1f} s")
+        return e
+
+    return start
+
+
+def _mla_engine(tmp_path_factory):
+    from vllm_harness import checkpoint, start_llm
+
+    return lambda: start_llm(checkpoint(_mla_spec(), 1, tmp_path_factory.mktemp("mla") / "mla"), 1, backend=True)
 
 
 @pytest.fixture(scope="class")
-def tp1(tmp_path_factory, meta):
-    e = _engines(MODEL, 1, tmp_path_factory, meta)
+def tp1(tmp_path_factory, meta, prefetch):
+    e = prefetch.take("tp1", _engines(1, tmp_path_factory, meta))
+    prefetch.start("tp2", _engines(2, tmp_path_factory, meta))  # starts while this class runs
     yield e
     e.close()
 
 
 @pytest.fixture(scope="class")
-def tp2(tmp_path_factory, meta):
-    e = _engines(MODEL, 2, tmp_path_factory, meta)
+def tp2(tmp_path_factory, meta, prefetch):
+    e = prefetch.take("tp2", _engines(2, tmp_path_factory, meta))
+    prefetch.start("mla", _mla_engine(tmp_path_factory))
     yield e
     e.close()
+
+
+@pytest.fixture()
+def mla_llm(tmp_path_factory, prefetch):
+    from vllm_harness import stop_llm
+
+    llm = prefetch.take("mla", _mla_engine(tmp_path_factory))
+    yield llm
+    stop_llm(llm)
 
 
 def _reader(e, name, job, **kw):
@@ -333,22 +362,17 @@ def _mla_spec():
     return spec_from_config(cfg, name="tiny-deepseek-v3-mla-cpu")
 
 
-def test_unproducible_transform_refused_at_setup(tmp_path, meta):
+def test_unproducible_transform_refused_at_setup(mla_llm, meta):
     """MLA's W_UK_T/W_UV are derived from kv_b_proj after loading and weightsync does not re-derive them: both
     entry points refuse at set-up, naming the layers, before any byte moves (the plug-in aborts the job)."""
     from weightsync.errors import ConfigError
     from weightsync.instances.vllm import VLLMInstance
     from weightsync.meta.client import MetaClient
     from weightsync.vllm.driver import VLLMWeightSync
-    from vllm_harness import checkpoint, start_llm, stop_llm
 
-    llm = start_llm(checkpoint(_mla_spec(), 1, tmp_path / "mla"), 1, backend=True)
-    try:
-        with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.mla_attn\.mla_attn: MLAAttention"):
-            VLLMInstance(llm)
-        with pytest.raises(ConfigError, match=r"mla_attn\.mla_attn: MLAAttention"):
-            VLLMWeightSync(llm, meta=meta.url, job="mla", timeout_s=10).connect()
-        assert "aborted" in str(MetaClient(meta.url, "mla").summary()).lower()
-        assert llm.get_weight_version() == "default"
-    finally:
-        stop_llm(llm)
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.mla_attn\.mla_attn: MLAAttention"):
+        VLLMInstance(mla_llm)
+    with pytest.raises(ConfigError, match=r"mla_attn\.mla_attn: MLAAttention"):
+        VLLMWeightSync(mla_llm, meta=meta.url, job="mla", timeout_s=10).connect()
+    assert "aborted" in str(MetaClient(meta.url, "mla").summary()).lower()
+    assert mla_llm.get_weight_version() == "default"

@@ -31,31 +31,45 @@ def meta():
         yield server
 
 
+@pytest.fixture(scope="module")
+def prefetch():
+    from vllm_harness import Prefetch
+
+    p = Prefetch()
+    yield p
+    p.close()
+
+
 def _engines(model, tp, tmp_path_factory, meta):
     from vllm_harness import Engines
 
-    e = Engines.start(model, tp, tmp_path_factory.mktemp(f"{model}-{tp}"), meta)
-    print(f"\n{model} tp={tp}: two engines started in {e.startup_s:.1f} s")
-    return e
+    def start():
+        e = Engines.start(model, tp, tmp_path_factory.mktemp(f"{model}-{tp}"), meta)
+        print(f"\n{model} tp={tp}: two engines started in {e.startup_s:.1f} s")
+        return e
+
+    return start
 
 
 @pytest.fixture(scope="class")
-def moe1(tmp_path_factory, meta):
-    e = _engines(MOE, 1, tmp_path_factory, meta)
+def moe1(tmp_path_factory, meta, prefetch):
+    e = prefetch.take("moe1", _engines(MOE, 1, tmp_path_factory, meta))
+    prefetch.start("moe2", _engines(MOE, 2, tmp_path_factory, meta))  # starts while this class runs
     yield e
     e.close()
 
 
 @pytest.fixture(scope="class")
-def moe2(tmp_path_factory, meta):
-    e = _engines(MOE, 2, tmp_path_factory, meta)
+def moe2(tmp_path_factory, meta, prefetch):
+    e = prefetch.take("moe2", _engines(MOE, 2, tmp_path_factory, meta))
+    prefetch.start("llama", _engines(LLAMA, 1, tmp_path_factory, meta))
     yield e
     e.close()
 
 
 @pytest.fixture(scope="class")
-def llama(tmp_path_factory, meta):
-    e = _engines(LLAMA, 1, tmp_path_factory, meta)
+def llama(tmp_path_factory, meta, prefetch):
+    e = prefetch.take("llama", _engines(LLAMA, 1, tmp_path_factory, meta))
     yield e
     e.close()
 

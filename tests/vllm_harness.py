@@ -195,8 +195,37 @@ class Engines:
         for inst in self.insts.values():
             with contextlib.suppress(Exception):
                 inst.close()
-        for llm in self.llms.values():
-            stop_llm(llm)
+        with ThreadPoolExecutor(2) as pool:  # each shutdown waits seconds for its engine core
+            list(pool.map(stop_llm, self.llms.values()))
+
+
+class Prefetch:
+    """Engines started ahead in a background thread, so one test class's start-up overlaps the previous
+    class's tests (at most two pairs alive at once). ``take`` returns what was started, or starts it now."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-prefetch")
+        self._futures: dict[str, Any] = {}
+
+    def start(self, key: str, fn: Any) -> None:
+        if key not in self._futures:
+            self._futures[key] = self._pool.submit(fn)
+
+    def take(self, key: str, fn: Any) -> Any:
+        f = self._futures.pop(key, None)
+        return f.result() if f is not None else fn()
+
+    def close(self) -> None:
+        """Stop whatever was started and never taken (a deselected class)."""
+        for f in self._futures.values():
+            with contextlib.suppress(BaseException):
+                got = f.result()
+                if isinstance(got, Engines):
+                    got.close()
+                else:
+                    stop_llm(got)
+        self._futures.clear()
+        self._pool.shutdown(wait=True)
 
 
 # -- trainers ---------------------------------------------------------------------------------------
