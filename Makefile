@@ -23,7 +23,7 @@ demo: venv
 	$(PY) -m weightsync plan --model qwen3-8b --train megatron:tp=2,pp=2 --infer vllm:tp=4 --instances 2
 
 test: venv
-	$(PY) -m pytest -q -n 2 -p no:cacheprovider
+	$(PY) -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider
 
 # On the GPU host: its own python3 holds a CUDA torch (the .venv's torch is a CPU build). Wheels carried
 # in .whl (checkpoint-engine 0.4.2 and its needs, for its baseline's tests) are installed beside it.

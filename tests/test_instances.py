@@ -225,8 +225,8 @@ def rank_and_names(ctx: WorkerContext):
 
 
 @needs("vllm")
-def test_vllm_instance(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+def test_vllm_instance(tmp_path):
+    """On a GPU host (the CPU vLLM tests are tests/test_vllm*.py)."""
     from hf_models import save_checkpoint
     from vllm import LLM
 
@@ -236,7 +236,8 @@ def test_vllm_instance(tmp_path, monkeypatch):
     canonical = random_canonical(spec, seed=5)
     save_checkpoint(spec, canonical, tmp_path)
     llm = LLM(model=str(tmp_path), tensor_parallel_size=1, enforce_eager=True, load_format="safetensors",
-              skip_tokenizer_init=True, gpu_memory_utilization=0.2)
+              skip_tokenizer_init=True, gpu_memory_utilization=0.2,
+              worker_extension_cls="weightsync.vllm.extension.WeightSyncExtension")
     inst = VLLMInstance(llm)
     assert inst.engine.startswith("vllm:tp=1")
     layout = make_layout(spec, inst.engine).layout(0)

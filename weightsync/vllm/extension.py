@@ -38,6 +38,16 @@ class WeightSyncExtension:
         """Re-run the post-load transforms from the loaded form (after an update)."""
         return answer(lambda: self._weightsync_worker().refresh())
 
+    def weightsync_digests(self) -> dict[str, str]:
+        """JSON-safe, for vLLM's HTTP ``/collective_rpc`` (dev mode): a digest of every tensor this worker computes
+        with (:func:`weightsync.vllm.verify.computed`), or ``{"error": ...}``."""
+        try:
+            from weightsync.vllm.verify import computed, digests
+
+            return digests(self._weightsync_worker().run(computed, ()))
+        except Exception as e:  # noqa: BLE001 -- never raised out of a worker RPC
+            return {"error": f"{type(e).__name__}: {e}"}
+
     def weightsync_close(self) -> bytes:
         from weightsync.vllm.side import forget
 

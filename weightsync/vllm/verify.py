@@ -72,3 +72,16 @@ def differences(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
     diff = [f"{n}: only in the first" for n in a if n not in b] + [f"{n}: only in the second" for n in b if n not in a]
     return diff + [f"{n}: differs" for n in a if n in b and not (a[n].shape == b[n].shape and
                                                                     a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]))]
+
+
+def digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """A short content hash per tensor (bytes, shape and dtype), to compare across processes as JSON."""
+    import hashlib
+
+    out = {}
+    for name, t in tensors.items():
+        h = hashlib.blake2b(digest_size=12)
+        h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        out[name] = h.hexdigest()
+    return out
