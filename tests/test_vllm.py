@@ -63,12 +63,27 @@ def _mla_engine(tmp_path_factory):
     return lambda: start_llm(checkpoint(_mla_spec(), 1, tmp_path_factory.mktemp("mla") / "mla"), 1, backend=True)
 
 
+def _async_engine(tmp_path_factory):
+    from weightsync.spec import load_spec
+    from vllm_harness import AsyncEngine, checkpoint
+
+    return lambda: AsyncEngine(checkpoint(load_spec(MODEL), 2, tmp_path_factory.mktemp("async") / "seed2"))
+
+
 @pytest.fixture(scope="class")
 def tp1(tmp_path_factory, meta, prefetch):
     e = prefetch.take("tp1", _engines(1, tmp_path_factory, meta))
-    prefetch.start("tp2", _engines(2, tmp_path_factory, meta))  # starts while this class runs
+    prefetch.start("async", _async_engine(tmp_path_factory))  # these start while this class runs
+    prefetch.start("tp2", _engines(2, tmp_path_factory, meta))
     yield e
     e.close()
+
+
+@pytest.fixture()
+def async_engine(tmp_path_factory, prefetch):
+    a = prefetch.take("async", _async_engine(tmp_path_factory))
+    yield a
+    a.close()
 
 
 @pytest.fixture(scope="class")
@@ -242,6 +257,36 @@ class TestQwen3TP1:
             trainers.assert_ok()
             sync.close()
 
+
+    def test_asyncllm_pause_keep_with_requests_in_flight(self, tp1, async_engine):
+        """``WeightReader(VLLMInstance(AsyncLLM, loop=...))``: the update pauses generation with
+        ``mode="keep"`` while a long request is in flight, resumes it after, and the engine then computes
+        exactly what a fresh engine on the new checkpoint does; version set through ``update_weight_version``."""
+        from weightsync.instances.vllm import VLLMInstance
+        from weightsync.runtime.reader import WeightReader
+        from weightsync.vllm.verify import computed, differences
+        from vllm_harness import PROMPTS, TrainJob, Trainers
+
+        a = async_engine
+        inst = VLLMInstance(a.llm, loop=a.loop)
+        assert inst.call(computed)[0].keys() == tp1.refs[2].computed[0].keys()
+        assert not differences(inst.call(computed)[0], tp1.refs[2].computed[0])  # fresh on seed 2
+        assert a.generate() == tp1.refs[2].tokens
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "asyncllm", [(1, 1)])
+        with Trainers(job) as trainers:
+            reader = WeightReader(inst, meta=tp1.meta.url, job=job.job, instance_id=0, instances=1,
+                                  timeout_s=60).connect()
+            long = a.submit(a.generate_one(PROMPTS[0], 160, "in-flight"))
+            time.sleep(0.5)
+            assert reader.update(1) == 1
+            assert not a.run(a.llm.is_paused())
+            assert len(long.result(120)) == 160  # the kept request finished after the update
+            assert not differences(inst.call(computed)[0], tp1.refs[1].computed[0])
+            assert a.generate() == tp1.refs[1].tokens
+            assert inst.get_version() == "1"
+            trainers.assert_ok()
+            reader.close()
+        inst.close()
 
     def test_worker_dies_mid_update_plugin(self, tp1):
         """The same through the plug-in backend at TP=1 (kills engine Y of this module)."""

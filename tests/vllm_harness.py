@@ -418,3 +418,64 @@ class Server:
                     os.killpg(self.proc.pid, signal.SIGKILL)  # the group this server leads: its engine processes
                 self.proc.wait(10)
         self.log.close()
+
+
+# -- AsyncLLM ---------------------------------------------------------------------------------------
+
+
+class AsyncEngine:
+    """A real ``AsyncLLM`` running on an asyncio loop of its own thread (what an async RL rollout server does);
+    ``run(coro)`` runs a coroutine on that loop from the calling thread."""
+
+    def __init__(self, path: Path):
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="asyncllm-loop", daemon=True)
+        self.thread.start()
+
+        async def make():
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            args = AsyncEngineArgs(model=str(path), dtype="bfloat16", enforce_eager=True,
+                                   kv_cache_memory_bytes=64 << 20, skip_tokenizer_init=True, max_model_len=256,
+                                   seed=0, worker_extension_cls=EXTENSION)
+            return AsyncLLM.from_engine_args(args)
+
+        self.llm = self.run(make())
+
+    def run(self, coro: Any, timeout_s: float = 300.0) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def submit(self, coro: Any) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def generate_one(self, prompt: list[int], max_tokens: int, request_id: str) -> list[int]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
+        last = None
+        async for out in self.llm.generate({"prompt_token_ids": prompt}, sp, request_id):
+            last = out
+        return list(last.outputs[0].token_ids)
+
+    def generate(self) -> list[list[int]]:
+        async def both():
+            import asyncio
+
+            return await asyncio.gather(*(self.generate_one(p, MAX_TOKENS, f"g{i}-{time.monotonic_ns()}")
+                                          for i, p in enumerate(PROMPTS)))
+
+        return self.run(both())
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.llm.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
