@@ -184,8 +184,16 @@ class MetaClient:
     def join(self, instance: int) -> dict:
         return self._request("POST", f"{self._job_path}/instances/{instance}/join", {})
 
-    def leave(self, instance: int) -> dict:
-        return self._request("POST", f"{self._job_path}/instances/{instance}/leave", {})
+    def leave(self, instance: int, reason: str = "") -> dict:
+        return self._request("POST", f"{self._job_path}/instances/{instance}/leave", {"reason": reason} if reason else {})
+
+    def gone(self, instance: int, reason: str = "") -> dict:
+        """Drop an instance that stopped answering (member state ``gone``); it may join again."""
+        return self._request("POST", f"{self._job_path}/instances/{instance}/gone", {"reason": reason} if reason else {})
+
+    def members(self) -> dict[int, dict]:
+        """Every instance that ever joined: its state (joined, left, gone), ``since``, ``version``, ``held``."""
+        return {int(i): m for i, m in self.summary()["members"].items()}
 
     def instances(self) -> dict:
         return self._request("GET", f"{self._job_path}/instances")

@@ -22,21 +22,26 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
     POST /v1/jobs/{job}/plan-hashes                {"role", "rank", "instance"?, "plan_hash"?,
                                                    "pairs": [[src_rank, dst_instance, dst_rank, hash], ...]}
     GET  /v1/jobs/{job}/plan-hashes/check          pairs whose two ends disagree, with both names
-    POST /v1/jobs/{job}/instances/{i}/join         {}; the topology version grows on each change
-    POST /v1/jobs/{job}/instances/{i}/leave        {}
+    POST /v1/jobs/{job}/instances/{i}/join         {"reason"?}; the topology version grows on each change
+    POST /v1/jobs/{job}/instances/{i}/leave        {"reason"?}: member state "left"
+    POST /v1/jobs/{job}/instances/{i}/gone         {"reason"?}: dropped (stopped answering): state "gone"
     GET  /v1/jobs/{job}/instances                  ?after_version=V&timeout=S
     POST /v1/jobs/{job}/steps/{S}/written          {"rank"}: training rank R has step S ready
     GET  /v1/jobs/{job}/steps/{S}/written          ?wait_for=N&timeout=S (N defaults to every train rank)
     POST /v1/jobs/{job}/instances/{i}/held         {"step", "reset"?}: instance i fully holds step S
-    GET  /v1/jobs/{job}/held                       ?min_step=S&instances=0,1&timeout=T (default: joined ones)
+    GET  /v1/jobs/{job}/held                       ?min_step=S&instances=0,1&timeout=T (default: the joined
+                                                   instances that joined before any rank wrote S)
     POST /v1/jobs/{job}/rendezvous/{name}          {"address", "replace"?}: first publisher wins
     GET  /v1/jobs/{job}/rendezvous/{name}          ?timeout=S
 
 Rules: plan hashes and ``written`` need the participant registered first, ``held`` needs the instance
-joined and the step written by some training rank (a ``held`` that races its ``written`` waits up to
+joined (a member that left or is gone is told so, and may join again) and the step written by some training rank (a ``held`` that races its ``written`` waits up to
 10 s for it); ``held`` is monotonic per instance unless ``reset``; ``written`` keeps the last 64
 steps, and a new step is at most 2^32 past the latest (no jump to 2^63 that would evict the window);
-a step that would be dropped at once answers 410, never 200. A registration whose model spec differs
+a step that would be dropped at once answers 410, never 200. Membership: each instance that ever
+joined has a record (``members`` in the summary: state joined/left/gone, ``since``, ``version``); a
+joiner counts for the default ``held`` wait from the first step no training rank had written when it
+joined. A registration whose model spec differs
 from a registered one's is refused (409) and aborts the job, so the participants already waiting
 fail at once with the same reason. Once a job is aborted its waits and mutations answer 409 (with
 ``"aborted"``) until it is deleted; a plain participants listing still answers.
@@ -202,6 +207,7 @@ def _routes(c: Coordinator) -> list[tuple[str, tuple[str, ...], Callable]]:
         ("GET", J + ("plan-hashes", "check"), lambda p, q, b: c.check_plan_hashes(p["job"])),
         ("POST", J + ("instances", "{i}", "join"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, True)),
         ("POST", J + ("instances", "{i}", "leave"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, False)),
+        ("POST", J + ("instances", "{i}", "gone"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, False, "gone")),
         ("GET", J + ("instances",), lambda p, q, b: c.instances(p["job"], Query(q, {"after_version", "timeout"}))),
         ("POST", J + ("steps", "{S}", "written"), lambda p, q, b: c.written(p["job"], p["S"], b)),
         ("GET", J + ("steps", "{S}", "written"),

@@ -45,7 +45,11 @@ class Job:
 
     participants: dict[str, dict] = field(default_factory=dict)  # name -> record
     plan_hashes: dict[str, dict] = field(default_factory=dict)  # name -> {"plan_hash", "pairs": {"s,i,r": h}}
-    instances: set[int] = field(default_factory=set)
+    instances: set[int] = field(default_factory=set)  # the members that are joined now (live)
+    #: every instance that ever joined: {"state": "joined"|"left"|"gone", "since": the first step it must
+    #: hold (steps written before it joined are not waited for), "version": the topology version of its
+    #: last change, "reason": why it is gone}; kept after it leaves, so a rejoin is visible
+    members: dict[int, dict] = field(default_factory=dict)
     topology_version: int = 0
     written: dict[int, set[int]] = field(default_factory=dict)  # step -> training ranks that wrote it
     written_floor: int = 0  # steps below were pruned
@@ -89,6 +93,7 @@ class Job:
             participants=dict(d["participants"]),
             plan_hashes=dict(d["plan_hashes"]),
             instances=set(d["instances"]),
+            members={int(i): member("joined", 0, int(d["topology_version"])) for i in d["instances"]},
             topology_version=int(d["topology_version"]),
             written={int(s): set(r) for s, r in d["written"].items()},
             written_floor=int(d["written_floor"]),
@@ -99,6 +104,22 @@ class Job:
         j.written_max = max(j.written, default=j.written_floor - 1)
         j.rebuild_counts()
         return j
+
+
+MEMBER_STATES = ("joined", "left", "gone")
+
+
+def member(state: str, since: int, version: int, reason: str | None = None) -> dict:
+    """One instance's membership record (what ``GET /v1/jobs/{job}`` shows under ``members``)."""
+    rec = {"state": state, "since": since, "version": version}
+    if reason:
+        rec["reason"] = reason
+    return rec
+
+
+def live_for(j: Job, step: int) -> list[int]:
+    """The joined instances a step must reach: those that joined before any training rank wrote it."""
+    return sorted(i for i in j.instances if j.members.get(i, {}).get("since", 0) <= step)
 
 
 class _Group:
@@ -237,6 +258,7 @@ class Coordinator:
             "train_ranks": j.train_ranks(),
             "topology_version": j.topology_version,
             "instances": sorted(j.instances),
+            "members": {str(i): dict(m, held=j.held.get(i)) for i, m in sorted(j.members.items())},
             "held": {str(i): s for i, s in sorted(j.held.items())},
             "latest_written": max(j.written, default=None),
             "complete_step": j.complete_step(),
@@ -389,8 +411,14 @@ class Coordinator:
                 "mismatches": mismatches, "pending": pending, "plan_hashes": plan, "plan_hashes_agree": agree}
 
     # -- instances ------------------------------------------------------------------------------
-    def join_leave(self, job: str, instance: int, body: dict, join: bool) -> dict:
-        fields(body, set())
+    def join_leave(self, job: str, instance: int, body: dict, join: bool, state: str | None = None) -> dict:
+        """Join, leave, or (``state="gone"``) drop an instance; each change grows the topology version.
+
+        A joiner must hold every step no training rank had written when it joined (``since``); a member
+        that leaves or is dropped stops counting for the steps' default ``held`` waits at once."""
+        fields(body, set(), {"reason"})
+        reason = string(body.get("reason", ""), "reason", 1024)
+        state = state or ("joined" if join else "left")
         self._refuse_if_closing()
         j = self._job(job)
         changed = (instance not in j.instances) == join
@@ -398,7 +426,8 @@ class Coordinator:
             (j.instances.add if join else j.instances.discard)(instance)
             j.topology_version += 1
             j.held_answers.clear()
-            row = Put(job, "instance", str(instance), "true") if join else Delete(job, "instance", str(instance))
+            rec = j.members[instance] = member(state, j.written_max + 1, j.topology_version, reason or None)
+            row = Put(job, "instance", str(instance), json.dumps(rec))
             self._save(job, j, ("instances", "held"), [row, Put(job, "job", "topology_version", str(j.topology_version))])
         return {"instance": instance, "changed": changed, "version": j.topology_version,
                 "instances": sorted(j.instances)}
@@ -464,7 +493,7 @@ class Coordinator:
         reset = boolean(body.get("reset", False), "reset")
         j = self._job(job)
         if instance not in j.instances:
-            raise HTTPError(409, f"instance {instance} has not joined job {job}; join first")
+            raise HTTPError(409, _not_member(job, j, instance))
         if step > j.written_max:  # its `written` may be on its way: the receive and the post race
             ok, _ = await self._wait("held-needs-written", job, "written", ("max", step), HELD_WAITS_FOR_WRITTEN_S,
                                      lambda j: j.written_max >= step)
@@ -473,7 +502,7 @@ class Coordinator:
                                      f"{job} has written it (latest written: {j.written_max})")
             j = self._job(job)
             if instance not in j.instances:
-                raise HTTPError(409, f"instance {instance} has not joined job {job}; join first")
+                raise HTTPError(409, _not_member(job, j, instance))
         self._refuse_if_closing()
         prev = j.held.get(instance)
         if prev is not None and step < prev and not reset:
@@ -490,11 +519,11 @@ class Coordinator:
         listed = q.int_list("instances")
         timeout = q.timeout()
 
-        def which(j: Job) -> list[int]:
-            return listed if listed is not None else sorted(j.instances)
+        def which(j: Job) -> list[int]:  # default: the live members this step must reach
+            return listed if listed is not None else live_for(j, min_step)
 
         def ready(j: Job) -> bool:
-            ids = listed if listed is not None else j.instances
+            ids = which(j)
             return bool(ids) and all(j.held.get(i, -1) >= min_step for i in ids)
 
         key = (min_step, None if listed is None else tuple(listed))
@@ -547,6 +576,7 @@ class Coordinator:
             "participants": ("Registered participants, by job and role.", []),
             "topology_version": ("Topology version, by job.", []),
             "instances": ("Joined instances, by job.", []),
+            "member": ("1 for each instance's membership state (joined, left, gone), by job and instance.", []),
             "step_written": ("Latest step any training rank wrote, by job.", []),
             "step_complete": ("Latest step every training rank wrote, by job.", []),
             "step_held": ("Latest step an instance fully holds, by job and instance.", []),
@@ -557,6 +587,8 @@ class Coordinator:
                 gauges["participants"][1].append(f'{{job="{job}",role="{role}"}} {j.role_count.get(role, 0)}')
             gauges["topology_version"][1].append(f'{{job="{job}"}} {j.topology_version}')
             gauges["instances"][1].append(f'{{job="{job}"}} {len(j.instances)}')
+            for i, m in sorted(j.members.items()):
+                gauges["member"][1].append(f'{{job="{job}",instance="{i}",state="{m["state"]}"}} 1')
             if j.written:
                 gauges["step_written"][1].append(f'{{job="{job}"}} {max(j.written)}')
             if (c := j.complete_step()) is not None:
@@ -568,6 +600,15 @@ class Coordinator:
             out += [f"# HELP weightsync_meta_{name} {help_}", f"# TYPE weightsync_meta_{name} gauge"]
             out += [f"weightsync_meta_{name}{line}" for line in lines]
         return "\n".join(out) + "\n"
+
+
+def _not_member(job: str, j: Job, instance: int) -> str:
+    m = j.members.get(instance)
+    if m is None:
+        return f"instance {instance} has not joined job {job}; join first"
+    why = f" ({m['reason']})" if m.get("reason") else ""
+    return (f"instance {instance} is no member of job {job}: it {m['state']}{why} at topology version "
+            f"{m['version']}; join again (a new WeightReader under its id rejoins)")
 
 
 def _expire(fut: asyncio.Future) -> None:

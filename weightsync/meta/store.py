@@ -157,9 +157,14 @@ def _load_row(j: Job, kind: str, key: str, v: object) -> None:
         j.participants[key] = v
     elif kind == "plan":
         j.plan_hashes[key] = v
-    elif kind == "instance":
-        if v:
-            j.instances.add(int(key))
+    elif kind == "instance":  # a membership record (format 1 stored ``true`` for a joined instance)
+        from weightsync.meta.state import member
+
+        rec = v if isinstance(v, dict) else (member("joined", 0, 0) if v else None)
+        if rec is not None:
+            j.members[int(key)] = rec
+            if rec["state"] == "joined":
+                j.instances.add(int(key))
     elif kind == "held":
         if v is not None:
             j.held[int(key)] = int(v)
@@ -182,7 +187,7 @@ def job_ops(name: str, j: Job) -> list[Op]:
                      Put(name, "job", "aborted", json.dumps(j.aborted))]
     ops += [Put(name, "participant", k, json.dumps(p)) for k, p in j.participants.items()]
     ops += [Put(name, "plan", k, json.dumps(p)) for k, p in j.plan_hashes.items()]
-    ops += [Put(name, "instance", str(i), "true") for i in j.instances]
+    ops += [Put(name, "instance", str(i), json.dumps(m)) for i, m in j.members.items()]
     ops += [Put(name, "held", str(i), str(s)) for i, s in j.held.items()]
     ops += [Put(name, "rendezvous", k, json.dumps(a)) for k, a in j.rendezvous.items()]
     ops += [AddWritten(name, s, r) for s, rs in j.written.items() for r in rs]
