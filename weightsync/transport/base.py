@@ -209,6 +209,9 @@ class TransportEntry:
     modes: frozenset[str] = frozenset({"sync"})
     colocated: bool = False  # runs only co-located (True) or only separated (False)
     needs_directory: bool = False
+    #: a sender's per-step work does not depend on which instances exist, so instances may join, leave
+    #: or die while the trainers run (:mod:`weightsync.runtime.session`, "membership")
+    elastic: bool = False
 
 
 #: every transport; a new one is one module and one line here
@@ -218,7 +221,7 @@ TRANSPORTS: dict[str, TransportEntry] = {
     "colocated": TransportEntry("weightsync.transport.colocated:ColocatedSender",
                                 "weightsync.transport.colocated:ColocatedReceiver", colocated=True),
     "file": TransportEntry("weightsync.transport.file:FileSender", "weightsync.transport.file:FileReceiver",
-                           needs_directory=True),
+                           needs_directory=True, elastic=True),
 }
 
 
@@ -248,6 +251,11 @@ def resolve(name: str, *, colocate: bool, mode: str, directory: str | None) -> s
 def _load(path: str) -> type:
     module, cls = path.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def elastic_transports() -> list[str]:
+    """The transports whose instances may join, leave and die while the job runs."""
+    return [n for n, e in TRANSPORTS.items() if e.elastic]
 
 
 def receiver_class(name: str) -> type[Receiver]:
