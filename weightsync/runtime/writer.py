@@ -112,5 +112,12 @@ class WeightWriter(SessionDriven):
                 self.client.abort(str(error))
             raise error from None
 
+    def save_checkpoint(self, directory: str, **options):
+        """This trainer's live weights as a Hugging Face checkpoint in ``directory`` (collective over the
+        training ranks; no MetaServer needed): :func:`weightsync.checkpoint.save_checkpoint`."""
+        from weightsync.checkpoint import save_checkpoint
+
+        return save_checkpoint(self.train, directory, **options)
+
     def close(self) -> None:
         self.session.close()
