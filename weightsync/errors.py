@@ -75,3 +75,8 @@ class WorkerDied(InstanceError):
 
 class WorkerTimeout(InstanceError):
     """Workers did not answer within the call's timeout; the instance is shut down."""
+
+
+class ValidationMismatch(WeightSyncError):
+    """What an inference engine computes with differs from what it holds after loading the checkpoint
+    it was validated against (``WeightReader.validate(..., raise_on_mismatch=True)``); names the tensors."""

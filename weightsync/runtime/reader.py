@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from weightsync.errors import TransportError, WeightsMoved
 from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
@@ -52,6 +53,8 @@ class WeightReader(SessionDriven):
         staged: bool = False,
         mode: str = "sync",
         push: bool = True,
+        validate_every: int = 0,
+        validate_checkpoint: str | Callable[[int], str] | None = None,
     ):
         options = SessionOptions(colocate=colocate, mode=mode, transport=transport, directory=directory,
                                  bucket_bytes=bucket_bytes, memory_budget=memory_budget, timeout_s=timeout_s,
@@ -70,6 +73,14 @@ class WeightReader(SessionDriven):
         #: ``transport`` in the slowest worker's transport, ``posting`` until its CPU had posted everything,
         #: co-located ``started`` until it posted its first copy) and handing the step's ``held`` report over
         self.last_timing: dict[str, float] = {}
+        if validate_every < 0 or (validate_every and validate_checkpoint is None):
+            raise ValueError("validate_every=N (N >= 1) needs validate_checkpoint=: the checkpoint directory, or "
+                             "a callable step -> directory, to validate every Nth update against")
+        #: validation (weightsync.validate): every ``validate_every``-th update, against ``validate_checkpoint``
+        self.validate_every, self.validate_checkpoint = validate_every, validate_checkpoint
+        self.last_validation = None  # the last ValidationReport
+        self._updates = 0
+        self._validated_s = 0.0
 
     def update(self, step: int) -> int:
         """Receive step ``step`` into every worker; return it once every worker fully holds it."""
@@ -110,6 +121,7 @@ class WeightReader(SessionDriven):
         if recorded is not None:
             recorded.result()  # long done, normally: raises MetaAborted for a trainer that found its weights moved
         t2 = time.perf_counter()
+        t2 += self._validate_due(step)  # validate_every: before the step is reported held (last_timing["validate"])
         self.version = step
         self.instance.set_version(step)
         self._announce(step)
@@ -118,7 +130,51 @@ class WeightReader(SessionDriven):
                             "posting": max(r.stats.posted for r in self.last_stats)}
         if session.reads_after_written:
             self.last_timing["started"] = max(r.stats.started for r in self.last_stats)
+        if self._validated_s:
+            self.last_timing["validate"] = self._validated_s
         return step
+
+    # -- validation (weightsync.validate) --------------------------------------------------------------
+    def validate(self, checkpoint: str | None = None, *, raise_on_mismatch: bool = False):
+        """Compare every tensor the engine computes with against what the same engine holds after loading
+        ``checkpoint`` (an HF safetensors directory; default: ``validate_checkpoint`` of this version)
+        through its own loader; returns a :class:`~weightsync.validate.ValidationReport` (also kept as
+        ``last_validation``). The engine keeps its weights. See :mod:`weightsync.validate`."""
+        from weightsync.validate import validate
+
+        if checkpoint is None:
+            if self.validate_checkpoint is None:
+                raise ValueError("validate(): pass checkpoint=, or give the reader validate_checkpoint=")
+            checkpoint = self._checkpoint_of(self.version)
+        self.last_validation = validate(self.instance, checkpoint, step=self.version,
+                                        raise_on_mismatch=raise_on_mismatch)
+        return self.last_validation
+
+    def _checkpoint_of(self, step: int | None) -> str:
+        c = self.validate_checkpoint
+        if callable(c):
+            if step is None:
+                raise ValueError("validate(): the reader holds no whole version, so validate_checkpoint(step) "
+                                 "has no step; pass checkpoint=")
+            return str(c(step))
+        return str(c)
+
+    def _validate_due(self, step: int) -> float:
+        """Every ``validate_every``-th successful update: validate against step ``step``'s checkpoint; a
+        mismatch raises :class:`~weightsync.errors.ValidationMismatch` and the reader holds no version."""
+        self._validated_s = 0.0
+        self._updates += 1
+        if not self.validate_every or self._updates % self.validate_every:
+            return 0.0
+        from weightsync.validate import validate
+
+        report = validate(self.instance, self._checkpoint_of(step), step=step)
+        self.last_validation = report
+        self._validated_s = report.seconds
+        if not report.ok:
+            self.version = None
+            report.raise_if_mismatched()
+        return report.seconds
 
     def pull(self, attempts: int = 5) -> int:
         """Async mode: receive the latest staged step; return it (pulling again while steps were mixed)."""
@@ -141,6 +197,7 @@ class WeightReader(SessionDriven):
             steps = set().union(*(r.steps for r in results))
             self.last_stats = results
             if len(steps) == 1:
+                self._validate_due(next(iter(steps)))  # validate_every: before the step is reported held
                 self.version = steps.pop()
                 self.instance.set_version(self.version)
                 self._announce(self.version)
