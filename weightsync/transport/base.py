@@ -17,6 +17,7 @@ Call order on a training rank (:class:`Sender`)::
        send(step)               returns once this rank's part of ``step`` may be announced written
        check(step)              after the step's bell rang, before it is recorded written: raise to
                                 refuse recording it (co-located: the weights moved since shared)
+       held(step)               sync: once every live instance holds it (file: remove its files)
     5. close()
 
 Call order on an inference worker (:class:`Receiver`)::
@@ -169,6 +170,9 @@ class Sender(ABC):
     def check(self, step: int) -> None:
         """Refuse to record ``step`` as written (raise) when what the receivers read is not the step."""
 
+    def held(self, step: int) -> None:
+        """Sync: every live instance holds ``step`` (called after the wait): release what was kept for it."""
+
     def close(self) -> None:
         pass
 
@@ -222,6 +226,8 @@ TRANSPORTS: dict[str, TransportEntry] = {
                                 "weightsync.transport.colocated:ColocatedReceiver", colocated=True),
     "file": TransportEntry("weightsync.transport.file:FileSender", "weightsync.transport.file:FileReceiver",
                            needs_directory=True, elastic=True),
+    "nixl": TransportEntry("weightsync.transport.nixl:NixlSender", "weightsync.transport.nixl:NixlReceiver",
+                           modes=frozenset({"sync", "async"}), elastic=True),
 }
 
 
