@@ -80,3 +80,8 @@ class WorkerTimeout(InstanceError):
 class ValidationMismatch(WeightSyncError):
     """What an inference engine computes with differs from what it holds after loading the checkpoint
     it was validated against (``WeightReader.validate(..., raise_on_mismatch=True)``); names the tensors."""
+
+
+class IntegrityError(TransportError):
+    """What landed in a step differs from what was sent (per-step checksums, :mod:`weightsync.integrity`):
+    names the step, the pair and the bucket; the step is not reported held."""
