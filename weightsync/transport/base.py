@@ -66,6 +66,8 @@ class StepStats:
     started: float = 0.0
     #: bytes this worker wrote into other workers' tensors (co-located push)
     pushed_bytes: int = 0
+    #: delta updates: the bytes a full sync would have moved (``bytes`` is what moved)
+    full_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,12 @@ class Buffers:
 
     slots: int = 0
     largest: int = 0
+    #: delta updates: the sender's copy of the version it sent last (:mod:`weightsync.delta.state`)
+    previous: int = 0
 
     @property
     def bytes(self) -> int:
-        return self.slots * self.largest
+        return self.slots * self.largest + self.previous
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,8 @@ class TransportOptions:
     host: str = "127.0.0.1"  # where a group this rank hosts listens
     directory: str | None = None  # the file transport's directory
     peer_copies: bool = True  # co-located: read other GPUs' memory directly (CUDA peer access)
+    delta: bool = False  # send only what changed since the version each receiver proves (weightsync.delta)
+    delta_host: bool = False  # delta: keep the previous version in (pinned) host memory, not on the device
 
 
 @dataclass
@@ -216,16 +222,18 @@ class TransportEntry:
     #: a sender's per-step work does not depend on which instances exist, so instances may join, leave
     #: or die while the trainers run (:mod:`weightsync.runtime.session`, "membership")
     elastic: bool = False
+    #: runs delta updates (``delta=True``); a new transport opts in once it does (docs/delta.md)
+    delta: bool = False
 
 
 #: every transport; a new one is one module and one line here
 TRANSPORTS: dict[str, TransportEntry] = {
     "p2p": TransportEntry("weightsync.transport.p2p:P2PSender", "weightsync.transport.p2p:P2PReceiver",
-                          modes=frozenset({"sync", "async"})),
+                          modes=frozenset({"sync", "async"}), delta=True),
     "colocated": TransportEntry("weightsync.transport.colocated:ColocatedSender",
                                 "weightsync.transport.colocated:ColocatedReceiver", colocated=True),
     "file": TransportEntry("weightsync.transport.file:FileSender", "weightsync.transport.file:FileReceiver",
-                           needs_directory=True, elastic=True),
+                           needs_directory=True, elastic=True, delta=True),
     "nixl": TransportEntry("weightsync.transport.nixl:NixlSender", "weightsync.transport.nixl:NixlReceiver",
                            modes=frozenset({"sync", "async"}), elastic=True),
 }

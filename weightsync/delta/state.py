@@ -1,0 +1,155 @@
+"""What a delta needs on each end: the sender's previous version, the receiver's proof of its base.
+
+A delta applies only on top of exactly the version it was encoded against. The sender keeps that
+version (:class:`PreviousVersion`): per bucket, the wire bytes it sent last step, their checksum,
+and the step. A receiver proves what it holds (:class:`Proof`): the step it last received whole
+and the checksum of what its target tensors hold *now*, read back in the bucket's wire form
+(:func:`base_parts`) -- so a failed or skipped update, a new instance, a staged copy left half
+written or rolled back, or anything else that touched the tensors, shows as a different version or
+checksum, and the sender sends that pair whole (a full sync for that instance).
+
+Memory. The previous version is one copy of the wire bytes a rank sends, stored once per distinct
+source layout of a bucket (instances with equal layouts share it): :attr:`PreviousVersion.nbytes`,
+reported through :class:`~weightsync.transport.base.Buffers` ``previous`` and counted against the
+memory budget. It lives on the tensors' device, or (``host=True``) in host memory, pinned where
+CUDA is present, which costs a copy to the device per changed bucket instead of GPU memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from weightsync.delta.codec import checksum, word_bytes
+from weightsync.layout.box import slices
+from weightsync.layout.materialize import TORCH_DTYPES
+from weightsync.plan.messages import DIRECT_MIN_BYTES, Segment, messages, segments
+from weightsync.plan.planner import Bucket, Pair
+
+log = logging.getLogger("weightsync.delta")
+
+_MASK = (1 << 64) - 1
+NO_VERSION = -1  # a proof of nothing: the receiver holds no version it can prove
+
+
+@dataclass(frozen=True)
+class Words:
+    """How a bucket is compared and hashed: ``word`` bytes per compared element (the gcd of its
+    dtypes' sizes), ``hash_word`` bytes per hashed word (the largest that divides every message's
+    bounds, so a sender's buffer and a receiver's in-place views hash alike)."""
+
+    word: int
+    hash_word: int
+
+
+def words_of(bucket: Bucket, direct_min: int = DIRECT_MIN_BYTES) -> Words:
+    segs = segments(bucket)
+    word = word_bytes([TORCH_DTYPES[s.dtype].itemsize for s in segs], bucket.nbytes)
+    g = bucket.nbytes
+    for m in messages(bucket, direct_min):
+        g = math.gcd(g, math.gcd(m.offset, m.nbytes))
+    hw = 8
+    while hw > 1 and g % hw:
+        hw //= 2
+    return Words(word, hw)
+
+
+def combine(acc: int, part: int) -> int:
+    """Fold one bucket's checksum into a pair's (in the pair's bucket order, the same on both ends)."""
+    return (acc * 0x100000001B3 + part) & _MASK
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What a receiver holds for one pair: the step it last received whole (or :data:`NO_VERSION`)
+    and the checksum of its buckets' current bytes in wire form."""
+
+    version: int
+    checksum: int
+
+
+def signature(bucket: Bucket) -> tuple:
+    """A bucket's source bytes: buckets to several instances with one signature share one stored copy."""
+    return tuple((s.src_tensor, s.src_box, s.dtype) for s in segments(bucket))
+
+
+class PreviousVersion:
+    """The sender's copy of the version it sent last (see the module docstring)."""
+
+    def __init__(self, plans: Mapping[Pair, list[Bucket]], device: torch.device, host: bool = False):
+        self.version: int | None = None
+        self._device = torch.device("cpu") if host else device
+        self._pin = host and torch.cuda.is_available()
+        self._sig: dict[tuple[Pair, int], tuple] = {}
+        self._size: dict[tuple, int] = {}
+        for pair, bs in plans.items():
+            for b in bs:
+                if b.nbytes:
+                    sig = signature(b)
+                    self._sig[(pair, b.index)] = sig
+                    self._size[sig] = b.nbytes
+        self._store: dict[tuple, torch.Tensor] = {}
+        self._sums: dict[tuple, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the previous version takes once stored (one copy per distinct bucket signature)."""
+        return sum(self._size.values())
+
+    @property
+    def where(self) -> str:
+        return "pinned host" if self._pin else ("host" if self._device.type == "cpu" else str(self._device))
+
+    def invalidate(self) -> None:
+        """Forget the version (a step failed mid-way: the stored copies mix two steps)."""
+        self.version = None
+
+    def base(self, bucket: Bucket) -> torch.Tensor | None:
+        return self._store.get(self._sig[(bucket.pair, bucket.index)]) if self.version is not None else None
+
+    def checksum_of(self, bucket: Bucket) -> int | None:
+        return self._sums.get(self._sig[(bucket.pair, bucket.index)])
+
+    def pair_checksum(self, buckets: Sequence[Bucket]) -> int | None:
+        """The pair's checksum as a receiver holding the previous version computes it, or None."""
+        if self.version is None:
+            return None
+        acc = 0
+        for b in buckets:
+            c = self.checksum_of(b)
+            if c is None:
+                return None
+            acc = combine(acc, c)
+        return acc
+
+    def store(self, bucket: Bucket, cur: torch.Tensor, hash_word: int) -> None:
+        """Keep ``cur`` (the bucket's wire bytes this step) as its base for the next step."""
+        sig = self._sig[(bucket.pair, bucket.index)]
+        have = self._store.get(sig)
+        if have is None:
+            have = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device, pin_memory=self._pin)
+            self._store[sig] = have
+        have.copy_(cur, non_blocking=self._pin)
+        self._sums[sig] = checksum([cur], hash_word)
+
+    def last_uses(self, ops: Sequence[Bucket]) -> set[int]:
+        """The positions in ``ops`` after which each signature's copy may be replaced (its last use)."""
+        last: dict[tuple, int] = {}
+        for i, b in enumerate(ops):
+            last[self._sig[(b.pair, b.index)]] = i
+        return set(last.values())
+
+
+def gather_pairs(segs: Sequence[Segment], targets: Mapping[str, torch.Tensor], buffer: torch.Tensor):
+    """The copies reading the targets' regions of ``segs`` back into their wire places in ``buffer``
+    (converting to the wire dtype): the reverse of :func:`weightsync.transport.pack.unpack_pairs`."""
+    pairs = []
+    for seg in segs:
+        region = targets[seg.dst_tensor][slices(seg.dst_box)]
+        wire = buffer[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype])
+        pairs.append((wire.view(region.shape), region))
+    return pairs
