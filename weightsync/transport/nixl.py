@@ -1,0 +1,549 @@
+"""NIXL transport: inference workers READ their planned pieces straight out of the trainers' registered
+memory, one-sided (RDMA across hosts; UCX's shared-memory/CMA, TCP or CUDA transports on one host).
+
+Why READ (docs/nixl.md has the measurements): the worker is the initiator, so a training rank does
+the same work every step whatever instances exist -- it registers its tensors once, publishes one
+descriptor document (:mod:`weightsync.transport.nixl_wire`) and, per step, only stamps a small
+header. An instance that joins needs nobody's help: it looks the documents up, plans its own reads,
+and starts at the next step; one that leaves or dies costs the trainers nothing.
+
+Trainer (:class:`NixlSender`), per connect: a NIXL agent; every storage under its tensors (sync: the
+live weights; async: a snapshot of them, allocated once) and a DRAM header registered; the document
+published. Per step: sync, wait for the device, stamp ``header = (seq + 2, step)``; the writer then
+announces the step and (sync) keeps the weights still until every instance holds it. Async, stage the
+snapshot under a sequence lock (``seq`` odd while copying). ``check`` refuses to record a step whose
+tensors were reallocated since they were registered.
+
+Worker (:class:`NixlReceiver`), per connect: load each peer trainer's document, check every planned
+piece against it (tensor, dtype, shape as the planner expects, bounds inside a registered region)
+before any byte moves, and compute each piece's remote byte runs. Per target set (live tensors, or a
+staged reader's copy; prepared on first use): register the local storages; every segment whose
+destination is contiguous and in the wire dtype is read in place, the others through two registered
+staging slots (each as large as the most one bucket stages) and unpacked (converting dtype). Runs
+that continue each other on both sides are merged into one descriptor, the lists prepared once
+(``prep_xfer_dlist``) and every step replayed (``make_prepped_xfer`` handles, re-posted). A step's
+reads wait, per peer, for the header afterwards: sync, it must name the step; async, a header that
+changed during the read means the snapshot was re-staged: the pull reports a mix (step -1) and the
+reader pulls again, so only a whole step is ever reported.
+
+Errors: a NIXL error or a peer whose transfers make no progress for ``timeout_s`` raise
+:class:`TransportError` naming the pair and bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from weightsync.dtypes import dtype_name
+from weightsync.errors import TransportError, WeightsMoved
+from weightsync.layout.box import fmt_box, slices
+from weightsync.layout.layout import layout_digest
+from weightsync.layout.materialize import TORCH_DTYPES
+from weightsync.plan.messages import Segment, segments
+from weightsync.plan.planner import Bucket, Pair
+from weightsync.transport.base import Buffers, Pulled, Receiver, ReceiverContext, Sender, SenderContext, StepStats
+from weightsync.transport.nixl_wire import (
+    HEADER_WORDS,
+    RemoteTensor,
+    TrainerDoc,
+    box_runs,
+    load_nixl,
+    lookup_doc,
+    merge_pairs,
+    publish_doc,
+)
+
+log = logging.getLogger("weightsync.transport.nixl")
+
+SLOTS = 2  # staging slots: unpacking bucket k overlaps reading bucket k+1
+POLL_S = 20e-6
+
+
+def _describe(pair: Pair) -> str:
+    return f"training rank {pair[0]} -> instance {pair[1]} rank {pair[2]}"
+
+
+def _mem(device: torch.device) -> tuple[str, int]:
+    if device.type == "cuda":
+        return "VRAM", device.index if device.index is not None else torch.cuda.current_device()
+    return "DRAM", 0
+
+
+def _storages(tensors) -> list[tuple[int, int]]:
+    """The distinct storages (addr, nbytes) under ``tensors``: registered once each (views share one)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes():
+            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+    return sorted(seen.items())
+
+
+def _agent(nixl, role: str):
+    name = f"ws-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"])), name
+
+
+def _register(agent, regions: list[tuple[int, int]], mem: str, dev: int):
+    return agent.register_memory([(a, n, dev, "") for a, n in regions], mem) if regions else None
+
+
+class NixlSender(Sender):
+    """A training rank: registers its tensors (or a snapshot) once and publishes their descriptors."""
+
+    modes = frozenset({"sync", "async"})
+
+    def connect(self, ctx: SenderContext) -> None:
+        nixl = load_nixl()
+        self.close()
+        self.rank = ctx.rank
+        self.live = dict(ctx.tensors)
+        self.ptrs = {n: t.data_ptr() for n, t in self.live.items()}
+        self.device = next(iter(self.live.values())).device
+        self.asynchronous = self.options.mode == "async"
+        # async: readers read a snapshot staged under a sequence lock, so training goes on meanwhile
+        self.served = {n: torch.empty_like(t) for n, t in self.live.items()} if self.asynchronous else self.live
+        self.header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+        self.agent, name = _agent(nixl, f"t{ctx.rank}")
+        mem, dev = _mem(self.device)
+        regions = _storages(self.served.values())
+        self.regs = [_register(self.agent, regions, mem, dev),
+                     _register(self.agent, [(self.header.data_ptr(), self.header.numel() * 8)], "DRAM", 0)]
+        doc = TrainerDoc(ctx.rank, name, self.agent.get_agent_metadata(), mem, dev, tuple(regions),
+                         {n: RemoteTensor(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype),
+                                          t.element_size()) for n, t in self.served.items()},
+                         self.header.data_ptr(), layout_digest(ctx.planner.src.layout(ctx.rank)), self.options.mode)
+        size = publish_doc(ctx.client, doc)
+        log.info("training rank %d: NIXL agent %s registered %d regions (%s), descriptors %d chars",
+                 ctx.rank, name, len(regions), mem, size)
+
+    def send(self, step: int) -> StepStats | None:
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the optimizer's kernels are done before anyone reads
+        if self.asynchronous:
+            self._stage(step)
+            return None
+        self.header[1] = step
+        self.header[0] += 2
+        # one-sided: the readers move the bytes; this rank moved none
+        return StepStats(0, 0, time.perf_counter() - t0)
+
+    def _stage(self, step: int) -> None:
+        self.header[0] += 1  # odd: a reader that overlaps this copy sees the change and discards its read
+        with torch.no_grad():
+            for n, t in self.live.items():
+                self.served[n].copy_(t)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.header[1] = step
+        self.header[0] += 1
+
+    def check(self, step: int) -> None:
+        if self.asynchronous:
+            return  # readers read the snapshot, which never moves
+        for n, t in self.live.items():
+            if t.data_ptr() != self.ptrs[n]:
+                raise WeightsMoved(f"training rank {self.rank}: tensor {n} {tuple(t.shape)} was reallocated since it "
+                                   "was registered with NIXL, so readers would read the old memory; keep the weights "
+                                   "in place, or reconnect after moving them")
+
+    def close(self) -> None:
+        agent = getattr(self, "agent", None)
+        if agent is not None:
+            for reg in self.regs:
+                if reg is not None:
+                    try:
+                        agent.deregister_memory(reg)
+                    except Exception:  # noqa: BLE001 - tearing down: the agent goes with us
+                        pass
+            self.agent = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One bucket's staged segments: read into a slot, then unpacked into the targets."""
+
+    pair: Pair
+    bucket: int
+    segments: tuple[Segment, ...]  # offsets within the slot
+    runs: object  # remote (addr, nbytes) array
+    rel: object  # local offsets within the slot, per run
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PeerReads:
+    """What a worker reads from one training rank each step (before the local side is known)."""
+
+    rank: int
+    doc: TrainerDoc
+    direct: list  # per direct segment: (pair, bucket index, Segment, remote runs)
+    batches: list[Batch]
+    nbytes: int
+    buckets: int
+
+
+class Program:
+    """A worker's prepared transfers for one set of targets: replayed every step."""
+
+    def __init__(self):
+        self.direct: list[tuple[Pair, object]] = []  # (first pair of the peer, handle)
+        self.staged: list[tuple[Batch, object, int]] = []  # (batch, handle, slot)
+        self.headers: list[tuple[int, object]] = []  # (peer rank, handle)
+        self.dlists: list = []
+        self.regs: list = []
+
+
+class NixlReceiver(Receiver):
+    """An inference worker READs its planned pieces from the training ranks' registered memory."""
+
+    modes = frozenset({"sync", "async"})
+    reads_after_written = True  # sync: the trainers' memory holds the step once every one announced it
+
+    def memory(self, ctx: ReceiverContext) -> Buffers:
+        return Buffers(SLOTS, _largest_staged(ctx.plans, ctx.tensors))
+
+    def connect(self, ctx: ReceiverContext) -> None:
+        """Start this worker's agent. The peers' descriptors are looked up at the first read, not here:
+        an elastic trainer publishes them only once the job's first instances joined, which they do
+        after connecting; a read waits for them anyway (sync: until the step was announced)."""
+        nixl = load_nixl()
+        self.close()
+        self.ctx, self.nixl = ctx, nixl
+        self.timeout_s = self.options.timeout_s
+        self.client = ctx.link.client(self.timeout_s)
+        self.agent, self.name = _agent(nixl, f"i{ctx.instance}r{ctx.rank}")
+        self.peer_ranks = sorted({p[0] for p in ctx.plans})
+        self.peers: dict[int, PeerReads] = {}
+        self.remote: dict[int, str] = {}
+        self.header_bufs = {r: torch.full((HEADER_WORDS,), -1, dtype=torch.int64) for r in self.peer_ranks}
+        self.header_reg = _register(self.agent, _storages(self.header_bufs.values()), "DRAM", 0)
+        self.slots: list[torch.Tensor] = []
+        self.slot_regs: list = []
+        self.programs: dict[tuple, Program] = {}
+
+    def _ensure_peers(self) -> None:
+        """Each peer trainer's descriptors, checked against the plan before any byte moves (once)."""
+        if len(self.peers) == len(self.peer_ranks):
+            return
+        docs = {r: lookup_doc(self.client, r, self.timeout_s) for r in self.peer_ranks}
+        peers = {r: self._check_and_plan(r, doc) for r, doc in docs.items()}  # refuses before anything is read
+        for r, reads in peers.items():
+            try:
+                self.remote[r] = self.agent.add_remote_agent(reads.doc.metadata)
+            except Exception as e:  # noqa: BLE001 - NIXL's own error types
+                raise TransportError(f"instance {self.ctx.instance} rank {self.ctx.rank}: NIXL refused training rank "
+                                     f"{r}'s agent metadata: {type(e).__name__}: {e}", peer=r) from e
+        self.peers = peers
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _check_and_plan(self, r: int, doc: TrainerDoc) -> PeerReads:
+        """Every planned piece from training rank ``r`` checked against its descriptors, then its remote
+        byte runs: a mismatch is refused naming tensor, shape and rank, before anything is read."""
+        ctx = self.ctx
+        want = ctx.planner.src.layout(r)
+        if doc.layout_digest != layout_digest(want):
+            raise TransportError(f"training rank {r} registered NIXL descriptors for another layout (digest "
+                                 f"{doc.layout_digest[:12]}, this plan expects {layout_digest(want)[:12]}): "
+                                 "the trainer and this worker planned different jobs; restart both from one job",
+                                 pair=(r, ctx.instance, ctx.rank))
+        direct, batches = [], []
+        nbytes = buckets = 0
+        for pair, bs in sorted((p, b) for p, b in ctx.plans.items() if p[0] == r):
+            for b in bs:
+                if b.nbytes == 0:
+                    continue
+                buckets += 1
+                nbytes += b.nbytes
+                staged, rel, runs, at = [], [], [], 0
+                for seg in segments(b):
+                    rt = self._remote_tensor(pair, b, seg, doc, want)
+                    got = box_runs(rt.addr, rt.shape, rt.stride, rt.itemsize, seg.src_box)
+                    self._inside(pair, seg, got, doc)
+                    region = ctx.tensors[seg.dst_tensor][slices(seg.dst_box)]
+                    if _in_place(region, seg):
+                        direct.append((pair, b.index, seg, got))
+                    else:
+                        runs.append(got)
+                        rel.append(at + _cumulative(got))
+                        staged.append(replace(seg, offset=at))
+                        at += seg.nbytes
+                if staged:
+                    import numpy as np
+
+                    batches.append(Batch(pair, b.index, tuple(staged), np.concatenate(runs), np.concatenate(rel), at))
+        return PeerReads(r, doc, direct, batches, nbytes, buckets)
+
+    def _remote_tensor(self, pair: Pair, b: Bucket, seg: Segment, doc: TrainerDoc, want) -> RemoteTensor:
+        r = pair[0]
+        rt = doc.tensors.get(seg.src_tensor)
+        where = f"bucket {b.index} of {_describe(pair)}: tensor {seg.src_tensor}{fmt_box(seg.src_box)}"
+        if rt is None:
+            raise TransportError(f"{where}: training rank {r} registered no such tensor with NIXL", pair=pair, bucket=b.index)
+        layout = want.tensors.get(seg.src_tensor)
+        shape = tuple(layout.shape) if layout is not None else None
+        if rt.shape != shape or rt.dtype != seg.dtype:
+            raise TransportError(f"{where}: training rank {r} registered it as {rt.dtype} {list(rt.shape)}, the plan "
+                                 f"expects {seg.dtype} {list(shape) if shape else '(no such tensor)'}; refusing to read "
+                                 "(restart the trainer and this worker from one job)", pair=pair, bucket=b.index)
+        if any(o < 0 or o + n > s for (o, n), s in zip(seg.src_box, rt.shape)) or len(seg.src_box) != len(rt.shape):
+            raise TransportError(f"{where}: the box lies outside the registered {list(rt.shape)}", pair=pair, bucket=b.index)
+        return rt
+
+    @staticmethod
+    def _inside(pair: Pair, seg: Segment, runs, doc: TrainerDoc) -> None:
+        if not len(runs):
+            return
+        lo, hi = int(runs[:, 0].min()), int((runs[:, 0] + runs[:, 1]).max())
+        if not any(a <= lo and hi <= a + n for a, n in doc.regions):
+            raise TransportError(f"{_describe(pair)}: tensor {seg.src_tensor}{fmt_box(seg.src_box)} lies outside every "
+                                 f"region training rank {pair[0]} registered; refusing to read", pair=pair)
+        if int(runs[:, 1].sum()) != seg.nbytes:
+            raise TransportError(f"{_describe(pair)}: tensor {seg.src_tensor}{fmt_box(seg.src_box)} covers "
+                                 f"{int(runs[:, 1].sum())} registered bytes, the plan {seg.nbytes}", pair=pair)
+
+    def _program(self, targets: Mapping[str, torch.Tensor]) -> Program:
+        """The prepared transfers into ``targets`` (built on first use, then replayed)."""
+        import numpy as np
+
+        key = tuple(sorted((n, t.data_ptr()) for n, t in targets.items()))
+        prog = self.programs.get(key)
+        if prog is not None:
+            return prog
+        self._ensure_peers()
+        prog = Program()
+        device = next(iter(targets.values())).device
+        mem, dev = _mem(device)
+        prog.regs.append(_register(self.agent, _storages(targets.values()), mem, dev))
+        need = max((bt.nbytes for p in self.peers.values() for bt in p.batches), default=0)
+        if need and (not self.slots or self.slots[0].numel() < need or self.slots[0].device != device):
+            self.slots = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
+            self.slot_regs.append(_register(self.agent, _storages(self.slots), mem, dev))
+        k = 0
+        for r, reads in self.peers.items():
+            peer = self.remote[r]
+            local, remote, parts = [], [], []  # parts: (kind, start, count, extra)
+            if reads.direct:
+                loc, rem = [], []
+                for pair, _, seg, runs in reads.direct:
+                    start = targets[seg.dst_tensor][slices(seg.dst_box)].data_ptr()
+                    loc.append(np.stack([start + _cumulative(runs), runs[:, 1]], axis=1))
+                    rem.append(runs)
+                loc_a, rem_a = merge_pairs(np.concatenate(loc), np.concatenate(rem))
+                parts.append(("direct", len(local), len(loc_a), reads.direct[0][0]))
+                local.extend(_descs(loc_a, dev))
+                remote.extend(_descs(rem_a, reads.doc.device))
+            for bt in reads.batches:
+                slot = k % SLOTS
+                k += 1
+                loc_a, rem_a = merge_pairs(np.stack([self.slots[slot].data_ptr() + bt.rel, bt.runs[:, 1]], axis=1),
+                                           bt.runs)
+                parts.append(("staged", len(local), len(loc_a), (bt, slot)))
+                local.extend(_descs(loc_a, dev))
+                remote.extend(_descs(rem_a, reads.doc.device))
+            if local:
+                lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, mem)
+                rh = self.agent.prep_xfer_dlist(peer, remote, reads.doc.mem)
+                prog.dlists += [lh, rh]
+                for kind, start, count, extra in parts:
+                    idx = list(range(start, start + count))
+                    h = self.agent.make_prepped_xfer("READ", lh, idx, rh, idx)
+                    if kind == "direct":
+                        prog.direct.append((extra, h))
+                    else:
+                        prog.staged.append((extra[0], h, extra[1]))
+            hb = self.header_bufs[r]
+            lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(hb.data_ptr(), HEADER_WORDS * 8, 0)], "DRAM")
+            rh = self.agent.prep_xfer_dlist(peer, [(reads.doc.header, HEADER_WORDS * 8, 0)], "DRAM")
+            prog.dlists += [lh, rh]
+            prog.headers.append((r, self.agent.make_prepped_xfer("READ", lh, [0], rh, [0])))
+        # staged batches run in this (build) order, batch k in slot k % SLOTS: freed by batch k - SLOTS
+        self.programs[key] = prog
+        log.info("instance %d rank %d: NIXL program for %d peers: %d direct reads, %d staged buckets",
+                 self.ctx.instance, self.ctx.rank, len(self.peers), len(prog.direct), len(prog.staged))
+        return prog
+
+    # -- steps ----------------------------------------------------------------------------------
+    def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
+        t0 = time.perf_counter()
+        stats = self._read(targets, t0)
+        for r, h in self._headers():
+            seq, got = int(h[0]), int(h[1])
+            if got != step or seq % 2:
+                raise TransportError(f"training rank {r} -> instance {self.ctx.instance} rank {self.ctx.rank}: its "
+                                     f"header says step {got} (seq {seq}) after reading step {step}: it restarted or "
+                                     "moved on while read; the step is not whole", pair=(r, self.ctx.instance, self.ctx.rank))
+        return stats
+
+    def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:
+        t0 = time.perf_counter()
+        before = self._stable_headers(t0)
+        stats = self._read(targets, t0)
+        steps = set()
+        for r, h in self._headers():
+            seq, step = before[r]
+            steps.add(step)
+            if int(h[0]) != seq:  # re-staged while we read: a mix, never reported
+                steps.add(-1)
+        return Pulled(frozenset(steps), stats)
+
+    def _stable_headers(self, t0: float) -> dict[int, tuple[int, int]]:
+        """Each peer's (seq, step) once none is mid-stage and each staged a step (bounded by the timeout)."""
+        while True:
+            got = {r: (int(h[0]), int(h[1])) for r, h in self._headers()}
+            if all(seq > 0 and seq % 2 == 0 for seq, _ in got.values()):
+                return got
+            if time.perf_counter() - t0 > self.timeout_s:
+                waiting = [r for r, (seq, _) in got.items() if seq == 0 or seq % 2]
+                raise TransportError(f"instance {self.ctx.instance} rank {self.ctx.rank}: training ranks {waiting} "
+                                     f"staged no whole step within {self.timeout_s:g} s", pair=(waiting[0], self.ctx.instance, self.ctx.rank))
+            time.sleep(0.002)
+
+    def _headers(self) -> list[tuple[int, torch.Tensor]]:
+        """Read every peer's header now: [(rank, (seq, step, ...))]."""
+        prog = self._program_any()
+        handles = []
+        for r, h in prog.headers:
+            self.header_bufs[r].fill_(-1)
+            pair = (r, self.ctx.instance, self.ctx.rank)
+            self._post(h, pair, None)
+            handles.append((h, pair, None))
+        self._wait(handles)
+        return [(r, self.header_bufs[r]) for r, _ in prog.headers]
+
+    def _program_any(self) -> Program:
+        if not self.programs:
+            return self._program(self.ctx.tensors)
+        return next(iter(self.programs.values()))
+
+    def _read(self, targets: Mapping[str, torch.Tensor], t0: float) -> StepStats:
+        from weightsync.transport.pack import copy_pairs, unpack_pairs
+
+        prog = self._program(targets)
+        pending = [(h, pair, None) for pair, h in prog.direct]
+        for h, pair, _ in pending:  # every in-place read in flight at once
+            self._post(h, pair, None)
+        started = time.perf_counter() - t0
+        window: list[tuple[Batch, object, int]] = []
+
+        def finish(bt: Batch, h, slot: int) -> None:
+            self._wait([(h, bt.pair, bt.bucket)])
+            copy_pairs(unpack_pairs(bt.segments, self.slots[slot], targets))
+
+        for bt, h, slot in prog.staged:
+            if len(window) == SLOTS:
+                finish(*window.pop(0))  # frees this batch's slot
+            self._post(h, bt.pair, bt.bucket)
+            window.append((bt, h, slot))
+        posted = time.perf_counter() - t0
+        for item in window:
+            finish(*item)
+        self._wait(pending)
+        if targets and next(iter(targets.values())).device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        peers = self.peers.values()
+        return StepStats(sum(p.buckets for p in peers), sum(p.nbytes for p in peers), time.perf_counter() - t0,
+                         posted, started)
+
+    def _post(self, h, pair: Pair, bucket: int | None) -> None:
+        try:
+            state = self.agent.transfer(h)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own types (a peer disconnected, ...)
+            raise self._error(pair, bucket, e) from e
+        if state == "ERR":
+            raise self._error(pair, bucket, RuntimeError("NIXL posted the read in state ERR"))
+
+    def _wait(self, handles: list) -> None:
+        """Block until every ``(handle, pair, bucket)`` is DONE; raise on ERR, or once none progressed
+        for ``timeout_s``."""
+        left = list(handles)
+        last = time.perf_counter()
+        while left:
+            still = []
+            for h, pair, bucket in left:
+                try:
+                    state = self.agent.check_xfer_state(h)
+                except Exception as e:  # noqa: BLE001
+                    raise self._error(pair, bucket, e) from e
+                if state == "ERR":
+                    raise self._error(pair, bucket, RuntimeError("NIXL reports the read failed (state ERR)"))
+                if state != "DONE":
+                    still.append((h, pair, bucket))
+            if len(still) < len(left):
+                last = time.perf_counter()
+            left = still
+            if left:
+                if time.perf_counter() - last > self.timeout_s:
+                    h, pair, bucket = left[0]
+                    raise self._error(pair, bucket, TimeoutError(f"no read completed for {self.timeout_s:g}s"))
+                time.sleep(POLL_S)
+
+    def _error(self, pair: Pair, bucket: int | None, cause: Exception) -> TransportError:
+        what = f"bucket {bucket} of " if bucket is not None else ""
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return TransportError(f"instance {self.ctx.instance} rank {self.ctx.rank}: NIXL READ of {what}{_describe(pair)} "
+                              f"failed (timeout {self.timeout_s:g}s): {type(cause).__name__}: {text}",
+                              peer=pair[0], pair=pair, bucket=bucket)
+
+    def close(self) -> None:
+        agent = getattr(self, "agent", None)
+        if agent is None:
+            return
+        for prog in getattr(self, "programs", {}).values():
+            for _, h in prog.direct + prog.headers:
+                _quietly(h.release)
+            for _, h, _ in prog.staged:
+                _quietly(h.release)
+            for d in prog.dlists:
+                _quietly(d.release)
+            for reg in prog.regs:
+                if reg is not None:
+                    _quietly(lambda reg=reg: agent.deregister_memory(reg))
+        for reg in [getattr(self, "header_reg", None), *getattr(self, "slot_regs", [])]:
+            if reg is not None:
+                _quietly(lambda reg=reg: agent.deregister_memory(reg))
+        for name in getattr(self, "remote", {}).values():
+            _quietly(lambda name=name: agent.remove_remote_agent(name))
+        self.programs, self.agent = {}, None
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - tearing down
+        pass
+
+
+def _cumulative(runs):
+    """Each run's offset in the bytes the runs cover back to back."""
+    import numpy as np
+
+    return np.concatenate([[0], np.cumsum(runs[:-1, 1])]).astype(np.int64) if len(runs) else np.zeros(0, dtype=np.int64)
+
+
+def _descs(a, dev: int) -> list[tuple[int, int, int]]:
+    return [(int(x), int(n), dev) for x, n in a]
+
+
+def _in_place(region: torch.Tensor, seg: Segment) -> bool:
+    """Whether a segment lands in place: its destination is contiguous and in the wire dtype."""
+    return region.dtype == TORCH_DTYPES[seg.dtype] and region.is_contiguous()
+
+
+def _largest_staged(plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> int:
+    """The most bytes one bucket stages (segments not landing in place), the size of each slot."""
+    most = 0
+    for bs in plans.values():
+        for b in bs:
+            n = sum(s.nbytes for s in segments(b) if not _in_place(tensors[s.dst_tensor][slices(s.dst_box)], s))
+            most = max(most, n)
+    return most
