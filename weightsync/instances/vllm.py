@@ -14,7 +14,8 @@ Start the engine with weightsync's worker extension, then hand it to an unchange
 - ``pause``: ``AsyncLLM.pause_generation(mode=pause_mode)`` (``"keep"`` freezes in-flight requests);
   the offline ``LLM`` generates only inside ``generate()``, so there is nothing to pause.
   ``resume``: ``reset_prefix_cache()`` (cached KV of the old weights), then ``resume_generation``.
-- ``set_version(step)``: ``update_weight_version(str(step))``, readable with ``get_weight_version()``.
+- ``set_version(step)``: ``update_weight_version(str(step))``, readable with ``get_weight_version()``
+  (vLLM >= 0.32; 0.26 has no weight version: there ``get_version`` answers the last step set here).
 
 An ``AsyncLLM`` runs on an asyncio loop: pass it as ``loop``; the reader must then run on another
 thread (the calls are made with ``asyncio.run_coroutine_threadsafe``).
@@ -67,6 +68,7 @@ class VLLMInstance:
         self.world_size = info.tp
         self._broken: str | None = None
         self._paused = False
+        self._version = "default"  # vLLM's own initial weight version
         #: per worker: which path each layer takes (in place, re-packed, staged), decided once here
         self.reports: list[LiveReport] = self._rpc("weightsync_setup", timeout_s=timeout_s)
         for r in self.reports:
@@ -96,12 +98,17 @@ class VLLMInstance:
             self._paused = False
 
     def set_version(self, step: int) -> None:
+        self._version = str(step)
+        if not hasattr(self.llm, "update_weight_version"):  # vLLM 0.26
+            return
         if self.is_async:
             self._run(self.llm.update_weight_version(str(step)))
         else:
             self.llm.update_weight_version(str(step))
 
     def get_version(self) -> str:
+        if not hasattr(self.llm, "get_weight_version"):  # vLLM 0.26: the last step this instance set
+            return self._version
         return self._run(self.llm.get_weight_version()) if self.is_async else self.llm.get_weight_version()
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ BACKEND = "weightsync"
 _LAZY = {
     "VLLMInstance": "weightsync.instances.vllm",
     "VLLMWeightSync": "weightsync.vllm.driver",
-    "InitInfo": "weightsync.vllm.driver",
+    "InitInfo": "weightsync.vllm.config",
     "CallStatus": "weightsync.vllm.status",
     "LiveReport": "weightsync.vllm.live",
 }

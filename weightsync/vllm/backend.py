@@ -41,9 +41,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.errors import ConfigError, InstanceError, JobMismatch, LayoutMismatch, MetaError
-from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.instance import NoEngineHooks
-from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
+from weightsync.vllm.config import InitInfo
 from weightsync.vllm.rpc import answer, result
 from weightsync.vllm.status import CallStatus, abort_reason, publish
 
@@ -54,22 +53,9 @@ BACKEND = "weightsync"
 
 
 @dataclass
-class WeightSyncInitInfo(WeightTransferInitInfo):
-    """``init_weight_transfer_engine({"init_info": {...}})``: the WeightReader's options (JSON-safe)."""
-
-    meta: str
-    job: str
-    instance_id: int = 0
-    instances: int = 1
-    token: str | None = None
-    mode: str = "sync"
-    staged: bool = False
-    timeout_s: float = 60.0
-    transport: str = "p2p"
-    directory: str | None = None
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    memory_budget: int | None = DEFAULT_MEMORY_BUDGET
-    call: str = ""  # the driver's id for this call: its status is published under it
+class WeightSyncInitInfo(InitInfo, WeightTransferInitInfo):
+    """``init_weight_transfer_engine({"init_info": {...}})``: :class:`~weightsync.vllm.config.InitInfo` as
+    vLLM's init-info type (the WeightReader's options, JSON-safe)."""
 
 
 @dataclass
@@ -219,11 +205,7 @@ class WeightSyncTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
             w = self._worker()  # this rank's refusal raises here; the others' come back from the first call
             self._instance = GroupInstance(_Group(), self._run, w.info.engine, w.info.model_config)
-            i = init_info
-            reader = WeightReader(self._instance, meta=i.meta, job=i.job, instance_id=i.instance_id,
-                                  instances=i.instances, token=i.token, transport=i.transport, directory=i.directory,
-                                  bucket_bytes=i.bucket_bytes, memory_budget=i.memory_budget, timeout_s=i.timeout_s,
-                                  staged=i.staged, mode=i.mode)
+            reader = WeightReader(self._instance, **init_info.reader_options())
             self._instance.call(_setup)  # every worker builds its loaded-form tensors (or says why not)
             reader.connect()
             self._reader = reader
@@ -249,6 +231,12 @@ class WeightSyncTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
     def finish_weight_update(self) -> None:
         pass
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """Abstract in vLLM 0.26 (gone from the engine in 0.32): the trainer side is weightsync's own."""
+        raise NotImplementedError("the weightsync backend's trainers send with weightsync.WeightWriter; "
+                                  "see docs/vllm.md")
 
     def shutdown(self) -> None:
         """Close the transports, on this worker alone (the others may be shutting down already)."""

@@ -10,10 +10,12 @@ with ``dtype="float32"`` on a bf16 checkpoint holds fp32 parameters, and its lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from weightsync.errors import ConfigError
+from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
+from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,39 @@ class EngineInfo:
     model_config: dict[str, Any]  # config.json keys of the served model, dtype set to the engine's
     dtype: str  # the engine's model dtype ("bfloat16")
     tp: int
+
+
+@dataclass
+class InitInfo:
+    """What ``init_weight_transfer_engine({"init_info": {...}})`` carries to the backend: the WeightReader's
+    options (JSON-safe, they cross vLLM's msgpack hop as a dict) and the driver's id for the call.
+
+    One dataclass for both sides: the driver (:class:`~weightsync.vllm.driver.VLLMWeightSync`) builds it,
+    the backend parses the dict into a subclass of it that is also vLLM's ``WeightTransferInitInfo``.
+    Not frozen, because vLLM's base dataclass is not (a frozen dataclass cannot extend a plain one)."""
+
+    meta: str
+    job: str
+    instance_id: int = 0
+    instances: int = 1
+    token: str | None = None
+    mode: str = "sync"
+    staged: bool = False
+    timeout_s: float = 60.0
+    transport: str = "p2p"
+    directory: str | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    memory_budget: int | None = DEFAULT_MEMORY_BUDGET
+    colocate: bool = False  # the trainers share this engine's GPUs: CUDA IPC (shared memory on CPU)
+    peer_copies: bool = True
+    call: str = ""  # the driver's id for this call: its status is published under it
+
+    def as_dict(self, call: str = "") -> dict[str, Any]:
+        return {**asdict(self), "call": call}
+
+    def reader_options(self) -> dict[str, Any]:
+        """The ``WeightReader`` keyword arguments (everything but ``call``)."""
+        return {f.name: getattr(self, f.name) for f in fields(InitInfo) if f.name != "call"}
 
 
 def dtype_name(dtype: Any) -> str:

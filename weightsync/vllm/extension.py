@@ -48,6 +48,15 @@ class WeightSyncExtension:
         except Exception as e:  # noqa: BLE001 -- never raised out of a worker RPC
             return {"error": f"{type(e).__name__}: {e}"}
 
+    def weightsync_shutdown_transfer(self) -> bytes:
+        """The weight-transfer engine's ``shutdown`` (vLLM 0.26 has no ``shutdown_weight_transfer_engine``)."""
+        def run():
+            engine = getattr(self, "weight_transfer_engine", None)
+            if engine is not None:
+                engine.shutdown()
+
+        return answer(run)
+
     def weightsync_close(self) -> bytes:
         from weightsync.vllm.side import forget
 

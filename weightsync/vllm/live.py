@@ -142,6 +142,17 @@ class _Experts(_Transform):
         torch.ops._C.prepack_moe_weight(w2.contiguous(), mod.w2_weight.data, self.isa)
 
 
+def _moe_method() -> type | tuple:
+    """vLLM's unquantized fused-MoE method class, or ``()`` (matches nothing) where the build lacks it (the
+    GPU kit's vLLM 0.26 is cut down to dense models: no MoE kernels)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError as e:  # pragma: no cover - only on a cut-down build
+        log.debug("no fused-MoE method in this vLLM build: %s", e)
+        return ()
+    return UnquantizedFusedMoEMethod
+
+
 class LiveModel:
     """The loaded-form tensors of one worker's model (``tensors``, under the layout's names) and the
     transforms that make the engine compute with them (:meth:`refresh`, after every update).
@@ -179,10 +190,10 @@ class LiveModel:
 
     # -- per layer -------------------------------------------------------------------------------
     def _classify(self, mname: str, mod: torch.nn.Module, params: dict[str, str]) -> None:
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
+        UnquantizedFusedMoEMethod = _moe_method()
         qm = getattr(mod, "quant_method", None)
         kind = type(mod).__name__
         if hasattr(mod, "W_UK_T") or hasattr(mod, "W_UV") or "MLA" in kind:
