@@ -97,7 +97,8 @@ def trainer(emit: Emit, rank: int, world: int, port: int, meta: str, job: dict) 
                           bucket_bytes=job.get("bucket_bytes", 256 << 20), mode=job.get("mode", "sync"),
                           memory_budget=job.get("memory_budget", 2 << 30),
                           colocate=job.get("colocate", False), transport=job.get("transport", "p2p"),
-                          directory=job.get("directory"), peer_copies=job.get("peer_copies", True)).connect()
+                          directory=job.get("directory"), peer_copies=job.get("peer_copies", True),
+                          **({"integrity": job["integrity"]} if "integrity" in job else {})).connect()
     emit(Ready(emit.participant))
     if job.get("mode") == "async":
         for step in range(1, job["steps"] + 1):
@@ -168,6 +169,27 @@ def _die_in_worker(ctx) -> None:
         _die_after(p2p, "post", 2)
 
 
+def _corrupt_in_worker(ctx) -> None:
+    """Worker rank 0's next receive lands one flipped bit in its first planned destination box."""
+    if ctx.rank != 0:
+        return
+    receiver = ctx.reader.receiver
+    real = receiver.receive
+    copy = next(c for bs in ctx.reader.plans.values() for b in bs for c in b.copies)
+
+    def receive(step, targets):
+        stats = real(step, targets)
+        from weightsync.layout.box import slices
+
+        region = targets[copy.dst_tensor][slices(copy.dst_box)]
+        first = region[(0,) * region.dim()]  # a 0-d view of the box's first element
+        first.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[first.element_size()]).bitwise_xor_(1 << 3)
+        receiver.receive = real
+        return stats
+
+    receiver.receive = receive
+
+
 def _move_in_worker(ctx) -> None:
     _move_a_tensor(ctx.tensors)
 
@@ -189,7 +211,8 @@ def reader(emit: Emit, inst: int, meta: str, job: dict) -> None:
                          memory_budget=job.get("reader_memory_budget", job.get("memory_budget", 2 << 30)),
                          colocate=job.get("colocate", False), peer_copies=job.get("reader_peer_copies", True),
                          transport=job.get("reader_transport", job.get("transport", "p2p")), directory=job.get("directory"),
-                         staged=job.get("staged", False), mode=job.get("mode", "sync"), push=job.get("reader_push", True)).connect()
+                         staged=job.get("staged", False), mode=job.get("mode", "sync"), push=job.get("reader_push", True),
+                         **({"integrity": job["integrity"]} if "integrity" in job else {})).connect()
         emit(Ready(emit.participant))
         if job.get("mode") == "async":
             waits = [1, job["steps"]] if inst == 0 else [job["steps"]]
@@ -202,6 +225,8 @@ def reader(emit: Emit, inst: int, meta: str, job: dict) -> None:
         for step in range(1, job["steps"] + 1):
             if job.get("fault") == "infer-dies" and inst == 0 and step == job["steps"]:
                 instance.call(_die_in_worker)
+            if job.get("fault") == "infer-corrupts" and inst == 0 and step == job["steps"]:
+                instance.call(_corrupt_in_worker)  # flips a bit of what lands (weightsync.integrity must catch it)
             if job.get("fault") == "infer-moves" and inst == 0 and step == job["steps"]:
                 instance.call(_move_in_worker)
             t0 = time.perf_counter()

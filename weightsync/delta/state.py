@@ -153,3 +153,8 @@ def gather_pairs(segs: Sequence[Segment], targets: Mapping[str, torch.Tensor], b
         wire = buffer[seg.offset : seg.offset + seg.nbytes].view(TORCH_DTYPES[seg.dtype])
         pairs.append((wire.view(region.shape), region))
     return pairs
+
+
+def previous_bytes(plans: Mapping[Pair, list[Bucket]]) -> int:
+    """The memory a sender's :class:`PreviousVersion` of ``plans`` takes (one copy per signature)."""
+    return sum({signature(b): b.nbytes for bs in plans.values() for b in bs if b.nbytes}.values())

@@ -17,6 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from weightsync.errors import TransportError, WeightsMoved
+from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
+from weightsync.integrity.cadence import due as integrity_due
+from weightsync.integrity.cadence import every as integrity_every
 from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime import worker
@@ -53,12 +56,13 @@ class WeightReader(SessionDriven):
         staged: bool = False,
         mode: str = "sync",
         push: bool = True,
+        integrity: int | bool | None = DEFAULT_INTEGRITY,
         validate_every: int = 0,
         validate_checkpoint: str | Callable[[int], str] | None = None,
     ):
         options = SessionOptions(colocate=colocate, mode=mode, transport=transport, directory=directory,
                                  bucket_bytes=bucket_bytes, memory_budget=memory_budget, timeout_s=timeout_s,
-                                 peer_copies=peer_copies)
+                                 peer_copies=peer_copies, integrity=integrity_every(integrity))
         self.instance, self.instance_id, self.timeout_s = instance, instance_id, timeout_s
         self.staged, self.mode, self.colocate = staged, mode, colocate
         self._next_pull = 0
@@ -66,6 +70,7 @@ class WeightReader(SessionDriven):
         self.session = InstanceSession(self.client, MetaLink(meta, job, token), instance, instance_id, instances,
                                        options, push=push, staged=staged)
         self.version: int | None = None
+        self._integrity_agreed = False  # the job's integrity cadence checked (first update)
         self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-held")
         self._report_error: Exception | None = None  # the first held report that failed, until raised
         self.last_stats: list[WorkerReport] = []
@@ -110,7 +115,10 @@ class WeightReader(SessionDriven):
         t1 = time.perf_counter()
         self.instance.pause()
         try:
-            self.last_stats = self.instance.call(worker.receive, step, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
+            check = self._integrity_check(step)  # a checked step (weightsync.integrity), else None
+            self.last_stats = self.instance.call(worker.receive, step, self.staged, check, timeout_s=worker.call_timeout(self.timeout_s))
+            if check is not None and not self.staged:  # every byte landed (co-located: pushed into each other too)
+                self.instance.call(worker.verify, step, check, timeout_s=worker.call_timeout(self.timeout_s))
             self.instance.after_update()
         except WeightsMoved as e:  # no later step can succeed either: stop the trainers waiting for us now
             with contextlib.suppress(MetaError):
@@ -158,6 +166,17 @@ class WeightReader(SessionDriven):
                                  "has no step; pass checkpoint=")
             return str(c(step))
         return str(c)
+
+    def _integrity_check(self, step: int):
+        """What the workers check step ``step`` with (``integrity=N``: steps divisible by N), or None; the
+        first update also refuses a cadence the trainers do not share."""
+        from weightsync.integrity.check import IntegrityCheck, agree
+
+        n = self.session.options.integrity
+        if not self._integrity_agreed:
+            agree(self.session.people, n)
+            self._integrity_agreed = True
+        return IntegrityCheck(self.timeout_s) if integrity_due(n, step) else None
 
     def _validate_due(self, step: int) -> float:
         """Every ``validate_every``-th successful update: validate against step ``step``'s checkpoint; a

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.engines import make_layout
+from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.meta.client import MetaClient, MetaError
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES, Bucket, Pair
@@ -77,6 +78,7 @@ class SessionOptions:
     peer_copies: bool = True
     host: str = "127.0.0.1"
     backend: str | None = None  # None: nccl for CUDA tensors, gloo otherwise
+    integrity: int = DEFAULT_INTEGRITY  # check the steps divisible by N (weightsync.integrity); 0: none
     transport_name: str = field(init=False, default="")  # the registered transport these options select
 
     def __post_init__(self) -> None:
@@ -94,7 +96,7 @@ class SessionOptions:
     def registered(self) -> dict[str, Any]:
         """The options every participant must agree on, as registered with the MetaServer."""
         return {"colocate": self.colocate, "bucket_bytes": self.bucket_bytes, "transport": self.transport_name,
-                "mode": self.mode}
+                "mode": self.mode, "integrity": self.integrity}
 
 
 class JobSession(ABC):

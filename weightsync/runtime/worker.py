@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.integrity.check import Checked, IntegrityCheck, verify_worker
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.runtime.instance import WorkerContext
 from weightsync.runtime.job import JobShape, hashes_of
@@ -143,14 +144,26 @@ def connect(ctx: WorkerContext, link: MetaLink) -> None:
     r.receiver.connect(r.context)
 
 
-def receive(ctx: WorkerContext, step: int, staged: bool = False) -> WorkerReport:
-    """Receive one step into the live tensors, or (staged) into a copy committed only once complete."""
+def receive(ctx: WorkerContext, step: int, staged: bool = False, check: IntegrityCheck | None = None) -> WorkerReport:
+    """Receive one step into the live tensors, or (staged) into a copy committed only once complete.
+    ``check`` (a checked step, :mod:`weightsync.integrity`): a staged copy is checked before it is
+    committed; live tensors are checked by :func:`verify` once every worker of the instance returned."""
     r = _reader(ctx)
     with torch.no_grad():
         stats = r.receiver.receive(step, r.targets(ctx, staged))
         if staged:  # every byte arrived
+            if check is not None:  # what landed is what was sent, or the live weights stay as they are
+                verify_worker(r.context, step, r.plans, r.stage, check)
             r.commit(ctx)
     return WorkerReport(ctx.rank, frozenset({step}), stats)
+
+
+def verify(ctx: WorkerContext, step: int, check: IntegrityCheck) -> Checked:
+    """Check what landed in the live tensors in step ``step`` against what the training ranks sent
+    (raises :class:`~weightsync.errors.IntegrityError`); run once every worker's receive returned."""
+    r = _reader(ctx)
+    with torch.no_grad():
+        return verify_worker(r.context, step, r.plans, ctx.tensors, check)
 
 
 def pull(ctx: WorkerContext, staged: bool) -> WorkerReport:

@@ -15,6 +15,9 @@ from typing import Protocol
 import torch
 
 from weightsync.errors import WeightSyncError
+from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
+from weightsync.integrity.cadence import due as integrity_due
+from weightsync.integrity.cadence import every as integrity_every
 from weightsync.layout.layout import EngineLayout, Layout
 from weightsync.meta.client import MetaClient, MetaError
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
@@ -58,13 +61,18 @@ class WeightWriter(SessionDriven):
         backend: str | None = None,
         timeout_s: float = 60.0,
         host: str = "127.0.0.1",
+        integrity: int | bool | None = DEFAULT_INTEGRITY,
     ):
         options = SessionOptions(colocate=colocate, mode=mode, transport=transport, directory=directory,
                                  bucket_bytes=bucket_bytes, memory_budget=memory_budget, timeout_s=timeout_s,
-                                 peer_copies=peer_copies, host=host, backend=backend)
+                                 peer_copies=peer_copies, host=host, backend=backend,
+                                 integrity=integrity_every(integrity))
         self.train, self.mode, self.timeout_s = train, mode, timeout_s
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         self.session = TrainerSession(self.client, MetaLink(meta, job, token), train, options)
+        self._sent_sums = None  # weightsync.integrity: this rank's checksum regions, derived at the first checked step
+        #: the last checked step's sums (weightsync.integrity.check.Checked), or None
+        self.last_integrity = None
         self.last: StepStats | None = None
         #: seconds the last write spent sending, announcing the step and (sync) waiting until it is held
         self.last_timing: dict[str, float] = {}
@@ -92,6 +100,7 @@ class WeightWriter(SessionDriven):
         if s.written_bell is not None:
             s.written_bell.ring(step)  # the workers on this host start copying now...
         self._check(step)  # ...while the transport checks what they read is the step
+        self._post_sums(step)  # a checked step: what this rank sent, for the workers to compare
         self.client.written(step, self.train.rank)
         t2 = time.perf_counter()
         if self.mode == "sync":
@@ -99,6 +108,20 @@ class WeightWriter(SessionDriven):
             wait_rung(s.held_bells, step, self.timeout_s, lambda t: self.client.wait_held(step, instances, timeout=t))
         self.last_timing = {"send": t1 - t0, "written": t2 - t1, "wait_held": time.perf_counter() - t2}
         return self.last
+
+    def _post_sums(self, step: int) -> None:
+        """On a checked step (``integrity=N``, sync mode), post the checksums of every bucket this rank
+        sent (:mod:`weightsync.integrity`); each worker compares what landed before its step is held."""
+        s = self.session
+        if self.mode != "sync":
+            return
+        if self._sent_sums is None:  # the first write: the job must agree on the cadence
+            from weightsync.integrity.check import SentSums, agree
+
+            agree(s.people, s.options.integrity)
+            self._sent_sums = SentSums(self.train.rank, s.plans, self.train.tensors, planner=s.context.planner)
+        if integrity_due(s.options.integrity, step):
+            self.last_integrity = self._sent_sums.post(self.client, step)
 
     def _check(self, step: int) -> None:
         """Refuse to record ``step`` as written when the transport says the receivers did not read it

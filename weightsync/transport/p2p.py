@@ -350,6 +350,10 @@ class P2PSender(Sender):
     modes = frozenset({"sync", "async"})
 
     def memory(self, ctx: SenderContext) -> Buffers:
+        if self.options.delta:  # the previous version, kept for the next step's deltas (weightsync.delta)
+            from weightsync.delta.state import previous_bytes
+
+            return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans), previous_bytes(ctx.plans))
         return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans))
 
     def connect(self, ctx: SenderContext) -> None:
@@ -367,12 +371,19 @@ class P2PSender(Sender):
             from weightsync.transport.pull import PullServer
 
             self.server = PullServer(ctx.client, self.transport, ctx.plans, ctx.tensors, self.options.timeout_s)
+        self.delta = None
+        if self.options.delta:  # sync only (weightsync.delta.check_options)
+            from weightsync.delta.p2p import DeltaSender
+
+            self.delta = DeltaSender(self.transport, ctx.plans, ctx.tensors, host=self.options.delta_host)
 
     def send(self, step: int) -> StepStats | None:
         if self.server is not None:
             self.server.stage(step)
             return None
         with torch.no_grad():
+            if self.delta is not None:
+                return self.delta.send(step)
             return self.transport.send(self.plans, self.tensors)
 
     def close(self) -> None:
@@ -397,8 +408,15 @@ class P2PReceiver(Receiver):
         self.transport = P2PTransport(group, ranks, timeout_s=self.options.timeout_s,
                                       coalesce=self.options.mode == "sync")
         self.plans = ctx.plans
+        self.delta = None
+        if self.options.delta:
+            from weightsync.delta.p2p import DeltaReceiver
+
+            self.delta = DeltaReceiver(self.transport, ctx.plans)
 
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
+        if self.delta is not None:
+            return self.delta.receive(step, targets)
         return self.transport.recv(self.plans, targets)
 
     def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:
