@@ -524,7 +524,9 @@ class Coordinator:
 
         def ready(j: Job) -> bool:
             ids = which(j)
-            return bool(ids) and all(j.held.get(i, -1) >= min_step for i in ids)
+            if not ids:  # nobody to wait for once instances have come (and gone, or joined after the step)
+                return listed is None and bool(j.members)
+            return all(j.held.get(i, -1) >= min_step for i in ids)
 
         key = (min_step, None if listed is None else tuple(listed))
         ok, j = await self._wait("held", job, "held", key, timeout, ready)

@@ -66,6 +66,10 @@ class JobShape:
     #: where the ranks registered (hosts, GPUs); None when some rank has no GPU (CPU jobs): then the
     #: arithmetic rules of :class:`Topology` place them
     placement: Placement | None = None
+    #: instances may join, leave and die while the job runs (the transport's sender does not depend on
+    #: them): the trainers plan one instance slot, ``instances`` is one past the highest id registered,
+    #: and the topology is the arithmetic one, so no joiner changes anybody else's plan
+    elastic: bool = False
 
     def topology(self) -> Topology:
         if self.placement is not None:
@@ -73,10 +77,15 @@ class JobShape:
         make = Topology.colocated if self.colocate else Topology.separated
         return make(self.train_world, self.infer_world, self.instances)
 
-    def planner(self, spec: ModelSpec, src: EngineLayout | None = None, dst: EngineLayout | None = None) -> Planner:
+    def planner(self, spec: ModelSpec, src: EngineLayout | None = None, dst: EngineLayout | None = None,
+                instances: int | None = None) -> Planner:
+        """The job's planner (``instances``: plan only that many instance slots, as elastic trainers do:
+        an instance's plan does not depend on how many others there are)."""
         src = src or make_layout(spec, self.train)
         dst = dst or make_layout(spec, self.infer)
-        return Planner(src, dst, self.instances, self.topology(), bucket_bytes=self.bucket_bytes)
+        n = self.instances if instances is None else instances
+        topology = self.topology() if n == self.instances else Topology.separated(self.train_world, self.infer_world, n)
+        return Planner(src, dst, n, topology, bucket_bytes=self.bucket_bytes)
 
     def colocated_ranks(self) -> ColocatedRanks:
         """Who opens, reads, sends and receives what in a co-located job (the planner's topology)."""
@@ -160,28 +169,34 @@ def _who(p: dict) -> str:
     return f"{p['role']} rank {p['rank']}" + ("" if p.get("instance") is None else f" of instance {p['instance']}")
 
 
-def job_shape(people: list[dict], colocate: bool, bucket_bytes: int) -> JobShape:
-    """Cross-check every registration and derive the shape both sides plan from."""
+def job_shape(people: list[dict], colocate: bool, bucket_bytes: int, elastic: bool = False) -> JobShape:
+    """Cross-check every registration and derive the shape both sides plan from (``elastic``: instances
+    may be missing or come later, see :attr:`JobShape.elastic`)."""
     check_versions(people)
     train = [p for p in people if p["role"] == "train"]
     infer = [p for p in people if p["role"] == "infer"]
+    ids = {p["instance"] for p in infer}
     shape = JobShape(
         train=check_agreement(train, "engine", "the training layout"),
         infer=check_agreement(infer, "engine", "the inference layout (instances must be alike)"),
         train_world=int(check_agreement(train, "world", "the training world size")),
         infer_world=int(check_agreement(infer, "world", "the inference world size")),
-        instances=len({p["instance"] for p in infer}),
+        instances=(max(ids) + 1) if elastic and ids else len(ids),
         colocate=bool(check_agreement(people, "colocate", "co-location")),
         transport=str(check_agreement(people, "transport", "the transport")),
         mode=str(check_agreement(people, "mode", "sync or async mode")),
         bucket_bytes=int(check_agreement(people, "bucket_bytes", "the bucket budget")),
         # a capability, not an agreement: one participant without it sends those pieces through the group
         peer_copies=all(p["engine_config"].get("peer_copies", True) for p in people),
-        placement=placement_of(train, infer),
+        placement=None if elastic else placement_of(train, infer),
+        elastic=elastic,
     )
     if shape.colocate != colocate or shape.bucket_bytes != bucket_bytes:
         raise ConfigError("this participant's options differ from the job's")
-    if len(train) != shape.train_world or len(infer) != shape.instances * shape.infer_world:
+    if elastic:  # instances come and go: only the trainers must all be there
+        if len(train) != shape.train_world:
+            raise JobMismatch(f"expected {shape.train_world} training participants, got {len(train)}")
+    elif len(train) != shape.train_world or len(infer) != shape.instances * shape.infer_world:
         raise JobMismatch(
             f"expected {shape.train_world} training and {shape.instances}x{shape.infer_world} inference participants, "
             f"got {len(train)} and {len(infer)}"

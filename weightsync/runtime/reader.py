@@ -7,6 +7,10 @@ live parameters. ``update(step)`` returns the step every worker now fully holds;
 update ``version`` is None (the tensors are a mix of two steps) until a later update succeeds --
 unless the reader is ``staged``: then each worker receives into a copy of its tensors (twice the
 memory) and commits only a complete step, so a failed update leaves the old version intact.
+
+On an elastic transport (file) a reader may join a running job -- an ``instance_id`` beyond the
+``instances`` the job started with, or a gone or left instance's id -- and its first ``update`` may
+ask for the latest step written; ``close`` leaves the job (the session's "membership").
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from weightsync.runtime import worker
 from weightsync.runtime.doorbell import wait_rung
 from weightsync.runtime.instance import InferenceInstance
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
-from weightsync.runtime.session import InstanceSession, SessionDriven, SessionOptions
+from weightsync.runtime.session import InstanceSession, SessionDriven, SessionOptions, check_instance_id
 from weightsync.runtime.worker import WorkerReport
 from weightsync.transport.base import MetaLink
 
@@ -60,9 +64,13 @@ class WeightReader(SessionDriven):
         validate_every: int = 0,
         validate_checkpoint: str | Callable[[int], str] | None = None,
     ):
+        if validate_every < 0 or (validate_every and validate_checkpoint is None):
+            raise ValueError("validate_every=N (N >= 1) needs validate_checkpoint=: the checkpoint directory, or "
+                             "a callable step -> directory, to validate every Nth update against")
         options = SessionOptions(colocate=colocate, mode=mode, transport=transport, directory=directory,
                                  bucket_bytes=bucket_bytes, memory_budget=memory_budget, timeout_s=timeout_s,
                                  peer_copies=peer_copies, integrity=integrity_every(integrity))
+        check_instance_id(instance_id, instances, options)  # beyond the job's start: elastic transports only
         self.instance, self.instance_id, self.timeout_s = instance, instance_id, timeout_s
         self.staged, self.mode, self.colocate = staged, mode, colocate
         self._next_pull = 0
@@ -78,14 +86,17 @@ class WeightReader(SessionDriven):
         #: ``transport`` in the slowest worker's transport, ``posting`` until its CPU had posted everything,
         #: co-located ``started`` until it posted its first copy) and handing the step's ``held`` report over
         self.last_timing: dict[str, float] = {}
-        if validate_every < 0 or (validate_every and validate_checkpoint is None):
-            raise ValueError("validate_every=N (N >= 1) needs validate_checkpoint=: the checkpoint directory, or "
-                             "a callable step -> directory, to validate every Nth update against")
         #: validation (weightsync.validate): every ``validate_every``-th update, against ``validate_checkpoint``
         self.validate_every, self.validate_checkpoint = validate_every, validate_checkpoint
         self.last_validation = None  # the last ValidationReport
         self._updates = 0
         self._validated_s = 0.0
+
+    @property
+    def since(self) -> int:
+        """The first step this instance holds (elastic: the first step written after it joined, which
+        its first ``update`` should ask for; the trainers wait for it from that step on)."""
+        return self.connect().session.since
 
     def update(self, step: int) -> int:
         """Receive step ``step`` into every worker; return it once every worker fully holds it."""

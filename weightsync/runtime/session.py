@@ -19,6 +19,23 @@ Nothing moves before step 7, and every refusal before it names the tensor, rank 
 are methods so a topology change can run them again (``setup`` is re-entrant once ``close`` ran the
 old transports down). Writer and reader (:mod:`weightsync.runtime.writer`, ``.reader``) only drive
 steps.
+
+Membership. On an *elastic* transport (``TransportEntry.elastic``: the file transport; its sender's
+work does not depend on the instances) instances join, leave and die while the trainers run:
+
+- the trainers plan one instance slot (what they send serves every instance; file: each step's files
+  are written once and every instance reads them) and never plan again; at set-up they wait until the
+  instances the job started with have joined;
+- an instance (initial or not, any id; a gone or left one under its old id) runs the same steps for
+  itself alone: register, agree (the trainers' registrations and its own), plan its own receives; it
+  posts no pair hashes (no trainer plans for it: what it reads is checked against its plan as it
+  arrives, file: the pair hash in every file) and joins the MetaServer's membership only once
+  connected, so the topology version grows and the next step the trainers write waits for it;
+- ``close`` leaves (state ``left``); a trainer drops an instance that does not report a step held
+  within ``instance_timeout_s`` (state ``gone``) and goes on with the live ones.
+
+Non-elastic transports (p2p, colocated) keep a fixed set of instances: an instance id beyond the
+count the job started with is refused, naming the elastic transports.
 """
 
 from __future__ import annotations
@@ -34,7 +51,7 @@ from typing import Any
 from weightsync.engines import make_layout
 from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.errors import ConfigError, WeightSyncError
-from weightsync.meta.client import MetaClient, MetaError
+from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES, Bucket, Pair
 from weightsync.runtime.doorbell import Doorbell, open_bells
 from weightsync.runtime.job import (
@@ -51,11 +68,13 @@ from weightsync.runtime.job import (
 )
 from weightsync.spec.model import ModelSpec
 from weightsync.transport.base import (
+    TRANSPORTS,
     Buffers,
     MetaLink,
     Sender,
     SenderContext,
     TransportOptions,
+    elastic_transports,
     make_sender,
     receiver_class,
     resolve,
@@ -88,6 +107,11 @@ class SessionOptions:
             raise ConfigError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         object.__setattr__(self, "transport_name", resolve(self.transport, colocate=self.colocate, mode=self.mode,
                                                            directory=self.directory))
+
+    @property
+    def elastic(self) -> bool:
+        """Whether instances may join, leave and die while the job runs (the transport says)."""
+        return TRANSPORTS[self.transport_name].elastic
 
     def transport_options(self, backend: str) -> TransportOptions:
         return TransportOptions(self.transport_name, self.mode, backend, self.timeout_s, self.host,
@@ -133,7 +157,7 @@ class JobSession(ABC):
         other = wait_side(self.client, theirs, self.options.timeout_s)
         people = (own + other) if self.role == "train" else (other + own)
         try:
-            self.shape = job_shape(people, self.options.colocate, self.options.bucket_bytes)
+            self.shape = job_shape(people, self.options.colocate, self.options.bucket_bytes, self.options.elastic)
             self.check_layouts()
         except WeightSyncError as e:  # every participant learns of it at once, not at its timeout
             log.error("%s refused the job: %s", self.who, e)
@@ -213,7 +237,8 @@ class TrainerSession(JobSession):
         check_own_layout(self.shape.train, t.spec, t.rank, layout_digest(t.layout), self.who)
 
     def plan(self) -> list[tuple[str, Buffers]]:
-        planner = self.shape.planner(self.spec, src=self.train.engine)
+        # elastic: one instance slot, whatever instances come and go (module docstring)
+        planner = self.shape.planner(self.spec, src=self.train.engine, instances=1 if self.shape.elastic else None)
         self.plans = planner.send_plan(self.train.rank)
         self.context = SenderContext(self.link, self.client, self.shape, self.train.rank, planner, self.plans,
                                      self.train.tensors)
@@ -228,9 +253,23 @@ class TrainerSession(JobSession):
     def post_hashes(self) -> None:
         self.client.post_plan_hashes("train", self.train.rank, hashes_of(self.plans))
 
+    def prove(self) -> None:
+        if not self.shape.elastic:
+            return super().prove()
+        # elastic: no instance plans against our hashes (they are posted for the record); the job starts
+        # once the instances it started with have joined, so its first step reaches them all
+        self.post_hashes()
+        wait_joined(self.client, self.initial_instances(), self.options.timeout_s)
+
+    def initial_instances(self) -> int:
+        """How many instances the job starts with (what the first inference registrant said)."""
+        infer = [p for p in self.people if p["role"] == "infer"]
+        return min(int(p["engine_config"].get("instances", 1)) for p in infer) if infer else 1
+
     def connect(self) -> None:
-        # sync: the instances' `held` bells, when every reader is on this host
-        if self.options.mode == "sync":
+        # sync: the instances' `held` bells, when every reader is on this host (elastic: instances
+        # come and go, so the MetaServer's membership says whom a step waits for)
+        if self.options.mode == "sync" and not self.shape.elastic:
             names = [f"bell.held.{i}" for i in range(self.shape.instances)]
             self.held_bells = open_bells(self.client, names, self.options.timeout_s)
         self.sender.connect(self.context)
@@ -259,6 +298,8 @@ class InstanceSession(JobSession):
         self.held_bell: Doorbell | None = None
         self.written_bells: list[Doorbell] | None = None
         self.backend = "gloo"
+        #: elastic: the first step this instance must hold (none written before it joined is waited for)
+        self.since = 0
 
     @property
     def who(self) -> str:
@@ -271,7 +312,8 @@ class InstanceSession(JobSession):
         # co-located: can each worker read the other GPUs (CUDA peer access)? One that cannot makes the job
         # send those pieces through the workers' group instead
         probes = self.instance.call(worker.probe, opts.colocate and opts.peer_copies, timeout_s=opts.timeout_s)
-        self.client.join(self.instance_id)
+        if not opts.elastic:  # elastic: joins once connected (``connect``)
+            self.client.join(self.instance_id)
         for rank, p in enumerate(probes):
             register(self.client, self.spec, "infer", rank, self.engine, self.engine.layout(rank),
                      instance=self.instance_id,
@@ -307,13 +349,18 @@ class InstanceSession(JobSession):
 
     def publish_bells(self) -> None:
         # sync: the trainers on this host wait for our `held` on this bell rather than on the MetaServer
-        if self.options.mode == "sync":
+        # (elastic: they ask the MetaServer, which knows who is a member)
+        if self.options.mode == "sync" and not self.options.elastic:
             self.held_bell = Doorbell()
             self.client.publish(f"bell.held.{self.instance_id}", self.held_bell.address, replace=True)
 
     def post_hashes(self) -> None:
         for rank, pairs in enumerate(self.hashes):
             self.client.post_plan_hashes("infer", rank, pairs, instance=self.instance_id)
+
+    def prove(self) -> None:
+        if not self.shape.elastic:  # elastic: no trainer planned for us (module docstring)
+            super().prove()
 
     def connect(self) -> None:
         from weightsync.runtime import worker
@@ -324,13 +371,23 @@ class InstanceSession(JobSession):
             names = [f"bell.written.{t}" for t in range(self.shape.train_world)]
             self.written_bells = open_bells(self.client, names, opts.timeout_s)
         self.instance.call(worker.connect, self.link, timeout_s=worker.call_timeout(opts.timeout_s))
+        if opts.elastic:  # a member from now on: the next step the trainers write waits for us
+            got = self.client.join(self.instance_id)
+            self.since = self.client.members()[self.instance_id]["since"]
+            log.info("%s joined at topology version %s (members %s), holding steps from %d on", self.who,
+                     got["version"], got["instances"], self.since)
 
     def close(self) -> None:
         from weightsync.runtime import worker
 
         if self.held_bell is not None:
             self.held_bell.close()
-        self.instance.call(worker.disconnect, timeout_s=self.options.timeout_s)
+        try:
+            if self.options.elastic and self.connected:  # out from the next step the trainers write
+                with contextlib.suppress(MetaError):
+                    self.client.leave(self.instance_id, reason="closed")
+        finally:
+            self.instance.call(worker.disconnect, timeout_s=self.options.timeout_s)
 
 
 class SessionDriven:
@@ -348,6 +405,36 @@ class SessionDriven:
     @property
     def shape(self) -> JobShape:
         return self.connect().session.shape
+
+
+def check_instance_id(instance_id: int, instances: int, options: SessionOptions) -> None:
+    """Refuse, before any I/O, an instance id the job cannot take: beyond the instances a fixed-membership
+    job starts with, a join only elastic transports allow."""
+    if instance_id < 0 or instances < 1:
+        raise ConfigError(f"instance_id must be >= 0 and instances >= 1, got {instance_id} and {instances}")
+    if instance_id >= instances and not options.elastic:
+        raise ConfigError(
+            f"instance {instance_id} cannot join a job of {instances} instance(s) over the {options.transport_name} "
+            f"transport: its set of instances is fixed when the job starts; instances may join, leave and die "
+            f"only over an elastic transport ({', '.join(elastic_transports())}), or start the job with "
+            f"instances={instance_id + 1}"
+        )
+
+
+def wait_joined(client: MetaClient, count: int, timeout_s: float) -> list[int]:
+    """Wait until at least ``count`` instances are members of the job; return them."""
+    deadline = time.monotonic() + timeout_s
+    got = client.instances()
+    while len(got["instances"]) < count:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise MetaTimeout(f"only instances {got['instances']} joined the job within {timeout_s:g} s; "
+                              f"it starts with {count}")
+        try:
+            got = client.wait_topology(got["version"], timeout=left)
+        except MetaTimeout:
+            got = client.instances()
+    return got["instances"]
 
 
 def device_uuid(device) -> str | None:

@@ -3,29 +3,33 @@
 Set-up (:class:`~weightsync.runtime.session.TrainerSession`, on :meth:`WeightWriter.connect` or the
 first ``write``): register, agree, plan, budget, bells, prove, connect. Every step, ``write(step)``
 hands this rank's part to its transport and returns once it left (async) or once every instance
-holds the step (sync).
+holds the step (sync; on an elastic transport every *live* instance: one that does not report the
+step within ``instance_timeout_s`` is dropped, see the session's "membership").
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Protocol
 
 import torch
 
-from weightsync.errors import WeightSyncError
+from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.integrity.cadence import due as integrity_due
 from weightsync.integrity.cadence import every as integrity_every
 from weightsync.layout.layout import EngineLayout, Layout
-from weightsync.meta.client import MetaClient, MetaError
+from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.doorbell import wait_rung
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 from weightsync.runtime.session import SessionDriven, SessionOptions, TrainerSession
 from weightsync.spec.model import ModelSpec
 from weightsync.transport.base import MetaLink, StepStats
+
+log = logging.getLogger("weightsync.writer")
 
 
 class TrainSide(Protocol):
@@ -62,12 +66,19 @@ class WeightWriter(SessionDriven):
         timeout_s: float = 60.0,
         host: str = "127.0.0.1",
         integrity: int | bool | None = DEFAULT_INTEGRITY,
+        instance_timeout_s: float | None = None,
     ):
         options = SessionOptions(colocate=colocate, mode=mode, transport=transport, directory=directory,
                                  bucket_bytes=bucket_bytes, memory_budget=memory_budget, timeout_s=timeout_s,
                                  peer_copies=peer_copies, host=host, backend=backend,
                                  integrity=integrity_every(integrity))
+        if instance_timeout_s is not None and instance_timeout_s <= 0:
+            raise ConfigError(f"instance_timeout_s must be positive, got {instance_timeout_s}")
         self.train, self.mode, self.timeout_s = train, mode, timeout_s
+        #: elastic sync jobs: how long a step waits for an instance's `held` before dropping it (gone)
+        self.instance_timeout_s = timeout_s if instance_timeout_s is None else instance_timeout_s
+        #: instances this writer dropped, with the step they missed
+        self.dropped: dict[int, int] = {}
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         self.session = TrainerSession(self.client, MetaLink(meta, job, token), train, options)
         self._sent_sums = None  # weightsync.integrity: this rank's checksum regions, derived at the first checked step
@@ -103,11 +114,37 @@ class WeightWriter(SessionDriven):
         self._post_sums(step)  # a checked step: what this rank sent, for the workers to compare
         self.client.written(step, self.train.rank)
         t2 = time.perf_counter()
-        if self.mode == "sync":
+        if self.mode == "sync" and s.shape.elastic:
+            self._wait_live(step)
+        elif self.mode == "sync":
             instances = range(s.shape.instances)
             wait_rung(s.held_bells, step, self.timeout_s, lambda t: self.client.wait_held(step, instances, timeout=t))
+        if self.mode == "sync":
+            s.sender.held(step)
         self.last_timing = {"send": t1 - t0, "written": t2 - t1, "wait_held": time.perf_counter() - t2}
         return self.last
+
+    def _wait_live(self, step: int) -> None:
+        """Elastic: wait until every live member holds ``step`` (the MetaServer knows who they are); drop
+        each that has not within ``instance_timeout_s`` (state ``gone``: it may rejoin) and go on, so a
+        dead instance holds a trainer up no longer than that."""
+        try:
+            self.client.wait_held(step, None, timeout=self.instance_timeout_s)
+            return
+        except MetaTimeout:
+            pass
+        summary = self.client.summary()
+        late = [int(i) for i, m in summary["members"].items()
+                if m["state"] == "joined" and m["since"] <= step and (m["held"] is None or m["held"] < step)]
+        for i in late:
+            reason = (f"training rank {self.train.rank}: no report of step {step} held within "
+                      f"{self.instance_timeout_s:g} s")
+            log.warning("dropping instance %d from job %s: %s", i, self.client.job, reason)
+            self.client.gone(i, reason=reason)
+            self.dropped[i] = step
+        # the live ones hold it by now, or the membership changed meanwhile: one more short look
+        with contextlib.suppress(MetaTimeout):
+            self.client.wait_held(step, None, timeout=min(1.0, self.instance_timeout_s))
 
     def _post_sums(self, step: int) -> None:
         """On a checked step (``integrity=N``, sync mode), post the checksums of every bucket this rank

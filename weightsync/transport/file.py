@@ -106,6 +106,7 @@ class FileTransport:
         *,
         timeout_s: float = 60.0,
         poll_s: float = 0.01,
+        consume: bool = True,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -113,6 +114,7 @@ class FileTransport:
             raise ValueError(f"poll_s must not be negative, got {poll_s}")
         self.directory = os.fspath(directory)
         self.step_fn, self.timeout_s, self.poll_s = step_fn, timeout_s, poll_s
+        self.consume = consume  # False: files are shared by every instance and swept by their writer
         os.makedirs(self.directory, exist_ok=True)
         self._buffer: torch.Tensor | None = None  # the sender's packing buffer, reused every step
 
@@ -283,7 +285,8 @@ class FileTransport:
                     buf = buf.to(device)
                 unpack(b, buf, tensors)
                 count, nbytes = count + 1, nbytes + b.nbytes
-        os.unlink(path)  # consumed: each pair's file has exactly one reader
+        if self.consume:
+            os.unlink(path)  # consumed: each pair's file has exactly one reader
         return count, nbytes
 
 
@@ -291,7 +294,11 @@ class FileTransport:
 
 
 class FileSender(Sender):
-    """A training rank writes one file per pair and step into the job's directory."""
+    """A training rank writes one file per pair and step into the job's directory.
+
+    Elastic (the job session plans the trainers for one instance slot): a step's files are written once,
+    whichever instances exist, and every instance reads them; the rank removes them once every live
+    instance holds the step (``held``), and whatever is left of its own at ``close``."""
 
     def connect(self, ctx: SenderContext) -> None:
         self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s)
@@ -301,13 +308,24 @@ class FileSender(Sender):
         with torch.no_grad():
             return self.transport.send(self.plans, self.tensors, step=step)
 
+    def held(self, step: int) -> None:
+        self.transport.sweep(step + 1, pairs=self.plans)
+
+    def close(self) -> None:
+        transport = getattr(self, "transport", None)
+        if transport is not None:
+            transport.sweep(1 << 62, pairs=self.plans)
+
 
 class FileReceiver(Receiver):
-    """An inference worker waits for its pairs' files of the step and unpacks them in place."""
+    """An inference worker waits for its pairs' files of the step and unpacks them in place.
+
+    Every instance reads the files written for instance slot 0 (the trainers write each step once) with
+    that slot's plan, which lands in exactly the regions its own plan names; it leaves them in place."""
 
     def connect(self, ctx: ReceiverContext) -> None:
-        self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s)
-        self.plans = ctx.plans
+        self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s, consume=False)
+        self.plans = ctx.plans if ctx.instance == 0 else ctx.planner.recv_plan(0, ctx.rank)
 
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
         return self.transport.recv(self.plans, targets, step=step)
