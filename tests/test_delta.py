@@ -288,3 +288,74 @@ def test_p2p_gaps_fall_back_to_whole_pairs(p2p_job):
                 assert kinds == {"full": sum(kinds.values())} and moved > full, (i, j, step, moved, full, kinds)
             else:
                 assert "full" not in kinds and moved < full / 10, (i, j, step, moved, full, kinds)
+
+
+# -- the file transport (one process: a directory needs no group) ---------------------------------
+
+
+def test_file_bit_exact_and_gaps_read_the_full_file(tmp_path):
+    """Two trainers write full and delta files each step; four receivers (2 instances x tp=2) read the
+    delta when they prove its base, else the full file -- each gap exactly where it happens."""
+    from weightsync.delta.file import DeltaFileReceiver, DeltaFileSender
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
+    from weightsync.plan.planner import Planner
+    from weightsync.spec import load_spec
+    from weightsync.transport.file import FileTransport
+
+    spec = load_spec("tiny-qwen3")
+    src, dst = make_layout(spec, "fsdp:dp=2"), make_layout(spec, "vllm:tp=2")
+    planner = Planner(src, dst, 1, bucket_bytes=24 << 10)  # elastic file: every instance reads slot 0's files
+    traj = _trajectory(spec, STEPS)
+    senders = []
+    for r in range(2):
+        tensors = scatter(src.layout(r), traj[0])
+        senders.append((r, tensors, DeltaFileSender(FileTransport(tmp_path), planner.send_plan(r), tensors)))
+
+    def poisoned(j):
+        return {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype])
+                for n, t in dst.layout(j).tensors.items()}
+
+    plans = {j: planner.recv_plan(0, j) for j in range(2)}
+    receivers = {(i, j): [DeltaFileReceiver(FileTransport(tmp_path, consume=False), plans[j]), poisoned(j)]
+                 for i in range(2) for j in range(2)}
+    for step in range(STEPS):
+        for r, tensors, sender in senders:
+            fill_from(src.layout(r), tensors, traj[step])
+            if step == SENDER_FORGETS:
+                sender.previous.invalidate()
+            stats = sender.send(step)
+            assert stats.bytes >= stats.full_bytes
+        for (i, j), held in receivers.items():
+            receiver, tensors = held
+            layout = dst.layout(j)
+            gap = GAPS.get(step, {}).get((i, j))
+            if gap == "new instance":
+                receiver = held[0] = DeltaFileReceiver(FileTransport(tmp_path, consume=False), plans[j])
+                tensors = held[1] = poisoned(j)
+            elif gap == "skipped step":
+                fill_from(layout, tensors, traj[step - 2])
+                receiver.version = step - 2
+            elif gap == "failed update":
+                for t in list(tensors.values())[::2]:
+                    t.view(-1)[: t.numel() // 2] = 7.0
+                receiver.version = None
+            elif gap == "staged rollback":
+                fill_from(layout, tensors, traj[step - 3])
+            elif gap == "touched":
+                t = next(iter(tensors.values()))
+                t.view(-1)[0] = t.view(-1)[0] + 1
+            stats = receiver.receive(step, tensors)
+            want = scatter(layout, traj[step])
+            bad = [n for n in want if not same(tensors[n], want[n])]
+            assert not bad, f"step {step} instance {i} rank {j}: wrong values in {bad[:4]}"
+            whole = step in (0, SENDER_FORGETS) or (gap is not None and gap != "touched")
+            if whole:
+                assert len(receiver.last_full_pairs) == 2 and stats.bytes == stats.full_bytes, (step, i, j, gap)
+            elif gap == "touched":
+                assert len(receiver.last_full_pairs) == 1, (step, i, j, receiver.last_full_pairs)
+            else:
+                assert not receiver.last_full_pairs and stats.bytes < stats.full_bytes / 10, (step, i, j, stats)
+        for r, _, sender in senders:
+            FileTransport(tmp_path).sweep(step + 1, pairs=planner.send_plan(r))
+    assert not [n for n in __import__("os").listdir(tmp_path) if "step" in n and int(n.split(".")[0][4:]) < STEPS - 1]

@@ -158,3 +158,13 @@ def gather_pairs(segs: Sequence[Segment], targets: Mapping[str, torch.Tensor], b
 def previous_bytes(plans: Mapping[Pair, list[Bucket]]) -> int:
     """The memory a sender's :class:`PreviousVersion` of ``plans`` takes (one copy per signature)."""
     return sum({signature(b): b.nbytes for bs in plans.values() for b in bs if b.nbytes}.values())
+
+
+def previous_buffers_bytes(plans: Mapping[Pair, list[Bucket]], host: bool) -> int:
+    """What the previous version adds to a sender's :class:`~weightsync.transport.base.Buffers` (the
+    device memory the budget counts): all of it on the device, none when kept in host memory (logged)."""
+    n = previous_bytes(plans)
+    if host:
+        log.info("delta: the previous version takes %d bytes of host memory (not counted in the device budget)", n)
+        return 0
+    return n

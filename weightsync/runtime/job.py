@@ -40,9 +40,11 @@ def enforce_memory_budget(client: MetaClient, budget: int | None, buffers: Buffe
     slots, largest, need = buffers.slots, buffers.largest, buffers.bytes
     if budget is not None and need > budget:
         reason = (
-            f"{who}: the transport would keep {slots} buffers of {largest} bytes (its largest bucket) = {need} "
-            f"bytes beyond the weights, over the memory budget of {budget} bytes; plan smaller buckets "
-            f"(bucket_bytes <= {budget // slots}) or raise memory_budget"
+            f"{who}: the transport would keep {slots} buffers of {largest} bytes (its largest bucket)"
+            + (f" and the previous version for delta updates ({buffers.previous} bytes; delta_host=True keeps it "
+               f"in host memory instead)" if buffers.previous else "")
+            + f" = {need} bytes beyond the weights, over the memory budget of {budget} bytes; plan smaller buckets "
+            f"(bucket_bytes <= {budget // max(slots, 1)}) or raise memory_budget"
         )
         client.abort(reason)
         raise ConfigError(reason)
@@ -193,6 +195,7 @@ def job_shape(people: list[dict], colocate: bool, bucket_bytes: int, elastic: bo
     )
     if shape.colocate != colocate or shape.bucket_bytes != bucket_bytes:
         raise ConfigError("this participant's options differ from the job's")
+    check_agreement(people, "delta", "delta updates (delta=True on every writer and reader, or on none)")
     if elastic:  # instances come and go: only the trainers must all be there
         if len(train) != shape.train_world:
             raise JobMismatch(f"expected {shape.train_world} training participants, got {len(train)}")

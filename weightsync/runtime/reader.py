@@ -63,13 +63,15 @@ class WeightReader(SessionDriven):
         integrity: int | bool | None = DEFAULT_INTEGRITY,
         validate_every: int = 0,
         validate_checkpoint: str | Callable[[int], str] | None = None,
+        delta: bool = False,
     ):
         if validate_every < 0 or (validate_every and validate_checkpoint is None):
             raise ValueError("validate_every=N (N >= 1) needs validate_checkpoint=: the checkpoint directory, or "
                              "a callable step -> directory, to validate every Nth update against")
         options = SessionOptions(colocate=colocate, mode=mode, transport=transport, directory=directory,
                                  bucket_bytes=bucket_bytes, memory_budget=memory_budget, timeout_s=timeout_s,
-                                 peer_copies=peer_copies, integrity=integrity_every(integrity))
+                                 peer_copies=peer_copies, integrity=integrity_every(integrity),
+                                 delta=delta)  # delta: as the writers (weightsync.delta)
         check_instance_id(instance_id, instances, options)  # beyond the job's start: elastic transports only
         self.instance, self.instance_id, self.timeout_s = instance, instance_id, timeout_s
         self.staged, self.mode, self.colocate = staged, mode, colocate

@@ -98,6 +98,8 @@ class SessionOptions:
     host: str = "127.0.0.1"
     backend: str | None = None  # None: nccl for CUDA tensors, gloo otherwise
     integrity: int = DEFAULT_INTEGRITY  # check the steps divisible by N (weightsync.integrity); 0: none
+    delta: bool = False  # send only what changed since the version each receiver proves (weightsync.delta)
+    delta_host: bool = False  # delta: the sender keeps its previous version in host memory
     transport_name: str = field(init=False, default="")  # the registered transport these options select
 
     def __post_init__(self) -> None:
@@ -107,6 +109,9 @@ class SessionOptions:
             raise ConfigError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         object.__setattr__(self, "transport_name", resolve(self.transport, colocate=self.colocate, mode=self.mode,
                                                            directory=self.directory))
+        from weightsync.delta import check_options
+
+        check_options(self.transport_name, self.mode, self.delta)
 
     @property
     def elastic(self) -> bool:
@@ -115,12 +120,12 @@ class SessionOptions:
 
     def transport_options(self, backend: str) -> TransportOptions:
         return TransportOptions(self.transport_name, self.mode, backend, self.timeout_s, self.host,
-                                self.directory, self.peer_copies)
+                                self.directory, self.peer_copies, delta=self.delta, delta_host=self.delta_host)
 
     def registered(self) -> dict[str, Any]:
         """The options every participant must agree on, as registered with the MetaServer."""
         return {"colocate": self.colocate, "bucket_bytes": self.bucket_bytes, "transport": self.transport_name,
-                "mode": self.mode, "integrity": self.integrity}
+                "mode": self.mode, "integrity": self.integrity, "delta": self.delta}
 
 
 class JobSession(ABC):

@@ -67,11 +67,15 @@ class WeightWriter(SessionDriven):
         host: str = "127.0.0.1",
         integrity: int | bool | None = DEFAULT_INTEGRITY,
         instance_timeout_s: float | None = None,
+        delta: bool = False,
+        delta_host: bool = False,
     ):
+        # delta: send each bucket as what changed since the version its receiver proves it holds, else
+        # whole (weightsync.delta, docs/delta.md); delta_host: keep that previous version in host memory
         options = SessionOptions(colocate=colocate, mode=mode, transport=transport, directory=directory,
                                  bucket_bytes=bucket_bytes, memory_budget=memory_budget, timeout_s=timeout_s,
                                  peer_copies=peer_copies, host=host, backend=backend,
-                                 integrity=integrity_every(integrity))
+                                 integrity=integrity_every(integrity), delta=delta, delta_host=delta_host)
         if instance_timeout_s is not None and instance_timeout_s <= 0:
             raise ConfigError(f"instance_timeout_s must be positive, got {instance_timeout_s}")
         self.train, self.mode, self.timeout_s = train, mode, timeout_s

@@ -52,12 +52,12 @@ from safetensors import safe_open
 
 from weightsync.plan.planner import Bucket, Pair, pair_hash
 from weightsync.errors import TransportError
-from weightsync.transport.base import Receiver, ReceiverContext, Sender, SenderContext, StepStats
+from weightsync.transport.base import Buffers, Receiver, ReceiverContext, Sender, SenderContext, StepStats
 from weightsync.transport.p2p import TransferStats, describe
 from weightsync.transport.pack import pack, unpack
 
 FORMAT = "weightsync.file/1"
-_NAME = re.compile(r"^\.?step(\d+)\.t(\d+)\.i(\d+)\.r(\d+)\.safetensors(\..*\.tmp)?$")
+_NAME = re.compile(r"^\.?step(\d+)\.t(\d+)\.i(\d+)\.r(\d+)\.safetensors(\.delta)?(\..*\.tmp)?$")  # .delta: weightsync.delta.file
 
 Plans = Mapping[Pair, list[Bucket]]
 
@@ -300,12 +300,26 @@ class FileSender(Sender):
     whichever instances exist, and every instance reads them; the rank removes them once every live
     instance holds the step (``held``), and whatever is left of its own at ``close``."""
 
+    def memory(self, ctx: SenderContext) -> Buffers:
+        if self.options.delta:  # the previous version, kept for the next step's deltas (weightsync.delta)
+            from weightsync.delta.state import previous_buffers_bytes
+
+            return Buffers(previous=previous_buffers_bytes(ctx.plans, self.options.delta_host))
+        return Buffers()
+
     def connect(self, ctx: SenderContext) -> None:
         self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s)
         self.plans, self.tensors = ctx.plans, ctx.tensors
+        self.delta = None
+        if self.options.delta:  # a delta file beside each full file (weightsync.delta.file)
+            from weightsync.delta.file import DeltaFileSender
+
+            self.delta = DeltaFileSender(self.transport, ctx.plans, ctx.tensors, host=self.options.delta_host)
 
     def send(self, step: int) -> StepStats:
         with torch.no_grad():
+            if self.delta is not None:
+                return self.delta.send(step)
             return self.transport.send(self.plans, self.tensors, step=step)
 
     def held(self, step: int) -> None:
@@ -326,6 +340,13 @@ class FileReceiver(Receiver):
     def connect(self, ctx: ReceiverContext) -> None:
         self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s, consume=False)
         self.plans = ctx.plans if ctx.instance == 0 else ctx.planner.recv_plan(0, ctx.rank)
+        self.delta = None
+        if self.options.delta:  # the delta file when this worker proves its base, else the full file
+            from weightsync.delta.file import DeltaFileReceiver
+
+            self.delta = DeltaFileReceiver(self.transport, self.plans)
 
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
+        if self.delta is not None:
+            return self.delta.receive(step, targets)
         return self.transport.recv(self.plans, targets, step=step)

@@ -351,9 +351,10 @@ class P2PSender(Sender):
 
     def memory(self, ctx: SenderContext) -> Buffers:
         if self.options.delta:  # the previous version, kept for the next step's deltas (weightsync.delta)
-            from weightsync.delta.state import previous_bytes
+            from weightsync.delta.state import previous_buffers_bytes
 
-            return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans), previous_bytes(ctx.plans))
+            previous = previous_buffers_bytes(ctx.plans, self.options.delta_host)
+            return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans), previous)
         return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans))
 
     def connect(self, ctx: SenderContext) -> None:
