@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.errors import ConfigError, WeightSyncError
-from weightsync.local.events import Event, Participant, Ready, StepDone, StepStarted
+from weightsync.local.events import Done, Event, Participant, Ready, StepDone, StepStarted
 from weightsync.local.runner import Emit, LocalJob
 
 DEFAULT_INFER = ("hf", "vllm:tp=2")
@@ -50,6 +50,10 @@ class DemoConfig:
     steps: int = 3
     device: str = "cpu"
     timeout_s: float = 60.0
+    transport: str = "p2p"  # p2p (default; co-located with --colocate), file, or any registered transport
+    join_at: int | None = None  # one more instance per job joins the running job before this step
+    kill_at: int | None = None  # instance 0 of each job is SIGKILLed during this step
+    instance_timeout_s: float = 5.0  # elastic: how long a step waits for an instance before dropping it
 
 
 @dataclass
@@ -60,6 +64,41 @@ class _StepRecord:
     starts: list[float] = field(default_factory=list)
     loss: float | None = None
     updates: list[StepDone] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Joined(Event):
+    """An instance joined the running job (elastic transports), before ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Killed(Done):
+    """An instance is about to SIGKILL itself (with its workers) during ``step`` (``--kill-at``); a Done,
+    so the job goes on without it."""
+
+    step: int
+
+
+def _transport_args(cfg: DemoConfig, job: str, refdir: str) -> dict:
+    """WeightWriter/WeightReader transport options for one job (the file transport: a directory of its own)."""
+    if cfg.transport == "p2p":
+        return {}
+    args: dict = {"transport": cfg.transport}
+    if cfg.transport == "file":
+        args["directory"] = os.path.join(refdir, f"files-{job}")
+    return args
+
+
+def _holders(cfg: DemoConfig, step: int) -> int:
+    """How many instances of one job hold ``step``: the initial ones, one joiner, less the killed one."""
+    n = cfg.instances
+    if cfg.join_at is not None and step >= cfg.join_at:
+        n += 1
+    if cfg.kill_at is not None and step >= cfg.kill_at:
+        n -= 1
+    return n
 
 
 def _jobs(cfg: DemoConfig) -> list[tuple[str, str]]:
@@ -87,8 +126,9 @@ def _trainer(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: DemoC
                             world_size=world)
     trainer = build_trainer(spec, cfg.train, rank, world, device=cfg.device)
     # set up every job before the first step (else the first write would), so step 1 times a step
-    writers = [WeightWriter(trainer.bound, meta=meta, job=job, timeout_s=cfg.timeout_s,
-                            colocate=cfg.colocate).connect() for job, _ in _jobs(cfg)]
+    elastic = {"instance_timeout_s": cfg.instance_timeout_s} if cfg.join_at or cfg.kill_at else {}
+    writers = [WeightWriter(trainer.bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate,
+                            **_transport_args(cfg, job, refdir), **elastic).connect() for job, _ in _jobs(cfg)]
     emit(Ready(emit.participant))
     dev = next(iter(trainer.bound.tensors.values())).device
     probe = torch.arange(16, device=dev).remainder(spec.vocab_size).view(1, 16)
@@ -108,6 +148,11 @@ def _trainer(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: DemoC
         # wall clock, sent before any byte moves: the driver compares it with the readers' end times
         emit(StepStarted(emit.participant, step, time.time(), loss))
         for w in writers:
+            if step == cfg.join_at:  # --join-at: the joiner is in before this step is written
+                from weightsync.runtime.session import wait_joined
+
+                wait_joined(w.client, cfg.instances + 1 - (cfg.kill_at is not None and cfg.kill_at < step),
+                            cfg.timeout_s)
             w.write(step)
     dist.destroy_process_group()
 
@@ -159,14 +204,27 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
     torch.set_num_threads(1)
     spec = load_spec(cfg.model)
     local = build_instance(spec, engine, device=f"cuda:{gpu}" if cfg.device == "cuda" else "cpu", seed=99)
+    joiner = inst >= instances  # --join-at: joins the running job once the step before is held
     try:
         reader = WeightReader(local.instance, meta=meta, job=job, instance_id=inst, instances=instances,
-                              timeout_s=cfg.timeout_s, colocate=cfg.colocate).connect()
+                              timeout_s=cfg.timeout_s, colocate=cfg.colocate, **_transport_args(cfg, job, refdir))
+        if joiner and cfg.join_at > 1:
+            reader.client.wait_held(cfg.join_at - 1, timeout=cfg.timeout_s * cfg.join_at)
+        reader.connect()
         emit(Ready(emit.participant))
+        first = 1
+        if joiner:
+            first = max(1, reader.since)
+            emit(Joined(emit.participant, first))
         probe = torch.arange(16).remainder(spec.vocab_size).view(1, 16)
         if local.model is not None:
             probe = probe.to(next(local.model.parameters()).device)
-        for step in range(1, cfg.steps + 1):
+        for step in range(first, cfg.steps + 1):
+            if step == cfg.kill_at and inst == 0:  # --kill-at: once a trainer wrote the step, die with the workers
+                reader.client.wait_written(step, n=1, timeout=cfg.timeout_s)
+                emit(Killed(emit.participant, step))
+                emit.flush()
+                os.killpg(os.getpgrp(), 9)
             t0 = time.perf_counter()
             reader.update(step)
             seconds, end = time.perf_counter() - t0, time.time()
@@ -217,6 +275,16 @@ def check(cfg: DemoConfig) -> None:
 
     if cfg.steps < 1 or cfg.instances < 1:
         raise ConfigError("demo: --steps and --instances must be at least 1")
+    if cfg.join_at is not None or cfg.kill_at is not None:
+        from weightsync.transport.base import TRANSPORTS, elastic_transports
+
+        entry = TRANSPORTS.get(cfg.transport)
+        if entry is None or not entry.elastic:
+            raise ConfigError(f"demo: --join-at and --kill-at need an elastic transport ({', '.join(elastic_transports())}), "
+                              f"not {cfg.transport}; add --transport file")
+        for what, s in (("--join-at", cfg.join_at), ("--kill-at", cfg.kill_at)):
+            if s is not None and not 1 <= s <= cfg.steps:
+                raise ConfigError(f"demo: {what} {s} is not one of the steps 1..{cfg.steps}")
     if cfg.device not in ("cpu", "cuda"):
         raise ConfigError(f"demo: --device must be cpu or cuda, not {cfg.device!r}")
     spec = load_spec(cfg.model)
@@ -253,11 +321,16 @@ def run(cfg: DemoConfig, print_fn=print) -> dict:
     check(cfg)
     spec = load_spec(cfg.model)
     world = make_layout(spec, cfg.train).world_size
-    per_step = len(cfg.infer) * cfg.instances
     steps = {s: _StepRecord(s) for s in range(1, cfg.steps + 1)}
     done: list[dict] = []
+    events: list[dict] = []
 
     def on_event(ev: Event) -> None:
+        if isinstance(ev, (Joined, Killed)):
+            what = "joined" if isinstance(ev, Joined) else "killed"
+            events.append({"step": ev.step, what: ev.participant.index, "job": ev.participant.job})
+            print_fn(f"step {ev.step}: {ev.participant} {what}")
+            return
         if isinstance(ev, StepStarted):
             r = steps[ev.step]
             r.starts.append(ev.at)
@@ -267,7 +340,7 @@ def run(cfg: DemoConfig, print_fn=print) -> dict:
             r.updates.append(ev)
         else:
             return
-        if len(r.updates) == per_step and len(r.starts) == world:
+        if len(r.updates) == len(cfg.infer) * _holders(cfg, r.step) and len(r.starts) == world:
             summary = _summary(r)
             done.append(summary)
             print_fn(_line(summary))
@@ -281,7 +354,7 @@ def run(cfg: DemoConfig, print_fn=print) -> dict:
         gpu = 0 if cfg.colocate else world  # separated: instances on the GPUs after the trainers'
         for name, engine in _jobs(cfg):
             per = make_layout(spec, engine).world_size
-            for i in range(cfg.instances):
+            for i in range(cfg.instances + (cfg.join_at is not None)):  # the last one joins later (--join-at)
                 job.add(Participant.instance(i, name), _reader, name, engine, i, cfg.instances, job.meta_url, cfg,
                         refdir, gpu)
                 gpu = (gpu + per) % world if cfg.colocate else gpu + per
@@ -292,8 +365,11 @@ def run(cfg: DemoConfig, print_fn=print) -> dict:
     else:
         shutil.rmtree(logdir, ignore_errors=True)
     verified = not errors and len(done) == cfg.steps and all(s["verified"] for s in done)
-    return {"model": cfg.model, "train": cfg.train, "infer": list(cfg.infer), "instances": cfg.instances,
-            "steps": sorted(done, key=lambda s: s["step"]), "verified": verified, "errors": errors}
+    out = {"model": cfg.model, "train": cfg.train, "infer": list(cfg.infer), "instances": cfg.instances,
+           "steps": sorted(done, key=lambda s: s["step"]), "verified": verified, "errors": errors}
+    if cfg.join_at is not None or cfg.kill_at is not None:
+        out["events"] = sorted(events, key=lambda e: (e["step"], e["job"]))
+    return out
 
 
 def _summary(r: _StepRecord) -> dict:
@@ -322,7 +398,8 @@ def _line(r: dict) -> str:
 def main_from_args(args) -> int:
     cfg = DemoConfig(model=args.model, train=args.train, infer=(args.infer,) if args.infer else DEFAULT_INFER,
                      instances=args.instances, colocate=args.colocate, steps=args.steps, device=args.device,
-                     timeout_s=args.timeout)
+                     timeout_s=args.timeout, transport=args.transport, join_at=args.join_at, kill_at=args.kill_at,
+                     instance_timeout_s=args.instance_timeout)
     check(cfg)  # a bad option: the CLI's one-line error, before anything starts
     if not args.json:
         print(f"weightsync demo: {cfg.model}, {cfg.train} -> "
@@ -348,4 +425,11 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any wait may take")
+    p.add_argument("--transport", default="p2p", help="p2p (default), file, or another registered transport")
+    p.add_argument("--join-at", type=int, default=None, metavar="S",
+                   help="one more instance (per inference layout) joins the running job before step S (elastic transports)")
+    p.add_argument("--kill-at", type=int, default=None, metavar="S",
+                   help="SIGKILL instance 0 (per inference layout) during step S; the job goes on without it")
+    p.add_argument("--instance-timeout", type=float, default=5.0,
+                   help="elastic: seconds a step waits for an instance before dropping it")
     p.add_argument("--json", action="store_true")
