@@ -1,5 +1,5 @@
-"""``save_checkpoint``: real trainers (transformers in process; FSDP2 over 2 and megatron-core TP=2 PP=2 over
-4 gloo processes) write their live weights as an HF checkpoint, which transformers' ``from_pretrained``
+"""``save_checkpoint``: real trainers (transformers in process; FSDP2 and megatron-core TP=2 PP=2 in one
+4-process gloo world) write their live weights as an HF checkpoint, which transformers' ``from_pretrained``
 loads to weights bit-identical to the trainer's canonical weights (random, never zeros).
 
 Every save uses a small ``chunk_bytes`` (4 KiB: smaller than most tensors, so every large tensor is
@@ -152,13 +152,28 @@ def test_refusals_write_nothing(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Multi-process worlds: FSDP2 (2 ranks), megatron-core TP=2 PP=2 (4 ranks)
+# One 4-process gloo world: FSDP2 (dp=4; dp=2 x tp=2) and megatron-core TP=2 PP=2 (dense; MoE with EP=2)
+# save one after another, so the processes (and megatron-core's imports, most of the time here) start once.
 
-FSDP_CASES = [("tiny-qwen3", "fsdp:dp=2"), ("tiny-qwen3-moe", "fsdp:dp=2"), ("tiny-llama3", "fsdp:tp=2")]
+FSDP_CASES = [("tiny-qwen3", "fsdp:dp=4"), ("tiny-qwen3-moe", "fsdp:dp=4"), ("tiny-llama3", "fsdp:dp=2,tp=2")]
 MEGATRON_CASES = [("tiny-qwen3", "megatron:tp=2,pp=2"), ("tiny-qwen3-moe", "megatron:tp=2,pp=2,ep=2")]
 
 
-def run_world(world: int, job: dict, timeout: float = 120) -> list[list[dict]]:
+def _have_mcore() -> bool:
+    """Without importing it here (seconds): the workers do."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+HAVE_MCORE = _have_mcore()
+CASES = FSDP_CASES + (MEGATRON_CASES if HAVE_MCORE else [])
+
+
+def run_world(world: int, job: dict, timeout: float = 180) -> list[list[dict]]:
     """Start ``world`` ranks of this file as workers; per case, every rank's result."""
     from helpers import free_port
 
@@ -189,33 +204,36 @@ def run_world(world: int, job: dict, timeout: float = 120) -> list[list[dict]]:
     return [list(case) for case in zip(*per_rank)]
 
 
-def _check_world(tmp_path: Path, cases: list[tuple[str, str]], results: list[list[dict]]) -> None:
-    assert len(results) == len(cases)
-    for i, ((name, train), per_rank) in enumerate(zip(cases, results)):
-        spec = load_spec(name)
-        assert sorted(r["rank"] for r in per_rank) == list(range(len(per_rank)))
-        check_results(per_rank, spec)
-        assert sum(r["bytes_sent"] for r in per_rank) > 0, f"{train}: some tensor must be assembled across ranks"
-        check_loaded(tmp_path / f"case{i}", spec, seed=20 + i)
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> tuple[Path, list[list[dict]]]:
+    d = tmp_path_factory.mktemp("world")
+    results = run_world(4, {"cases": CASES, "dir": str(d)})
+    assert len(results) == len(CASES)
+    return d, results
 
 
-def test_fsdp2_save(tmp_path):
-    _check_world(tmp_path, FSDP_CASES, run_world(2, {"cases": FSDP_CASES, "dir": str(tmp_path)}))
+def _check_case(world, case: tuple[str, str]) -> None:
+    d, results = world
+    i = CASES.index(case)
+    name, train = case
+    spec, per_rank = load_spec(name), results[i]
+    assert sorted(r["rank"] for r in per_rank) == [0, 1, 2, 3]
+    check_results(per_rank, spec)
+    assert sum(r["bytes_sent"] for r in per_rank) > 0, f"{train}: some tensor must be assembled across ranks"
+    assert sum(bool(r["files"]) for r in per_rank) == 4, f"{train}: every rank owns some tensors"
+    check_loaded(d / f"case{i}", spec, seed=20 + i)
 
 
-def _have_mcore() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ModuleNotFoundError:
-        return False
+@pytest.mark.parametrize("case", FSDP_CASES, ids=[f"{m}-{t}" for m, t in FSDP_CASES])
+def test_fsdp2_save(world, case):
+    _check_case(world, case)
 
 
 @pytest.mark.megatron
-@pytest.mark.skipif(not _have_mcore(), reason="megatron-core is not importable")
-def test_megatron_tp2_pp2_save(tmp_path):
-    _check_world(tmp_path, MEGATRON_CASES, run_world(4, {"cases": MEGATRON_CASES, "dir": str(tmp_path)}))
+@pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not importable")
+@pytest.mark.parametrize("case", MEGATRON_CASES, ids=[f"{m}-{t}" for m, t in MEGATRON_CASES])
+def test_megatron_save(world, case):
+    _check_case(world, case)
 
 
 # ---- worker side ---------------------------------------------------------------------------
