@@ -266,3 +266,19 @@ def test_join_on_a_fixed_membership_transport_is_refused(transport):
         engine = make_layout(spec, "hf")
         WeightWriter(TrainRank(engine, 0, engine.layout(0), {}, spec), meta="http://127.0.0.1:1", job="x",
                      instance_timeout_s=0)
+
+
+def test_demo_join_and_kill_with_real_processes():
+    """``weightsync demo --transport file --join-at 2 --kill-at 3``: real processes; instance 0 is
+    SIGKILLed (with its workers) during step 3, the trainers drop it after the instance timeout and every
+    remaining holder of every step is bit-exact."""
+    from weightsync.demo import DemoConfig, run
+
+    cfg = DemoConfig(train="hf", infer=("hf",), steps=3, transport="file", join_at=2, kill_at=3,
+                     instance_timeout_s=2.0, timeout_s=30.0)
+    out = run(cfg, print_fn=lambda s: None)
+    assert out["verified"] and not out["errors"], out
+    assert [{k: v for k, v in e.items() if k != "job"} for e in out["events"]] == [
+        {"step": 2, "joined": 1}, {"step": 3, "killed": 0}]
+    holders = {s["step"]: sorted(i["instance"] for i in s["instances"] if i["exact"]) for s in out["steps"]}
+    assert holders == {1: [0], 2: [0, 1], 3: [1]}
