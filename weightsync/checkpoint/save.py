@@ -16,6 +16,7 @@ the write. No rank ever holds a whole tensor larger than ``chunk_bytes``, let al
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ import torch
 from weightsync.checkpoint.format import INDEX_NAME
 from weightsync.checkpoint.plan import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, CheckpointPlan, Window, make_plan
 from weightsync.dtypes import dtype_name, itemsize, torch_dtype
-from weightsync.errors import ConfigError, TransportError
+from weightsync.errors import ConfigError, TransportError, WeightSyncError
 from weightsync.layout.box import Box, box_numel, box_shape, slices
 from weightsync.layout.layout import check_live
 
@@ -103,12 +104,17 @@ def save_checkpoint(train: Any, directory: str | os.PathLike, group: Any = None,
     """
     t0 = time.perf_counter()
     engine, rank = train.engine, train.rank
-    plan = make_plan(engine, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
     world = _Group.of(group, engine.world_size, rank)
     directory = os.path.abspath(os.fspath(directory))
     problems = _local_problems(train, directory, overwrite if world.rank == 0 else True)
-    claim = _Claim(rank, engine.describe(), engine.spec.digest, plan.digest, directory, tuple(problems))
+    try:  # a rank that cannot plan says so to the others instead of leaving them waiting
+        plan = make_plan(engine, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+    except WeightSyncError as e:
+        plan = None
+        problems.append(f"rank {rank}: {e}")
+    claim = _Claim(rank, engine.describe(), engine.spec.digest, plan.digest if plan else "", directory, tuple(problems))
     world.agree(claim)
+    assert plan is not None  # agree() raised otherwise
     if world.rank == 0 and overwrite:
         _remove_old(Path(directory))
     world.barrier()
@@ -328,6 +334,11 @@ def _run(train: Any, plan: CheckpointPlan, world: _Group, directory: Path) -> di
                     stats["largest"] = max(stats["largest"], src.nbytes)
         for i, fd in fds.items():
             os.fsync(fd)
+    except BaseException:
+        for i in fds:
+            with contextlib.suppress(OSError):
+                os.unlink(directory / (plan.files[i].name + ".tmp"))
+        raise
     finally:
         for fd in fds.values():
             os.close(fd)
