@@ -174,6 +174,54 @@ class TestQwen3TP1:
             trainers.assert_ok()
             reader.close()
 
+    def test_validate_against_vllms_own_load(self, tp1, tmp_path):
+        """weightsync.validate (issue 17) on the synced engine X: clean against its step's checkpoint as vLLM's
+        own loader loads it in each worker (a fresh model, post-processed), the engine left as it was; then a
+        stale post-load transform (the loaded form written, CPU packed copies not rebuilt), a flipped element and
+        a skipped tensor are each caught and named; then a reader with validate_every=1 validates a real sync."""
+        from weightsync.runtime.reader import WeightReader
+        from weightsync.validate import validate
+        from vllm_harness import TrainJob, Trainers, checkpoint, flip_loaded, generate, weights, write_loaded
+
+        inst, llm, spec = tp1.insts["X"], tp1.llms["X"], tp1.spec
+        held, other = tp1.holds["X"], tp1.other("X")
+        paths = {s: checkpoint(spec, s, tmp_path / f"seed{s}") for s in (held, other)}
+        before = generate(llm)
+        r = validate(inst, paths[held])
+        assert r.ok and r.via == "vllm-loader", r.message()
+        packed = {c.name for c in r.checks if c.name.endswith("(packed)")}
+        # every CPU-packed linear (qkv, o, gate_up, down per layer), the embedding's and the tied lm_head's copies
+        assert len(packed) == 4 * spec.num_layers + 2 and "lm_head.weight (packed)" in packed
+        assert "model.layers.0.input_layernorm.weight" in {c.name for c in r.checks}
+        assert generate(llm) == before  # validation left the engine as it was
+        wrong = validate(inst, paths[other]).summary.mismatches
+        assert packed <= set(wrong) and "model.norm.weight" in wrong
+
+        tp1.holds["X"] = None
+        inst.call(write_loaded, weights(spec, other))  # stale: every packed copy still the old weights
+        r = validate(inst, paths[other])
+        assert set(r.summary.mismatches) == packed, r.message()
+        inst.after_update()
+        assert validate(inst, paths[other]).ok
+        inst.call(flip_loaded, "model.layers.1.mlp.down_proj.weight", (5, 9))
+        inst.after_update()
+        (c,) = validate(inst, paths[other]).mismatched()
+        assert (c.name, c.differing, c.first_index) == ("model.layers.1.mlp.down_proj.weight (packed)", 1, (5, 9))
+        skip = ("model.layers.0.post_attention_layernorm.weight", "model.layers.0.self_attn.o_proj.weight")
+        inst.call(write_loaded, weights(spec, held), skip)
+        inst.after_update()
+        r = validate(inst, paths[held])
+        assert set(r.summary.mismatches) == {skip[0], skip[1] + " (packed)"}, r.message()
+
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "offline-validate", [(1, held)])
+        with Trainers(job) as trainers:
+            reader = _reader(tp1, "X", job.job, validate_every=1, validate_checkpoint=lambda step: paths[held])
+            assert reader.connect().update(1) == 1
+            assert reader.last_validation.ok and reader.last_timing["validate"] == reader.last_validation.seconds
+            reader.close()
+            trainers.assert_ok()
+        tp1.check("X", held)
+
     # -- the plug-in backend, driven through vLLM's API ----------------------------------------------------
 
     def test_plugin_sync_through_vllms_api(self, tp1):

@@ -302,6 +302,22 @@ def rank_of(ctx) -> int:
     return ctx.rank
 
 
+def write_loaded(ctx, canonical: dict, skip: tuple = ()) -> None:
+    """On a vLLM worker: ``canonical`` written into the loaded-form tensors weightsync writes (``skip``: local
+    tensors left as they are), WITHOUT re-running the post-load transforms (``VLLMInstance.after_update``)."""
+    from weightsync.layout.materialize import canonical_view, local_view
+
+    for name, t in ctx.state["live"].layout.tensors.items():
+        if name not in skip:
+            for p in t.pieces:
+                local_view(ctx.tensors[name], p).copy_(canonical_view(canonical[p.canonical], p))
+
+
+def flip_loaded(ctx, name: str, index: tuple) -> None:
+    """On a vLLM worker: change one element of a loaded-form tensor (transforms not re-run)."""
+    ctx.tensors[name][index] = -ctx.tensors[name][index] + 1
+
+
 def arm_worker_death(ctx, posts: int = 2) -> int:
     """On a vLLM worker (through ``VLLMInstance.call``): exit abruptly inside its ``posts``-th p2p post."""
     _die_after_posts(posts)
