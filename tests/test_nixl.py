@@ -1,0 +1,330 @@
+"""The nixl transport on CPU: real NIXL agents (UCX over loopback / shared memory), a real MetaServer.
+
+Most cases drive real :class:`NixlSender`/:class:`NixlReceiver` pairs in this process (every agent its
+own, as separate processes would be: NIXL reads through UCX even here) over layouts of every trainer
+row (hf, fsdp, megatron) and inference column (vLLM, SGLang, hf), poisoned destinations, random data,
+``torch.equal``. A training rank in a child process is killed in the middle of a worker's reads; and
+whole jobs (real trainers, real instances, WeightWriter/WeightReader) run sync, staged and async.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from weightsync.engines import make_layout
+from weightsync.errors import ConfigError, TransportError, WeightsMoved
+from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
+from weightsync.meta.client import MetaClient
+from weightsync.meta.server import MetaServer
+from weightsync.plan.planner import Planner
+from weightsync.spec import load_spec
+from weightsync.testing import random_canonical
+from weightsync.transport.base import MetaLink, ReceiverContext, SenderContext, TransportOptions
+
+try:
+    from weightsync.transport.nixl_wire import load_nixl
+
+    load_nixl()
+    NIXL = None
+except ConfigError as e:  # the rdma extra is not installed
+    NIXL = str(e)
+
+pytestmark = pytest.mark.skipif(NIXL is not None, reason=f"nixl not importable: {NIXL}")
+
+TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def meta():
+    with MetaServer().start() as s:
+        yield s.url
+
+
+def canonical(spec, step: int) -> dict:
+    return random_canonical(spec, seed=1000 + step)
+
+
+def poisoned(layout) -> dict[str, torch.Tensor]:
+    return {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype]) for n, t in layout.tensors.items()}
+
+
+def exact(got: dict, layout, spec, step: int) -> list[str]:
+    """Tensors of ``got`` that differ from what ``step`` puts there (padding must stay NaN)."""
+    want = scatter(layout, canonical(spec, step))
+    return [n for n, w in want.items()
+            if not (torch.equal(got[n].isnan(), w.isnan()) and torch.equal(got[n].nan_to_num(), w.nan_to_num()))]
+
+
+class Job:
+    """Senders for every training rank and receivers for every (instance, rank), each its own agent."""
+
+    def __init__(self, meta: str, model: str, train: str, infer: str, instances: int = 1, mode: str = "sync",
+                 bucket_bytes: int = 4096, tensors=None):
+        from weightsync.transport.nixl import NixlReceiver, NixlSender
+
+        self.spec = load_spec(model)
+        self.src, self.dst = make_layout(self.spec, train), make_layout(self.spec, infer)
+        self.planner = Planner(self.src, self.dst, instances, bucket_bytes=bucket_bytes)
+        job = f"nixl-{uuid.uuid4().hex[:8]}"
+        self.link = MetaLink(meta, job)
+        self.client = MetaClient(meta, job, timeout=TIMEOUT_S)
+        options = TransportOptions("nixl", mode, timeout_s=TIMEOUT_S)
+        self.train = {r: scatter(self.src.layout(r), canonical(self.spec, 0)) for r in range(self.src.world_size)}
+        if tensors is not None:
+            tensors(self.train)
+        self.senders = {}
+        for r, t in self.train.items():
+            s = NixlSender(options)
+            s.connect(SenderContext(self.link, self.client, None, r, self.planner, self.planner.send_plan(r), t))
+            self.senders[r] = s
+        self.targets, self.receivers = {}, {}
+        for i in range(instances):
+            for j in range(self.dst.world_size):
+                rx = NixlReceiver(options)
+                plans = self.planner.recv_plan(i, j)
+                live = poisoned(self.dst.layout(j))
+                rx.connect(ReceiverContext(self.link, None, i, j, self.planner, plans, live, torch.device("cpu")))
+                self.targets[i, j], self.receivers[i, j] = live, rx
+
+    def write(self, step: int) -> None:
+        for r, t in self.train.items():
+            fill_from(self.src.layout(r), t, canonical(self.spec, step))  # in place, as an optimizer step
+            self.senders[r].send(step)
+            self.senders[r].check(step)
+
+    def wrong(self, step: int) -> dict:
+        """{(instance, rank): [tensors not bit-exact]} over every receiver."""
+        bad = {k: exact(t, self.dst.layout(k[1]), self.spec, step) for k, t in self.targets.items()}
+        return {k: v for k, v in bad.items() if v}
+
+    def close(self) -> None:
+        for x in [*self.receivers.values(), *self.senders.values()]:
+            x.close()
+
+
+PAIRS = {  # every trainer row and inference column; fp32 and dtype changes go through the e2e jobs below
+    "qwen3 hf -> vllm:tp=2 x2": dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=2),
+    "qwen3-moe fsdp:dp=2 -> sglang:tp=2": dict(model="tiny-qwen3-moe", train="fsdp:dp=2", infer="sglang:tp=2"),
+    "llama3 megatron:tp=2 -> hf": dict(model="tiny-llama3", train="megatron:tp=2", infer="hf"),
+    "qwen3-moe megatron:ep=2,dp=2 -> vllm:tp=2": dict(model="tiny-qwen3-moe", train="megatron:ep=2,dp=2",
+                                                     infer="vllm:tp=2"),
+    "deepseek-v3 hf -> sglang:tp=2": dict(model="tiny-deepseek-v3", train="hf", infer="sglang:tp=2"),
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_sync_bit_exact_live_and_staged(meta, name):
+    job = Job(meta, **PAIRS[name])
+    try:
+        stage = {k: poisoned(job.dst.layout(k[1])) for k in job.receivers}  # a staged reader's copy
+        for step in (1, 2, 3):
+            job.write(step)
+            for k, rx in job.receivers.items():
+                # steps 1 and 3 land in the live tensors, step 2 in the staged copy (a second prepared program)
+                stats = rx.receive(step, stage[k] if step == 2 else job.targets[k])
+                assert stats.bytes == sum(b.nbytes for bs in rx.ctx.plans.values() for b in bs)
+            if step == 2:
+                bad = {k: exact(t, job.dst.layout(k[1]), job.spec, 2) for k, t in stage.items()}
+                assert not any(bad.values()), bad
+                assert not job.wrong(1)  # the live tensors still hold step 1
+            else:
+                assert not job.wrong(step), job.wrong(step)
+        # every byte of the plan moved once: the planner's zero redundancy unchanged
+        moved = sum(b.nbytes for rx in job.receivers.values() for bs in rx.ctx.plans.values() for b in bs)
+        assert moved == sum(b.nbytes for r in job.senders for bs in job.planner.send_plan(r).values() for b in bs)
+    finally:
+        job.close()
+
+
+def test_staged_slots_and_merged_descriptors(meta):
+    """A row-parallel weight that megatron tp=2 holds in halves lands strided in hf's full tensor: read
+    whole into a registered slot, then unpacked; contiguous runs merge into few descriptors."""
+    job = Job(meta, model="tiny-llama3", train="megatron:tp=2", infer="hf", bucket_bytes=256 << 20)
+    try:
+        job.write(1)
+        rx = job.receivers[0, 0]
+        rx.receive(1, job.targets[0, 0])
+        assert not job.wrong(1)
+        prog = next(iter(rx.programs.values()))
+        assert prog.staged, "a strided destination must go through the staging slots"
+        assert rx.memory(rx.ctx).slots == 2 and rx.slots[0].numel() == rx.memory(rx.ctx).largest
+        # one in-place handle per trainer, however many segments: runs merged across tensors
+        assert len(prog.direct) == len(rx.peers)
+    finally:
+        job.close()
+
+
+def test_async_pull_whole_or_mixed(meta):
+    job = Job(meta, model="tiny-qwen3", train="fsdp:dp=2", infer="vllm:tp=2", mode="async")
+    try:
+        rx = {k: r for k, r in job.receivers.items()}
+        job.write(1)  # staged
+        for k, r in rx.items():
+            assert r.pull(job.targets[k]).steps == {1}
+        assert not job.wrong(1)
+        for r, t in job.train.items():  # training moves on without staging: pulls still read step 1 whole
+            fill_from(job.src.layout(r), t, canonical(job.spec, 2))
+        for k, r in rx.items():
+            assert r.pull(job.targets[k]).steps == {1}
+        assert not job.wrong(1)
+        job.write(3)
+        # a trainer re-stages while a worker reads: the pull reports a mix (never a version)
+        r00 = rx[0, 0]
+        real = r00._read
+
+        def restage_then_read(targets, t0):
+            job.write(4)
+            return real(targets, t0)
+
+        r00._read = restage_then_read
+        got = r00.pull(job.targets[0, 0]).steps
+        assert -1 in got and len(got) > 1
+        r00._read = real
+        for k, r in rx.items():
+            assert r.pull(job.targets[k]).steps == {4}
+        assert not job.wrong(4)
+    finally:
+        job.close()
+
+
+def test_mismatched_descriptors_refused_before_any_byte(meta):
+    spec = load_spec("tiny-qwen3")
+    name = next(iter(make_layout(spec, "hf").layout(0).tensors))
+
+    def reshape(train):
+        t = train[0][name]
+        train[0][name] = torch.randn(t.shape[0] + 1, *t.shape[1:]).to(t.dtype)  # registered with the wrong shape
+
+    job = Job(meta, model="tiny-qwen3", train="hf", infer="vllm:tp=2", tensors=reshape)
+    try:
+        job.write(1)
+        for k, rx in job.receivers.items():
+            with pytest.raises(TransportError, match=rf"training rank 0.*{name}|{name}.*training rank 0") as e:
+                rx.receive(1, job.targets[k])
+            assert "refusing" in str(e.value) or "expects" in str(e.value)
+            assert all(t.isnan().all() for t in job.targets[k].values()), "a byte moved before the refusal"
+    finally:
+        job.close()
+
+
+def test_other_layout_refused(meta):
+    """A trainer that registered for another job's layout (fsdp) is refused by a worker planned for hf."""
+    job = Job(meta, model="tiny-qwen3", train="hf", infer="hf")
+    other = Planner(make_layout(job.spec, "fsdp:dp=2"), job.dst, 1, bucket_bytes=4096)
+    from weightsync.transport.nixl import NixlSender
+
+    s = NixlSender(TransportOptions("nixl", "sync", timeout_s=TIMEOUT_S))
+    tensors = scatter(other.src.layout(0), canonical(job.spec, 0))
+    s.connect(SenderContext(job.link, job.client, None, 0, other, other.send_plan(0), tensors))  # replaces rank 0's
+    try:
+        with pytest.raises(TransportError, match="another layout"):
+            job.receivers[0, 0].receive(1, job.targets[0, 0])
+        assert all(t.isnan().all() for t in job.targets[0, 0].values())
+    finally:
+        s.close()
+        job.close()
+
+
+def test_moved_weights_refused(meta):
+    job = Job(meta, model="tiny-qwen3", train="hf", infer="hf")
+    try:
+        t = next(iter(job.train[0].values()))
+        t.data = t.data.clone()  # as offloading and reloading would
+        with pytest.raises(WeightsMoved, match="training rank 0"):
+            job.senders[0].check(1)
+    finally:
+        job.close()
+
+
+# -- a training rank killed mid-read ------------------------------------------------------------------
+
+
+def _trainer_child(url: str, job: str, ready) -> None:
+    """Both training ranks of a vllm:tp=2 source, each its own agent, in one process killed at once."""
+    from weightsync.transport.nixl import NixlSender
+
+    spec = load_spec("tiny-qwen3")
+    src, dst = make_layout(spec, "vllm:tp=2"), make_layout(spec, "hf")
+    planner = Planner(src, dst, 1, bucket_bytes=2048)
+    keep = []
+    for r in range(src.world_size):
+        tensors = scatter(src.layout(r), canonical(spec, 1))
+        s = NixlSender(TransportOptions("nixl", "sync", timeout_s=TIMEOUT_S))
+        s.connect(SenderContext(MetaLink(url, job), MetaClient(url, job), None, r, planner, planner.send_plan(r),
+                                tensors))
+        s.send(1)
+        keep.append((s, tensors))
+    ready.set()
+    time.sleep(120)
+
+
+def test_trainer_killed_mid_read_fails_bounded(meta):
+    from weightsync.transport.nixl import NixlReceiver
+
+    job = f"kill-{uuid.uuid4().hex[:8]}"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_trainer_child, args=(meta, job, ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(60), "the trainer child did not start"
+        spec = load_spec("tiny-qwen3")
+        # vllm:tp=2 -> hf: the row-parallel halves land strided in hf's tensors (staged buckets, many posts)
+        src, dst = make_layout(spec, "vllm:tp=2"), make_layout(spec, "hf")
+        planner = Planner(src, dst, 1, bucket_bytes=2048)
+        rx = NixlReceiver(TransportOptions("nixl", "sync", timeout_s=TIMEOUT_S))
+        live = poisoned(dst.layout(0))
+        rx.connect(ReceiverContext(MetaLink(meta, job), None, 0, 0, planner, planner.recv_plan(0, 0), live,
+                                   torch.device("cpu")))
+        real, posts = rx._post, []
+
+        def post_then_kill(h, pair, bucket):
+            real(h, pair, bucket)
+            posts.append(bucket)
+            if len(posts) == 1:  # the trainers die with this worker's first read posted
+                os.kill(child.pid, signal.SIGKILL)
+                child.join(10)
+
+        rx._post = post_then_kill
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=r"NIXL READ of .*training rank [01] -> instance 0 rank 0") as e:
+            rx.receive(1, live)
+        assert time.monotonic() - t0 < TIMEOUT_S + 5
+        assert e.value.pair[1:] == (0, 0) and e.value.pair[0] in (0, 1)
+        assert any(t.isnan().any() for t in live.values()), "the step cannot have landed whole"
+        rx.close()
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+
+
+# -- whole jobs: real trainers and instances through WeightWriter / WeightReader ----------------------
+
+
+def test_job_sync_staged_fp32():
+    from e2e import assert_clean, run_job
+
+    # fp32 master weights travel as fp32 and are rounded into bf16 by the worker (through the slots)
+    job = dict(model="tiny-qwen3", train="hf", infer="hf", steps=2, fp32=True, transport="nixl", staged=True,
+               bucket_bytes=16384, timeout=20.0)
+    assert_clean(run_job(job), job)
+
+
+def test_job_async():
+    from e2e import Pulled, run_job
+
+    job = dict(model="tiny-qwen3", train="hf", infer="hf", instances=2, steps=3, mode="async", transport="nixl",
+               bucket_bytes=16384, timeout=20.0)
+    result = run_job(job)
+    assert not result.failures, "\n".join(f"{f.line()}\n{f.traceback}" for f in result.failures)
+    pulled = result.of(Pulled)
+    assert len(pulled) == 3 and all(p.problems == () for p in pulled), pulled
+    assert max(p.version for p in pulled) == job["steps"]
