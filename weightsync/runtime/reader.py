@@ -130,8 +130,10 @@ class WeightReader(SessionDriven):
         try:
             check = self._integrity_check(step)  # a checked step (weightsync.integrity), else None
             self.last_stats = self.instance.call(worker.receive, step, self.staged, check, timeout_s=worker.call_timeout(self.timeout_s))
-            if check is not None and not self.staged:  # every byte landed (co-located: pushed into each other too)
-                self.instance.call(worker.verify, step, check, timeout_s=worker.call_timeout(self.timeout_s))
+            if check is not None:  # every byte landed (co-located: pushed into each other too): compare
+                self.instance.call(worker.verify, step, check, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
+                if self.staged:  # every worker's copy is whole: commit them
+                    self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
             self.instance.after_update()
         except WeightsMoved as e:  # no later step can succeed either: stop the trainers waiting for us now
             with contextlib.suppress(MetaError):

@@ -146,24 +146,30 @@ def connect(ctx: WorkerContext, link: MetaLink) -> None:
 
 def receive(ctx: WorkerContext, step: int, staged: bool = False, check: IntegrityCheck | None = None) -> WorkerReport:
     """Receive one step into the live tensors, or (staged) into a copy committed only once complete.
-    ``check`` (a checked step, :mod:`weightsync.integrity`): a staged copy is checked before it is
-    committed; live tensors are checked by :func:`verify` once every worker of the instance returned."""
+    ``check`` (a checked step, :mod:`weightsync.integrity`): the reader then runs :func:`verify` on every
+    worker once all returned, and a staged copy is committed (:func:`commit`) only once every worker's
+    copy checked whole."""
     r = _reader(ctx)
     with torch.no_grad():
         stats = r.receiver.receive(step, r.targets(ctx, staged))
-        if staged:  # every byte arrived
-            if check is not None:  # what landed is what was sent, or the live weights stay as they are
-                verify_worker(r.context, step, r.plans, r.stage, check)
+        if staged and check is None:  # every byte arrived
             r.commit(ctx)
     return WorkerReport(ctx.rank, frozenset({step}), stats)
 
 
-def verify(ctx: WorkerContext, step: int, check: IntegrityCheck) -> Checked:
-    """Check what landed in the live tensors in step ``step`` against what the training ranks sent
-    (raises :class:`~weightsync.errors.IntegrityError`); run once every worker's receive returned."""
+def verify(ctx: WorkerContext, step: int, check: IntegrityCheck, staged: bool = False) -> Checked:
+    """Check what landed in step ``step`` (the live tensors, or the staged copy) against what the training
+    ranks sent (raises :class:`~weightsync.errors.IntegrityError`); run once every worker's receive
+    returned (co-located workers write into each other)."""
     r = _reader(ctx)
     with torch.no_grad():
-        return verify_worker(r.context, step, r.plans, ctx.tensors, check)
+        return verify_worker(r.context, step, r.plans, r.stage if staged else ctx.tensors, check)
+
+
+def commit(ctx: WorkerContext) -> None:
+    """Commit a staged step whose every worker's copy checked whole (see :func:`receive`)."""
+    with torch.no_grad():
+        _reader(ctx).commit(ctx)
 
 
 def pull(ctx: WorkerContext, staged: bool) -> WorkerReport:

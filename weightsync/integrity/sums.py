@@ -1,0 +1,121 @@
+"""Per-bucket checksums of a plan: what a training rank sent, what an inference worker holds after a step.
+
+Both ends walk the same proven plan (pair hashes agree), so each computes, for every pair and every
+bucket of it, the sum of :func:`~weightsync.integrity.digest.checksum` over the bucket's copies --
+the sender over each copy's source box, the receiver over its destination box -- with word positions
+counted along the pair's copies in plan order (so a piece landing in another copy's place changes the
+sum). Both read each region in the *destination's* dtype: where the engine keeps a tensor in another
+dtype than the trainer (the receiver converts, as a checkpoint load would), the sender converts its
+region the same way first (``Tensor.to`` rounds identically on every device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.integrity.digest import WORD, checksum, to_ints
+from weightsync.layout.box import box_numel, fmt_box, slices
+from weightsync.plan.planner import Bucket, Pair
+
+#: bucket sums of every pair one side holds: ``{pair: (sum of bucket 0, sum of bucket 1, ...)}``
+PairSums = dict[Pair, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Region:
+    """One copy's region on one side: which tensor and box, read in which dtype, at which word base."""
+
+    tensor: str
+    box: tuple[tuple[int, int], ...]
+    dtype: torch.dtype | None  # convert to this first (the destination's), None: as held
+    base: int
+
+
+@dataclass(frozen=True)
+class SumPlan:
+    """The regions each bucket's checksum covers on one side, derived once from the plan."""
+
+    buckets: dict[Pair, tuple[tuple[Bucket, tuple[Region, ...]], ...]]
+
+    @property
+    def pairs(self) -> list[Pair]:
+        return sorted(self.buckets)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def sum_plan(plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor], sending: bool,
+             dst_dtypes: Mapping[tuple[Pair, str], torch.dtype] | None = None) -> SumPlan:
+    """Which region of ``tensors`` each copy's checksum reads. ``sending``: source boxes, each read in
+    the destination tensor's dtype (``dst_dtypes[(pair, dst_tensor)]``, where it differs); receiving:
+    destination boxes as held."""
+    out = {}
+    for pair in sorted(plans):
+        base, per_bucket = 0, []
+        for b in sorted(plans[pair], key=lambda b: b.index):
+            regions = []
+            for c in b.copies:
+                if sending:
+                    held = tensors[c.src_tensor].dtype
+                    want = (dst_dtypes or {}).get((pair, c.dst_tensor), held)
+                    regions.append(Region(c.src_tensor, c.src_box, None if want == held else want, base))
+                    size = _itemsize(want)
+                else:
+                    regions.append(Region(c.dst_tensor, c.dst_box, None, base))
+                    size = tensors[c.dst_tensor].element_size()
+                base += -(-box_numel(c.canon_box) * size // WORD)
+            per_bucket.append((b, tuple(regions)))
+        out[pair] = tuple(per_bucket)
+    return SumPlan(out)
+
+
+def region_sum(r: Region, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    view = tensors[r.tensor][slices(r.box)]
+    return checksum(view if r.dtype is None else view.to(r.dtype), r.base)
+
+
+def bucket_sums(plan: SumPlan, tensors: Mapping[str, torch.Tensor]) -> PairSums:
+    """Every bucket's checksum (one device synchronisation for all of them)."""
+    queued, shape = [], []
+    with torch.no_grad():
+        for pair in plan.pairs:
+            shape.append((pair, len(plan.buckets[pair])))
+            for _, regions in plan.buckets[pair]:
+                parts = [region_sum(r, tensors) for r in regions]
+                queued.append(torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.int64))
+    ints, out, at = to_ints(queued), {}, 0
+    for pair, n in shape:
+        out[pair] = tuple(ints[at : at + n])
+        at += n
+    return out
+
+
+def copy_sums(plan: SumPlan, tensors: Mapping[str, torch.Tensor], pair: Pair, index: int) -> list[tuple[str, str, int]]:
+    """One bucket's checksum per copy, as (tensor, box, sum): what a mismatch report names."""
+    for b, regions in plan.buckets[pair]:
+        if b.index == index:
+            got = to_ints([region_sum(r, tensors) for r in regions])
+            return [(r.tensor, fmt_box(r.box), s) for r, s in zip(regions, got)]
+    return []
+
+
+def destination_dtypes(planner, plans: Mapping[Pair, list[Bucket]]) -> dict[tuple[Pair, str], torch.dtype]:
+    """The dtype of every destination tensor a training rank's plan writes (from the engine layout)."""
+    from weightsync.dtypes import torch_dtype
+
+    layouts: dict[int, object] = {}
+    out = {}
+    for pair, buckets in plans.items():
+        dst_rank = pair[2]
+        if dst_rank not in layouts:
+            layouts[dst_rank] = planner.dst.layout(dst_rank)
+        tensors = layouts[dst_rank].tensors
+        for b in buckets:
+            for c in b.copies:
+                out[(pair, c.dst_tensor)] = torch_dtype(tensors[c.dst_tensor].dtype)
+    return out
