@@ -303,8 +303,8 @@ def _worker(job: dict) -> None:  # pragma: no cover - runs in subprocesses
             fill_from(bound.layout, bound.tensors, trainer_canonical(spec, 20 + i))
         seen.update(n=0, largest=0)
         r = save_checkpoint(bound, Path(job["dir"]) / f"case{i}", chunk_bytes=CHUNK, shard_bytes=SHARD)
-        print("RESULT " + json.dumps({**asdict(r), "seen_messages": seen["n"], "seen_largest_message": seen["largest"]}),
-              flush=True)
+        counted = {"seen_messages": seen["n"], "seen_largest_message": seen["largest"]}
+        print("RESULT " + json.dumps({**asdict(r), **counted}), flush=True)
         if train.startswith("megatron"):
             from megatron.core import parallel_state as ps
 

@@ -19,7 +19,9 @@ from weightsync.dtypes import itemsize
 from weightsync.errors import SpecError
 
 #: weightsync dtype names -> safetensors' dtype codes
-SAFETENSORS_DTYPES: dict[str, str] = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3",
+}
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -46,7 +48,8 @@ def lay_out(tensors: list[tuple[str, str, tuple[int, ...]]]) -> tuple[FileTensor
     at = 0
     for name, dtype, shape in sorted(tensors, key=lambda t: (-itemsize(t[1]), t[0])):
         if dtype not in SAFETENSORS_DTYPES:
-            raise SpecError(f"tensor {name}: dtype {dtype} has no safetensors code; supported: {', '.join(SAFETENSORS_DTYPES)}")
+            raise SpecError(f"tensor {name}: dtype {dtype} has no safetensors code; "
+                            f"supported: {', '.join(SAFETENSORS_DTYPES)}")
         n = itemsize(dtype)
         for d in shape:
             n *= d

@@ -45,7 +45,8 @@ class CheckpointLayout(EngineLayout):
     def _shards(self, canonical: str) -> Iterable[Shard]:
         t = self.spec.tensor(canonical)
         box = full_box(t.shape)
-        yield Shard(self.mesh.group(rank=self.owners[canonical]), Piece(canonical, box, canonical, box), t.shape, t.dtype)
+        group = self.mesh.group(rank=self.owners[canonical])
+        yield Shard(group, Piece(canonical, box, canonical, box), t.shape, t.dtype)
 
     def canonical_names(self, rank: int) -> Iterable[str]:
         return self._by_rank.get(rank, ())

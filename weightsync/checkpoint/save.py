@@ -123,7 +123,8 @@ def save_checkpoint(train: Any, directory: str | os.PathLike, group: Any = None,
     stats = _run(train, plan, world, Path(directory))
     world.barrier()  # every file is in place
     if world.rank == 0:
-        _write_json(Path(directory) / INDEX_NAME, {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()})
+        index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
+        _write_json(Path(directory) / INDEX_NAME, index)
         _write_json(Path(directory) / "config.json", hf_config(train.spec))
     world.barrier()  # the checkpoint is complete when any rank returns
     mine = tuple(f.name for f in plan.files if f.owner == rank)
@@ -165,7 +166,8 @@ def _local_problems(train: Any, directory: str, overwrite: bool) -> list[str]:
 
 
 def _old_files(d: Path) -> list[Path]:
-    return sorted(p for p in d.iterdir() if p.name == INDEX_NAME or p.name.startswith("model") and ".safetensors" in p.name)
+    return sorted(p for p in d.iterdir()
+                  if p.name == INDEX_NAME or p.name.startswith("model") and ".safetensors" in p.name)
 
 
 def _remove_old(d: Path) -> None:
