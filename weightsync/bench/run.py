@@ -63,6 +63,11 @@ CHECKPOINT_ENGINE = "checkpoint-engine"
 # -- processes --------------------------------------------------------------------------------------
 
 
+def _integrity(n: int | None) -> dict:
+    """The writer's and reader's ``integrity=`` option, when the bench was given one."""
+    return {} if n is None else {"integrity": n}
+
+
 def job_transport(writer):
     """The job's point-to-point transport (group and ranks) on a separated trainer, which the link
     ceiling and the baselines reuse so they run over the same communicator; None otherwise."""
@@ -73,7 +78,8 @@ def job_transport(writer):
 
 
 def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta: str, timeout: float,
-             baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda", together=None) -> None:
+             baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda", together=None,
+             integrity: int | None = None) -> None:
     """One training rank. ``together`` (a barrier of the training ranks) starts every step's writes at
     once, as a training step's last collective would: the bench's stand-in for the optimizer (doubling
     every tensor, a kernel each: ~7,000 on a 30B PP stage) ends up to ~18 ms apart on two ranks, and
@@ -94,7 +100,7 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta
     tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in layout.tensors.items()}
     # set up now, as the constructor used to: neither the warm-up step's time nor its memory peak includes it
     writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", timeout_s=timeout,
-                          colocate=scen.colocate).connect()
+                          colocate=scen.colocate, **_integrity(integrity)).connect()
     peak = 0
     init_weights(layout, tensors, spec)
     for step in range(steps + 1):  # step 0 warms up
@@ -185,7 +191,7 @@ def _baselines_train(emit: Emit, rank, scen, engine, tensors, writer, store_port
 
 def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, timeout: float,
             link_in, baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda",
-            peer_copies: bool = True, receiver: str = "faithful") -> None:
+            peer_copies: bool = True, receiver: str = "faithful", integrity: int | None = None) -> None:
     from weightsync.instances.faithful import FaithfulInstance
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
@@ -203,7 +209,8 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
                                     fill=float("nan"))
     try:
         reader = WeightReader(instance, meta=meta, job="bench", instance_id=inst, instances=scen.instances,
-                              timeout_s=timeout, colocate=scen.colocate, peer_copies=peer_copies).connect()
+                              timeout_s=timeout, colocate=scen.colocate, peer_copies=peer_copies,
+                              **_integrity(integrity)).connect()
         # memory beyond the weights over all steps: the transport's buffers (allocated in the first step and
         # kept) and anything a step allocates on top
         base = instance.call(reset_peak)
@@ -292,7 +299,7 @@ class _Timings:
 
 def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         baselines: tuple[str, ...] = ("naive", "bucketed"), device: str = "cuda", peer_copies: bool = True,
-        receiver: str = "faithful") -> dict:
+        receiver: str = "faithful", integrity: int | None = None) -> dict:
     """One scenario: our timed steps, the ceilings, then the baselines; a JSON-ready result.
 
     ``peer_copies=False`` makes co-located workers take other GPUs' pieces through their NCCL group, as
@@ -333,6 +340,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     t = _Timings()
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
                     "instances": scen.instances, "colocate": scen.colocate, "device": device, "receiver": receiver,
+                    "integrity": integrity,
                     "errors": [],
                     **environment()}
     with LocalJob(deadline_s=timeout * (steps + 4), exit_grace_s=30.0) as job:
@@ -375,11 +383,11 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         together = job.ctx.Barrier(train.world_size)
         for r in range(train.world_size):
             job.add(Participant.trainer(r), _trainer, r, scen, model, steps, job.meta_url, timeout, baselines,
-                    store_port, device, together)
+                    store_port, device, together, integrity)
         for i in range(scen.instances):
             gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
             job.add(Participant.instance(i), _reader, i, gpu, scen, model, steps, job.meta_url, timeout, link_q,
-                    baselines, store_port, device, peer_copies, receiver)
+                    baselines, store_port, device, peer_copies, receiver, integrity)
         outcome = job.run(on_event=on_event)
     if outcome.failure is not None:
         f = outcome.failure
@@ -480,7 +488,7 @@ def main_from_args(args) -> int:
     baselines = tuple(b for b in args.baselines.split(",") if b)
     model = args.model or ("qwen3-8b" if args.device == "cuda" else "tiny-qwen3-moe")
     results = [run(s, model, args.steps, args.timeout, baselines, args.device, not args.no_peer_copies,
-                   args.receiver) for s in args.scenario]
+                   args.receiver, args.integrity) for s in args.scenario]
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0]))
     else:
@@ -519,6 +527,9 @@ def add_arguments(p) -> None:
     p.add_argument("--receiver", choices=["faithful", "vllm"], default="faithful",
                    help="vllm: the inference instance is a real vLLM engine (dummy weights, eager) instead of "
                         "layout-faithful workers (co-located one-instance scenarios)")
+    p.add_argument("--integrity", type=int, default=None,
+                   help="check every Nth step's checksums (weightsync.integrity; 1: every step, 0: never); "
+                        "default: the library's")
     p.add_argument("--json", action="store_true")
 
 

@@ -131,7 +131,9 @@ class WeightReader(SessionDriven):
             check = self._integrity_check(step)  # a checked step (weightsync.integrity), else None
             self.last_stats = self.instance.call(worker.receive, step, self.staged, check, timeout_s=worker.call_timeout(self.timeout_s))
             if check is not None:  # every byte landed (co-located: pushed into each other too): compare
+                ti = time.perf_counter()
                 self.instance.call(worker.verify, step, check, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
+                self._integrity_s = time.perf_counter() - ti
                 if self.staged:  # every worker's copy is whole: commit them
                     self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
             self.instance.after_update()
@@ -155,6 +157,8 @@ class WeightReader(SessionDriven):
             self.last_timing["started"] = max(r.stats.started for r in self.last_stats)
         if self._validated_s:
             self.last_timing["validate"] = self._validated_s
+        if check is not None:  # inside `workers`: the workers' checksums and the wait for the trainers'
+            self.last_timing["integrity"] = self._integrity_s
         return step
 
     # -- validation (weightsync.validate) --------------------------------------------------------------

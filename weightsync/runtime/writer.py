@@ -126,6 +126,8 @@ class WeightWriter(SessionDriven):
         if self.mode == "sync":
             s.sender.held(step)
         self.last_timing = {"send": t1 - t0, "written": t2 - t1, "wait_held": time.perf_counter() - t2}
+        if self.last_integrity is not None and self.last_integrity.step == step:  # inside `written`
+            self.last_timing["integrity"] = self.last_integrity.seconds
         return self.last
 
     def _wait_live(self, step: int) -> None:
