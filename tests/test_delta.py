@@ -16,9 +16,13 @@ import queue
 import time
 import traceback
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from helpers import same
+
+from weightsync.local.events import Event
 
 from weightsync.delta import codec
 from weightsync.delta.walk import AdamWalk
@@ -359,3 +363,126 @@ def test_file_bit_exact_and_gaps_read_the_full_file(tmp_path):
         for r, _, sender in senders:
             FileTransport(tmp_path).sweep(step + 1, pairs=planner.send_plan(r))
     assert not [n for n in __import__("os").listdir(tmp_path) if "step" in n and int(n.split(".")[0][4:]) < STEPS - 1]
+
+
+# -- whole jobs through WeightWriter / WeightReader (delta=True) ------------------------------------
+
+_TRAJ: dict = {}
+
+
+def _walk_step(model: str, step: int) -> dict:
+    """The trainer's bf16 weights at ``step`` (1-based in jobs), computed once per process."""
+    from weightsync.spec import load_spec
+
+    if model not in _TRAJ:
+        _TRAJ[model] = _trajectory(load_spec(model), JOB_STEPS + 1)
+    return _TRAJ[model][step]
+
+
+JOB_STEPS = 4
+
+
+@dataclass(frozen=True)
+class DeltaWrote(Event):
+    step: int
+    bytes: int
+    full_bytes: int
+
+
+@dataclass(frozen=True)
+class DeltaDone(Event):
+    step: int
+    bytes: int
+    full_bytes: int
+    version: int | None
+    problems: tuple[str, ...]
+
+
+def _check_worker(ctx, model: str, engine: str, step: int) -> str:
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import scatter
+    from weightsync.spec import load_spec
+
+    want = scatter(make_layout(load_spec(model), engine).layout(ctx.rank), _walk_step(model, step))
+    bad = [n for n, w in want.items() if not same(ctx.tensors[n].detach().cpu(), w)]
+    return f"rank {ctx.rank}: {bad[:3]} differ" if bad else ""
+
+
+def _job_trainer(emit, rank: int, world: int, port: int, meta: str, job: dict) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from weightsync.layout.materialize import fill_from
+    from weightsync.local.events import Ready
+    from weightsync.local.trainers import build_trainer
+    from weightsync.runtime.writer import WeightWriter
+    from weightsync.spec import load_spec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    spec = load_spec(job["model"])
+    bound = build_trainer(spec, job["train"], rank, world, same_start=False).bound
+    writer = WeightWriter(bound, meta=meta, job=job["job"], timeout_s=job["timeout"], bucket_bytes=16 << 10,
+                          transport=job["transport"], directory=job.get("directory"), delta=True).connect()
+    emit(Ready(emit.participant))
+    for step in range(1, JOB_STEPS + 1):
+        with torch.no_grad():
+            fill_from(bound.layout, bound.tensors, _walk_step(job["model"], step))
+        stats = writer.write(step)
+        emit(DeltaWrote(emit.participant, step, stats.bytes, stats.full_bytes))
+
+
+def _job_reader(emit, inst: int, meta: str, job: dict) -> None:
+    from weightsync.local.events import Ready
+    from weightsync.local.instances import build_instance
+    from weightsync.runtime.reader import WeightReader
+    from weightsync.spec import load_spec
+
+    torch.set_num_threads(1)
+    spec = load_spec(job["model"])
+    local = build_instance(spec, job["infer"], device="cpu", seed=1)
+    try:
+        r = WeightReader(local.instance, meta=meta, job=job["job"], instance_id=inst, instances=job["instances"],
+                         timeout_s=job["timeout"], bucket_bytes=16 << 10, transport=job["transport"],
+                         directory=job.get("directory"), staged=inst == 1, delta=True).connect()
+        emit(Ready(emit.participant))
+        for step in range(1, JOB_STEPS + 1):
+            r.update(step)
+            problems = tuple(p for p in local.instance.call(_check_worker, spec.name, job["infer"], step) if p)
+            moved = sum(s.bytes for s in r.last_stats)
+            full = sum(s.stats.full_bytes for s in r.last_stats)
+            emit(DeltaDone(emit.participant, step, moved, full, r.version, problems))
+    finally:
+        local.close()
+
+
+@pytest.mark.parametrize("transport, infer", [("p2p", "vllm:tp=2"), ("file", "hf")])
+def test_writer_and_readers_with_delta(transport, infer, tmp_path):
+    """hf trainer -> 2 instances (vLLM layout tp=2 over p2p, transformers over file; instance 1 staged),
+    delta=True: bit-exact every step;
+    the first step moves whole, later ones a tenth of the bytes at most."""
+    from weightsync.local.events import Participant
+    from weightsync.local.runner import LocalJob
+    from weightsync.transport.group import free_port
+
+    job = dict(job="delta", model="tiny-qwen3", train="hf", infer=infer, instances=2, timeout=30.0,
+               transport=transport, directory=str(tmp_path) if transport == "file" else None)
+    with LocalJob(deadline_s=120, stop_on_failure=True, exit_grace_s=5.0) as local:
+        local.add(Participant.trainer(0), _job_trainer, 0, 1, free_port(), local.meta_url, job)
+        for i in range(2):
+            local.add(Participant.instance(i), _job_reader, i, local.meta_url, job)
+        result = local.run()
+    assert not result.failures, "\n".join(f"{f.line()}\n{f.traceback}" for f in result.failures)
+    done = result.of(DeltaDone)
+    assert len(done) == 2 * JOB_STEPS
+    for d in done:
+        assert d.problems == () and d.version == d.step, d
+        if d.step == 1:
+            assert d.bytes >= d.full_bytes, d
+        else:
+            assert d.bytes < d.full_bytes / 10, d
+    for w in result.of(DeltaWrote):
+        if transport == "p2p" and w.step > 1:  # the file writer writes the full file too
+            assert w.bytes < w.full_bytes / 10, w
