@@ -50,6 +50,10 @@ class DemoConfig:
     steps: int = 3
     device: str = "cpu"
     timeout_s: float = 60.0
+    #: validate every instance after every step against the trainers' checkpoint of that step (weightsync.validate)
+    validate: bool = False
+    #: flip one element of one inference tensor of the first instance after step 1's transfer (implies validate)
+    corrupt: bool = False
     transport: str = "p2p"  # p2p (default; co-located with --colocate), file, or any registered transport
     join_at: int | None = None  # one more instance per job joins the running job before this step
     kill_at: int | None = None  # instance 0 of each job is SIGKILLed during this step
@@ -144,6 +148,8 @@ def _trainer(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: DemoC
         dist.barrier()
         if rank == 0:
             _assemble_reference(spec, refdir, step, world)
+        if cfg.validate or cfg.corrupt:  # the step's HF checkpoint, every rank writing what it holds (collective)
+            writers[0].save_checkpoint(f"{refdir}/ckpt{step}")
         dist.barrier()
         # wall clock, sent before any byte moves: the driver compares it with the readers' end times
         emit(StepStarted(emit.participant, step, time.time(), loss))
@@ -229,6 +235,9 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
             reader.update(step)
             seconds, end = time.perf_counter() - t0, time.time()
             got = sum(s.bytes for s in reader.last_stats)
+            if cfg.corrupt and step == first and inst == 0 and job == _jobs(cfg)[0][0]:
+                local.instance.call(_corrupt, engine, dict(spec.config), timeout_s=cfg.timeout_s)
+            report = reader.validate(f"{refdir}/ckpt{step}") if cfg.validate or cfg.corrupt else None
             problems = [p for ps in local.instance.call(_verify, f"{refdir}/step{step}.safetensors", engine,
                                                         dict(spec.config), timeout_s=cfg.timeout_s) for p in ps]
             logits_equal = None
@@ -237,7 +246,9 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
                     logits = local.model(input_ids=probe).logits
                 logits_equal = torch.equal(logits.cpu(), torch.load(f"{refdir}/logits{step}.pt"))
             emit(StepDone(emit.participant, step, seconds, got, not problems, version=reader.version,
-                          problems=tuple(problems), logits_equal=logits_equal, end=end))
+                          problems=tuple(problems), logits_equal=logits_equal, end=end, validation=report))
+            if report is not None and not report.ok:
+                raise VerificationError(f"step {step}: validation: {report.message(limit=3)}")
             if problems:
                 raise VerificationError(f"step {step}: {len(problems)} pieces differ from the trainers' weights, "
                                         f"first {problems[0]}")
@@ -248,6 +259,23 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
                 raise VerificationError(f"step {step}: the reader says it holds version {reader.version}")
     finally:
         local.close()
+
+
+def _corrupt(ctx, engine: str, model_config: dict) -> str | None:
+    """On a worker (--corrupt): rank 0 flips one element of its layout's last tensor, inside a piece (so a
+    check of the pieces sees it); returns what it flipped."""
+    from weightsync.engines import make_layout
+    from weightsync.spec import spec_from_config
+
+    if ctx.rank != 0:
+        return None
+    layout = make_layout(spec_from_config(model_config), engine).layout(0)
+    name, t = [(n, t) for n, t in layout.tensors.items() if t.pieces][-1]
+    index = tuple(o for o, _ in t.pieces[0].local_box)
+    x = ctx.tensors[name]
+    old = x[index].clone()
+    x[index] = 1 - old if bool(1 - old != old) else old + 2
+    return f"{name}{list(index)}"
 
 
 def _verify(ctx, ref_path: str, engine: str, model_config: dict) -> list[str]:
@@ -375,9 +403,11 @@ def run(cfg: DemoConfig, print_fn=print) -> dict:
 def _summary(r: _StepRecord) -> dict:
     start, end = min(r.starts), max(u.end for u in r.updates)
     instances = [{"job": u.participant.job, "instance": u.participant.index, "seconds": u.seconds, "bytes": u.bytes,
-                  "exact": u.exact, "logits_equal": u.logits_equal, "version": u.version}
+                  "exact": u.exact, "logits_equal": u.logits_equal, "version": u.version,
+                  **({"validation": u.validation.to_json()} if u.validation is not None else {})}
                  for u in sorted(r.updates, key=lambda u: u.participant)]
-    ok = all(u.exact and u.logits_equal is not False and u.version == r.step for u in r.updates)
+    ok = all(u.exact and u.logits_equal is not False and u.version == r.step
+             and (u.validation is None or u.validation.ok) for u in r.updates)
     return {"step": r.step, "seconds": end - start,  # from the first write call to the last update return
             "bytes": sum(u.bytes for u in r.updates), "verified": ok, "instances": instances, "loss": r.loss}
 
@@ -389,6 +419,10 @@ def _line(r: dict) -> str:
         what = "bit-exact" if i["exact"] else "MISMATCH"
         if i["logits_equal"] is not None:
             what += ", logits equal" if i["logits_equal"] else ", LOGITS DIFFER"
+        if "validation" in i:
+            v = i["validation"]
+            what += (f", validated ({v['via']}, {v['tensors']} tensors)" if v["ok"] else
+                     f", VALIDATION: {v['mismatched']} of {v['tensors']} differ ({', '.join(v['mismatches'][:3])})")
         parts.append(f"{i['job'].split('-', 2)[-1]}#{i['instance']}: {what}")
     loss = f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss n/a"
     return (f"step {r['step']}: {r['seconds']:.3f} s, {r['bytes'] / 1e6:.3f} MB, {gbps:.3f} GB/s, {loss}; "
@@ -399,7 +433,7 @@ def main_from_args(args) -> int:
     cfg = DemoConfig(model=args.model, train=args.train, infer=(args.infer,) if args.infer else DEFAULT_INFER,
                      instances=args.instances, colocate=args.colocate, steps=args.steps, device=args.device,
                      timeout_s=args.timeout, transport=args.transport, join_at=args.join_at, kill_at=args.kill_at,
-                     instance_timeout_s=args.instance_timeout)
+                     instance_timeout_s=args.instance_timeout, validate=args.validate, corrupt=args.corrupt)
     check(cfg)  # a bad option: the CLI's one-line error, before anything starts
     if not args.json:
         print(f"weightsync demo: {cfg.model}, {cfg.train} -> "
@@ -433,3 +467,10 @@ def add_arguments(p) -> None:
     p.add_argument("--instance-timeout", type=float, default=5.0,
                    help="elastic: seconds a step waits for an instance before dropping it")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--validate", action="store_true",
+                   help="after every step, validate every instance tensor by tensor against the trainers' HF "
+                        "checkpoint of that step as the engine's own loader loads it (faithful workers: through "
+                        "the layout); the report goes under each instance's 'validation' in the JSON")
+    p.add_argument("--corrupt", action="store_true",
+                   help="flip one element of one inference tensor after the first step's transfer, to see "
+                        "validation name it (implies --validate; exits non-zero)")

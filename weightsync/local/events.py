@@ -78,6 +78,7 @@ class StepDone(Event):
     logits_equal: bool | None = None
     end: float = 0.0
     transfer_seconds: float = 0.0
+    validation: Any = None  # a weightsync.validate.ValidationReport when the step was validated (demo --validate)
 
 
 @dataclass(frozen=True)
