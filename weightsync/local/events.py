@@ -79,6 +79,7 @@ class StepDone(Event):
     end: float = 0.0
     transfer_seconds: float = 0.0
     validation: Any = None  # a weightsync.validate.ValidationReport when the step was validated (demo --validate)
+    tokens_equal: bool | None = None  # demo --engines real: greedy tokens equal a fresh engine's on the step
 
 
 @dataclass(frozen=True)
