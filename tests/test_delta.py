@@ -106,15 +106,19 @@ def test_choice_is_the_smallest():
 
 
 def test_checksum_sees_any_bit_and_ignores_the_cut():
+    """The integrity digest, chained over parts: one buffer and its in-place pieces agree."""
+    from weightsync.integrity.digest import checksum as digest, to_ints
+
     g = torch.Generator().manual_seed(3)
-    x = torch.randint(0, 255, (4 * 1000 + 6,), generator=g, dtype=torch.uint8)
-    for w in (1, 2):
-        whole = codec.checksum([x], w)
-        assert codec.checksum([x[:1000], x[1000:3002], x[3002:]], w) == whole
-        for at in (0, 17, 4005):
-            y = x.clone()
-            y[at] ^= 4
-            assert codec.checksum([y], w) != whole
+    x = torch.randint(0, 255, (3 * 8192 + 6,), generator=g, dtype=torch.uint8)
+    whole = codec.checksum([x])
+    assert whole == to_ints([digest(x)])[0]
+    assert codec.checksum([x[:1000], x[1000:3002], x[3002:]]) == whole  # cut off word boundaries
+    assert codec.checksum([x[:8192], x[8192:16384], x[16384:]]) == whole  # on them
+    for at in (0, 17, 3 * 8192 + 5):
+        y = x.clone()
+        y[at] ^= 4
+        assert codec.checksum([y]) != whole
 
 
 def test_payload_size_is_checked():

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Sequence
 
 import torch
@@ -264,38 +263,25 @@ def apply(parts: Sequence[torch.Tensor], kind: int, count: int, w: int, payload:
 # -- checksums ------------------------------------------------------------------------------------
 
 _MASK = (1 << 64) - 1
-_CHUNK = 1 << 20  # int64 words hashed per torch op (8 MiB of temporaries)
+_ROW = 8192  # bytes a row when a part is hashed as a matrix (the digest's two reductions stay short)
 
 
-@lru_cache(maxsize=8)
-def _weights(device: torch.device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0x5EED)
-    w = torch.randint(-(1 << 62), 1 << 62, (_CHUNK,), generator=g, dtype=torch.int64) | 1  # odd: no bit lost
-    return w.to(device)
+def checksum(parts: Sequence[torch.Tensor], w: int = 1) -> int:
+    """The checksum of the uint8 buffers ``parts`` read back to back as one stretch of bytes:
+    :func:`weightsync.integrity.digest.checksum` (a position-weighted sum of 64-bit words, the one
+    the per-step integrity checks use), chained over the parts with each part's word offset, so a
+    sender's one buffer and a receiver's in-place views agree. Parts that do not end on a word
+    boundary are joined into one copy first. (``w``, the bucket's word size, is not needed.)"""
+    from weightsync.integrity.digest import checksum as digest, to_ints, words
 
-
-def checksum(parts: Sequence[torch.Tensor], w: int) -> int:
-    """A 64-bit checksum of the uint8 buffers ``parts`` read back to back as words of ``w`` bytes.
-
-    A sum over words of the word times an odd weight of its position in the whole stretch, so it
-    does not depend on where the stretch is cut into parts (a sender's one buffer and a receiver's
-    in-place views agree), and any single changed bit changes it."""
-    acc = None
-    g = 0
+    parts = [p.reshape(-1) for p in parts if p.numel()]
+    if not parts:
+        return 0
+    if any(p.numel() % 8 for p in parts[:-1]):
+        parts = [torch.cat(parts)]
+    sums, base = [], 0
     for p in parts:
-        x = as_words(p.reshape(-1), w)
-        n = x.numel()
-        weights = _weights(x.device)
-        i = 0
-        while i < n:
-            j = (g + i) % _CHUNK
-            take = min(_CHUNK - j, n - i)
-            wts = weights[j : j + take]
-            high = (g + i) // _CHUNK
-            if high:
-                wts = wts + ((high * 0x1E3779B97F4A7C16) & ((1 << 62) - 2))  # even: the weights stay odd
-            h = (x[i : i + take].to(torch.int64) * wts).sum()
-            acc = h if acc is None else acc + h
-            i += take
-        g += n
-    return 0 if acc is None else int(acc) & _MASK
+        x = p.view(-1, _ROW) if p.numel() % _ROW == 0 else p
+        sums.append(digest(x, base))
+        base += words(p)
+    return to_ints([torch.stack(sums).sum()])[0]

@@ -125,7 +125,7 @@ class DeltaFileSender:
                                 codes.append([b.index, enc.kind, enc.count, base_sum])
                                 name = codec.KIND_NAMES[enc.kind]
                                 kinds[name] = kinds.get(name, 0) + 1
-                    self.previous.store(b, buf, words.hash_word)
+                    self.previous.store(b, buf)
             if payloads is not None:
                 self._write_delta(step, base_step, pair, bs, payloads, codes)
             os.replace(tmp, final)  # after the delta file: a reader seeing this sees that
@@ -243,7 +243,7 @@ class DeltaFileReceiver:
                 return None
             for b in bs:  # the proof: every bucket's bytes as the targets hold them now
                 _, parts = self._base(b, targets)
-                if codec.checksum(parts, self.words[(pair, b.index)].hash_word) != codes[b.index][2]:
+                if codec.checksum(parts) != codes[b.index][2]:
                     log.info("step %d, %s: the targets do not hold base step %d; reading the full file",
                              step, describe(pair), held)
                     return None

@@ -144,7 +144,7 @@ class DeltaSender:
                 raise t._error(b, peer, True, e) from e
             moved += HEADER_BYTES + enc.nbytes
             if k in self.last_use:
-                self.previous.store(b, cur, words.hash_word)
+                self.previous.store(b, cur)
             inflight.append((b, ws, (header, enc.payload)))  # keep what is posted alive until sent
         while inflight:
             self._retire(*inflight.popleft())
@@ -180,7 +180,7 @@ class DeltaReceiver:
         acc = 0
         for b in self.pairs[pair]:
             st, parts = self._base(b, targets, slot)
-            acc = combine(acc, codec.checksum(parts, self.words[id(b)].hash_word))
+            acc = combine(acc, codec.checksum(parts))
         return Proof(self.version, acc)
 
     def _base(self, b: Bucket, targets: Mapping[str, torch.Tensor], slot: torch.Tensor):

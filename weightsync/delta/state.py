@@ -18,7 +18,6 @@ CUDA is present, which costs a copy to the device per changed bucket instead of 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -27,7 +26,7 @@ import torch
 from weightsync.delta.codec import checksum, word_bytes
 from weightsync.layout.box import slices
 from weightsync.layout.materialize import TORCH_DTYPES
-from weightsync.plan.messages import DIRECT_MIN_BYTES, Segment, messages, segments
+from weightsync.plan.messages import DIRECT_MIN_BYTES, Segment, segments
 from weightsync.plan.planner import Bucket, Pair
 
 log = logging.getLogger("weightsync.delta")
@@ -38,24 +37,14 @@ NO_VERSION = -1  # a proof of nothing: the receiver holds no version it can prov
 
 @dataclass(frozen=True)
 class Words:
-    """How a bucket is compared and hashed: ``word`` bytes per compared element (the gcd of its
-    dtypes' sizes), ``hash_word`` bytes per hashed word (the largest that divides every message's
-    bounds, so a sender's buffer and a receiver's in-place views hash alike)."""
+    """How a bucket is compared: ``word`` bytes per compared element (the gcd of its dtypes' sizes)."""
 
     word: int
-    hash_word: int
 
 
 def words_of(bucket: Bucket, direct_min: int = DIRECT_MIN_BYTES) -> Words:
     segs = segments(bucket)
-    word = word_bytes([TORCH_DTYPES[s.dtype].itemsize for s in segs], bucket.nbytes)
-    g = bucket.nbytes
-    for m in messages(bucket, direct_min):
-        g = math.gcd(g, math.gcd(m.offset, m.nbytes))
-    hw = 8
-    while hw > 1 and g % hw:
-        hw //= 2
-    return Words(word, hw)
+    return Words(word_bytes([TORCH_DTYPES[s.dtype].itemsize for s in segs], bucket.nbytes))
 
 
 def combine(acc: int, part: int) -> int:
@@ -126,7 +115,7 @@ class PreviousVersion:
             acc = combine(acc, c)
         return acc
 
-    def store(self, bucket: Bucket, cur: torch.Tensor, hash_word: int) -> None:
+    def store(self, bucket: Bucket, cur: torch.Tensor) -> None:
         """Keep ``cur`` (the bucket's wire bytes this step) as its base for the next step."""
         sig = self._sig[(bucket.pair, bucket.index)]
         have = self._store.get(sig)
@@ -134,7 +123,7 @@ class PreviousVersion:
             have = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device, pin_memory=self._pin)
             self._store[sig] = have
         have.copy_(cur, non_blocking=self._pin)
-        self._sums[sig] = checksum([cur], hash_word)
+        self._sums[sig] = checksum([cur])
 
     def last_uses(self, ops: Sequence[Bucket]) -> set[int]:
         """The positions in ``ops`` after which each signature's copy may be replaced (its last use)."""
