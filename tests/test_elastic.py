@@ -32,7 +32,9 @@ from weightsync.spec.model import ModelSpec
 from weightsync.testing import random_canonical
 
 MODEL, TRAIN, INFER = "tiny-qwen3", "fsdp:dp=2", "vllm:tp=2"
-INSTANCE_TIMEOUT = 1.5
+#: how long a step waits for an instance before dropping it: well above a step's time here (nixl: its
+#: loopback reads on a loaded 2-core machine take seconds)
+INSTANCE_TIMEOUT = {"file": 1.5, "nixl": 5.0}
 
 
 @dataclass
@@ -88,24 +90,30 @@ def exact(spec: ModelSpec, inst: ThreadInstance, step: int) -> bool:
 class Job:
     """Training ranks and instances of one elastic job, driven step by step from the test."""
 
-    def __init__(self, url: str, directory: str, instances: int = 2, staged: tuple[int, ...] = ()):
+    def __init__(self, url: str, directory: str, instances: int = 2, staged: tuple[int, ...] = (),
+                 transport: str = "file", job: str = "elastic", infer: str = INFER):
         self.url, self.directory, self.initial, self.staged = url, directory, instances, staged
+        self.transport, self.job, self.infer = transport, job, infer
+        where = {"directory": directory} if transport == "file" else {}
         self.spec = load_spec(MODEL)
         engine = make_layout(self.spec, TRAIN)
         first = canonical(self.spec, 0)
         self.ranks = [TrainRank(engine, r, engine.layout(r), scatter(engine.layout(r), first), self.spec)
                       for r in range(engine.world_size)]
-        self.writers = [WeightWriter(t, meta=url, job="elastic", transport="file", directory=directory,
-                                     bucket_bytes=64 << 10, timeout_s=20.0, instance_timeout_s=INSTANCE_TIMEOUT)
+        self.writers = [WeightWriter(t, meta=url, job=job, transport=transport, **where,
+                                     bucket_bytes=64 << 10, timeout_s=20.0,
+                                     instance_timeout_s=INSTANCE_TIMEOUT[transport])
                         for t in self.ranks]
         self.readers: dict[int, tuple[WeightReader, ThreadInstance]] = {}
         self.pool = ThreadPoolExecutor(max_workers=8)
-        self.client = MetaClient(url, "elastic", timeout=10.0)
+        self.client = MetaClient(url, job, timeout=10.0)
 
     def reader(self, i: int) -> tuple[WeightReader, ThreadInstance]:
-        inst = ThreadInstance(self.spec, INFER)
-        r = WeightReader(inst, meta=self.url, job="elastic", instance_id=i, instances=self.initial, transport="file",
-                         directory=self.directory, bucket_bytes=64 << 10, timeout_s=20.0, staged=i in self.staged)
+        inst = ThreadInstance(self.spec, self.infer)
+        where = {"directory": self.directory} if self.transport == "file" else {}
+        r = WeightReader(inst, meta=self.url, job=self.job, instance_id=i, instances=self.initial,
+                         transport=self.transport, **where, bucket_bytes=64 << 10, timeout_s=20.0,
+                         staged=i in self.staged)
         self.readers[i] = (r, inst)
         return r, inst
 
@@ -144,12 +152,27 @@ def server():
         yield s
 
 
-def test_join_leave_die_rejoin_bit_exact(server, tmp_path):
+def _nixl_or_skip() -> None:
+    try:
+        from weightsync.transport.nixl_wire import load_nixl
+
+        load_nixl()
+    except Exception as e:  # noqa: BLE001 - not installed, or no build for this machine
+        pytest.skip(f"NIXL not usable here: {e}")
+
+
+#: nixl: one worker per instance (each NIXL agent takes seconds to start on this machine)
+@pytest.mark.parametrize("transport, infer", [("file", INFER), ("nixl", "hf")])
+def test_join_leave_die_rejoin_bit_exact(server, tmp_path, transport, infer):
     """Two instances start; a third (id beyond the start count, staged) joins before step 2; instance 1
     leaves before step 3; instance 0 dies in step 4 (dropped after instance_timeout, the trainers go
     on); it rejoins under its id before step 5. Every update is bit-exact, the trainers never re-plan,
     and the MetaServer shows it all."""
-    job = Job(server.url, str(tmp_path), instances=2, staged=(2,))
+    if transport == "nixl":
+        _nixl_or_skip()
+    job = Job(server.url, str(tmp_path), instances=2, staged=(2,), transport=transport, job=f"elastic-{transport}",
+              infer=infer)
+    timeout = INSTANCE_TIMEOUT[transport]
     try:
         job.start()
         plans = [w.session.plans for w in job.writers]
@@ -172,12 +195,12 @@ def test_join_leave_die_rejoin_bit_exact(server, tmp_path):
         job.readers[1][0].close()
         assert job.client.members()[1]["state"] == "left"
         seconds, ok = job.step(3, [0, 2])
-        assert ok == {0: True, 2: True} and seconds < INSTANCE_TIMEOUT  # nobody waited for instance 1
+        assert ok == {0: True, 2: True} and seconds < timeout  # nobody waited for instance 1
 
         # die: instance 0 stops answering during step 4; dropped after instance_timeout, never longer
         seconds, ok = job.step(4, [2])
         assert ok == {2: True}
-        assert INSTANCE_TIMEOUT <= seconds < INSTANCE_TIMEOUT + 3.0, seconds
+        assert timeout <= seconds < timeout + 3.0, seconds
         members = job.client.members()
         assert members[0]["state"] == "gone" and "step 4" in members[0]["reason"]
         assert job.writers[0].dropped == {0: 4}
@@ -190,15 +213,15 @@ def test_join_leave_die_rejoin_bit_exact(server, tmp_path):
         again.connect()
         assert again.since == 5 and job.client.members()[0]["state"] == "joined"
         seconds, ok = job.step(5, [0, 2])
-        assert ok == {0: True, 2: True} and seconds < INSTANCE_TIMEOUT
+        assert ok == {0: True, 2: True} and seconds < timeout
 
         summary = job.client.summary()
         assert summary["topology_version"] == 6  # joined 0, 1, 2; left 1; gone 0; joined 0
         assert {i: m["state"] for i, m in summary["members"].items()} == {"0": "joined", "1": "left", "2": "joined"}
         assert summary["members"]["2"]["held"] == 5
         metrics = job.client.metrics()
-        assert 'weightsync_meta_topology_version{job="elastic"} 6' in metrics
-        assert 'weightsync_meta_member{job="elastic",instance="1",state="left"} 1' in metrics
+        assert f'weightsync_meta_topology_version{{job="{job.job}"}} 6' in metrics
+        assert f'weightsync_meta_member{{job="{job.job}",instance="1",state="left"}} 1' in metrics
         for w in job.writers:
             w.close()
         assert not list(tmp_path.glob("*.safetensors"))  # every step's files removed once held
