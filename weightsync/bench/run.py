@@ -100,7 +100,7 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta
     tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in layout.tensors.items()}
     # set up now, as the constructor used to: neither the warm-up step's time nor its memory peak includes it
     writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", timeout_s=timeout,
-                          colocate=scen.colocate, **_integrity(integrity)).connect()
+                          colocate=scen.colocate, transport=scen.transport, **_integrity(integrity)).connect()
     peak = 0
     init_weights(layout, tensors, spec)
     for step in range(steps + 1):  # step 0 warms up
@@ -210,7 +210,7 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
     try:
         reader = WeightReader(instance, meta=meta, job="bench", instance_id=inst, instances=scen.instances,
                               timeout_s=timeout, colocate=scen.colocate, peer_copies=peer_copies,
-                              **_integrity(integrity)).connect()
+                              transport=scen.transport, **_integrity(integrity)).connect()
         # memory beyond the weights over all steps: the transport's buffers (allocated in the first step and
         # kept) and anything a step allocates on top
         base = instance.call(reset_peak)
@@ -223,7 +223,7 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
         peak = max(p - b for p, b in zip(instance.call(peak_memory), base))
         exact = all(instance.call(check, model, scen.infer, steps + 1))
         on_gpu = device == "cuda"  # a CPU run measures no ceilings
-        copy_bw = instance.call(copy_ceiling, 1 << 30)[0] if scen.colocate and on_gpu else None
+        copy_bw = instance.call(copy_ceiling, 1 << 30)[0] if (scen.colocate or scen.gpus == 1) and on_gpu else None
         nvlink = None
         if scen.colocate and instance.world_size > 1 and on_gpu:  # cross-GPU pieces: copies over NVLink
             nvlink = peer_bandwidth(instance, 4 << 30, 256 << 20)
@@ -335,11 +335,14 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     if receiver == "vllm" and not (scen.colocate and scen.instances == 1):
         raise ConfigError(f"--receiver vllm runs co-located one-instance scenarios (its engine takes GPUs from 0); "
                           f"{scenario} is not one")
+    if scen.transport != "p2p":  # the baselines run over the job's NCCL group, which only p2p builds
+        baselines = ()
     requested = baselines
     baselines = tuple(b for b in baselines if b != CHECKPOINT_ENGINE)  # run in our processes
     t = _Timings()
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
-                    "instances": scen.instances, "colocate": scen.colocate, "device": device, "receiver": receiver,
+                    "instances": scen.instances, "colocate": scen.colocate, "transport": scen.transport,
+                    "device": device, "receiver": receiver,
                     "integrity": integrity,
                     "errors": [],
                     **environment()}
@@ -385,7 +388,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
             job.add(Participant.trainer(r), _trainer, r, scen, model, steps, job.meta_url, timeout, baselines,
                     store_port, device, together, integrity)
         for i in range(scen.instances):
-            gpu = 0 if scen.colocate else train.world_size + i * infer.world_size
+            gpu = 0 if scen.colocate or scen.gpus == 1 else train.world_size + i * infer.world_size
             job.add(Participant.instance(i), _reader, i, gpu, scen, model, steps, job.meta_url, timeout, link_q,
                     baselines, store_port, device, peer_copies, receiver, integrity)
         outcome = job.run(on_event=on_event)
@@ -409,6 +412,10 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         ceiling_name = ("device copy (bytes copied/s); for cross-GPU pieces, GPUs copying into each other "
                         "both ways at once by their copy engines")
         result["nvlink_bytes_per_s"] = nvlink
+    elif scen.gpus == 1:  # separated on one GPU (nixl-1gpu): every byte crosses that GPU's memory once
+        ceiling = min(m.copy_bytes_per_s for m in t.instances if m.copy_bytes_per_s)
+        floor = busiest / ceiling
+        ceiling_name = "device copy of the same bytes on the one GPU (bytes copied/s)"
     else:
         ceiling = min(m.link_bytes_per_s for m in t.trainers if m.link_bytes_per_s)
         floor = busiest / ceiling

@@ -40,6 +40,7 @@ class Scenario:
     instances: int
     colocate: bool
     gpus: int
+    transport: str = "p2p"  # separated scenarios: "p2p" (NCCL) or "nixl" (one-sided READs over UCX)
 
 
 SCENARIOS = {
@@ -49,6 +50,9 @@ SCENARIOS = {
     "sep-tp2-tp2": Scenario("megatron:tp=2", "vllm:tp=2", 1, False, 4),
     "sep-fsdp2-2x1": Scenario("fsdp:dp=2", "vllm:tp=1", 2, False, 4),
     "colo-tp2pp2-tp4": Scenario("megatron:tp=2,pp=2", "vllm:tp=4", 1, True, 4),
+    # a trainer process and an inference process on ONE GPU, the inference worker READing through NIXL
+    # (UCX's CUDA transports); ceiling: a device copy of the same bytes (beside it: colo-1gpu, CUDA IPC)
+    "nixl-1gpu": Scenario("hf", "vllm:tp=1", 1, False, 1, transport="nixl"),
 }
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -87,7 +86,18 @@ def _storages(tensors) -> list[tuple[int, int]]:
     return sorted(seen.items())
 
 
+#: UCX settings this transport needs, applied unless the user set them (before the first agent of the
+#: process starts UCX). cuda_ipc's zero-copy get -- a READ of another process's VRAM on this host -- is
+#: "auto" in UCX: off wherever UCX sees no NVLink between GPUs (a one-GPU host, PCIe hosts), and a READ
+#: then falls back to a staged path ~1,000x slower (docs/nixl.md has the measurement).
+UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
+
 def _agent(nixl, role: str):
+    for key, value in UCX_DEFAULTS.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            log.info("NIXL: %s=%s (set it to override)", key, value)
     name = f"ws-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"])), name
 
