@@ -227,7 +227,7 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
         nvlink = None
         if scen.colocate and instance.world_size > 1 and on_gpu:  # cross-GPU pieces: copies over NVLink
             nvlink = peer_bandwidth(instance, 4 << 30, 256 << 20)
-        if not scen.colocate and inst == 0 and on_gpu:
+        if not scen.colocate and scen.transport == "p2p" and inst == 0 and on_gpu:
             ready: LinkReady = link_in.get(timeout=timeout)
             instance.call(link_recv, list(ready.sizes), ready.group_rank)
         for k, kind in enumerate(baselines):

@@ -445,9 +445,13 @@ class NixlReceiver(Receiver):
         started = time.perf_counter() - t0
         window: list[tuple[Batch, object, int]] = []
 
+        on_gpu = bool(targets) and next(iter(targets.values())).device.type == "cuda"
+
         def finish(bt: Batch, h, slot: int) -> None:
             self._wait([(h, bt.pair, bt.bucket)])
             copy_pairs(unpack_pairs(bt.segments, self.slots[slot], targets))
+            if on_gpu:  # the unpack has read the slot before NIXL writes the next batch into it
+                torch.cuda.current_stream().synchronize()
 
         for bt, h, slot in prog.staged:
             if len(window) == SLOTS:
@@ -458,8 +462,6 @@ class NixlReceiver(Receiver):
         for item in window:
             finish(*item)
         self._wait(pending)
-        if targets and next(iter(targets.values())).device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
         peers = self.peers.values()
         return StepStats(sum(p.buckets for p in peers), sum(p.nbytes for p in peers), time.perf_counter() - t0,
                          posted, started)
