@@ -229,6 +229,50 @@ def test_join_leave_die_rejoin_bit_exact(server, tmp_path, transport, infer):
         job.close()
 
 
+def test_async_join_and_leave_over_nixl(server, tmp_path):
+    """Async (nixl): the trainers stage each step and return; an instance that joins mid-job pulls the
+    latest staged step whole, bit-exact; one that leaves blocks nothing."""
+    _nixl_or_skip()
+    spec = load_spec(MODEL)
+    engine = make_layout(spec, "hf")
+    rank = TrainRank(engine, 0, engine.layout(0), scatter(engine.layout(0), canonical(spec, 0)), spec)
+    kw = dict(meta=server.url, job="elastic-async", transport="nixl", mode="async", bucket_bytes=64 << 10,
+              timeout_s=20.0)
+    writer = WeightWriter(rank, **kw)
+    readers = {}
+
+    def reader(i: int) -> tuple[WeightReader, ThreadInstance]:
+        inst = ThreadInstance(spec, "hf")
+        readers[i] = (WeightReader(inst, instance_id=i, instances=1, **kw), inst)
+        return readers[i]
+
+    def write(step: int) -> float:
+        with torch.no_grad():
+            fill_from(rank.layout, rank.tensors, canonical(spec, step))
+        t0 = time.monotonic()
+        writer.write(step)
+        return time.monotonic() - t0
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(reader(0)[0].connect)
+        writer.connect()
+        first.result(timeout=60)
+    try:
+        write(1)
+        assert readers[0][0].pull() == 1 and exact(spec, readers[0][1], 1)
+        joiner, inst = reader(1)  # beyond the one instance the job started with
+        joiner.connect()
+        assert writer.client.summary()["instances"] == [0, 1]
+        assert joiner.pull() == 1 and exact(spec, inst, 1)  # the latest staged step, whole
+        write(2)
+        readers[0][0].close()
+        assert writer.client.members()[0]["state"] == "left"
+        assert write(3) < 1.0  # nobody is waited for in async mode
+        assert joiner.pull() == 3 and exact(spec, inst, 3)
+    finally:
+        writer.close()
+
+
 def test_a_step_with_no_live_instance_does_not_wait(server, tmp_path):
     """Once every instance has left, a sync write returns at once (nobody to wait for)."""
     client = MetaClient(server.url, "empty", timeout=5.0)
