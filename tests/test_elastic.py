@@ -203,7 +203,7 @@ def test_join_leave_die_rejoin_bit_exact(server, tmp_path, transport, infer):
         assert timeout <= seconds < timeout + 3.0, seconds
         members = job.client.members()
         assert members[0]["state"] == "gone" and "step 4" in members[0]["reason"]
-        assert job.writers[0].dropped == {0: 4}
+        assert {0: 4} in [w.dropped for w in job.writers]  # the first rank to time out drops it (the other may see it gone)
         with pytest.raises(MetaError, match="gone"):  # what the dead one would be told, had it lived on
             job.client.held(0, 4)
 
