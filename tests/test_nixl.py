@@ -318,3 +318,26 @@ def test_job_sync_staged_fp32():
     job = dict(model="tiny-qwen3", train="hf", infer="hf", steps=2, fp32=True, transport="nixl", staged=True,
                bucket_bytes=16384, timeout=20.0)
     assert_clean(run_job(job), job)
+
+
+def test_runs_and_merging():
+    """box_runs covers exactly a box's bytes in row-major order; merge_pairs never joins across regions."""
+    import numpy as np
+
+    from weightsync.transport.nixl_wire import box_runs, merge_pairs
+
+    g = torch.Generator().manual_seed(3)
+    for shape, box in [((6, 8), ((0, 6), (2, 3))), ((6, 8), ((1, 3), (0, 8))), ((4, 3, 5), ((1, 2), (0, 3), (1, 4))),
+                       ((4, 3, 5), ((0, 4), (1, 1), (0, 5))), ((7,), ((2, 4),)), ((2, 1, 6), ((1, 1), (0, 1), (0, 6)))]:
+        full = torch.randint(0, 1 << 30, shape, generator=g, dtype=torch.int32)
+        runs = box_runs(full.data_ptr(), full.shape, full.stride(), 4, box)
+        got = torch.cat([full.view(-1)[(a - full.data_ptr()) // 4:(a - full.data_ptr() + n) // 4] for a, n in runs])
+        want = full[tuple(slice(o, o + n) for o, n in box)].reshape(-1)
+        assert torch.equal(got, want), (shape, box, runs)
+        assert all(runs[1:, 0] != runs[:-1, 0] + runs[:-1, 1])  # merged
+    local = np.array([[0, 10], [10, 10], [20, 10]], dtype=np.int64)
+    remote = np.array([[100, 10], [110, 10], [120, 10]], dtype=np.int64)
+    assert merge_pairs(local, remote)[0].tolist() == [[0, 30]]
+    # the remote side registered [100, 110) and [110, 130) apart: never one descriptor across them
+    loc, rem = merge_pairs(local, remote, [(0, 30)], [(100, 10), (110, 20)])
+    assert loc.tolist() == [[0, 10], [10, 20]] and rem.tolist() == [[100, 10], [110, 20]]

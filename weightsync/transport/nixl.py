@@ -333,11 +333,13 @@ class NixlReceiver(Receiver):
         prog = Program()
         device = next(iter(targets.values())).device
         mem, dev = _mem(device)
-        prog.regs.append(_register(self.agent, _storages(targets.values()), mem, dev))
+        local_regions = _storages(targets.values())
+        prog.regs.append(_register(self.agent, local_regions, mem, dev))
         need = max((bt.nbytes for p in self.peers.values() for bt in p.batches), default=0)
         if need and (not self.slots or self.slots[0].numel() < need or self.slots[0].device != device):
             self.slots = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
             self.slot_regs.append(_register(self.agent, _storages(self.slots), mem, dev))
+        local_regions = sorted(local_regions + _storages(self.slots))
         k = 0
         for r, reads in self.peers.items():
             peer = self.remote[r]
@@ -348,7 +350,7 @@ class NixlReceiver(Receiver):
                     start = targets[seg.dst_tensor][slices(seg.dst_box)].data_ptr()
                     loc.append(np.stack([start + _cumulative(runs), runs[:, 1]], axis=1))
                     rem.append(runs)
-                loc_a, rem_a = merge_pairs(np.concatenate(loc), np.concatenate(rem))
+                loc_a, rem_a = merge_pairs(np.concatenate(loc), np.concatenate(rem), local_regions, reads.doc.regions)
                 parts.append(("direct", len(local), len(loc_a), reads.direct[0][0]))
                 local.extend(_descs(loc_a, dev))
                 remote.extend(_descs(rem_a, reads.doc.device))
@@ -356,7 +358,7 @@ class NixlReceiver(Receiver):
                 slot = k % SLOTS
                 k += 1
                 loc_a, rem_a = merge_pairs(np.stack([self.slots[slot].data_ptr() + bt.rel, bt.runs[:, 1]], axis=1),
-                                           bt.runs)
+                                           bt.runs, local_regions, reads.doc.regions)
                 parts.append(("staged", len(local), len(loc_a), (bt, slot)))
                 local.extend(_descs(loc_a, dev))
                 remote.extend(_descs(rem_a, reads.doc.device))

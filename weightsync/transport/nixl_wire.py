@@ -178,14 +178,22 @@ def merge_runs(runs: np.ndarray) -> np.ndarray:
     return np.stack([runs[starts, 0], lens], axis=1)[: len(ends)]
 
 
-def merge_pairs(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def merge_pairs(local: np.ndarray, remote: np.ndarray, local_regions: Sequence[tuple[int, int]] = (),
+                remote_regions: Sequence[tuple[int, int]] = ()) -> tuple[np.ndarray, np.ndarray]:
     """Join consecutive (local, remote) descriptor pairs that continue each other on BOTH sides: one
-    descriptor instead of several (NIXL pays its cost per descriptor)."""
+    descriptor instead of several (NIXL pays its cost per descriptor) -- but never across two registered
+    regions (sorted ``(addr, nbytes)``): a descriptor must lie inside one registration, and on a GPU the
+    caching allocator puts separately registered tensors back to back."""
     import numpy as np
 
     if len(local) <= 1:
         return local, remote
     cont = (local[1:, 0] == local[:-1, 0] + local[:-1, 1]) & (remote[1:, 0] == remote[:-1, 0] + remote[:-1, 1])
+    for runs, regions in ((local, local_regions), (remote, remote_regions)):
+        if len(regions):
+            starts = np.asarray([a for a, _ in regions], dtype=np.int64)
+            which = np.searchsorted(starts, runs[:, 0], side="right")
+            cont &= which[1:] == which[:-1]
     starts = np.concatenate([[0], np.nonzero(~cont)[0] + 1])
     lens = np.add.reduceat(local[:, 1], starts)
     return (np.stack([local[starts, 0], lens], axis=1), np.stack([remote[starts, 0], lens], axis=1))
