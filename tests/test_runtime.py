@@ -185,8 +185,10 @@ def test_inference_process_killed():
 
 @pytest.mark.parametrize("side", ["writer", "reader"])
 def test_transient_memory_over_budget_refused_before_any_transfer(side):
-    # buffers are window x the largest bucket: with 4 KiB buckets, a 5 KiB budget is too small
-    job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", steps=1, timeout=10.0, bucket_bytes=4096)
+    # buffers are window x the largest bucket: with 4 KiB buckets, a 5 KiB budget is too small. The refusal
+    # comes at set-up, so the timeout costs nothing here; it must outlast the instance's start (its two
+    # worker processes) on a loaded machine, or the trainer times out waiting for it before planning
+    job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", steps=1, timeout=30.0, bucket_bytes=4096)
     job["memory_budget" if side == "writer" else "reader_memory_budget"] = 5000
     result = run_job(job)
     assert not result.of(Wrote, StepDone), result.events

@@ -406,7 +406,7 @@ class Coordinator:
                                        "infer": infer, "infer_hash": hashes[infer]})
         plan = {n: ph["plan_hash"] for n, ph in sorted(j.plan_hashes.items()) if ph["plan_hash"]}
         agree = len(set(plan.values())) <= 1
-        return {"ok": not mismatches and agree, "complete": not pending, "compared": compared,
+        return {"ok": not mismatches and agree, "complete": not pending, "compared": compared, "aborted": j.aborted,
                 "posted": len(j.plan_hashes),
                 "mismatches": mismatches, "pending": pending, "plan_hashes": plan, "plan_hashes_agree": agree}
 

@@ -18,7 +18,7 @@ from weightsync import __version__
 from weightsync.engines import make_layout
 from weightsync.errors import ConfigError, JobMismatch, PlanError
 from weightsync.layout.layout import EngineLayout, Layout, layout_digest
-from weightsync.meta.client import MetaClient, MetaError
+from weightsync.meta.client import MetaAborted, MetaClient, MetaError
 from weightsync.plan.planner import Bucket, Pair, Planner, pair_hash
 from weightsync.plan.topology import Placement, Topology
 from weightsync.spec.model import ModelSpec, spec_from_config
@@ -243,6 +243,9 @@ def wait_plan_proven(client: MetaClient, timeout_s: float, participants: int) ->
     delay = 0.02
     while True:
         check = client.check_plan_hashes()
+        if check.get("aborted"):  # a peer refused the job (e.g. its memory budget): fail now, with its reason
+            raise MetaAborted(f"the job was aborted while this participant waited for the plan's proof: "
+                              f"{check['aborted']}", 409)
         if check.get("mismatches"):
             bad = check["mismatches"][:5]
             raise PlanError(f"plan hashes differ between the two ends of {len(check['mismatches'])} pairs: {bad}")
