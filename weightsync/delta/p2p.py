@@ -116,19 +116,27 @@ class DeltaSender:
         kinds: dict[str, int] = {}
         moved = PROOF_BYTES * len(self.pairs)
         inflight: deque[tuple[Bucket, list, tuple]] = deque()
+        # one encoding per bucket layout and step: instances with equal layouts get the same payload
+        cache: dict[tuple, codec.Encoded] = {}
         for k, b in enumerate(self.ops):
             if len(inflight) == self.window:
                 self._retire(*inflight.popleft())
             slot = self._slots[k % self.window]
+            sig = self.previous.signature_of(b)
+            last = k in self.last_use  # the old base is replaced after this bucket
+            enc = cache.get(sig) if delta_ok[b.pair] else None
             cur = slot[: b.nbytes]
-            pack_segments(segments(b), self.tensors, cur)
+            if enc is None or last:
+                pack_segments(segments(b), self.tensors, cur)
             words = self.words[id(b)]
-            base = self.previous.base(b) if delta_ok[b.pair] else None
+            base = self.previous.base(b) if enc is None and delta_ok[b.pair] else None
             if base is not None:
                 if base.device != cur.device:
                     base = base.to(cur.device, non_blocking=True)
                 enc = codec.encode(codec.as_words(cur, words.word), codec.as_words(base, words.word))
-            else:
+                if enc.kind != codec.FULL:  # a FULL payload is the slot itself
+                    cache[sig] = enc
+            elif enc is None:
                 enc = codec.Encoded(codec.FULL, 0, b.nbytes // words.word, words.word, cur)
             kinds[codec.KIND_NAMES[enc.kind]] = kinds.get(codec.KIND_NAMES[enc.kind], 0) + 1
             header = torch.tensor([enc.kind, enc.count, b.nbytes], dtype=torch.int64, device=self.device)
@@ -143,8 +151,9 @@ class DeltaSender:
             except RuntimeError as e:
                 raise t._error(b, peer, True, e) from e
             moved += HEADER_BYTES + enc.nbytes
-            if k in self.last_use:
+            if last:
                 self.previous.store(b, cur)
+                cache.pop(sig, None)
             inflight.append((b, ws, (header, enc.payload)))  # keep what is posted alive until sent
         while inflight:
             self._retire(*inflight.popleft())

@@ -97,6 +97,9 @@ class PreviousVersion:
         """Forget the version (a step failed mid-way: the stored copies mix two steps)."""
         self.version = None
 
+    def signature_of(self, bucket: Bucket) -> tuple:
+        return self._sig[(bucket.pair, bucket.index)]
+
     def base(self, bucket: Bucket) -> torch.Tensor | None:
         return self._store.get(self._sig[(bucket.pair, bucket.index)]) if self.version is not None else None
 
