@@ -4,7 +4,9 @@ after loading an HF checkpoint through its own loader (``weightsync.validate``, 
 - records and the comparison (a flipped element found with its index, NaN-for-NaN padding is no difference);
 - a transformers instance against ``from_pretrained``: clean, a flipped element, a skipped tensor;
 - layout-faithful workers (vLLM TP=2 layout) through the layout, labelled ``via="layout"``;
-- e2e rows (real trainers, MetaServer, instances) with ``validate_every=1``: every step validates clean.
+- the e2e rows' engine pairs, synced with ``validate_every=1`` (every rank in this process, file transport):
+  every step validates clean before it is reported held;
+- ``weightsync demo --corrupt``: the flipped element named, the run failed.
 
 Against a real vLLM engine: ``tests/test_vllm.py::TestQwen3TP1::test_validate_against_vllms_own_load`` (on
 that class's engines, so no engine starts here).
@@ -146,73 +148,134 @@ def test_faithful_workers_validate_through_the_layout(hf_qwen3):
                                                                (7, 2), 1)
 
 
-# -- e2e rows: trainers -> instances, validate_every=1 --------------------------------------------------
+# -- e2e rows' engine pairs: writers -> readers with validate_every=1 ------------------------------------
 
 
-def validating_reader(emit, inst: int, meta: str, job: dict) -> None:
-    """An inference participant whose reader validates every update against that step's checkpoint
-    (written here with save_pretrained from the step's canonical weights) and raises on a mismatch."""
-    import os
-    import tempfile
+class _TrainRank:
+    """A training rank as WeightWriter takes it (``TrainSide``): its layout's tensors, no engine (tests/test_elastic.py
+    does the same); the rows' real trainers run in tests/test_runtime.py."""
 
-    from e2e import expected_canonical
+    def __init__(self, engine, rank: int, spec):
+        from weightsync.layout.materialize import scatter
 
-    from weightsync.local.events import Ready, StepDone
-    from weightsync.local.instances import build_instance
-    from weightsync.runtime.reader import WeightReader
-    from weightsync.validate.checkpoint import save_hf_checkpoint
-
-    torch.set_num_threads(1)
-    spec = load_spec(job["model"])
-    root = tempfile.mkdtemp(prefix="validate-")
-
-    def checkpoint_of(step: int) -> str:
-        d = os.path.join(root, f"step{step}")
-        if not os.path.isdir(d):
-            save_hf_checkpoint(spec, expected_canonical(spec, step), d)
-        return d
-
-    local = build_instance(spec, job["infer"], seed=1)
-    try:
-        r = WeightReader(local.instance, meta=meta, job=job["job"], instance_id=inst, instances=job["instances"],
-                         timeout_s=job["timeout"], validate_every=1, validate_checkpoint=checkpoint_of).connect()
-        emit(Ready(emit.participant))
-        for step in range(1, job["steps"] + 1):
-            r.update(step)  # raises ValidationMismatch if anything differs
-            v = r.last_validation
-            emit(StepDone(emit.participant, step, v.seconds, 0, v.ok, version=r.version,
-                          problems=tuple(f"{v.via}:{n}" for n in v.summary.mismatches) if not v.ok else (f"{v.via}",)))
-        r.close()
-    finally:
-        local.close()
+        self.engine, self.rank, self.spec = engine, rank, spec
+        self.layout = engine.layout(rank)
+        self.tensors = scatter(self.layout, random_canonical(spec, seed=0))
 
 
-#: a selection of tests/test_runtime.py's rows (each costs a whole job): experts unstacked by from_pretrained
-#: under an FSDP2 trainer; MLA and DeepSeek's fp32 router bias through the SGLang layout
+class _ThreadInstance:
+    """A layout-faithful instance whose workers' contexts live in this process (NaN-poisoned), called in turn."""
+
+    def __init__(self, spec, engine: str):
+        from weightsync.engines import make_layout
+        from weightsync.layout.materialize import TORCH_DTYPES
+        from weightsync.runtime.instance import WorkerContext
+
+        self.engine, self.model_config = engine, dict(spec.config)
+        layout = make_layout(spec, engine)
+        self.contexts = [WorkerContext(r, torch.device("cpu"), {
+            n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype]) for n, t in layout.layout(r).tensors.items()})
+            for r in range(layout.world_size)]
+        self.world_size = layout.world_size
+
+    def call(self, fn, *args, timeout_s=None):
+        return [fn(ctx, *args) for ctx in self.contexts]
+
+    def pause(self):
+        pass
+
+    resume = after_update = close = pause
+
+    def set_version(self, step):
+        pass
+
+
+def _instance(spec, engine: str):
+    if engine == "hf":
+        from weightsync.local.instances import build_instance
+
+        return build_instance(spec, "hf").instance  # a real transformers model, NaN-poisoned
+    return _ThreadInstance(spec, engine)
+
+
+#: engine pairs of tests/test_runtime.py's rows: TP/PP and EP trainers, experts stacked by transformers and by
+#: vLLM's layout, KV-head replication, DP attention, MLA with DeepSeek's fp32 router bias, tied embeddings
 ROWS = [
-    dict(model="tiny-qwen3-moe", train="fsdp:dp=2", infer="hf"),
-    dict(model="tiny-deepseek-v3", train="hf", infer="sglang:tp=2"),
+    ("tiny-qwen3", "megatron:tp=2,pp=2", "hf"),
+    ("tiny-qwen3-moe", "fsdp:dp=2", "hf"),
+    ("tiny-qwen3-moe", "megatron:ep=2,dp=2", "vllm:tp=2,dp=2,ep=4"),
+    ("tiny-llama3", "fsdp:dp=2", "vllm:tp=8"),
+    ("tiny-qwen3", "megatron:tp=2", "sglang:tp=4,dp=2,dp_attention=1"),
+    ("tiny-deepseek-v3", "hf", "sglang:tp=2"),
 ]
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[f"{r['model']}-{r['train']}-{r['infer']}" for r in ROWS])
-def test_e2e_rows_validate_clean_every_step(row):
-    from e2e import trainer
+@pytest.fixture(scope="module")
+def meta():
+    from weightsync.meta.server import MetaServer
+
+    with MetaServer(port=0) as server:
+        yield server
+
+
+@pytest.mark.parametrize("model, train, infer", ROWS, ids=[f"{m}-{t}-{i}" for m, t, i in ROWS])
+def test_synced_steps_validate_clean(meta, tmp_path, model, train, infer):
+    """Two steps written by every training rank (threads, file transport) into one instance whose reader validates
+    each update, before reporting it held, against that step's checkpoint (save_pretrained of the step)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from weightsync.engines import make_layout
-    from weightsync.local.events import Participant, StepDone
-    from weightsync.local.runner import LocalJob
-    from weightsync.transport.group import free_port
+    from weightsync.layout.materialize import fill_from
+    from weightsync.runtime.reader import WeightReader
+    from weightsync.runtime.writer import WeightWriter
+    from weightsync.validate.checkpoint import save_hf_checkpoint
 
-    job = {"job": "validate", "steps": 2, "instances": 1, "timeout": 60.0, **row}
-    world = make_layout(load_spec(job["model"]), job["train"]).world_size
-    with LocalJob(deadline_s=240, stop_on_failure=True, exit_grace_s=5.0) as local:
-        port = free_port()
-        for rank in range(world):
-            local.add(Participant.trainer(rank), trainer, rank, world, port, local.meta_url, job)
-        local.add(Participant.instance(0), validating_reader, 0, local.meta_url, job)
-        result = local.run()
-    assert not result.failures, "\n".join(f"{f.line()}\n{f.traceback}" for f in result.failures)
-    done = result.of(StepDone)
-    via = "layout" if row["infer"] != "hf" else "from_pretrained"
-    assert [(d.step, d.exact, d.version, d.problems) for d in done] == [(s, True, s, (via,)) for s in (1, 2)]
+    spec = load_spec(model)
+    engine = make_layout(spec, train)
+    ranks = [_TrainRank(engine, r, spec) for r in range(engine.world_size)]
+    steps = {s: random_canonical(spec, seed=40 + s) for s in (1, 2)}
+    ckpt = {s: save_hf_checkpoint(spec, c, tmp_path / f"ckpt{s}") for s, c in steps.items()}
+    common = dict(meta=meta.url, job=f"validate-{ROWS.index((model, train, infer))}", transport="file",
+                  directory=str(tmp_path / "files"), timeout_s=30.0)
+    writers = [WeightWriter(t, **common) for t in ranks]
+    inst = _instance(spec, infer)
+    reader = WeightReader(inst, instance_id=0, instances=1, validate_every=1, validate_checkpoint=ckpt.__getitem__,
+                          **common)
+    with ThreadPoolExecutor(len(writers) + 1) as pool:
+        for f in [pool.submit(w.connect) for w in writers] + [pool.submit(reader.connect)]:
+            f.result(timeout=60)
+        for step, canonical in steps.items():
+            for t in ranks:
+                fill_from(t.layout, t.tensors, canonical)
+            writes = [pool.submit(w.write, step) for w in writers]
+            assert reader.update(step) == step  # raises ValidationMismatch naming the tensors otherwise
+            for f in writes:
+                f.result(timeout=60)
+            v = reader.last_validation
+            assert v.ok and v.step == step and v.via == ("from_pretrained" if infer == "hf" else "layout")
+            assert v.summary.tensors >= len(make_layout(spec, infer).layout(0).tensors), v.summary
+    reader.close()
+    for w in writers:
+        w.close()
+
+
+# -- the demo ---------------------------------------------------------------------------------------------
+
+
+def test_demo_validates_and_names_a_corrupted_element():
+    """``weightsync demo --corrupt`` (a transformers trainer -> a transformers instance, one step): the instance is
+    validated against the trainer's checkpoint of the step (``WeightWriter.save_checkpoint``) by
+    ``from_pretrained``; the flipped element is named, in the JSON and in the one-line error, and the run fails.
+    (One demo run, the cheapest: it costs seconds of process start-up. Layout workers validate through the same
+    ``WeightReader.validate`` in the rows above.)"""
+    from weightsync.demo import DemoConfig, run
+
+    out = run(DemoConfig(model="tiny-qwen3", train="hf", infer=("hf",), steps=1, corrupt=True), print_fn=lambda s: None)
+    assert not out["verified"] and len(out["errors"]) == 1
+    assert "validation" in out["errors"][0] and "model.norm.weight (rank 0) [64] bfloat16: 1 of 64" in out["errors"][0]
+    (step,) = out["steps"]
+    (inst,) = step["instances"]
+    v = inst["validation"]
+    assert (v["via"], v["ok"], v["mismatches"], v["checks"][0]["first_index"]) == ("from_pretrained", False,
+                                                                                  ["model.norm.weight"], [0])
+    assert not step["verified"] and inst["exact"] is False  # the piece check against the trainers sees it too
