@@ -42,13 +42,17 @@ class LocalTrainer:
 
 
 def build_trainer(spec: ModelSpec, train: str, rank: int, world: int, *, device: str = "cpu", fp32: bool = False,
-                  seed: int = 0, lr: float = 1e-3, same_start: bool = True) -> LocalTrainer:
+                  seed: int = 0, lr: float = 1e-3, same_start: bool = True,
+                  fp32_master: bool = False) -> LocalTrainer:
     """Build training rank ``rank`` of ``world`` for the layout ``train`` (the default group must be up).
 
     ``device``: ``cpu`` or ``cuda`` (rank r on ``cuda:r``). ``fp32``: keep fp32 weights of a
     lower-precision model (mixed precision's master copy; transformers and FSDP2 only).
     ``same_start=False`` leaves megatron-core's own initial weights (seconds less to start, for a
     caller that overwrites every weight anyway) instead of the transformers model's.
+    ``fp32_master``: AdamW steps fp32 master copies of the (bf16) weights, which are then rounded
+    into the model: the bound tensors (the wire) stay bf16, and at RL learning rates most of their
+    elements do not change from one step to the next (``weightsync demo --lr``, delta updates).
     """
     engine = make_layout(spec, train)
     if engine.world_size != world:
@@ -58,6 +62,9 @@ def build_trainer(spec: ModelSpec, train: str, rank: int, world: int, *, device:
         if fp32:
             raise ConfigError("megatron: fp32 master weights live in Megatron's optimizer, not the model; "
                               "train megatron in the model dtype")
+        if fp32_master:
+            raise ConfigError("megatron: fp32 master weights live in Megatron's optimizer; the local trainer "
+                              "keeps them for hf and fsdp only")
         return _megatron(spec, engine, rank, dev, seed, lr, same_start)
     from weightsync.testing import build_hf_model
 
@@ -96,6 +103,11 @@ def build_trainer(spec: ModelSpec, train: str, rank: int, world: int, *, device:
         opt.zero_grad()
         return loss.item()
 
+    if fp32_master:
+        if fp32:
+            raise ConfigError("fp32_master keeps fp32 copies of lower-precision weights; the model is fp32 already")
+        train_step = _master_step(model, lr)
+
     def logits(tokens: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return model(input_ids=tokens).logits.detach()
@@ -103,6 +115,29 @@ def build_trainer(spec: ModelSpec, train: str, rank: int, world: int, *, device:
     # under TP the row-parallel sums run in another order than one process's: the logits are not the
     # transformers model's bit for bit (the weights are), so none are offered
     return LocalTrainer(bound, [model], train_step, logits if engine.config.get("tp", 1) == 1 else None, data_rank)
+
+
+def _master_step(model: torch.nn.Module, lr: float) -> Callable[[torch.Tensor], float]:
+    """A train step whose AdamW updates fp32 master copies of the model's parameters (DTensors under
+    FSDP2 too) and rounds them back into the parameters, as mixed-precision trainers do."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(masters, lr=lr)
+
+    def train_step(tokens: torch.Tensor) -> float:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        for p, m in zip(params, masters):
+            m.grad = None if p.grad is None else p.grad.detach().float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+        return loss.item()
+
+    return train_step
 
 
 # --------------------------------------------------------------------------------------------
