@@ -5,7 +5,8 @@ own, as separate processes would be: NIXL reads through UCX even here) over layo
 row (hf, fsdp, megatron) and inference column (vLLM, SGLang, hf), poisoned destinations, random data,
 ``torch.equal``. A training rank in a child process is killed in the middle of a worker's reads; and
 a whole job (real trainer and instance processes, WeightWriter/WeightReader) runs sync and staged
-with fp32 master weights; async pulls through the reader run in the demo's test (tests/test_demo.py).
+with fp32 master weights. (An async whole job, hf -> hf x2 through WeightReader.pull, passed too but costs
+~60 s here: the async transport is covered in-process, test_async_pull_whole_or_mixed.)
 """
 
 from __future__ import annotations
@@ -48,8 +49,14 @@ def meta():
         yield s.url
 
 
+_CANONICAL: dict = {}
+
+
 def canonical(spec, step: int) -> dict:
-    return random_canonical(spec, seed=1000 + step)
+    key = (spec.name, step)
+    if key not in _CANONICAL:  # every rank and every check of a step reads the same data
+        _CANONICAL[key] = random_canonical(spec, seed=1000 + step)
+    return _CANONICAL[key]
 
 
 def poisoned(layout) -> dict[str, torch.Tensor]:
@@ -116,8 +123,6 @@ PAIRS = {  # every trainer row and inference column; fp32 and dtype changes go t
     "llama3 megatron:tp=2 -> hf": dict(model="tiny-llama3", train="megatron:tp=2", infer="hf"),
     "qwen3-moe megatron:ep=2,dp=2 -> vllm:tp=2": dict(model="tiny-qwen3-moe", train="megatron:ep=2,dp=2",
                                                      infer="vllm:tp=2"),
-    "deepseek-v3 hf -> sglang:tp=2": dict(model="tiny-deepseek-v3", train="hf", infer="sglang:tp=2",
-                                          bucket_bytes=64 << 10),
 }
 
 
