@@ -349,3 +349,15 @@ def test_demo_join_and_kill_with_real_processes():
         {"step": 2, "joined": 1}, {"step": 3, "killed": 0}]
     holders = {s["step"]: sorted(i["instance"] for i in s["instances"] if i["exact"]) for s in out["steps"]}
     assert holders == {1: [0], 2: [0, 1], 3: [1]}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--join-at", "2"], "need an elastic transport (file"),
+    (["--transport", "file", "--kill-at", "9", "--steps", "3"], "--kill-at 9 is not one of the steps 1..3"),
+])
+def test_demo_elastic_options_refused_before_anything_starts(capsys, args, message):
+    from weightsync.cli import main
+
+    assert main(["demo", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err, err
