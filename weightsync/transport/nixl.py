@@ -208,7 +208,6 @@ class Program:
     def __init__(self):
         self.direct: list[tuple[Pair, object]] = []  # (first pair of the peer, handle)
         self.staged: list[tuple[Batch, object, int]] = []  # (batch, handle, slot)
-        self.headers: list[tuple[int, object]] = []  # (peer rank, handle)
         self.dlists: list = []
         self.regs: list = []
 
@@ -240,6 +239,8 @@ class NixlReceiver(Receiver):
         self.slots: list[torch.Tensor] = []
         self.slot_regs: list = []
         self.programs: dict[tuple, Program] = {}
+        self.header_handles: list[tuple[int, object]] = []
+        self.header_dlists: list = []
 
     def _ensure_peers(self) -> None:
         """Each peer trainer's descriptors, checked against the plan before any byte moves (once)."""
@@ -254,6 +255,12 @@ class NixlReceiver(Receiver):
                 raise TransportError(f"instance {self.ctx.instance} rank {self.ctx.rank}: NIXL refused training rank "
                                      f"{r}'s agent metadata: {type(e).__name__}: {e}", peer=r) from e
         self.peers = peers
+        for r, reads in peers.items():  # each peer's header, read around every step's data
+            hb = self.header_bufs[r]
+            lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(hb.data_ptr(), HEADER_WORDS * 8, 0)], "DRAM")
+            rh = self.agent.prep_xfer_dlist(self.remote[r], [(reads.doc.header, HEADER_WORDS * 8, 0)], "DRAM")
+            self.header_dlists += [lh, rh]
+            self.header_handles.append((r, self.agent.make_prepped_xfer("READ", lh, [0], rh, [0])))
 
     # -- set-up ---------------------------------------------------------------------------------
     def _check_and_plan(self, r: int, doc: TrainerDoc) -> PeerReads:
@@ -373,11 +380,6 @@ class NixlReceiver(Receiver):
                         prog.direct.append((extra, h))
                     else:
                         prog.staged.append((extra[0], h, extra[1]))
-            hb = self.header_bufs[r]
-            lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(hb.data_ptr(), HEADER_WORDS * 8, 0)], "DRAM")
-            rh = self.agent.prep_xfer_dlist(peer, [(reads.doc.header, HEADER_WORDS * 8, 0)], "DRAM")
-            prog.dlists += [lh, rh]
-            prog.headers.append((r, self.agent.make_prepped_xfer("READ", lh, [0], rh, [0])))
         # staged batches run in this (build) order, batch k in slot k % SLOTS: freed by batch k - SLOTS
         self.programs[key] = prog
         log.info("instance %d rank %d: NIXL program for %d peers: %d direct reads, %d staged buckets",
@@ -422,20 +424,15 @@ class NixlReceiver(Receiver):
 
     def _headers(self) -> list[tuple[int, torch.Tensor]]:
         """Read every peer's header now: [(rank, (seq, step, ...))]."""
-        prog = self._program_any()
+        self._ensure_peers()
         handles = []
-        for r, h in prog.headers:
+        for r, h in self.header_handles:
             self.header_bufs[r].fill_(-1)
             pair = (r, self.ctx.instance, self.ctx.rank)
             self._post(h, pair, None)
             handles.append((h, pair, None))
         self._wait(handles)
-        return [(r, self.header_bufs[r]) for r, _ in prog.headers]
-
-    def _program_any(self) -> Program:
-        if not self.programs:
-            return self._program(self.ctx.tensors)
-        return next(iter(self.programs.values()))
+        return [(r, self.header_bufs[r]) for r, _ in self.header_handles]
 
     def _read(self, targets: Mapping[str, torch.Tensor], t0: float) -> StepStats:
         from weightsync.transport.pack import copy_pairs, unpack_pairs
@@ -513,7 +510,7 @@ class NixlReceiver(Receiver):
         if agent is None:
             return
         for prog in getattr(self, "programs", {}).values():
-            for _, h in prog.direct + prog.headers:
+            for _, h in prog.direct:
                 _quietly(h.release)
             for _, h, _ in prog.staged:
                 _quietly(h.release)
@@ -522,6 +519,10 @@ class NixlReceiver(Receiver):
             for reg in prog.regs:
                 if reg is not None:
                     _quietly(lambda reg=reg: agent.deregister_memory(reg))
+        for _, h in getattr(self, "header_handles", []):
+            _quietly(h.release)
+        for d in getattr(self, "header_dlists", []):
+            _quietly(d.release)
         for reg in [getattr(self, "header_reg", None), *getattr(self, "slot_regs", [])]:
             if reg is not None:
                 _quietly(lambda reg=reg: agent.deregister_memory(reg))
