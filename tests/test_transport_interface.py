@@ -33,9 +33,10 @@ def test_every_registered_transport_implements_both_sides(name):
     assert sender.modes <= TRANSPORTS[name].modes >= receiver.modes
 
 
-def test_only_the_colocated_receiver_reads_after_the_step_is_written():
+def test_receivers_that_read_the_trainers_memory_wait_until_the_step_is_written():
+    # colocated copies out of the trainers' shared memory, nixl READs their registered memory
     assert {n: receiver_class(n).reads_after_written for n in TRANSPORTS} == {
-        "p2p": False, "colocated": True, "file": False}
+        "p2p": False, "colocated": True, "file": False, "nixl": True}
 
 
 @pytest.mark.parametrize("kwargs, selected", [
