@@ -346,3 +346,15 @@ def test_runs_and_merging():
     # the remote side registered [100, 110) and [110, 130) apart: never one descriptor across them
     loc, rem = merge_pairs(local, remote, [(0, 30)], [(100, 10), (110, 20)])
     assert loc.tolist() == [[0, 10], [10, 20]] and rem.tolist() == [[100, 10], [110, 20]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu on the device host)")
+def test_gpu_nixl_1gpu_bench_bit_exact():
+    """VRAM registered on both sides, a trainer and an inference process on one GPU, the plan through
+    NIXL (UCX cuda_ipc READs), bit-exact; the bench's ceiling (a device copy) measured in the same run."""
+    from weightsync.bench.run import run
+
+    r = run("nixl-1gpu", "tiny-qwen3", steps=2, timeout=120.0, baselines=(), device="cuda")
+    assert not r["errors"], r["errors"]
+    assert r["verified"] and r["transport"] == "nixl" and r["ceiling_bytes_per_s"] > 0
