@@ -38,6 +38,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -59,6 +60,9 @@ from weightsync.transport.nixl_wire import (
     merge_pairs,
     publish_doc,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("weightsync.transport.nixl")
 
@@ -185,9 +189,19 @@ class Batch:
     pair: Pair
     bucket: int
     segments: tuple[Segment, ...]  # offsets within the slot
-    runs: object  # remote (addr, nbytes) array
-    rel: object  # local offsets within the slot, per run
+    runs: np.ndarray  # remote (addr, nbytes) per run, (N, 2) int64
+    rel: np.ndarray  # each run's offset within the slot
     nbytes: int
+
+
+@dataclass(frozen=True)
+class Direct:
+    """A segment read straight into its destination."""
+
+    pair: Pair
+    bucket: int
+    segment: Segment
+    runs: np.ndarray  # remote (addr, nbytes) per run
 
 
 @dataclass(frozen=True)
@@ -196,7 +210,7 @@ class PeerReads:
 
     rank: int
     doc: TrainerDoc
-    direct: list  # per direct segment: (pair, bucket index, Segment, remote runs)
+    direct: list[Direct]  # the segments read in place
     batches: list[Batch]
     nbytes: int
     buckets: int
@@ -288,7 +302,7 @@ class NixlReceiver(Receiver):
                     self._inside(pair, seg, got, doc)
                     region = ctx.tensors[seg.dst_tensor][slices(seg.dst_box)]
                     if _in_place(region, seg):
-                        direct.append((pair, b.index, seg, got))
+                        direct.append(Direct(pair, b.index, seg, got))
                     else:
                         runs.append(got)
                         rel.append(at + _cumulative(got))
@@ -353,12 +367,12 @@ class NixlReceiver(Receiver):
             local, remote, parts = [], [], []  # parts: (kind, start, count, extra)
             if reads.direct:
                 loc, rem = [], []
-                for pair, _, seg, runs in reads.direct:
-                    start = targets[seg.dst_tensor][slices(seg.dst_box)].data_ptr()
-                    loc.append(np.stack([start + _cumulative(runs), runs[:, 1]], axis=1))
-                    rem.append(runs)
+                for d in reads.direct:
+                    start = targets[d.segment.dst_tensor][slices(d.segment.dst_box)].data_ptr()
+                    loc.append(np.stack([start + _cumulative(d.runs), d.runs[:, 1]], axis=1))
+                    rem.append(d.runs)
                 loc_a, rem_a = merge_pairs(np.concatenate(loc), np.concatenate(rem), local_regions, reads.doc.regions)
-                parts.append(("direct", len(local), len(loc_a), reads.direct[0][0]))
+                parts.append(("direct", len(local), len(loc_a), reads.direct[0].pair))
                 local.extend(_descs(loc_a, dev))
                 remote.extend(_descs(rem_a, reads.doc.device))
             for bt in reads.batches:
