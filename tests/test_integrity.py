@@ -197,3 +197,17 @@ def test_steps_off_the_cadence_are_not_checked():
     assert not _failed(result)
     (done,) = result.of(StepDone)
     assert done.problems
+
+
+def test_bucket_sums_are_the_sums_of_their_regions_checksums(moved):
+    from weightsync.integrity.sums import region_sum
+
+    plans, sources, targets = moved
+    for side, tensors in ((True, sources), (False, targets)):
+        plan = sum_plan(plans, tensors, sending=side)
+        got = bucket_sums(plan, tensors)
+        for pair, buckets in plan.buckets.items():
+            want = [sum(ints(*[region_sum(r, tensors) for r in regions])) % 2**64 for _, regions in buckets]
+            assert list(got[pair]) == want
+        again = bucket_sums(plan, tensors)  # laid out once, the same every step
+        assert again == got

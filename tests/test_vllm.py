@@ -374,6 +374,18 @@ class TestQwen3TP2:
             trainers.assert_ok()
             reader.close()
 
+    def test_validate_tp2_against_vllms_own_load(self, tp2, tmp_path):
+        """weightsync.validate at TP=2: each worker against its own shard of a fresh vLLM load (issue 17)."""
+        from weightsync.validate import validate
+        from vllm_harness import checkpoint
+
+        held, other = tp2.holds["X"], tp2.other("X")
+        paths = {s: checkpoint(tp2.spec, s, tmp_path / f"seed{s}") for s in (held, other)}
+        r = validate(tp2.insts["X"], paths[held])
+        assert r.ok and {c.rank for c in r.checks} == {0, 1}, r.message()
+        wrong = validate(tp2.insts["X"], paths[other])
+        assert {c.rank for c in wrong.mismatched()} == {0, 1} and "lm_head.weight (packed)" in wrong.summary.mismatches
+
     def test_plugin_tp2_megatron_pp2_trainer(self, tp2):
         from weightsync.vllm.driver import VLLMWeightSync
         from vllm_harness import TrainJob, Trainers

@@ -28,7 +28,7 @@ WORD = 8  # bytes per word
 _MASK = (1 << 64) - 1
 
 
-def _words(region: torch.Tensor) -> torch.Tensor:
+def words_of(region: torch.Tensor) -> torch.Tensor:
     """The region's bytes as a 2-d int64 tensor of words in row-major order: a view where the rows are
     whole, aligned words, else a contiguous zero-padded copy."""
     x = region.view(torch.uint8) if region.dtype == torch.bool else region
@@ -50,16 +50,24 @@ def checksum(region: torch.Tensor, base: int = 0) -> torch.Tensor:
     """``sum_k word(region)[k] * (2 * (base + k) + 1) mod 2**64`` as a 0-d int64 tensor on the region's
     device (``k``: the word's row-major position in ``region``; see the module docstring). Queues the
     work without synchronising: read many at once with :func:`to_ints`."""
-    w = _words(region)
+    w = words_of(region)
     device = w.device
     rows, cols = w.shape
     if rows * cols == 0:
         return torch.zeros((), dtype=torch.int64, device=device)
     row_sums = w.sum(1)  # int64, wraps like everything else here
     col_sums = w.sum(0)
-    row_w = torch.arange(rows, dtype=torch.int64, device=device) * (2 * cols) + (2 * base + 1)
-    col_w = torch.arange(cols, dtype=torch.int64, device=device) * 2
+    row_w, col_w = weights(rows, cols, base, device)
     return (row_sums * row_w).sum() + (col_sums * col_w).sum()
+
+
+def weights(rows: int, cols: int, base: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights of a ``rows x cols`` word matrix's row sums and column sums: word ``(r, c)`` weighs
+    ``2 * (base + r * cols + c) + 1 = (2 * cols * r + 2 * base + 1) + 2 * c``."""
+    start = (2 * base + 1) & _MASK
+    start = start - (1 << 64) if start >= 1 << 63 else start  # as a signed int64
+    row_w = torch.arange(rows, dtype=torch.int64, device=device) * (2 * cols) + start
+    return row_w, torch.arange(cols, dtype=torch.int64, device=device) * 2
 
 
 def words(region: torch.Tensor) -> int:

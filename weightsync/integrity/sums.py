@@ -12,11 +12,11 @@ region the same way first (``Tensor.to`` rounds identically on every device).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.integrity.digest import WORD, checksum, to_ints
+from weightsync.integrity.digest import WORD, checksum, to_ints, weights, words_of
 from weightsync.layout.box import box_numel, fmt_box, slices
 from weightsync.plan.planner import Bucket, Pair
 
@@ -39,6 +39,8 @@ class SumPlan:
     """The regions each bucket's checksum covers on one side, derived once from the plan."""
 
     buckets: dict[Pair, tuple[tuple[Bucket, tuple[Region, ...]], ...]]
+    #: per device: the weights of every region's row and column sums, laid out once (see bucket_sums)
+    prepared: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def pairs(self) -> list[Pair]:
@@ -79,17 +81,66 @@ def region_sum(r: Region, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return checksum(view if r.dtype is None else view.to(r.dtype), r.base)
 
 
+def _read(r: Region, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    view = tensors[r.tensor][slices(r.box)]
+    return words_of(view if r.dtype is None else view.to(r.dtype))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each region's row sums and column sums go in one step's buffer, their weights, and which
+    bucket each entry of the buffer adds to."""
+
+    entries: tuple[tuple[Region, int, int, int, int], ...]  # region, bucket number, offset, rows, cols
+    weights: torch.Tensor
+    bucket_of: torch.Tensor
+    buckets: int
+
+
+def _layout(plan: SumPlan, tensors: Mapping[str, torch.Tensor], device: torch.device) -> _Layout:
+    entries, ws, ids, at, k = [], [], [], 0, 0
+    for pair in plan.pairs:
+        for _, regions in plan.buckets[pair]:
+            for r in regions:
+                rows, cols = _read(r, tensors).shape
+                row_w, col_w = weights(rows, cols, r.base, device)
+                entries.append((r, k, at, rows, cols))
+                ws += [row_w, col_w]
+                ids.append(torch.full((rows + cols,), k, dtype=torch.int64, device=device))
+                at += rows + cols
+            k += 1
+    cat = (lambda xs: torch.cat(xs)) if ws else (lambda xs: torch.zeros(0, dtype=torch.int64, device=device))
+    return _Layout(tuple(entries), cat(ws), cat(ids), k)
+
+
 def bucket_sums(plan: SumPlan, tensors: Mapping[str, torch.Tensor]) -> PairSums:
-    """Every bucket's checksum (one device synchronisation for all of them)."""
-    queued, shape = [], []
+    """Every bucket's checksum: per region two reductions into one buffer, then one weighted sum per
+    bucket (``index_add``) and one device synchronisation for the whole step. The weights are laid out
+    once per device; the regions are read from ``tensors`` afresh every step (a tensor may have moved)."""
+    if not plan.buckets:
+        return {}
+    device = next(iter(tensors.values())).device
     with torch.no_grad():
-        for pair in plan.pairs:
-            shape.append((pair, len(plan.buckets[pair])))
-            for _, regions in plan.buckets[pair]:
-                parts = [region_sum(r, tensors) for r in regions]
-                queued.append(torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.int64))
-    ints, out, at = to_ints(queued), {}, 0
-    for pair, n in shape:
+        lay = plan.prepared.get(device)
+        if lay is None:
+            lay = plan.prepared[device] = _layout(plan, tensors, device)
+        buf = torch.empty(lay.weights.numel(), dtype=torch.int64, device=device)
+        odd = []  # regions whose words came out in another shape than planned (restrided): summed alone
+        for r, k, at, rows, cols in lay.entries:
+            w = _read(r, tensors)
+            if tuple(w.shape) == (rows, cols):
+                torch.sum(w, 1, out=buf[at : at + rows])
+                torch.sum(w, 0, out=buf[at + rows : at + rows + cols])
+            else:
+                buf[at : at + rows + cols].zero_()
+                odd.append((k, region_sum(r, tensors)))
+        per = torch.zeros(lay.buckets, dtype=torch.int64, device=device).index_add_(0, lay.bucket_of, buf * lay.weights)
+        for k, s in odd:
+            per[k] += s
+        ints = [v & ((1 << 64) - 1) for v in per.cpu().tolist()]
+    out, at = {}, 0
+    for pair in plan.pairs:
+        n = len(plan.buckets[pair])
         out[pair] = tuple(ints[at : at + n])
         at += n
     return out

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from weightsync.errors import TransportError, WeightsMoved
+from weightsync.errors import IntegrityError, TransportError, WeightsMoved
 from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.integrity.cadence import due as integrity_due
 from weightsync.integrity.cadence import every as integrity_every
@@ -140,6 +140,11 @@ class WeightReader(SessionDriven):
         except WeightsMoved as e:  # no later step can succeed either: stop the trainers waiting for us now
             with contextlib.suppress(MetaError):
                 self.client.abort(str(e))
+            raise
+        except IntegrityError as e:  # the trainers wait for this step held in vain: tell them why, now
+            if not session.shape.elastic:  # (elastic: they drop this instance and go on)
+                with contextlib.suppress(MetaError):
+                    self.client.abort(str(e))
             raise
         finally:
             self.instance.resume()
