@@ -462,11 +462,10 @@ def _job_reader(emit, inst: int, meta: str, job: dict) -> None:
         local.close()
 
 
-@pytest.mark.parametrize("transport, infer", [("p2p", "vllm:tp=2"), ("file", "hf")])
+@pytest.mark.parametrize("transport, infer", [("p2p", "vllm:tp=2")])
 def test_writer_and_readers_with_delta(transport, infer, tmp_path):
-    """hf trainer -> 2 instances (vLLM layout tp=2 over p2p, transformers over file; instance 1 staged),
-    delta=True: bit-exact every step;
-    the first step moves whole, later ones a tenth of the bytes at most."""
+    """hf trainer -> 2 vLLM-layout instances (tp=2; instance 1 staged), delta=True: bit-exact every
+    step; the first step moves whole, later ones a tenth of the bytes at most."""
     from weightsync.local.events import Participant
     from weightsync.local.runner import LocalJob
     from weightsync.transport.group import free_port
@@ -490,3 +489,23 @@ def test_writer_and_readers_with_delta(transport, infer, tmp_path):
     for w in result.of(DeltaWrote):
         if transport == "p2p" and w.step > 1:  # the file writer writes the full file too
             assert w.bytes < w.full_bytes / 10, w
+
+
+def test_demo_delta_with_an_instance_joining(tmp_path):
+    """``weightsync demo --delta --lr 1e-6 --transport file --join-at 3``: AdamW on fp32 master weights
+    (bf16 wire), every tensor verified each step; the joiner's first step moves whole, every other
+    step after the first a tenth of the bytes at most."""
+    from weightsync.demo import DemoConfig, run
+
+    cfg = DemoConfig(train="hf", infer=("vllm:tp=2",), steps=4, transport="file", join_at=3, delta=True, lr=1e-6,
+                     timeout_s=60.0)
+    result = run(cfg, print_fn=lambda s: None)
+    assert result["verified"], result["errors"]
+    full = None
+    for s in result["steps"]:
+        for inst in s["instances"]:
+            first = s["step"] == 1 or (inst["instance"] == 1 and s["step"] == 3)
+            if s["step"] == 1:
+                full = inst["bytes"]
+            assert (inst["bytes"] == full) if first else (inst["bytes"] < full / 10), (s["step"], inst)
+    assert [len(s["instances"]) for s in result["steps"]] == [1, 1, 2, 2]
