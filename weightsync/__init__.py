@@ -25,7 +25,7 @@ _EXPORTS = {
     **{name: "weightsync.errors" for name in (
         "WeightSyncError", "SpecError", "ConfigError", "LayoutMismatch", "PlanError", "JobMismatch",
         "TransportError", "WeightsMoved", "MetaError", "MetaAborted", "MetaTimeout", "MetaUnavailable",
-        "InstanceError", "WorkerError", "WorkerDied", "WorkerTimeout",
+        "InstanceError", "WorkerError", "WorkerDied", "WorkerTimeout", "ValidationMismatch",
     )},
 }
 
@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never run
         PlanError,
         SpecError,
         TransportError,
+        ValidationMismatch,
         WeightsMoved,
         WeightSyncError,
         WorkerDied,
