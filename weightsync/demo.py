@@ -262,6 +262,7 @@ def _reader(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: 
             got = sum(s.bytes for s in reader.last_stats)
             if cfg.corrupt and step == first and inst == 0 and job == _jobs(cfg)[0][0]:
                 local.instance.call(_corrupt, engine, dict(spec.config), timeout_s=cfg.timeout_s)
+                local.instance.after_update()  # a real engine re-packs: it now computes with the flipped element
             report = reader.validate(f"{refdir}/ckpt{step}") if cfg.validate or cfg.corrupt else None
             problems = [p for ps in local.instance.call(_verify, f"{refdir}/step{step}.safetensors", engine,
                                                         dict(spec.config), timeout_s=cfg.timeout_s) for p in ps]
