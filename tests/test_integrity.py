@@ -3,7 +3,7 @@ landed bytes are corrupted failing the step before it is reported held."""
 
 import pytest
 import torch
-from e2e import StepDone, UpdateFailed, assert_clean, run_job
+from e2e import StepDone, UpdateFailed, assert_clean, run_job, train_errors
 
 from weightsync.engines import make_layout
 from weightsync.errors import ConfigError
@@ -170,13 +170,16 @@ def test_clean_p2p_job_checks_every_step_and_passes():
 @pytest.mark.parametrize("staged", [False, True], ids=["live", "staged"])
 def test_corrupted_landing_fails_the_step_and_no_version_is_reported(staged):
     job = dict(model="tiny-qwen3", train="megatron:tp=2", infer="vllm:tp=2", integrity=1, steps=2,
-               bucket_bytes=4096, fault="infer-corrupts", staged=staged, timeout=10.0)
+               bucket_bytes=4096, fault="infer-corrupts", staged=staged, timeout=20.0)
     result = run_job(job)
     assert [u.step for u in result.of(StepDone)] == [1]
     (failed,) = _failed(result)
     assert failed.step == 2 and failed.kind == "IntegrityError", failed
     assert "step 2: what landed differs from what training rank" in failed.message
     assert "instance 0 rank 0" in failed.message and "bucket" in failed.message
+    # the reader aborted the job, so the trainers waiting for step 2 held fail at once, with the reason
+    trainers = train_errors(result)
+    assert trainers and all(f.kind == "MetaAborted" and "what landed differs" in f.message for f in trainers), trainers
     if staged:  # the copy was checked before it was committed: the live weights still hold step 1
         assert failed.version == 1 and failed.intact
     else:
@@ -185,7 +188,7 @@ def test_corrupted_landing_fails_the_step_and_no_version_is_reported(staged):
 
 def test_colocated_job_checks_what_the_workers_pushed_into_each_other():
     job = dict(model="tiny-qwen3", train="megatron:tp=2", infer="vllm:tp=2", colocate=True, integrity=1, steps=2,
-               fault="infer-corrupts", timeout=10.0)
+               fault="infer-corrupts", timeout=20.0)
     result = run_job(job)
     (failed,) = _failed(result)
     assert failed.step == 2 and failed.kind == "IntegrityError", failed
