@@ -28,33 +28,11 @@ pytestmark = [
 
 MODEL = "tiny-qwen3-h64"
 
-
-@pytest.fixture(scope="module")
-def meta():
-    from weightsync.meta.server import MetaServer
-
-    with MetaServer().start() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def prefetch():
-    from vllm_harness import Prefetch
-
-    p = Prefetch()
-    yield p
-    p.close()
+from vllm_harness import engines, meta, prefetch  # noqa: E402,F401 -- the shared fixtures (meta, prefetch)
 
 
 def _engines(tp, tmp_path_factory, meta):
-    from vllm_harness import Engines
-
-    def start():
-        e = Engines.start(MODEL, tp, tmp_path_factory.mktemp(f"vllm-{tp}"), meta)
-        print(f"\n{MODEL} tp={tp}: two engines started in {e.startup_s:.1f} s")
-        return e
-
-    return start
+    return engines(MODEL, tp, tmp_path_factory, meta)
 
 
 def _mla_engine(tmp_path_factory):
@@ -222,6 +200,32 @@ class TestQwen3TP1:
             trainers.assert_ok()
         tp1.check("X", held)
 
+    def test_colocated_extension_and_plugin(self, tp1):
+        """Co-located (the trainer shares the engine's device: shared memory on CPU, CUDA IPC on GPU, where
+        benchmarks/vllm_gpu.py ran this with vLLM 0.26 and CUDA graphs): the engine's own workers copy the
+        trainer's tensors, through the extension into X and through the plug-in (``colocate`` in its init info)
+        into Y, each step bit-exact against the fresh engine."""
+        from weightsync.vllm.driver import VLLMWeightSync
+        from vllm_harness import TrainJob, Trainers
+
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "colo-offline", tp1.alternating("X", 1), colocate=True)
+        with Trainers(job) as trainers:
+            reader = _reader(tp1, "X", job.job, colocate=True).connect()
+            assert reader.session.options.transport_name == "colocated"
+            (step, seed), = job.steps
+            assert reader.update(step) == step
+            tp1.check("X", seed)
+            reader.close()
+            trainers.assert_ok()
+        job = TrainJob(MODEL, "hf", tp1.meta.url, "colo-plugin", tp1.alternating("Y", 1), colocate=True)
+        with Trainers(job) as trainers:
+            sync = VLLMWeightSync(tp1.llms["Y"], meta=tp1.meta.url, job=job.job, colocate=True).connect()
+            (step, seed), = job.steps
+            assert sync.update(step) == step
+            tp1.check("Y", seed)
+            trainers.assert_ok()
+            sync.close()
+
     # -- the plug-in backend, driven through vLLM's API ----------------------------------------------------
 
     def test_plugin_sync_through_vllms_api(self, tp1):
@@ -273,38 +277,6 @@ class TestQwen3TP1:
                 tp1.check("Y", seed)
             trainers.assert_ok()
             sync.close()
-
-    def test_plugin_trainer_dies_then_a_new_job(self, tp1):
-        """A trainer killed mid-step: the driver gets the recorded error (bounded), the weight version stays at the
-        last held step, and the engine keeps serving; a new job on the same engine then syncs bit-exact."""
-        from weightsync.errors import TransportError
-        from weightsync.vllm.driver import VLLMWeightSync
-        from vllm_harness import TrainJob, Trainers, rank_of
-
-        llm = tp1.llms["Y"]
-        steps = tp1.alternating("Y", 2)
-        job = TrainJob(MODEL, "hf", tp1.meta.url, "plugin-dies", steps, die_at=2, timeout_s=20, bucket_bytes=16 << 10)
-        with Trainers(job) as trainers:
-            sync = VLLMWeightSync(llm, meta=tp1.meta.url, job=job.job, timeout_s=20, bucket_bytes=16 << 10).connect()
-            sync.update(1)
-            tp1.check("Y", steps[0][1])
-            t0 = time.perf_counter()
-            with pytest.raises(TransportError, match="instance 0"):
-                sync.update(2)
-            assert time.perf_counter() - t0 < 30
-            assert sync.version is None and llm.get_weight_version() == "1"
-            assert trainers.results(10)[0][0] == "died"
-        assert _held(tp1, job.job) == 1
-        tp1.holds["Y"] = None  # a mix of two steps now
-        assert tp1.insts["Y"].call(rank_of) == [0]  # the engine still answers
-        job = TrainJob(MODEL, "hf", tp1.meta.url, "plugin-after", [(1, 1)])
-        with Trainers(job) as trainers:
-            sync = VLLMWeightSync(llm, meta=tp1.meta.url, job=job.job).connect()
-            sync.update(1)
-            tp1.check("Y", 1)
-            trainers.assert_ok()
-            sync.close()
-
 
     def test_asyncllm_pause_keep_with_requests_in_flight(self, tp1, async_engine):
         """``WeightReader(VLLMInstance(AsyncLLM, loop=...))``: the update pauses generation with
@@ -400,21 +372,31 @@ class TestQwen3TP2:
             sync.close()
 
     def test_plugin_tp2_failure_leaves_vllm_in_step(self, tp2):
-        """At TP=2 a raising worker RPC would leave vLLM's executor reading stale answers; the backend records the
-        failure instead, so the next job's calls get their own answers and sync bit-exact."""
+        """A trainer killed mid-step, through the plug-in at TP=2: the driver gets the recorded error (bounded), the
+        weight version stays at the last held step and the engine keeps serving. A raising worker RPC would leave
+        vLLM's executor reading stale answers at TP=2; the backend records the failure instead, so the next job's
+        calls get their own answers and sync bit-exact. (This case also ran at TP=1 until session 9; TP=2 covers
+        every assertion it made.)"""
         from weightsync.errors import TransportError
         from weightsync.vllm.driver import VLLMWeightSync
-        from vllm_harness import TrainJob, Trainers
+        from vllm_harness import TrainJob, Trainers, rank_of
 
         llm = tp2.llms["Y"]
-        job = TrainJob(MODEL, "hf", tp2.meta.url, "tp2-dies", tp2.alternating("Y", 2), die_at=2, timeout_s=20,
-                       bucket_bytes=16 << 10)
-        with Trainers(job):
+        steps = tp2.alternating("Y", 2)
+        job = TrainJob(MODEL, "hf", tp2.meta.url, "tp2-dies", steps, die_at=2, timeout_s=20, bucket_bytes=16 << 10)
+        with Trainers(job) as trainers:
             sync = VLLMWeightSync(llm, meta=tp2.meta.url, job=job.job, timeout_s=20, bucket_bytes=16 << 10).connect()
             sync.update(1)
-            with pytest.raises(TransportError):
+            tp2.check("Y", steps[0][1])
+            t0 = time.perf_counter()
+            with pytest.raises(TransportError, match="instance 0"):
                 sync.update(2)
-        tp2.holds["Y"] = None
+            assert time.perf_counter() - t0 < 30
+            assert sync.version is None and llm.get_weight_version() == "1"
+            assert trainers.results(10)[0][0] == "died"
+        assert _held(tp2, job.job) == 1
+        tp2.holds["Y"] = None  # a mix of two steps now
+        assert tp2.insts["Y"].call(rank_of) == [0, 1]  # both workers still answer, in step
         job = TrainJob(MODEL, "hf", tp2.meta.url, "tp2-after", [(1, 2)])
         with Trainers(job) as trainers:
             sync = VLLMWeightSync(llm, meta=tp2.meta.url, job=job.job).connect()
@@ -451,6 +433,36 @@ class TestQwen3TP2:
             version = None
         assert version != "2" and len(pids) == 2
 
+
+
+# -- weightsync demo --engines real ------------------------------------------------------------------------
+
+
+def test_demo_real_engines():
+    """``weightsync demo --engines real``: the inference instance is a real vLLM engine (dummy weights) and each
+    step is checked against a FRESH engine started on the step's weights saved by ``save_pretrained``: every
+    tensor it computes with equal by digest, greedy tokens equal (``exact``, ``tokens_equal`` in the JSON)."""
+    from weightsync.demo import DemoConfig, run
+
+    r = run(DemoConfig(model=MODEL, train="hf", infer=("vllm:tp=1",), steps=1, engines="real", timeout_s=300),
+            print_fn=lambda line: None)
+    assert r["verified"] and not r["errors"], r
+    ((inst,),) = [s["instances"] for s in r["steps"]]
+    assert inst["exact"] is True and inst["tokens_equal"] is True and inst["version"] == 1, inst
+
+
+def test_demo_real_engines_refused_before_start(capsys):
+    """What a real engine cannot take is refused in one line, exit non-zero, no traceback, nothing started."""
+    from weightsync.cli import main
+
+    for model, infer, words in (("tiny-qwen3", "vllm:tp=1", "head_dim 16"),
+                                ("tiny-deepseek-v3", "vllm:tp=1", "multi-latent attention"),
+                                ("tiny-qwen3-h64", "sglang:tp=1", "no real sglang engine")):
+        t0 = time.perf_counter()
+        assert main(["demo", "--engines", "real", "--model", model, "--infer", infer, "--train", "hf"]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert time.perf_counter() - t0 < 10
 
 
 # -- refused at set-up ------------------------------------------------------------------------------------

@@ -22,54 +22,28 @@ pytestmark = [
 
 MOE, LLAMA = "tiny-qwen3-moe-h64", "tiny-llama3-h64"
 
-
-@pytest.fixture(scope="module")
-def meta():
-    from weightsync.meta.server import MetaServer
-
-    with MetaServer().start() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def prefetch():
-    from vllm_harness import Prefetch
-
-    p = Prefetch()
-    yield p
-    p.close()
-
-
-def _engines(model, tp, tmp_path_factory, meta):
-    from vllm_harness import Engines
-
-    def start():
-        e = Engines.start(model, tp, tmp_path_factory.mktemp(f"{model}-{tp}"), meta)
-        print(f"\n{model} tp={tp}: two engines started in {e.startup_s:.1f} s")
-        return e
-
-    return start
+from vllm_harness import engines, meta, prefetch  # noqa: E402,F401 -- the shared fixtures (meta, prefetch)
 
 
 @pytest.fixture(scope="class")
 def moe1(tmp_path_factory, meta, prefetch):
-    e = prefetch.take("moe1", _engines(MOE, 1, tmp_path_factory, meta))
-    prefetch.start("moe2", _engines(MOE, 2, tmp_path_factory, meta))  # starts while this class runs
+    e = prefetch.take("moe1", engines(MOE, 1, tmp_path_factory, meta))
+    prefetch.start("moe2", engines(MOE, 2, tmp_path_factory, meta))  # starts while this class runs
     yield e
     e.close()
 
 
 @pytest.fixture(scope="class")
 def moe2(tmp_path_factory, meta, prefetch):
-    e = prefetch.take("moe2", _engines(MOE, 2, tmp_path_factory, meta))
-    prefetch.start("llama", _engines(LLAMA, 1, tmp_path_factory, meta))
+    e = prefetch.take("moe2", engines(MOE, 2, tmp_path_factory, meta))
+    prefetch.start("llama", engines(LLAMA, 1, tmp_path_factory, meta))
     yield e
     e.close()
 
 
 @pytest.fixture(scope="class")
 def llama(tmp_path_factory, meta, prefetch):
-    e = prefetch.take("llama", _engines(LLAMA, 1, tmp_path_factory, meta))
+    e = prefetch.take("llama", engines(LLAMA, 1, tmp_path_factory, meta))
     yield e
     e.close()
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from weightsync.engines import make_layout
@@ -228,6 +229,37 @@ class Prefetch:
                     stop_llm(got)
         self._futures.clear()
         self._pool.shutdown(wait=True)
+
+
+# -- fixtures shared by tests/test_vllm*.py (imported into each module) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def meta():
+    """One MetaServer per test module."""
+    from weightsync.meta.server import MetaServer
+
+    with MetaServer().start() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prefetch():
+    """The module's :class:`Prefetch`: classes start the next class's engines while they run."""
+    p = Prefetch()
+    yield p
+    p.close()
+
+
+def engines(model: str, tp: int, tmp_path_factory: Any, meta: Any, **llm_kw: Any):
+    """A thunk that starts an :class:`Engines` pair (for :meth:`Prefetch.start` / :meth:`Prefetch.take`)."""
+
+    def start() -> Engines:
+        e = Engines.start(model, tp, tmp_path_factory.mktemp(f"{model}-{tp}"), meta, **llm_kw)
+        print(f"\n{model} tp={tp}: two engines started in {e.startup_s:.1f} s")
+        return e
+
+    return start
 
 
 # -- trainers ---------------------------------------------------------------------------------------
