@@ -103,7 +103,8 @@ def moved_per_gpu(train, infer, scen: Scenario) -> dict[int, tuple[int, int]]:
     from weightsync.plan.planner import Planner
     from weightsync.plan.topology import Topology
 
-    make = Topology.colocated if scen.colocate else Topology.separated
+    # one GPU holds both sides even when they are separate processes (nixl-1gpu)
+    make = Topology.colocated if scen.colocate or scen.gpus == 1 else Topology.separated
     topo = make(train.world_size, infer.world_size, scen.instances)
     planner = Planner(train, infer, scen.instances, topo)
     per: dict[int, tuple[int, int]] = {}
