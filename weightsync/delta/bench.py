@@ -8,6 +8,7 @@
 ``python -m weightsync.delta.bench predict`` the simulator's busiest-link prediction for a job, full
                                              and at given change fractions (the plan's bytes scaled
                                              by each bucket's encoded size)
+``python -m weightsync.delta.bench memory``  the sender's previous version: planned, budgeted, resident
 
 Each prints a markdown table and, with ``--json PATH``, writes the rows. Numbers for docs/delta.md
 and BENCHMARKS.md ("Delta updates").
@@ -267,6 +268,43 @@ def predict(model: str, train: str, infer: str, instances: int, fractions, gpus_
     return rows
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def memory_rows(model: str = "qwen3-0.6b") -> list[dict]:
+    """The sender's previous version: bytes the plan says (``Buffers.previous``) against the resident
+    memory it took once stored, kept on the tensors' device and (``host=True``) in host memory (pinned
+    where CUDA is present; on a CPU-only machine both are host memory)."""
+    from weightsync.delta.state import PreviousVersion, previous_buffers_bytes, previous_bytes
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import scatter
+    from weightsync.plan.planner import Planner
+    from weightsync.spec import load_spec
+    from weightsync.testing import random_canonical
+    from weightsync.transport.pack import pack
+
+    spec = load_spec(model)
+    lay = make_layout(spec, "hf")
+    plans = Planner(lay, lay, 1).send_plan(0)
+    tensors = scatter(lay.layout(0), random_canonical(spec, 0))
+    largest = max(b.nbytes for bs in plans.values() for b in bs)
+    buf = torch.empty(largest, dtype=torch.uint8)
+    rows = []
+    for host in (False, True):
+        before = _rss()
+        prev = PreviousVersion(plans, torch.device("cpu"), host=host)
+        for bs in plans.values():
+            for b in bs:
+                if b.nbytes:
+                    prev.store(b, pack(b, tensors, out=buf[: b.nbytes]))
+        rows.append({"model": model, "where": prev.where, "planned": previous_bytes(plans),
+                     "budgeted": previous_buffers_bytes(plans, host), "resident_growth": _rss() - before})
+        del prev
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m weightsync.delta.bench")
     sub = ap.add_subparsers(dest="what", required=True)
@@ -282,7 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--infer", required=True)
     p.add_argument("--instances", type=int, default=1)
     p.add_argument("--fractions", default="0.001,0.01,0.03,0.1")
-    for s in (c, g, p):
+    m = sub.add_parser("memory")
+    m.add_argument("--model", default="qwen3-0.6b")
+    for s in (c, g, p, m):
         s.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.what == "codec":
@@ -293,6 +333,12 @@ def main(argv=None) -> int:
         rows = gloo_rows(args.model, [float(x) for x in args.fractions.split(",")], args.steps)
         print(gloo_table(rows))
         data = [asdict(r) for r in rows]
+    elif args.what == "memory":
+        data = memory_rows(args.model)
+        for r in data:
+            print(f"{r['model']}: previous version in {r['where']}: {r['planned'] / 1e6:.1f} MB planned, "
+                  f"{r['budgeted'] / 1e6:.1f} MB counted in the device budget, resident memory grew "
+                  f"{r['resident_growth'] / 1e6:.1f} MB")
     else:
         data = predict(args.model, args.train, args.infer, args.instances,
                        [float(x) for x in args.fractions.split(",")])

@@ -72,6 +72,7 @@ class PreviousVersion:
     def __init__(self, plans: Mapping[Pair, list[Bucket]], device: torch.device, host: bool = False):
         self.version: int | None = None
         self._device = torch.device("cpu") if host else device
+        self._host = host
         self._pin = host and torch.cuda.is_available()
         self._sig: dict[tuple[Pair, int], tuple] = {}
         self._size: dict[tuple, int] = {}
@@ -91,7 +92,7 @@ class PreviousVersion:
 
     @property
     def where(self) -> str:
-        return "pinned host" if self._pin else ("host" if self._device.type == "cpu" else str(self._device))
+        return "pinned host" if self._pin else ("host" if self._host else f"the tensors' device ({self._device})")
 
     def invalidate(self) -> None:
         """Forget the version (a step failed mid-way: the stored copies mix two steps)."""
