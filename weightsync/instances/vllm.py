@@ -10,7 +10,8 @@ Start the engine with weightsync's worker extension, then hand it to an unchange
   by name through ``collective_rpc``; each worker answers bytes, an exception comes back as itself
   (:mod:`weightsync.vllm.rpc`). Workers run ``fn`` on their loaded-form tensors
   (:mod:`weightsync.vllm.live`, decided per layer at construction and logged, ``self.reports``).
-- ``after_update`` re-runs the post-load transforms (CPU re-packs, expert prepack) from the loaded form.
+- ``after_update`` re-runs the post-load transforms (CPU re-packs, expert prepack) from the loaded form;
+  where every layer is in place (GPU, unquantized) there is none, and no call is made.
 - ``pause``: ``AsyncLLM.pause_generation(mode=pause_mode)`` (``"keep"`` freezes in-flight requests);
   the offline ``LLM`` generates only inside ``generate()``, so there is nothing to pause.
   ``resume``: ``reset_prefix_cache()`` (cached KV of the old weights), then ``resume_generation``.
@@ -35,7 +36,7 @@ from typing import Any, Callable
 from weightsync.errors import ConfigError, InstanceError, WorkerDied, WorkerTimeout
 from weightsync.vllm.config import describe
 from weightsync.vllm.extension import EXTENSION
-from weightsync.vllm.live import LiveReport
+from weightsync.vllm.live import IN_PLACE, LiveReport
 from weightsync.vllm.rpc import pack_call, result
 
 log = logging.getLogger("weightsync.vllm")
@@ -73,13 +74,17 @@ class VLLMInstance:
         self.reports: list[LiveReport] = self._rpc("weightsync_setup", timeout_s=timeout_s)
         for r in self.reports:
             log.info("%s: %s", self.engine, r.summary())
+        #: whether any layer is re-packed after an update; on GPU every unquantized layer is in place, and the
+        #: refresh would be one more engine-core round trip a step for nothing
+        self.refreshes = any(p.path != IN_PLACE for r in self.reports for p in r.layers)
 
     # -- the protocol ---------------------------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
         return self._rpc("weightsync_call", pack_call(fn, args), timeout_s=timeout_s)
 
     def after_update(self) -> None:
-        self._rpc("weightsync_refresh")
+        if self.refreshes:
+            self._rpc("weightsync_refresh")
 
     def pause(self) -> None:
         if self.is_async:
