@@ -166,13 +166,14 @@ def _trainer(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: DemoC
             writers[0].save_checkpoint(f"{refdir}/ckpt{step}")
         dist.barrier()
         # wall clock, sent before any byte moves: the driver compares it with the readers' end times
-        emit(StepStarted(emit.participant, step, time.time(), loss))
-        for w in writers:
-            if step == cfg.join_at:  # --join-at: the joiner is in before this step is written
-                from weightsync.runtime.session import wait_joined
+        if step == cfg.join_at:  # --join-at: the joiner is in before this step is written (not in its time)
+            from weightsync.runtime.session import wait_joined
 
+            for w in writers:
                 wait_joined(w.client, cfg.instances + 1 - (cfg.kill_at is not None and cfg.kill_at < step),
                             cfg.timeout_s)
+        emit(StepStarted(emit.participant, step, time.time(), loss))
+        for w in writers:
             w.write(step)
     dist.destroy_process_group()
 
