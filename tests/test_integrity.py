@@ -214,3 +214,31 @@ def test_bucket_sums_are_the_sums_of_their_regions_checksums(moved):
             assert list(got[pair]) == want
         again = bucket_sums(plan, tensors)  # laid out once, the same every step
         assert again == got
+
+
+# -- the delta measurement's counting (weightsync.delta.measure) -----------------------------------
+
+
+def test_delta_measure_counts_bf16_elements_whose_bits_change():
+    from weightsync.delta.measure import changed, count_step, kind_of, wire
+
+    w = (torch.randn(1000) * 0.02).to(torch.bfloat16).float()  # fp32 masters exactly on the bf16 grid
+    moved = w.clone()
+    moved[::10] *= 1.05  # 100 elements move by 5%: far more than a bf16 step (2**-8 relative)
+    moved[1::10] *= 1 + 1e-4  # 100 more move by less than half a bf16 step: their bf16 bits stay
+    assert changed(wire(w), wire(moved)) == 100
+    assert [kind_of(n) for n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_norm.weight",
+                                 "model.layers.3.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight",
+                                 "model.norm.weight")] == ["attention", "norm", "mlp", "embedding", "embedding", "norm"]
+    step = count_step(1, {"model.layers.0.mlp.up_proj.weight": wire(w), "model.norm.weight": wire(w)},
+                      {"model.layers.0.mlp.up_proj.weight": wire(moved), "model.norm.weight": wire(w)})
+    assert step.changed == {"attention": 0, "mlp": 100, "norm": 0, "embedding": 0} and step.total_changed == 100
+
+
+def test_delta_measure_trains_a_real_model():
+    from weightsync.delta.measure import summary, train
+
+    still = train(0.0, steps=1, hidden=64, layers=1, vocab=256, batch=2, seq=16)
+    assert still.steps[0].total_changed == 0
+    moving = summary(train(1e-3, steps=2, hidden=64, layers=1, vocab=256, batch=2, seq=16))
+    assert 0.5 < moving["mean"] <= 1.0 and set(moving["kinds"]) == {"attention", "mlp", "norm", "embedding"}
