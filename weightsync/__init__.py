@@ -25,7 +25,7 @@ _EXPORTS = {
     **{name: "weightsync.errors" for name in (
         "WeightSyncError", "SpecError", "ConfigError", "LayoutMismatch", "PlanError", "JobMismatch",
         "TransportError", "WeightsMoved", "MetaError", "MetaAborted", "MetaTimeout", "MetaUnavailable",
-        "InstanceError", "WorkerError", "WorkerDied", "WorkerTimeout", "ValidationMismatch",
+        "InstanceError", "WorkerError", "WorkerDied", "WorkerTimeout", "ValidationMismatch", "IntegrityError",
     )},
 }
 
