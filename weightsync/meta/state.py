@@ -609,7 +609,8 @@ def _not_member(job: str, j: Job, instance: int) -> str:
     if m is None:
         return f"instance {instance} has not joined job {job}; join first"
     why = f" ({m['reason']})" if m.get("reason") else ""
-    return (f"instance {instance} is no member of job {job}: it {m['state']}{why} at topology version "
+    did = "left" if m["state"] == "left" else "was dropped (gone)"
+    return (f"instance {instance} is no member of job {job}: it {did}{why} at topology version "
             f"{m['version']}; join again (a new WeightReader under its id rejoins)")
 
 
