@@ -86,7 +86,11 @@ class JobShape:
         src = src or make_layout(spec, self.train)
         dst = dst or make_layout(spec, self.infer)
         n = self.instances if instances is None else instances
-        topology = self.topology() if n == self.instances else Topology.separated(self.train_world, self.infer_world, n)
+        if n == self.instances:
+            topology = self.topology()
+        else:  # the arithmetic rules (a placement lists exactly the registered instances)
+            make = Topology.colocated if self.colocate else Topology.separated
+            topology = make(self.train_world, self.infer_world, n)
         return Planner(src, dst, n, topology, bucket_bytes=self.bucket_bytes)
 
     def colocated_ranks(self) -> ColocatedRanks:
