@@ -8,7 +8,7 @@ update ``version`` is None (the tensors are a mix of two steps) until a later up
 unless the reader is ``staged``: then each worker receives into a copy of its tensors (twice the
 memory) and commits only a complete step, so a failed update leaves the old version intact.
 
-On an elastic transport (file) a reader may join a running job -- an ``instance_id`` beyond the
+On an elastic transport (file, nixl) a reader may join a running job -- an ``instance_id`` beyond the
 ``instances`` the job started with, or a gone or left instance's id -- and its first ``update`` may
 ask for the latest step written; ``close`` leaves the job (the session's "membership").
 """
