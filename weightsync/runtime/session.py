@@ -20,8 +20,8 @@ are methods so a topology change can run them again (``setup`` is re-entrant onc
 old transports down). Writer and reader (:mod:`weightsync.runtime.writer`, ``.reader``) only drive
 steps.
 
-Membership. On an *elastic* transport (``TransportEntry.elastic``: the file transport; its sender's
-work does not depend on the instances) instances join, leave and die while the trainers run:
+Membership. On an *elastic* transport (``TransportEntry.elastic``: file, nixl; its sender's work does
+not depend on the instances) instances join, leave and die while the trainers run:
 
 - the trainers plan one instance slot (what they send serves every instance; file: each step's files
   are written once and every instance reads them) and never plan again; at set-up they wait until the
