@@ -10,7 +10,6 @@ answering exactly as a SIGKILLed one does for the trainers (no more posts); the 
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -203,7 +202,8 @@ def test_join_leave_die_rejoin_bit_exact(server, tmp_path, transport, infer):
         assert timeout <= seconds < timeout + 3.0, seconds
         members = job.client.members()
         assert members[0]["state"] == "gone" and "step 4" in members[0]["reason"]
-        assert {0: 4} in [w.dropped for w in job.writers]  # the first rank to time out drops it (the other may see it gone)
+        # the first rank to time out drops it (the other may find it gone already)
+        assert {0: 4} in [w.dropped for w in job.writers]
         with pytest.raises(MetaError, match="gone"):  # what the dead one would be told, had it lived on
             job.client.held(0, 4)
 

@@ -373,7 +373,8 @@ def check(cfg: DemoConfig) -> None:
 
         entry = TRANSPORTS.get(cfg.transport)
         if entry is None or not entry.elastic:
-            raise ConfigError(f"demo: --join-at and --kill-at need an elastic transport ({', '.join(elastic_transports())}), "
+            raise ConfigError("demo: --join-at and --kill-at need an elastic transport "
+                              f"({', '.join(elastic_transports())}), "
                               f"not {cfg.transport}; add --transport file")
         for what, s in (("--join-at", cfg.join_at), ("--kill-at", cfg.kill_at)):
             if s is not None and not 1 <= s <= cfg.steps:

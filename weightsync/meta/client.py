@@ -185,11 +185,13 @@ class MetaClient:
         return self._request("POST", f"{self._job_path}/instances/{instance}/join", {})
 
     def leave(self, instance: int, reason: str = "") -> dict:
-        return self._request("POST", f"{self._job_path}/instances/{instance}/leave", {"reason": reason} if reason else {})
+        body = {"reason": reason} if reason else {}
+        return self._request("POST", f"{self._job_path}/instances/{instance}/leave", body)
 
     def gone(self, instance: int, reason: str = "") -> dict:
         """Drop an instance that stopped answering (member state ``gone``); it may join again."""
-        return self._request("POST", f"{self._job_path}/instances/{instance}/gone", {"reason": reason} if reason else {})
+        body = {"reason": reason} if reason else {}
+        return self._request("POST", f"{self._job_path}/instances/{instance}/gone", body)
 
     def members(self) -> dict[int, dict]:
         """Every instance that ever joined: its state (joined, left, gone), ``since``, ``version``, ``held``."""

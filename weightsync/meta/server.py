@@ -35,8 +35,9 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
     GET  /v1/jobs/{job}/rendezvous/{name}          ?timeout=S
 
 Rules: plan hashes and ``written`` need the participant registered first, ``held`` needs the instance
-joined (a member that left or is gone is told so, and may join again) and the step written by some training rank (a ``held`` that races its ``written`` waits up to
-10 s for it); ``held`` is monotonic per instance unless ``reset``; ``written`` keeps the last 64
+joined (a member that left or is gone is told so, and may join again) and the step written by some
+training rank (a ``held`` that races its ``written`` waits up to 10 s for it); ``held`` is monotonic
+per instance unless ``reset``; ``written`` keeps the last 64
 steps, and a new step is at most 2^32 past the latest (no jump to 2^63 that would evict the window);
 a step that would be dropped at once answers 410, never 200. Membership: each instance that ever
 joined has a record (``members`` in the summary: state joined/left/gone, ``since``, ``version``); a

@@ -428,7 +428,8 @@ class Coordinator:
             j.held_answers.clear()
             rec = j.members[instance] = member(state, j.written_max + 1, j.topology_version, reason or None)
             row = Put(job, "instance", str(instance), json.dumps(rec))
-            self._save(job, j, ("instances", "held"), [row, Put(job, "job", "topology_version", str(j.topology_version))])
+            version = Put(job, "job", "topology_version", str(j.topology_version))
+            self._save(job, j, ("instances", "held"), [row, version])
         return {"instance": instance, "changed": changed, "version": j.topology_version,
                 "instances": sorted(j.instances)}
 
