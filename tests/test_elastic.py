@@ -208,12 +208,18 @@ def test_join_leave_die_rejoin_bit_exact(server, tmp_path, transport, infer):
             job.client.held(0, 4)
 
         # rejoin under its id: a fresh (poisoned) instance holds the next step, bit-exact
+        dead = job.readers[0][0]
         again, fresh = job.reader(0)
         assert not exact(job.spec, fresh, 4)  # poisoned
         again.connect()
         assert again.since == 5 and job.client.members()[0]["state"] == "joined"
         seconds, ok = job.step(5, [0, 2])
         assert ok == {0: True, 2: True} and seconds < timeout
+        # the dead reader's process, had it come back, is fenced off: its reports and its leave count no more
+        with pytest.raises(MetaError, match="rejoined .* after this reader was dropped"):
+            job.client.held(0, 5, incarnation=dead.session.incarnation)
+        dead.close()
+        assert job.client.members()[0]["state"] == "joined"
 
         summary = job.client.summary()
         assert summary["topology_version"] == 6  # joined 0, 1, 2; left 1; gone 0; joined 0
@@ -305,6 +311,15 @@ def test_membership_endpoints(server):
     assert c.members()[1]["state"] == "joined" and c.summary()["topology_version"] == 4
     text = c.metrics()
     assert 'weightsync_meta_member{job="members",instance="1",state="joined"} 1' in text
+    # incarnations: a reader's own id; a new one replaces the joined member and fences the old one off
+    assert c.join(2, incarnation="aa")["changed"] is True
+    assert c.join(2, incarnation="aa")["changed"] is False  # a retried join
+    assert c.join(2, incarnation="bb")["changed"] is True  # a new reader under the same id
+    with pytest.raises(MetaError, match="rejoined"):
+        c.held(2, 1, incarnation="aa")
+    assert c.held(2, 1, incarnation="bb")["step"] == 1
+    assert c.leave(2, incarnation="aa")["changed"] is False and c.gone(2, incarnation="aa")["changed"] is False
+    assert c.members()[2]["incarnation"] == "bb" and c.leave(2, incarnation="bb")["changed"] is True
     with pytest.raises(MetaError, match="unknown fields"):
         c._request("POST", f"{c._job_path}/instances/1/gone", {"why": "x"})
 

@@ -181,17 +181,17 @@ class MetaClient:
         return self._request("GET", f"{self._job_path}/plan-hashes/check")
 
     # -- instances ------------------------------------------------------------------------------
-    def join(self, instance: int) -> dict:
-        return self._request("POST", f"{self._job_path}/instances/{instance}/join", {})
+    def join(self, instance: int, incarnation: str | None = None) -> dict:
+        """Join (``incarnation``: this reader's own hex id; a new one replaces a joined member)."""
+        return self._request("POST", f"{self._job_path}/instances/{instance}/join", _membership(None, incarnation))
 
-    def leave(self, instance: int, reason: str = "") -> dict:
-        body = {"reason": reason} if reason else {}
-        return self._request("POST", f"{self._job_path}/instances/{instance}/leave", body)
+    def leave(self, instance: int, reason: str = "", incarnation: str | None = None) -> dict:
+        """Leave (of ``incarnation`` only, when given: a stale process cannot leave for its successor)."""
+        return self._request("POST", f"{self._job_path}/instances/{instance}/leave", _membership(reason, incarnation))
 
-    def gone(self, instance: int, reason: str = "") -> dict:
+    def gone(self, instance: int, reason: str = "", incarnation: str | None = None) -> dict:
         """Drop an instance that stopped answering (member state ``gone``); it may join again."""
-        body = {"reason": reason} if reason else {}
-        return self._request("POST", f"{self._job_path}/instances/{instance}/gone", body)
+        return self._request("POST", f"{self._job_path}/instances/{instance}/gone", _membership(reason, incarnation))
 
     def members(self) -> dict[int, dict]:
         """Every instance that ever joined: its state (joined, left, gone), ``since``, ``version``, ``held``."""
@@ -212,10 +212,12 @@ class MetaClient:
         """Training ranks that wrote ``step``, once ``n`` of them (default: every registered one) did."""
         return self._poll(f"{self._job_path}/steps/{step}/written", {"wait_for": n}, timeout)["ranks"]
 
-    def held(self, instance: int, step: int, reset: bool = False) -> dict:
+    def held(self, instance: int, step: int, reset: bool = False, incarnation: str | None = None) -> dict:
         body: dict[str, Any] = {"step": step}
         if reset:
             body["reset"] = True
+        if incarnation is not None:
+            body["incarnation"] = incarnation
         return self._request("POST", f"{self._job_path}/instances/{instance}/held", body)
 
     def wait_held(self, min_step: int, instances: Iterable[int] | None = None,
@@ -235,6 +237,13 @@ class MetaClient:
     def lookup(self, name: str, timeout: float | None = None) -> str:
         """The address published under ``name``, waiting for it."""
         return self._poll(f"{self._job_path}/rendezvous/{urllib.parse.quote(name, safe='')}", {}, timeout)["address"]
+
+
+def _membership(reason: str | None, incarnation: str | None) -> dict[str, str]:
+    body = {"reason": reason} if reason else {}
+    if incarnation is not None:
+        body["incarnation"] = incarnation
+    return body
 
 
 def _error_message(status: int, reason: str, raw: bytes) -> tuple[str, bool]:

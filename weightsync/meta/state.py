@@ -109,11 +109,15 @@ class Job:
 MEMBER_STATES = ("joined", "left", "gone")
 
 
-def member(state: str, since: int, version: int, reason: str | None = None) -> dict:
-    """One instance's membership record (what ``GET /v1/jobs/{job}`` shows under ``members``)."""
+def member(state: str, since: int, version: int, reason: str | None = None, incarnation: str | None = None) -> dict:
+    """One instance's membership record (what ``GET /v1/jobs/{job}`` shows under ``members``).
+    ``incarnation``: the joining reader's own id, so a stale process under the same instance id (one
+    that was dropped, then rejoined by another) can neither report steps held nor leave for it."""
     rec = {"state": state, "since": since, "version": version}
     if reason:
         rec["reason"] = reason
+    if incarnation:
+        rec["incarnation"] = incarnation
     return rec
 
 
@@ -416,17 +420,23 @@ class Coordinator:
 
         A joiner must hold every step no training rank had written when it joined (``since``); a member
         that leaves or is dropped stops counting for the steps' default ``held`` waits at once."""
-        fields(body, set(), {"reason"})
+        fields(body, set(), {"reason", "incarnation"})
         reason = string(body.get("reason", ""), "reason", 1024)
+        inc = string(body["incarnation"], "incarnation", 64, HEX_RE) if "incarnation" in body else None
         state = state or ("joined" if join else "left")
         self._refuse_if_closing()
         j = self._job(job)
-        changed = (instance not in j.instances) == join
+        current = j.members.get(instance, {}).get("incarnation")
+        if join:  # a new incarnation replaces a joined one (its stale process is fenced off); a retry does not
+            changed = instance not in j.instances or (inc is not None and inc != current)
+        else:  # a leave or drop of another incarnation than the joined one changes nothing
+            changed = instance in j.instances and (inc is None or inc == current)
         if changed:
             (j.instances.add if join else j.instances.discard)(instance)
             j.topology_version += 1
             j.held_answers.clear()
-            rec = j.members[instance] = member(state, j.written_max + 1, j.topology_version, reason or None)
+            rec = j.members[instance] = member(state, j.written_max + 1, j.topology_version, reason or None,
+                                               inc if join else current)
             row = Put(job, "instance", str(instance), json.dumps(rec))
             version = Put(job, "job", "topology_version", str(j.topology_version))
             self._save(job, j, ("instances", "held"), [row, version])
@@ -489,12 +499,17 @@ class Coordinator:
         return {"ready": ready, "step": step, "wait_for": need(j), "ranks": sorted(j.written.get(step, ()))}
 
     async def held(self, job: str, instance: int, body: dict) -> dict:
-        fields(body, {"step"}, {"reset"})
+        fields(body, {"step"}, {"reset", "incarnation"})
         step = integer(body["step"], "step")
         reset = boolean(body.get("reset", False), "reset")
+        inc = string(body["incarnation"], "incarnation", 64, HEX_RE) if "incarnation" in body else None
         j = self._job(job)
         if instance not in j.instances:
             raise HTTPError(409, _not_member(job, j, instance))
+        if inc is not None and inc != j.members[instance].get("incarnation"):
+            raise HTTPError(409, f"instance {instance} of job {job} rejoined (topology version "
+                                 f"{j.members[instance]['version']}) after this reader was dropped: its reports "
+                                 "no longer count; start a new WeightReader to rejoin")
         if step > j.written_max:  # its `written` may be on its way: the receive and the post race
             ok, _ = await self._wait("held-needs-written", job, "written", ("max", step), HELD_WAITS_FOR_WRITTEN_S,
                                      lambda j: j.written_max >= step)

@@ -259,7 +259,7 @@ class WeightReader(SessionDriven):
 
     def _report(self, step: int) -> None:
         try:
-            self.client.held(self.instance_id, step)
+            self.client.held(self.instance_id, step, incarnation=self.session.incarnation)
         except Exception as e:  # noqa: BLE001 - raised in the caller's thread by _check_announced
             self._report_error = self._report_error or e
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -305,6 +306,9 @@ class InstanceSession(JobSession):
         self.backend = "gloo"
         #: elastic: the first step this instance must hold (none written before it joined is waited for)
         self.since = 0
+        #: elastic: this reader's own id at the MetaServer: its joins, reports and leave carry it, so a
+        #: stale process under the same instance id (dropped, then rejoined by another) counts no more
+        self.incarnation: str | None = uuid.uuid4().hex if options.elastic else None
 
     @property
     def who(self) -> str:
@@ -377,7 +381,7 @@ class InstanceSession(JobSession):
             self.written_bells = open_bells(self.client, names, opts.timeout_s)
         self.instance.call(worker.connect, self.link, timeout_s=worker.call_timeout(opts.timeout_s))
         if opts.elastic:  # a member from now on: the next step the trainers write waits for us
-            got = self.client.join(self.instance_id)
+            got = self.client.join(self.instance_id, incarnation=self.incarnation)
             self.since = self.client.members()[self.instance_id]["since"]
             log.info("%s joined at topology version %s (members %s), holding steps from %d on", self.who,
                      got["version"], got["instances"], self.since)
@@ -390,7 +394,7 @@ class InstanceSession(JobSession):
         try:
             if self.options.elastic and self.connected:  # out from the next step the trainers write
                 with contextlib.suppress(MetaError):
-                    self.client.leave(self.instance_id, reason="closed")
+                    self.client.leave(self.instance_id, reason="closed", incarnation=self.incarnation)
         finally:
             self.instance.call(worker.disconnect, timeout_s=self.options.timeout_s)
 
