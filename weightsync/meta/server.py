@@ -22,13 +22,13 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
     POST /v1/jobs/{job}/plan-hashes                {"role", "rank", "instance"?, "plan_hash"?,
                                                    "pairs": [[src_rank, dst_instance, dst_rank, hash], ...]}
     GET  /v1/jobs/{job}/plan-hashes/check          pairs whose two ends disagree, with both names
-    POST /v1/jobs/{job}/instances/{i}/join         {"reason"?}; the topology version grows on each change
-    POST /v1/jobs/{job}/instances/{i}/leave        {"reason"?}: member state "left"
-    POST /v1/jobs/{job}/instances/{i}/gone         {"reason"?}: dropped (stopped answering): state "gone"
+    POST /v1/jobs/{job}/instances/{i}/join         {"incarnation"?}; the topology version grows on each change
+    POST /v1/jobs/{job}/instances/{i}/leave        {"reason"?, "incarnation"?}: member state "left"
+    POST /v1/jobs/{job}/instances/{i}/gone         {"reason"?, "incarnation"?}: dropped (stopped answering)
     GET  /v1/jobs/{job}/instances                  ?after_version=V&timeout=S
     POST /v1/jobs/{job}/steps/{S}/written          {"rank"}: training rank R has step S ready
     GET  /v1/jobs/{job}/steps/{S}/written          ?wait_for=N&timeout=S (N defaults to every train rank)
-    POST /v1/jobs/{job}/instances/{i}/held         {"step", "reset"?}: instance i fully holds step S
+    POST /v1/jobs/{job}/instances/{i}/held         {"step", "reset"?, "incarnation"?}: instance i holds step S
     GET  /v1/jobs/{job}/held                       ?min_step=S&instances=0,1&timeout=T (default: the joined
                                                    instances that joined before any rank wrote S)
     POST /v1/jobs/{job}/rendezvous/{name}          {"address", "replace"?}: first publisher wins
@@ -42,7 +42,10 @@ steps, and a new step is at most 2^32 past the latest (no jump to 2^63 that woul
 a step that would be dropped at once answers 410, never 200. Membership: each instance that ever
 joined has a record (``members`` in the summary: state joined/left/gone, ``since``, ``version``); a
 joiner counts for the default ``held`` wait from the first step no training rank had written when it
-joined. A registration whose model spec differs
+joined. An ``incarnation`` (a reader's own hex id) makes a join under a joined id replace the member
+(a retry with the same one changes nothing); ``held``, ``leave`` and ``gone`` carrying another
+incarnation than the member's are refused (409) or change nothing, so a dropped process that comes
+back cannot report steps or leave for its successor. A registration whose model spec differs
 from a registered one's is refused (409) and aborts the job, so the participants already waiting
 fail at once with the same reason. Once a job is aborted its waits and mutations answer 409 (with
 ``"aborted"``) until it is deleted; a plain participants listing still answers.
