@@ -227,3 +227,22 @@ def test_delta_measure_trains_a_real_model():
     assert still.steps[0].total_changed == 0
     moving = summary(train(1e-3, steps=2, hidden=64, layers=1, vocab=256, batch=2, seq=16))
     assert 0.5 < moving["mean"] <= 1.0 and set(moving["kinds"]) == {"attention", "mlp", "norm", "embedding"}
+
+
+def test_participants_disagreeing_on_the_cadence_are_refused():
+    from weightsync.errors import JobMismatch
+    from weightsync.integrity.check import agree
+
+    people = [{"role": "train", "rank": 0, "engine_config": {"integrity": 1}},
+              {"role": "infer", "rank": 0, "instance": 0, "engine_config": {"integrity": 1000}}]
+
+    class Client:
+        reason = None
+
+        def abort(self, reason):
+            Client.reason = reason
+
+    with pytest.raises(JobMismatch, match="integrity cadence"):
+        agree(people, 1, Client())
+    assert "integrity cadence" in Client.reason  # the job was aborted, so the peers stop at once
+    agree(people[:1], 1)  # agreeing participants pass

@@ -35,14 +35,23 @@ from weightsync.plan.planner import Bucket, Pair
 log = logging.getLogger("weightsync.integrity")
 
 
-def agree(people: list[dict], mine: int) -> None:
+def agree(people: list[dict], mine: int, client=None) -> None:
     """Refuse a job whose participants registered different cadences (a worker would wait for sums no
-    trainer posts)."""
+    trainer posts), aborting it through ``client`` so every peer stops at once."""
+    from weightsync.errors import JobMismatch, MetaError
     from weightsync.runtime.job import check_agreement
 
-    theirs = check_agreement(people, "integrity", "the integrity cadence (integrity=N)")
-    if theirs is not None and theirs != mine:
-        raise ConfigError(f"this participant checks every {mine} steps, the job every {theirs}")
+    try:
+        theirs = check_agreement(people, "integrity", "the integrity cadence (integrity=N)")
+        if theirs is not None and theirs != mine:
+            raise ConfigError(f"this participant checks every {mine} steps, the job every {theirs}")
+    except (JobMismatch, ConfigError) as e:
+        if client is not None:
+            try:
+                client.abort(str(e))
+            except MetaError:
+                pass
+        raise
 
 
 @dataclass(frozen=True)
