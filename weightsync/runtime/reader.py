@@ -198,7 +198,7 @@ class WeightReader(SessionDriven):
 
         n = self.session.options.integrity
         if not self._integrity_agreed:
-            agree(self.session.people, n, self.client)
+            agree(self.session.people, n)
             self._integrity_agreed = True
         return IntegrityCheck(self.timeout_s) if integrity_due(n, step) else None
 
@@ -259,7 +259,7 @@ class WeightReader(SessionDriven):
 
     def _report(self, step: int) -> None:
         try:
-            self.client.held(self.instance_id, step)
+            self.client.held(self.instance_id, step, incarnation=self.session.incarnation)
         except Exception as e:  # noqa: BLE001 - raised in the caller's thread by _check_announced
             self._report_error = self._report_error or e
 

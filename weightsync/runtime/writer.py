@@ -140,13 +140,14 @@ class WeightWriter(SessionDriven):
         except MetaTimeout:
             pass
         summary = self.client.summary()
-        late = [int(i) for i, m in summary["members"].items()
-                if m["state"] == "joined" and m["since"] <= step and (m["held"] is None or m["held"] < step)]
-        for i in late:
+        late = {int(i): m.get("incarnation") for i, m in summary["members"].items()
+                if m["state"] == "joined" and m["since"] <= step and (m["held"] is None or m["held"] < step)}
+        for i, incarnation in late.items():
             reason = (f"training rank {self.train.rank}: no report of step {step} held within "
                       f"{self.instance_timeout_s:g} s")
             log.warning("dropping instance %d from job %s: %s", i, self.client.job, reason)
-            self.client.gone(i, reason=reason)
+            # only the incarnation found late: one that rejoined meanwhile stays
+            self.client.gone(i, reason=reason, incarnation=incarnation)
             self.dropped[i] = step
         # the live ones hold it by now, or the membership changed meanwhile: one more short look
         with contextlib.suppress(MetaTimeout):
