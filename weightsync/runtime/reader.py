@@ -198,7 +198,7 @@ class WeightReader(SessionDriven):
 
         n = self.session.options.integrity
         if not self._integrity_agreed:
-            agree(self.session.people, n)
+            agree(self.session.people, n, self.client)
             self._integrity_agreed = True
         return IntegrityCheck(self.timeout_s) if integrity_due(n, step) else None
 
