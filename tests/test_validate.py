@@ -207,6 +207,7 @@ ROWS = [
     ("tiny-llama3", "fsdp:dp=2", "vllm:tp=8"),
     ("tiny-qwen3", "megatron:tp=2", "sglang:tp=4,dp=2,dp_attention=1"),
     ("tiny-deepseek-v3", "hf", "sglang:tp=2"),
+    ("tiny-deepseek-v3", "hf", "hf"),
 ]
 
 
