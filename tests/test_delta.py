@@ -509,3 +509,20 @@ def test_demo_delta_with_an_instance_joining(tmp_path):
                 full = inst["bytes"]
             assert (inst["bytes"] == full) if first else (inst["bytes"] < full / 10), (s["step"], inst)
     assert [len(s["instances"]) for s in result["steps"]] == [1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_encode_without_blocks_finds_the_same_changes(dtype):
+    """The transports' path (8-byte words first, no word mask) encodes exactly the mask path's bytes."""
+    g = torch.Generator().manual_seed(11)
+    for n in (8, 1000, 4096 + 4):
+        base = torch.randn(n, generator=g).to(dtype)
+        for frac in FRACTIONS:
+            cur = _mutate(base, frac, g)
+            w = cur.element_size()
+            cw, bw = codec.as_words(cur.view(torch.uint8), w), codec.as_words(base.view(torch.uint8), w)
+            fast = codec.encode(cw, bw, blocks=False)
+            changed = cw != bw
+            kind, count = codec.choose(int(changed.sum()), None, n, w)
+            slow = codec.encode_as(kind, cw, changed, count)
+            assert (fast.kind, fast.count) == (slow.kind, slow.count) and torch.equal(fast.payload, slow.payload)

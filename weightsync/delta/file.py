@@ -114,7 +114,8 @@ class DeltaFileSender:
                         else:
                             if base.device != buf.device:
                                 base = base.to(buf.device)
-                            enc = codec.encode(codec.as_words(buf, words.word), codec.as_words(base, words.word))
+                            enc = codec.encode(codec.as_words(buf, words.word), codec.as_words(base, words.word),
+                                               blocks=False)
                             held += enc.nbytes
                             if held > cap:
                                 log.info("step %d, %s: the deltas exceed %d bytes; no delta file this step",
