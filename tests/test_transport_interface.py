@@ -90,8 +90,12 @@ def test_placement_comes_from_the_registered_hosts_and_gpus():
     topo = Topology.placed(p, infer_world=1, instances=2, colocate=True)
     assert [topo.train_gpu(r) for r in (0, 1)] == [0, 3] and topo.infer_gpu(1, 0) == 2
     assert topo.host(topo.infer_gpu(1, 0)) == topo.host(topo.train_gpu(1)) == 1  # same host, other GPU
-    # a rank without a GPU (CPU jobs): the arithmetic rules place them
-    assert placement_of(train, [_person("infer", 0, "a", None, 0)]) is None
+    # ranks without a GPU (CPU jobs) on one host: the arithmetic rules place them; on several hosts each
+    # is a slot of its own on its host, so the plan knows which pairs cross hosts
+    assert placement_of([_person("train", 0, "a", None)], [_person("infer", 0, "a", None, 0)]) is None
+    cpu = placement_of([_person("train", 1, "t", None), _person("train", 0, "t", None)],
+                       [_person("infer", 0, "i", None, 0)])
+    assert cpu == Placement(train=((1, 0), (1, 1)), infer=((0, 0),))
 
 
 def test_a_plain_install_imports_the_public_surface_without_optional_packages():

@@ -65,8 +65,8 @@ class JobShape:
     transport: str = "p2p"
     mode: str = "sync"
     peer_copies: bool = True  # co-located: workers read other GPUs' trainers directly (every participant can)
-    #: where the ranks registered (hosts, GPUs); None when some rank has no GPU (CPU jobs): then the
-    #: arithmetic rules of :class:`Topology` place them
+    #: where the ranks registered (hosts, GPUs); None when some rank has no GPU and all are on one host
+    #: (CPU jobs): then the arithmetic rules of :class:`Topology` place them
     placement: Placement | None = None
     #: instances may join, leave and die while the job runs (the transport's sender does not depend on
     #: them): the trainers plan one instance slot, ``instances`` is one past the highest id registered,
@@ -213,16 +213,21 @@ def job_shape(people: list[dict], colocate: bool, bucket_bytes: int, elastic: bo
 
 def placement_of(train: list[dict], infer: list[dict]) -> Placement | None:
     """Where every rank runs, from what it registered: hosts by name, GPUs by their UUID (stable
-    whatever ``CUDA_VISIBLE_DEVICES`` each process saw). None when some rank has no GPU."""
+    whatever ``CUDA_VISIBLE_DEVICES`` each process saw). A rank without a GPU (CPU) is a slot of its
+    own on its host, so a CPU job spanning hosts still plans which pairs cross them. None when some
+    rank has no GPU and every rank is on one host (the arithmetic rules of :class:`Topology` apply)."""
     people = train + infer
-    gpus = [p["engine_config"].get("gpu") for p in people]
-    if not all(gpus):
-        return None
     hosts = sorted({p["host"] for p in people})
-    on_host = {h: sorted({p["engine_config"]["gpu"] for p in people if p["host"] == h}) for h in hosts}
+    if not all(p["engine_config"].get("gpu") for p in people) and len(hosts) < 2:
+        return None
+
+    def slot(p: dict) -> str:
+        return p["engine_config"].get("gpu") or f"cpu:{p['role']}:{p.get('instance')}:{p['rank']}"
+
+    on_host = {h: sorted({slot(p) for p in people if p["host"] == h}) for h in hosts}
 
     def where(p: dict) -> tuple[int, int]:
-        return hosts.index(p["host"]), on_host[p["host"]].index(p["engine_config"]["gpu"])
+        return hosts.index(p["host"]), on_host[p["host"]].index(slot(p))
 
     return Placement(tuple(where(p) for p in sorted(train, key=lambda p: p["rank"])),
                      tuple(where(p) for p in sorted(infer, key=lambda p: (p["instance"], p["rank"]))))

@@ -42,6 +42,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def route_address(peer: str) -> str:
+    """The address of this machine's interface that routes to ``peer``: what gloo must listen on and
+    advertise to reach it. Not the hostname's address: it may not resolve (a network namespace, a
+    container) or resolve to loopback (Debian's ``127.0.1.1``), and peers on another host would then
+    connect to themselves. A UDP ``connect`` only picks the route; no packet is sent."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+    except OSError:  # no route (or an unresolvable name): the hostname, as before
+        return socket.gethostname()
+
+
 def new_group(
     host: str,
     port: int,
@@ -59,7 +73,7 @@ def new_group(
     retrying until ``timeout_s``. Every member must pass the same ``name``: it prefixes all store
     keys, so several groups (or steps' regroupings) may share one store without colliding.
     ``bind_host`` is the address this rank's gloo sockets listen on (loopback when ``host`` is
-    loopback, else the machine's hostname). ``device`` is the CUDA device for NCCL.
+    loopback, else :func:`route_address` of ``host``). ``device`` is the CUDA device for NCCL.
 
     Keep rank 0 alive while others use the group: it serves the store (NCCL's watchdog polls it
     and logs warnings once it is gone; transfers already set up are unaffected).
@@ -79,7 +93,7 @@ def new_group(
     pg = ProcessGroup(prefixed, rank, world_size)
     if backend == "gloo":
         if bind_host is None:
-            bind_host = "127.0.0.1" if host in LOOPBACK else socket.gethostname()
+            bind_host = "127.0.0.1" if host in LOOPBACK else route_address(host)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
