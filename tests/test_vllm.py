@@ -88,6 +88,15 @@ def _reader(e, name, job, **kw):
                         **{"timeout_s": 60.0, **kw})
 
 
+def _await_trainers(e, trainers) -> None:
+    """The fault tests run with 20 s timeouts; on a loaded machine a trainer process can take longer than that to
+    start (spawn, torch, transformers), so wait for the trainers to register before the reader sets up: the bounds
+    these tests assert are on the fault, not on a start."""
+    from weightsync.meta.client import MetaClient
+
+    MetaClient(e.meta.url, trainers.job.job).wait_participants(trainers.world, role="train", timeout=180)
+
+
 def _held(e, job) -> int | None:
     from weightsync.meta.client import MetaClient
 
@@ -106,6 +115,7 @@ class TestQwen3TP1:
             reader = _reader(tp1, "X", job.job).connect()
             assert [r.counts() for r in tp1.insts["X"].reports] == [
                 {"in-place": 9, "in-place+repack": 2, "staged+repack": 8}]  # norms; embed + tied lm_head; linears
+            assert tp1.insts["X"].refreshes  # CPU re-packs after every update (on GPU, all in place: no call)
             for step, seed in job.steps:
                 assert reader.update(step) == step
                 tp1.check("X", seed)
@@ -123,6 +133,7 @@ class TestQwen3TP1:
         steps = tp1.alternating("X", 2)
         job = TrainJob(MODEL, "hf", tp1.meta.url, "offline-staged", steps, die_at=2, timeout_s=20, bucket_bytes=16 << 10)
         with Trainers(job) as trainers:
+            _await_trainers(tp1, trainers)
             reader = _reader(tp1, "X", job.job, staged=True, timeout_s=20, bucket_bytes=16 << 10).connect()
             reader.update(1)
             tp1.check("X", steps[0][1])
@@ -318,6 +329,7 @@ class TestQwen3TP1:
         job = TrainJob(MODEL, "hf", tp1.meta.url, "plugin-worker-dies", tp1.alternating("Y", 2), timeout_s=20,
                        bucket_bytes=16 << 10)
         with Trainers(job) as trainers:
+            _await_trainers(tp1, trainers)
             sync = VLLMWeightSync(llm, meta=tp1.meta.url, job=job.job, timeout_s=20, bucket_bytes=16 << 10).connect()
             sync.update(1)
             tp1.insts["Y"].call(arm_worker_death, 2)
@@ -385,6 +397,7 @@ class TestQwen3TP2:
         steps = tp2.alternating("Y", 2)
         job = TrainJob(MODEL, "hf", tp2.meta.url, "tp2-dies", steps, die_at=2, timeout_s=20, bucket_bytes=16 << 10)
         with Trainers(job) as trainers:
+            _await_trainers(tp2, trainers)
             sync = VLLMWeightSync(llm, meta=tp2.meta.url, job=job.job, timeout_s=20, bucket_bytes=16 << 10).connect()
             sync.update(1)
             tp2.check("Y", steps[0][1])
@@ -415,6 +428,7 @@ class TestQwen3TP2:
         job = TrainJob(MODEL, "hf", tp2.meta.url, "tp2-worker-dies", tp2.alternating("X", 2), timeout_s=20,
                        bucket_bytes=16 << 10)
         with Trainers(job) as trainers:
+            _await_trainers(tp2, trainers)
             reader = _reader(tp2, "X", job.job, timeout_s=20, bucket_bytes=16 << 10).connect()
             reader.update(1)
             tp2.check("X", job.steps[0][1])
