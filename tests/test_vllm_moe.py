@@ -119,6 +119,27 @@ class TestQwen3MoeTP2:
     def test_plugin_hf(self, moe2):
         plugin(moe2, "Y", "hf", "moe2-plugin")
 
+    def test_validate_catches_experts_not_prepacked(self, moe2, tmp_path):
+        """weightsync.validate (issue 17) on the synced engine X, both workers: clean against vLLM's own fresh load
+        (padded, prepacked experts compared as packed); the loaded form written without the experts' re-prepack
+        -- issue 13's silent Qwen3-MoE failure -- names every expert tensor and packed copy; re-run, clean."""
+        from weightsync.validate import validate
+        from vllm_harness import checkpoint, weights, write_loaded
+
+        inst, held, other = moe2.insts["X"], moe2.holds["X"], moe2.other("X")
+        paths = {s: checkpoint(moe2.spec, s, tmp_path / f"seed{s}") for s in (held, other)}
+        r = validate(inst, paths[held])
+        assert r.ok and {c.rank for c in r.checks} == {0, 1}, r.message()
+        moe2.holds["X"] = None
+        inst.call(write_loaded, weights(moe2.spec, other))
+        stale = set(validate(inst, paths[other]).summary.mismatches)
+        experts = {f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in range(moe2.spec.num_layers)
+                   for w in ("w13_weight", "w2_weight")}
+        assert experts <= stale and all(n in experts or n.endswith("(packed)") for n in stale), stale
+        inst.after_update()
+        assert validate(inst, paths[other]).ok
+        moe2.check("X", other)
+
 
 class TestLlama3:
     def test_offline_megatron_pp2(self, llama, server):
@@ -127,7 +148,7 @@ class TestLlama3:
     def test_plugin_fsdp_staged_reader(self, llama):
         plugin(llama, "Y", "fsdp:dp=2", "llama-plugin", staged=True)
 
-    def test_openai_server_routes(self, llama, server):
+    def test_openai_server_routes(self, llama, server, tmp_path):
         """The plug-in driven over HTTP: ``/init_weight_transfer_engine``, ``/start_weight_update``,
         ``/update_weights``, ``/finish_weight_update``, ``/update_weight_version`` on loopback; each call's outcome
         read from the MetaServer; then what the server's worker computes with (digests through the dev
@@ -135,7 +156,7 @@ class TestLlama3:
         from weightsync.meta.client import MetaClient
         from weightsync.vllm.status import wait_status
         from weightsync.vllm.verify import digests
-        from vllm_harness import TrainJob, Trainers
+        from vllm_harness import TrainJob, Trainers, checkpoint
 
         server.wait()
         job = TrainJob(LLAMA, "hf", llama.meta.url, "llama-http", [(1, 2), (2, 1)])
@@ -155,4 +176,8 @@ class TestLlama3:
                 assert got == digests(llama.refs[seed].computed[0])
                 assert server.generate() == llama.refs[seed].tokens
             trainers.assert_ok()
+            # weightsync.validate over HTTP (extension weightsync_validate): against vLLM's own load of the last step
+            ckpt = checkpoint(llama.spec, job.steps[-1][1], tmp_path / "last")
+            (v,) = server.post("/collective_rpc", {"method": "weightsync_validate", "args": [str(ckpt)]})["results"]
+            assert v.get("ok") is True and v["via"] == "vllm-loader" and v["mismatches"] == [] and v["tensors"] > 0, v
             server.post("/shutdown_weight_transfer_engine")

@@ -48,6 +48,24 @@ class WeightSyncExtension:
         except Exception as e:  # noqa: BLE001 -- never raised out of a worker RPC
             return {"error": f"{type(e).__name__}: {e}"}
 
+    def weightsync_validate(self, checkpoint: str) -> dict:
+        """JSON-safe, for vLLM's HTTP ``/collective_rpc`` (dev mode): this worker against vLLM's own fresh load of the
+        HF checkpoint in ``checkpoint`` (:mod:`weightsync.validate.vllm`), as
+        :meth:`~weightsync.validate.ValidationReport.to_json` (the failed checks listed), or ``{"error": ...}``."""
+        try:
+            import time
+
+            from weightsync.validate.report import VIA_VLLM, ValidationReport
+            from weightsync.validate.vllm import check_vllm
+
+            t0 = time.perf_counter()
+            worker = self._weightsync_worker()
+            checks = worker.run(check_vllm, (str(checkpoint),))
+            return ValidationReport(worker.info.engine, VIA_VLLM, str(checkpoint), tuple(checks),
+                                    time.perf_counter() - t0).to_json()
+        except Exception as e:  # noqa: BLE001 -- never raised out of a worker RPC
+            return {"error": f"{type(e).__name__}: {e}"}
+
     def weightsync_shutdown_transfer(self) -> bytes:
         """The weight-transfer engine's ``shutdown`` (vLLM 0.26 has no ``shutdown_weight_transfer_engine``)."""
         def run():
