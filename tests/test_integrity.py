@@ -3,7 +3,7 @@ landed bytes are corrupted failing the step before it is reported held."""
 
 import pytest
 import torch
-from e2e import StepDone, UpdateFailed, assert_clean, run_job, train_errors
+from e2e import StepDone, UpdateFailed, run_job, train_errors
 
 from weightsync.engines import make_layout
 from weightsync.errors import ConfigError

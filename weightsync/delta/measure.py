@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["KINDS", "Run", "StepChange", "changed", "count_step", "kind_of", "main", "summary", "train", "wire", "asdict"]
+__all__ = ["KINDS", "Run", "StepChange", "changed", "count_step", "kind_of", "main", "summary", "train", "wire"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -28,7 +28,6 @@ import torch
 
 from weightsync.errors import ConfigError, IntegrityError
 from weightsync.integrity import exchange
-from weightsync.integrity.cadence import DEFAULT_EVERY, due, every  # noqa: F401 - re-exported
 from weightsync.integrity.sums import PairSums, SumPlan, bucket_sums, destination_dtypes, sum_plan
 from weightsync.plan.planner import Bucket, Pair
 

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 
 from weightsync.errors import IntegrityError
 from weightsync.integrity.sums import PairSums
-from weightsync.plan.planner import Pair
 
 VALUE_MAX = 512  # the MetaServer's limit on a rendezvous value
 _SUM_CHARS = 11
@@ -104,6 +103,3 @@ def fetch(client, srcs: Iterable[int], step: int, timeout_s: float) -> PairSums:
             delay = min(0.02, delay * 2)
     return out
 
-
-def expected_for(sums: PairSums, pairs: Iterable[Pair]) -> PairSums:
-    return {p: sums[p] for p in pairs if p in sums}

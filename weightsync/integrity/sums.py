@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.integrity.digest import WORD, checksum, to_ints, weights, words_of
-from weightsync.layout.box import box_numel, fmt_box, slices
+from weightsync.integrity.digest import WORD, checksum, weights, words_of
+from weightsync.layout.box import box_numel, slices
 from weightsync.plan.planner import Bucket, Pair
 
 #: bucket sums of every pair one side holds: ``{pair: (sum of bucket 0, sum of bucket 1, ...)}``
@@ -144,15 +144,6 @@ def bucket_sums(plan: SumPlan, tensors: Mapping[str, torch.Tensor]) -> PairSums:
         out[pair] = tuple(ints[at : at + n])
         at += n
     return out
-
-
-def copy_sums(plan: SumPlan, tensors: Mapping[str, torch.Tensor], pair: Pair, index: int) -> list[tuple[str, str, int]]:
-    """One bucket's checksum per copy, as (tensor, box, sum): what a mismatch report names."""
-    for b, regions in plan.buckets[pair]:
-        if b.index == index:
-            got = to_ints([region_sum(r, tensors) for r in regions])
-            return [(r.tensor, fmt_box(r.box), s) for r, s in zip(regions, got)]
-    return []
 
 
 def destination_dtypes(planner, plans: Mapping[Pair, list[Bucket]]) -> dict[tuple[Pair, str], torch.dtype]:
