@@ -12,6 +12,7 @@ group, fc1 = cat(gate, up), experts stacked by global index).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -275,34 +276,47 @@ LIVE = {
 }
 
 
-@needs_mcore
-@pytest.mark.megatron
-@pytest.mark.parametrize("case", list(LIVE))
-def test_live_megatron(case):
+def _world(case: str) -> int:
     name, kw = LIVE[case]
-    L = MegatronLayout(model(name), **kw)
+    return MegatronLayout(model(name), **kw).world_size
+
+
+@functools.lru_cache(maxsize=None)
+def _run_world(world: int) -> tuple[int, tuple[str, ...]]:
+    """Every live case of one world size in one set of ``world`` processes (megatron-core's parallel
+    state is torn down and set up again between cases): process starts and imports are most of a case's
+    cost on CI's two cores. Returns each rank's (return code, output) per rank."""
+    cases = [c for c in LIVE if _world(c) == world]
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=path)
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, json.dumps(dict(model=name, kw=kw, rank=r, world=L.world_size, port=port))],
+            [sys.executable, __file__, json.dumps(dict(cases=cases, rank=r, world=world, port=port))],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
         )
-        for r in range(L.world_size)
+        for r in range(world)
     ]
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=120)[0])
+            outs.append(p.communicate(timeout=60 + 60 * len(cases))[0])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out[-6000:]}"
-        assert f"OK rank {r}" in out, out[-3000:]
+    return tuple(p.returncode for p in procs), tuple(outs)
+
+
+@needs_mcore
+@pytest.mark.megatron
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xdist_group(f"megatron-live-{_world(c)}"))
+                                  for c in LIVE])
+def test_live_megatron(case):
+    codes, outs = _run_world(_world(case))
+    for r, out in enumerate(outs):
+        assert f"OK {case} rank {r}" in out, f"rank {r} (exit {codes[r]}) did not pass {case}:\n{out[-6000:]}"
 
 
 # ---- worker side ---------------------------------------------------------------------------
@@ -381,6 +395,7 @@ def _worker(args):  # pragma: no cover - runs in subprocesses
     import datetime
 
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     # CPU shims: megatron-core allocates router buffers on torch.cuda.current_device() and moves the tied
     # embedding copy with .cuda() before its all-reduce; neither creates or renames a parameter.
@@ -389,7 +404,17 @@ def _worker(args):  # pragma: no cover - runs in subprocesses
     rank, world = args["rank"], args["world"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args["port"]))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    for case in args["cases"]:  # a failed case ends the process: the ranks' collectives are out of step then
+        name, kw = LIVE[case]
+        _check_case(name, kw, rank)
+        ps.destroy_model_parallel()
+        dist.barrier()
+        print(f"OK {case} rank {rank}", flush=True)
+    dist.destroy_process_group()
 
+
+def _check_case(name: str, kw: dict, rank: int) -> None:  # pragma: no cover - runs in subprocesses
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -401,8 +426,8 @@ def _worker(args):  # pragma: no cover - runs in subprocesses
     from weightsync.layout.materialize import TORCH_DTYPES, DTYPE_NAMES, fill_from
     from weightsync.local.trainers import mcore_config as _mcore_config
 
-    spec = model(args["model"])
-    L = MegatronLayout(spec, **args["kw"])
+    spec = model(name)
+    L = MegatronLayout(spec, **kw)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=L.tp, pipeline_model_parallel_size=L.pp,
         virtual_pipeline_model_parallel_size=L.vpp if L.vpp > 1 else None,
@@ -504,8 +529,7 @@ def _worker(args):  # pragma: no cover - runs in subprocesses
         if not n.endswith(("word_embeddings.weight", "output_layer.weight")):
             assert not bool(torch.isnan(t.float()).any()), f"{n} has elements no piece wrote"
     dist.barrier()
-    print(f"OK rank {rank}: {len(local)} tensors, {checked} sharded tensors checked", flush=True)
-    dist.destroy_process_group()
+    print(f"rank {rank}: {len(local)} tensors, {checked} sharded tensors checked", flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover
