@@ -194,6 +194,24 @@ def test_written_long_poll(server, pool):
         c.written(6, 9)
 
 
+def test_written_for_a_group_of_ranks(server, pool):
+    """A trainer group's representative posts `written` once for its ranks (``ranks``); the one-rank
+    form still answers as before, and a list with an unregistered rank changes nothing."""
+    c = client(server)
+    for r in range(4):
+        c.register("train", r)
+    waiter = pool.submit(c.wait_written, 3, None, 5.0)
+    assert c.written(3, [0, 1, 2]) == {"step": 3, "ranks": 3}
+    assert not waiter.done()
+    with pytest.raises(MetaError, match=r"train:7 is not registered .*nor 1 more") as e:
+        c.written(3, [3, 7, 9])
+    assert e.value.status == 409 and c.summary()["written"]["3"] == [0, 1, 2]  # rank 3 not recorded either
+    assert c.written(3, [2, 3]) == {"step": 3, "ranks": 4}  # a retry or an overlap changes nothing twice
+    assert waiter.result(timeout=5) == [0, 1, 2, 3]
+    assert c.written(4, 1) == {"step": 4, "ranks": 1}  # one rank, as old clients post
+    assert c.summary()["written"]["4"] == [1]
+
+
 def test_written_window(server):
     c = client(server)
     c.register("train", 0)
@@ -327,6 +345,12 @@ GARBAGE = [
     ("POST", "/v1/jobs/j/instances/0/held", b'{"step": 1.0}'),
     ("POST", "/v1/jobs/j/instances/0/held", b'{"step": 1, "reset": 1}'),
     ("POST", "/v1/jobs/j/steps/1/written", b'{"rank": -3}'),
+    ("POST", "/v1/jobs/j/steps/1/written", b'{"rank": 0, "ranks": [0]}'),
+    ("POST", "/v1/jobs/j/steps/1/written", b'{"ranks": []}'),
+    ("POST", "/v1/jobs/j/steps/1/written", b'{"ranks": [0, 0]}'),
+    ("POST", "/v1/jobs/j/steps/1/written", b'{"ranks": [0, true]}'),
+    ("POST", "/v1/jobs/j/steps/1/written", b'{"ranks": 0}'),
+    ("POST", "/v1/jobs/j/steps/1/written", b'{}'),
     ("POST", "/v1/jobs/j/abort", b'{"why": "x"}'),
     ("POST", "/v1/jobs/j/plan-hashes", b'{"role": "train", "rank": 0, "pairs": [[0, 0, 0, "not hex"]]}'),
     ("POST", "/v1/jobs/j/rendezvous/pg", b'{"address": 5}'),

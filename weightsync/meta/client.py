@@ -205,8 +205,11 @@ class MetaClient:
         return self._poll(f"{self._job_path}/instances", {"after_version": after_version}, timeout)
 
     # -- steps ----------------------------------------------------------------------------------
-    def written(self, step: int, rank: int) -> dict:
-        return self._request("POST", f"{self._job_path}/steps/{step}/written", {"rank": rank})
+    def written(self, step: int, rank: int | Iterable[int]) -> dict:
+        """Training rank ``rank`` has ``step`` ready; given several ranks (a trainer group's), each has, in
+        one request."""
+        body = {"rank": rank} if isinstance(rank, int) else {"ranks": list(rank)}
+        return self._request("POST", f"{self._job_path}/steps/{step}/written", body)
 
     def wait_written(self, step: int, n: int | None = None, timeout: float | None = None) -> list[int]:
         """Training ranks that wrote ``step``, once ``n`` of them (default: every registered one) did."""

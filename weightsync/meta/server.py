@@ -26,7 +26,9 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
     POST /v1/jobs/{job}/instances/{i}/leave        {"reason"?, "incarnation"?}: member state "left"
     POST /v1/jobs/{job}/instances/{i}/gone         {"reason"?, "incarnation"?}: dropped (stopped answering)
     GET  /v1/jobs/{job}/instances                  ?after_version=V&timeout=S
-    POST /v1/jobs/{job}/steps/{S}/written          {"rank"}: training rank R has step S ready
+    POST /v1/jobs/{job}/steps/{S}/written          {"rank"}: training rank R has step S ready; or
+                                                   {"ranks": [R, ...]}: each of them has (a trainer group's
+                                                   representative posts once for its group)
     GET  /v1/jobs/{job}/steps/{S}/written          ?wait_for=N&timeout=S (N defaults to every train rank)
     POST /v1/jobs/{job}/instances/{i}/held         {"step", "reset"?, "incarnation"?}: instance i holds step S
     GET  /v1/jobs/{job}/held                       ?min_step=S&instances=0,1&timeout=T (default: the joined

@@ -451,12 +451,27 @@ class Coordinator:
 
     # -- steps ----------------------------------------------------------------------------------
     def written(self, job: str, step: int, body: dict) -> dict:
-        fields(body, {"rank"})
-        rank = integer(body["rank"], "rank", 0, MAX_RANK)
+        """``{"rank": R}`` (one training rank) or ``{"ranks": [R, ...]}`` (a trainer group's representative
+        speaking for every rank of its group: one request a step for the group, not one a rank)."""
+        fields(body, set(), {"rank", "ranks"})
+        if ("rank" in body) == ("ranks" in body):
+            raise bad('give one of "rank" (a training rank) or "ranks" (a list of training ranks)')
+        if "rank" in body:
+            ranks = [integer(body["rank"], "rank", 0, MAX_RANK)]
+        else:
+            listed = body["ranks"]
+            if not isinstance(listed, list) or not 1 <= len(listed) <= MAX_PARTICIPANTS:
+                raise bad(f"ranks must be a list of 1 to {MAX_PARTICIPANTS} training ranks, got {short(listed)}")
+            ranks = sorted({integer(r, "rank", 0, MAX_RANK) for r in listed})
+            if len(ranks) != len(listed):
+                raise bad(f"ranks lists a rank twice: {short(listed)}")
         self._refuse_if_closing()
         j = self._job(job)
-        if rank not in j.train_set:
-            raise HTTPError(409, f"train:{rank} is not registered in job {job}; register first")
+        unknown = [r for r in ranks if r not in j.train_set]
+        if unknown:
+            raise HTTPError(409, f"train:{unknown[0]} is not registered in job {job}"
+                                 f"{f' (nor {len(unknown) - 1} more of the ranks given)' if len(unknown) > 1 else ''}"
+                                 "; register first")
         if step < j.written_floor:
             raise HTTPError(410, f"step {step} is older than the steps kept (from {j.written_floor})")
         if step not in j.written:
@@ -466,10 +481,11 @@ class Coordinator:
             if len(j.written) >= STEPS_KEPT and step < min(j.written):
                 raise HTTPError(410, f"step {step} is older than every one of the {STEPS_KEPT} steps kept "
                                      f"(from {min(j.written)}); it would be dropped at once")
-        ranks = j.written.get(step)
-        if ranks is None or rank not in ranks:
-            ops: list[Op] = [AddWritten(job, step, rank)]
-            j.written.setdefault(step, set()).add(rank)
+        got = j.written.get(step, set())
+        new = [r for r in ranks if r not in got]
+        if new:
+            ops: list[Op] = [AddWritten(job, step, r) for r in new]
+            j.written.setdefault(step, set()).update(new)
             if step > j.written_max:
                 j.written_max = step
                 ops.append(Put(job, "job", "written_max", str(step)))
