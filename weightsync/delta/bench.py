@@ -132,6 +132,7 @@ def _member(role: str, port: int, model: str, fractions, steps: int, results) ->
     from weightsync.transport.group import new_group
     from weightsync.transport.p2p import JobRanks, P2PTransport
 
+    torch.set_num_threads(1)  # two processes on a shared machine: OpenMP threads would spin against each other
     try:
         spec = load_spec(model)
         lay = make_layout(spec, "hf")
@@ -159,6 +160,8 @@ def _member(role: str, port: int, model: str, fractions, steps: int, results) ->
                     else:
                         st = (delta.receive(step, tensors) if mode == "delta" else t.recv(plans, tensors))
                     rows.append((mode, frac, step, st.bytes, st.full_bytes or st.bytes, st.seconds))
+                    if mode == "delta" and step:
+                        print(role, frac, step, {k: round(v, 3) for k, v in delta.last_phases.items()}, flush=True)
                 if mode == "delta":
                     delta.previous.invalidate() if role == "train" else delta.forget()
         sums = to_ints([checksum(tensors[n]) for n in sorted(tensors)])

@@ -78,6 +78,8 @@ class DeltaSender:
         #: per step, the encodings chosen (kind name -> buckets) and the pairs sent whole
         self.last_kinds: dict[str, int] = {}
         self.last_full_pairs: list[Pair] = []
+        #: seconds the last step spent in each phase (proofs, pack, encode, wait, store)
+        self.last_phases: dict[str, float] = {}
 
     def send(self, step: int) -> StepStats:
         try:
@@ -106,6 +108,7 @@ class DeltaSender:
             want = self.previous.pair_checksum(self.pairs[pair])
             delta_ok[pair] = (self.previous.version is not None and version == self.previous.version
                               and want is not None and (held & ((1 << 64) - 1)) == want)
+        phases = {"proofs": time.perf_counter() - start, "pack": 0.0, "encode": 0.0, "wait": 0.0, "store": 0.0}
         self.last_full_pairs = [p for p, ok in delta_ok.items() if not ok]
         if self.last_full_pairs and self.previous.version is not None:
             log.info("step %d: sending %d pair(s) whole (their receivers do not hold step %s): %s", step,
@@ -119,8 +122,11 @@ class DeltaSender:
         # one encoding per bucket layout and step: instances with equal layouts get the same payload
         cache: dict[tuple, codec.Encoded] = {}
         for k, b in enumerate(self.ops):
+            t0 = time.perf_counter()
             if len(inflight) == self.window:
                 self._retire(*inflight.popleft())
+            t1 = time.perf_counter()
+            phases["wait"] += t1 - t0
             slot = self._slots[k % self.window]
             sig = self.previous.signature_of(b)
             last = k in self.last_use  # the old base is replaced after this bucket
@@ -128,6 +134,8 @@ class DeltaSender:
             cur = slot[: b.nbytes]
             if enc is None or last:
                 pack_segments(segments(b), self.tensors, cur)
+            t2 = time.perf_counter()
+            phases["pack"] += t2 - t1
             words = self.words[id(b)]
             base = self.previous.base(b) if enc is None and delta_ok[b.pair] else None
             if base is not None:
@@ -152,14 +160,19 @@ class DeltaSender:
             except RuntimeError as e:
                 raise t._error(b, peer, True, e) from e
             moved += HEADER_BYTES + enc.nbytes
+            t3 = time.perf_counter()
+            phases["encode"] += t3 - t2
             if last:
                 self.previous.store(b, cur)
                 cache.pop(sig, None)
+            phases["store"] += time.perf_counter() - t3
             inflight.append((b, ws, (header, enc.payload)))  # keep what is posted alive until sent
+        t0 = time.perf_counter()
         while inflight:
             self._retire(*inflight.popleft())
+        phases["wait"] += time.perf_counter() - t0
         self.previous.version = step
-        self.last_kinds = kinds
+        self.last_kinds, self.last_phases = kinds, phases
         return StepStats(len(self.ops), moved, time.perf_counter() - start, full_bytes=sum(b.nbytes for b in self.ops))
 
     def _retire(self, b: Bucket, works: list, keep: tuple) -> None:
@@ -182,6 +195,8 @@ class DeltaReceiver:
         self.version: int | None = None
         self._slot: list[torch.Tensor] = []
         self.last_kinds: dict[str, int] = {}
+        #: seconds the last step spent in each phase (proof, wait, apply)
+        self.last_phases: dict[str, float] = {}
 
     def proof(self, pair: Pair, targets: Mapping[str, torch.Tensor], slot: torch.Tensor) -> Proof:
         """What this worker holds for ``pair`` now: its version and its targets' bytes' checksum."""
@@ -227,6 +242,7 @@ class DeltaReceiver:
             except (RuntimeError, TimeoutError) as e:
                 raise t._error(self.pairs[pair][0], t.ranks.sender(pair), False, e) from e
         # 2. buckets, one at a time
+        phases = {"proof": time.perf_counter() - start, "wait": 0.0, "apply": 0.0}
         kinds: dict[str, int] = {}
         moved = PROOF_BYTES * len(self.pairs)
         header = torch.empty(3, dtype=torch.int64, device=device)
@@ -252,11 +268,15 @@ class DeltaReceiver:
                 else:
                     size = codec.payload_bytes(kind, count, n, words.word)
                     payload = torch.empty(size, dtype=torch.uint8, device=device)
+                    t0 = time.perf_counter()
                     if size:
                         for w in post(group, [(payload, peer, b.index, False)], device, False):
                             retire(w, t.timeout, False)
+                    t1 = time.perf_counter()
+                    phases["wait"] += t1 - t0
                     st, parts = self._base(b, targets, slot)
                     codec.apply([codec.as_words(p, words.word) for p in parts], kind, count, words.word, payload)
+                    phases["apply"] += time.perf_counter() - t1
                     moved += HEADER_BYTES + size
             except (RuntimeError, TimeoutError) as e:
                 raise t._error(b, peer, False, e) from e
@@ -265,7 +285,7 @@ class DeltaReceiver:
             name = codec.KIND_NAMES[kind]
             kinds[name] = kinds.get(name, 0) + 1
         self.version = step
-        self.last_kinds = kinds
+        self.last_kinds, self.last_phases = kinds, phases
         return StepStats(len(self.ops), moved, time.perf_counter() - start, full_bytes=sum(b.nbytes for b in self.ops))
 
     def forget(self) -> None:
