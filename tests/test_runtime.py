@@ -290,7 +290,8 @@ def test_held_reports_go_out_in_order_and_a_failed_one_raises_later():
         reader = WeightReader.__new__(WeightReader)  # only the reporting half: no engine, no workers
         reader.client, reader.instance_id, reader.timeout_s = MetaClient(server.url, "j"), 0, 10.0
         reader._announcer, reader._report_error = ThreadPoolExecutor(1), None
-        reader.session = SimpleNamespace(held_bell=None)  # no doorbell: reports go to the MetaServer only
+        # no doorbell: reports go to the MetaServer only; a fixed-membership job: no incarnation
+        reader.session = SimpleNamespace(held_bell=None, incarnation=None)
         reader.client.join(0)
         reader.client.register("train", 0)
         reader.client.written(4, 0)  # the MetaServer takes `held` only for a step some trainer wrote
