@@ -98,6 +98,7 @@ def trainer(emit: Emit, rank: int, world: int, port: int, meta: str, job: dict) 
                           memory_budget=job.get("memory_budget", 2 << 30),
                           colocate=job.get("colocate", False), transport=job.get("transport", "p2p"),
                           directory=job.get("directory"), peer_copies=job.get("peer_copies", True),
+                          group=dist.group.WORLD if job.get("writer_group") else None,
                           **({"integrity": job["integrity"]} if "integrity" in job else {})).connect()
     emit(Ready(emit.participant))
     if job.get("mode") == "async":
@@ -111,7 +112,7 @@ def trainer(emit: Emit, rank: int, world: int, port: int, meta: str, job: dict) 
         writer.client.wait_held(job["steps"], range(job["instances"]), timeout=job["timeout"])
         return
     for step in range(1, job["steps"] + 1):
-        if job.get("fault") == "train-moves" and rank == 0 and step == job["steps"]:
+        if job.get("fault") == "train-moves" and rank == job.get("fault_rank", 0) and step == job["steps"]:
             _move_a_tensor(bound.tensors)  # as offloading and reloading would
         with torch.no_grad():
             fill_from(bound.layout, bound.tensors, step_canonical(spec, step, job.get("fp32", False)))

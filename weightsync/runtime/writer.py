@@ -21,11 +21,12 @@ from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.integrity.cadence import due as integrity_due
 from weightsync.integrity.cadence import every as integrity_every
 from weightsync.layout.layout import EngineLayout, Layout
-from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
+from weightsync.meta.client import DEADLINE_MARGIN_S, MetaClient, MetaError, MetaTimeout
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.doorbell import wait_rung
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 from weightsync.runtime.session import SessionDriven, SessionOptions, TrainerSession
+from weightsync.runtime.trainer_group import Outcome, TrainerGroup
 from weightsync.spec.model import ModelSpec
 from weightsync.transport.base import MetaLink, StepStats
 
@@ -46,7 +47,12 @@ class WeightWriter(SessionDriven):
     """Sends this training rank's part of every step to every inference instance.
 
     The constructor checks the options and does no I/O; :meth:`connect` (or the first :meth:`write`)
-    sets the job up, waiting for every participant."""
+    sets the job up, waiting for every participant.
+
+    ``group``: a torch.distributed process group of this job's trainers (their own; every member calls
+    ``write(step)`` together): the group signals each step as one -- its first rank posts ``written``
+    for all and waits ``held`` once, then tells every member the outcome, errors included
+    (:mod:`weightsync.runtime.trainer_group`). None: this rank signals on its own."""
 
     def __init__(
         self,
@@ -69,6 +75,7 @@ class WeightWriter(SessionDriven):
         instance_timeout_s: float | None = None,
         delta: bool = False,
         delta_host: bool = False,
+        group: object | None = None,
     ):
         # delta: send each bucket as what changed since the version its receiver proves it holds, else
         # whole (weightsync.delta, docs/delta.md); delta_host: keep that previous version in host memory
@@ -85,6 +92,8 @@ class WeightWriter(SessionDriven):
         self.dropped: dict[int, int] = {}
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         self.session = TrainerSession(self.client, MetaLink(meta, job, token), train, options)
+        #: the trainer group this rank signals steps with (``group=``), or None
+        self.group = TrainerGroup(group) if group is not None else None
         self._sent_sums = None  # weightsync.integrity: this rank's checksum regions, derived at the first checked step
         #: the last checked step's sums (weightsync.integrity.check.Checked), or None
         self.last_integrity = None
@@ -109,6 +118,8 @@ class WeightWriter(SessionDriven):
         choose (:mod:`weightsync.transport.pull`).
         """
         s = self.connect().session
+        if self.group is not None:
+            return self._write_grouped(step)
         t0 = time.perf_counter()
         self.last = s.sender.send(step)
         t1 = time.perf_counter()
@@ -129,6 +140,74 @@ class WeightWriter(SessionDriven):
         if self.last_integrity is not None and self.last_integrity.step == step:  # inside `written`
             self.last_timing["integrity"] = self.last_integrity.seconds
         return self.last
+
+    def _write_grouped(self, step: int) -> StepStats | None:
+        """``write`` for a trainer group: this rank's part, then one ``written`` and one ``held`` wait for
+        the whole group by its representative, whose outcome every member returns or raises with."""
+        s, g = self.session, self.group
+        t0 = time.perf_counter()
+        mine, local_error = Outcome(step, self.train.rank, self.client.job), None
+        try:
+            self.last = s.sender.send(step)
+            if s.written_bell is not None:
+                s.written_bell.ring(step)
+            self._check(step)
+            self._post_sums(step)
+        except Exception as e:  # noqa: BLE001 - told to the group, then raised here
+            mine, local_error = Outcome.failed(step, self.train.rank, self.client.job, e), e
+        t1 = time.perf_counter()
+        parts = g.gather(mine, self.timeout_s)  # every member's part has left, or failed
+        t2 = time.perf_counter()
+        outcome: Outcome | None = None
+        if g.leader:
+            outcome = self._signal_for_group(step, parts)
+        outcome = g.broadcast(outcome, step, self._leader_bound_s())
+        for i, missed in outcome.dropped:
+            self.dropped[i] = missed
+        self.last_timing = {"send": t1 - t0, "gather": t2 - t1, "wait_held": time.perf_counter() - t2}
+        if local_error is not None:
+            raise local_error
+        if outcome.error is not None:
+            raise outcome.exception()
+        if self.mode == "sync":
+            s.sender.held(step)
+        return self.last
+
+    def _signal_for_group(self, step: int, parts: list[Outcome]) -> Outcome:
+        """The representative: a member's failure aborts the job (the readers stop too); else post
+        ``written`` for every member at once and (sync) wait until the step is held."""
+        s = self.session
+        failed = next((p for p in parts if p.error is not None), None)
+        if failed is not None:
+            with contextlib.suppress(MetaError):
+                self.client.abort(f"training rank {failed.rank} failed to write step {step}: {failed.error}: "
+                                  f"{failed.message}"[:1024])
+            return failed
+        before = dict(self.dropped)
+        try:
+            self.client.written(step, [p.rank for p in parts])
+            if self.mode == "sync" and s.shape.elastic:
+                self._wait_live(step)
+            elif self.mode == "sync":
+                instances = range(s.shape.instances)
+                wait_rung(s.held_bells, step, self.timeout_s,
+                          lambda t: self.client.wait_held(step, instances, timeout=t))
+        except Exception as e:  # noqa: BLE001 - every member raises it
+            return Outcome.failed(step, self.train.rank, self.client.job, e)
+        dropped = tuple((i, m) for i, m in sorted(self.dropped.items()) if before.get(i) != m)
+        return Outcome(step, self.train.rank, self.client.job, dropped=dropped)
+
+    def _leader_bound_s(self) -> float:
+        """How long a member waits for its representative's outcome: the representative's own calls'
+        deadlines (``written``; ``held``, or the elastic wait, its look at the members and one more
+        short wait), each plus the client's margin, and a second for the collectives."""
+        margin = DEADLINE_MARGIN_S
+        bound = self.timeout_s + margin + 1.0
+        if self.mode == "sync":
+            bound += self.timeout_s + margin
+            if self.session.shape.elastic:
+                bound += self.instance_timeout_s + 2 * (self.timeout_s + margin) + 1.0 + margin
+        return bound
 
     def _wait_live(self, step: int) -> None:
         """Elastic: wait until every live member holds ``step`` (the MetaServer knows who they are); drop
