@@ -122,6 +122,37 @@ def test_register_and_wait(server, pool):
     assert len(c.participants()) == 3  # a plain listing still answers: the refused one reads who differs
 
 
+def test_model_refusal_names_the_first_differing_tensor_to_everyone(server, pool):
+    """A registrant whose model differs (here: fewer KV heads, as a config edited to suit another TP
+    would have) is refused, and the reason every participant receives -- the refused one's answer and
+    the waiting peer's abort alike -- names the first differing tensor, its shape on each side, both
+    participants, and what to do."""
+    from weightsync.spec.model import spec_from_config
+
+    cfg = json.load(open(os.path.join(os.path.dirname(__file__), "..", "weightsync", "spec", "presets",
+                                      "qwen3-0.6b.json")))
+    other = dict(cfg, num_key_value_heads=cfg["num_key_value_heads"] // 2)
+    a, b = spec_from_config(cfg), spec_from_config(other)
+    assert a.digest != b.digest
+    c = client(server, "refused")
+    c.register("train", 0, spec_digest=a.digest, model_config=cfg, engine_config={"model": "qwen3-0.6b"})
+    waiter = pool.submit(c.wait_participants, 2, None, 10.0)
+    time.sleep(0.1)
+    with pytest.raises(MetaAborted) as refused:
+        c.register("infer", 0, instance=0, spec_digest=b.digest, model_config=other,
+                   engine_config={"model": "qwen3-0.6b-kv4"})
+    with pytest.raises(MetaAborted) as peer:
+        waiter.result(timeout=10)
+    k = cfg["head_dim"] * cfg["num_key_value_heads"]
+    want = (f"the first tensor that differs is model.layers.0.self_attn.k_proj.weight: [{k // 2}, {cfg['hidden_size']}] "
+            f"bfloat16 on inference rank 0 of instance 0 (qwen3-0.6b-kv4), [{k}, {cfg['hidden_size']}] bfloat16 on "
+            f"training rank 0 (qwen3-0.6b). Give every trainer and every instance the same model (the same config.json)")
+    for e in (refused.value, peer.value):
+        assert want in str(e), str(e)
+        assert f"infer:0:0 has model spec {b.digest} but train:0 has {a.digest}" in str(e)
+    assert c.summary()["aborted"] == str(refused.value).split(": ", 1)[1]
+
+
 # --------------------------------------------------------------------------------------------
 # Plan hashes
 

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
+from weightsync.meta.mismatch import refusal
 from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten
 from weightsync.meta.validate import (
     MAX_JOBS, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, ROLES, STEP_STRIDE, STEPS_KEPT,
@@ -291,7 +292,7 @@ class Coordinator:
         self._save(job, j, ("*",), [Put(job, "job", "aborted", json.dumps(reason))])
 
     # -- participants ---------------------------------------------------------------------------
-    def register(self, job: str, body: dict) -> dict:
+    async def register(self, job: str, body: dict) -> dict:
         fields(body, {"role", "rank"}, {"instance", "host", "gpu", "layout_digest", "address", "version",
                                         "spec_digest", "engine_config", "model_config"})
         role, rank, inst = identity(body)
@@ -313,12 +314,14 @@ class Coordinator:
         if rec["spec_digest"]:
             for other, p in j.participants.items():
                 if other != name and p["spec_digest"] and p["spec_digest"] != rec["spec_digest"]:
-                    # refused at set-up: abort the job, so the participants already waiting fail now,
-                    # with this reason, instead of timing out (the refused one reads the list to say more)
-                    reason = (f"{name} has model spec {rec['spec_digest']} but {other} has {p['spec_digest']}: "
-                              f"both ends must load the same model")
-                    self._abort(job, j, reason)
-                    raise HTTPError(409, reason, aborted=reason)
+                    # refused at set-up: abort the job, so the participants already waiting fail now, with
+                    # this reason (the first tensor that differs, both sides), instead of timing out
+                    reason = await refusal(name, rec, other, p)
+                    self._refuse_if_closing()
+                    j = self._job(job, allow_aborted=True)
+                    if j.aborted is None:
+                        self._abort(job, j, reason)
+                    raise HTTPError(409, j.aborted, aborted=j.aborted)
         old = j.participants.get(name)
         if old is None and len(j.participants) >= MAX_PARTICIPANTS:
             raise HTTPError(409, f"job {job} already has {MAX_PARTICIPANTS} participants")

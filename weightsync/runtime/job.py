@@ -21,6 +21,7 @@ from weightsync.layout.layout import EngineLayout, Layout, layout_digest
 from weightsync.meta.client import MetaAborted, MetaClient, MetaError
 from weightsync.plan.planner import Bucket, Pair, Planner, pair_hash
 from weightsync.plan.topology import Placement, Topology
+from weightsync.spec.compare import first_difference
 from weightsync.spec.model import ModelSpec, spec_from_config
 from weightsync.transport.base import Buffers
 from weightsync.transport.colocated import ColocatedRanks
@@ -97,19 +98,6 @@ class JobShape:
         """Who opens, reads, sends and receives what in a co-located job (the planner's topology)."""
         return ColocatedRanks(self.train_world, self.infer_world, self.instances, peer=self.peer_copies,
                               placement=self.placement)
-
-
-def first_difference(mine: ModelSpec, theirs: ModelSpec) -> str:
-    """The first canonical tensor whose name, shape or dtype differs, in words."""
-    a, b = mine.by_name, theirs.by_name
-    for t in mine.tensors:
-        o = b.get(t.name)
-        if o is None:
-            return f"{t.name} {list(t.shape)} exists only in {mine.name}"
-        if o.shape != t.shape or o.dtype != t.dtype:
-            return f"{t.name}: {list(t.shape)} {t.dtype} in {mine.name}, {list(o.shape)} {o.dtype} in {theirs.name}"
-    extra = next((n for n in b if n not in a), None)
-    return f"{extra} exists only in {theirs.name}" if extra else "same tensors, different config"
 
 
 def register(
