@@ -11,6 +11,9 @@ all at once:
 - ``job 1024x128``: 1,024 trainers and 128 instances (each instance one connection), set-up (register,
   join), then steps: every trainer posts ``written`` and long-polls ``held``; every instance long-polls
   ``written`` and then posts ``held``. A step's time is from its first post to the last trainer's answer.
+  ``--groups G``: the trainers signal in groups of G as ``WeightWriter(group=...)`` does (its first rank
+  posts ``written`` with ``ranks`` for the group and long-polls ``held``; the others ask the server
+  nothing, their outcome comes over the group): G=1 is the per-rank path, G=1024 one group for the job.
 - ``long-polls``: K long-polls held open, ``/health`` timed meanwhile.
 
 Latencies are per request (connect included for the first); server CPU is the process's utime+stime
@@ -126,9 +129,11 @@ async def phase_step(srv: Server, ranks: int, steps: int = 3) -> list[dict]:
     return out
 
 
-async def phase_job(srv: Server, trainers: int, instances: int, steps: int) -> list[dict]:
-    """A sync job's set-up and steps, every participant at once, no retries."""
-    setup = Result(f"job {trainers}x{instances}: set-up (register + join)")
+async def phase_job(srv: Server, trainers: int, instances: int, steps: int, group: int = 1) -> list[dict]:
+    """A sync job's set-up and steps, every participant at once, no retries (``group``: trainers signal
+    in groups of that many, by their first rank)."""
+    tag = f"job {trainers}x{instances}" + (f" groups of {group}" if group > 1 else "")
+    setup = Result(f"{tag}: set-up (register + join)")
     conns: dict[str, Conn] = {}
     cpu0, t0 = cpu_seconds(srv.pid), time.perf_counter()
 
@@ -157,14 +162,16 @@ async def phase_job(srv: Server, trainers: int, instances: int, steps: int) -> l
     out = [setup.summary()]
     if setup.errors:
         return out
-    req_lat = Result(f"job {trainers}x{instances}: a step's requests")
-    step_res = Result(f"job {trainers}x{instances}: step (first post to last trainer answered)")
+    req_lat = Result(f"{tag}: a step's requests")
+    step_res = Result(f"{tag}: step (first post to last trainer answered)")
     cpu0 = cpu_seconds(srv.pid)
     ids = ",".join(str(i) for i in range(instances))
+    sent = [0]  # every request of the steps, long-poll slices included
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
 
         async def call(c: Conn, req: bytes) -> bool:
+            sent[0] += 1
             t = time.perf_counter()
             try:
                 status, body = await c.call(req)
@@ -179,8 +186,10 @@ async def phase_job(srv: Server, trainers: int, instances: int, steps: int) -> l
 
         async def trainer(r: int) -> None:
             c = conns[f"t{r}"]
-            await call(c, request_bytes("POST", f"/v1/jobs/bench/steps/{step}/written", {"rank": r}))
+            body = {"rank": r} if group == 1 else {"ranks": list(range(r, min(r + group, trainers)))}
+            await call(c, request_bytes("POST", f"/v1/jobs/bench/steps/{step}/written", body))
             while True:  # a long-poll slice; again if not ready (as the client does)
+                sent[0] += 1
                 status, body = await c.call(request_bytes(
                     "GET", f"/v1/jobs/bench/held?min_step={step}&instances={ids}&timeout=25"))
                 if status != 200 or json.loads(body)["ready"]:
@@ -189,15 +198,19 @@ async def phase_job(srv: Server, trainers: int, instances: int, steps: int) -> l
         async def instance(i: int) -> None:
             c = conns[f"i{i}"]
             while True:
+                sent[0] += 1
                 status, body = await c.call(request_bytes("GET", f"/v1/jobs/bench/steps/{step}/written?timeout=25"))
                 if status != 200 or json.loads(body)["ready"]:
                     break
             await call(c, request_bytes("POST", f"/v1/jobs/bench/instances/{i}/held", {"step": step}))
 
-        await asyncio.gather(*(trainer(r) for r in range(trainers)), *(instance(i) for i in range(instances)))
+        await asyncio.gather(*(trainer(r) for r in range(0, trainers, group)), *(instance(i) for i in range(instances)))
         step_res.latencies.append(time.perf_counter() - t0)
     step_res.server_cpu_s = cpu_seconds(srv.pid) - cpu0
-    out += [step_res.summary(), req_lat.summary()]
+    per_step = step_res.summary()
+    per_step.update(requests_per_step=sent[0] / steps, server_cpu_s_per_step=round(step_res.server_cpu_s / steps, 3),
+                    server_cpu_us_per_request=round(1e6 * step_res.server_cpu_s / max(1, sent[0]), 1))
+    out += [per_step, req_lat.summary()]
     for c in conns.values():
         c.close()
     return out
@@ -236,6 +249,8 @@ def main() -> None:
     p.add_argument("--only", choices=["before", "after"])
     p.add_argument("--phases", default="register,step,job,polls")
     p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    p.add_argument("--groups", default="1", help="job phase: trainer group sizes to run, comma-separated (1: per rank)")
+    p.add_argument("--steps", type=int, default=3, help="job phase: steps")
     args = p.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -246,7 +261,9 @@ def main() -> None:
     if "step" in args.phases:
         plan += [("step 640", st, lambda srv: phase_step(srv, 64 if q else 640)) for st in (False, True)]
     if "job" in args.phases:
-        plan += [("job", st, lambda srv: phase_job(srv, 128 if q else 1024, 16 if q else 128, 3)) for st in (False, True)]
+        plan += [(f"job groups {g}", st, lambda srv, g=g: phase_job(srv, 128 if q else 1024, 16 if q else 128, args.steps,
+                                                                   g))
+                 for g in (int(x) for x in args.groups.split(",")) for st in (False, True)]
     if "polls" in args.phases:
         plan += [(f"polls {k}", False, lambda srv, k=k: phase_polls(srv, k)) for k in ((500,) if q else (1000, 10000))]
     for which in (["before", "after"] if args.only is None else [args.only]):
