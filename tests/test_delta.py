@@ -526,3 +526,54 @@ def test_encode_without_blocks_finds_the_same_changes(dtype):
             kind, count = codec.choose(int(changed.sum()), None, n, w)
             slow = codec.encode_as(kind, cw, changed, count)
             assert (fast.kind, fast.count) == (slow.kind, slow.count) and torch.equal(fast.payload, slow.payload)
+
+
+# -- options and memory -----------------------------------------------------------------------------
+
+
+def test_delta_is_refused_where_it_does_not_run():
+    from weightsync.errors import ConfigError
+    from weightsync.runtime.session import SessionOptions
+
+    with pytest.raises(ConfigError, match="co-located"):
+        SessionOptions(colocate=True, delta=True)
+    with pytest.raises(ConfigError, match="sync mode"):
+        SessionOptions(mode="async", delta=True)
+    with pytest.raises(ConfigError, match="not nixl"):
+        SessionOptions(transport="nixl", delta=True)
+    opts = SessionOptions(delta=True, delta_host=True).transport_options("gloo")
+    assert opts.delta and opts.delta_host
+    assert SessionOptions(delta=True).registered()["delta"] is True
+
+
+def test_the_previous_version_counts_against_the_budget():
+    """The sender's previous version is in Buffers.bytes (on the device) and refused over the budget
+    with a message naming it; kept in host memory it leaves the device budget."""
+    from weightsync.delta.state import PreviousVersion, previous_buffers_bytes, previous_bytes
+    from weightsync.engines import make_layout
+    from weightsync.errors import ConfigError
+    from weightsync.plan.planner import Planner
+    from weightsync.runtime.job import enforce_memory_budget
+    from weightsync.spec import load_spec
+    from weightsync.transport.base import Buffers
+
+    spec = load_spec("tiny-qwen3")
+    planner = Planner(make_layout(spec, "hf"), make_layout(spec, "vllm:tp=2"), 2, bucket_bytes=24 << 10)
+    plans = planner.send_plan(0)
+    n = previous_bytes(plans)
+    assert n == sum(b.nbytes for (_, i, _), bs in plans.items() if i == 0 for b in bs)  # instances alike: once
+    assert PreviousVersion(plans, torch.device("cpu")).nbytes == n
+    assert previous_buffers_bytes(plans, host=True) == 0 and previous_buffers_bytes(plans, host=False) == n
+
+    class Client:
+        aborted = None
+
+        def abort(self, reason):
+            Client.aborted = reason
+
+    b = Buffers(2, 24 << 10, previous=n)
+    assert b.bytes == 2 * (24 << 10) + n
+    with pytest.raises(ConfigError, match="previous version for delta updates"):
+        enforce_memory_budget(Client(), n, b, "training rank 0")
+    assert "delta_host=True" in Client.aborted
+    assert enforce_memory_budget(Client(), b.bytes, b, "training rank 0") == b.bytes
