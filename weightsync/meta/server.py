@@ -49,7 +49,8 @@ joined. An ``incarnation`` (a reader's own hex id) makes a join under a joined i
 incarnation than the member's are refused (409) or change nothing, so a dropped process that comes
 back cannot report steps or leave for its successor. A registration whose model spec differs
 from a registered one's is refused (409) and aborts the job, so the participants already waiting
-fail at once with the same reason. Once a job is aborted its waits and mutations answer 409 (with
+fail at once with the same reason, which names the first tensor that differs and its shape on each
+side (:mod:`.mismatch`). Once a job is aborted its waits and mutations answer 409 (with
 ``"aborted"``) until it is deleted; a plain participants listing still answers.
 
 Errors are JSON ``{"error": "..."}`` and change nothing: 400 malformed, 401 token, 404 unknown route
