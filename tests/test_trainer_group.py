@@ -47,3 +47,25 @@ def test_a_group_signals_once_a_step_and_a_members_failure_reaches_every_rank():
         assert "training rank 1" in summary["aborted"], summary
         assert summary["written"] == {"1": [0, 1], "2": [0, 1]}, summary
         assert _written_posts(server) == 2  # steps 1 and 2, once each for both ranks
+
+
+def test_an_outcome_crosses_the_group_as_its_error_class_with_a_long_message_cut():
+    """What the representative broadcasts: a fixed slot, the message cut to fit, rebuilt as the error
+    class it was raised as (a MetaError keeps its status); no group without torch.distributed."""
+    import pytest
+
+    from weightsync.errors import ConfigError, MetaAborted, WeightsMoved
+    from weightsync.runtime.trainer_group import SLOT, Outcome, TrainerGroup
+
+    long = Outcome.failed(7, 3, "j", WeightsMoved("x" * 10 * SLOT))
+    back = Outcome.decode(long.encode())
+    assert (back.step, back.rank, back.job, back.error) == (7, 3, "j", "WeightsMoved")
+    assert back.message.endswith(" [...]") and len(back.message) < SLOT
+    e = back.exception()
+    assert type(e) is WeightsMoved and str(e).startswith("training rank 3: WeightsMoved: xxx")
+    aborted = Outcome.decode(Outcome.failed(2, 0, "j", MetaAborted("job j aborted: r", 409)).encode()).exception()
+    assert type(aborted) is MetaAborted and aborted.status == 409
+    ok = Outcome.decode(Outcome(4, 0, "j", dropped=((1, 4),)).encode())
+    assert ok.error is None and ok.dropped == ((1, 4),)
+    with pytest.raises(ConfigError, match="needs torch.distributed initialised"):
+        TrainerGroup(object())
