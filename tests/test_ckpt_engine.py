@@ -41,13 +41,14 @@ def test_placement(scenario):
     if scen.train.startswith(("megatron:tp", "fsdp")):  # full tensors spread evenly over the holders
         assert max(busy) - min(busy) <= largest
     expected = {}  # the inference workers where run.py puts them
+    shared = scen.colocate or scen.gpus == 1  # one GPU for both sides (nixl-1gpu: separate processes)
     for inst in range(scen.instances):
-        base = 0 if scen.colocate else train.world_size + inst * infer.world_size
+        base = 0 if shared else train.world_size + inst * infer.world_size
         for k in range(infer.world_size):
             expected[base + k] = (inst, k)
     assert place.receivers == expected
     assert set(place.sinks) == set(range(scen.gpus)) - set(expected)
-    assert (not place.sinks) == scen.colocate
+    assert (not place.sinks) == shared
 
 
 def test_unknown_scenario():
