@@ -261,8 +261,8 @@ def main() -> None:
     if "step" in args.phases:
         plan += [("step 640", st, lambda srv: phase_step(srv, 64 if q else 640)) for st in (False, True)]
     if "job" in args.phases:
-        plan += [(f"job groups {g}", st, lambda srv, g=g: phase_job(srv, 128 if q else 1024, 16 if q else 128, args.steps,
-                                                                   g))
+        sizes = (128, 16) if q else (1024, 128)
+        plan += [(f"job groups {g}", st, lambda srv, g=g: phase_job(srv, *sizes, args.steps, g))
                  for g in (int(x) for x in args.groups.split(",")) for st in (False, True)]
     if "polls" in args.phases:
         plan += [(f"polls {k}", False, lambda srv, k=k: phase_polls(srv, k)) for k in ((500,) if q else (1000, 10000))]

@@ -46,4 +46,5 @@ def first_difference(mine: ModelSpec, theirs: ModelSpec) -> str:
         return f"{d.name} {list(d.mine_shape)} exists only in {mine.name}"
     if d.mine_shape is None:
         return f"{d.name} exists only in {theirs.name}"
-    return f"{d.name}: {list(d.mine_shape)} {d.mine_dtype} in {mine.name}, {list(d.theirs_shape)} {d.theirs_dtype} in {theirs.name}"
+    return (f"{d.name}: {list(d.mine_shape)} {d.mine_dtype} in {mine.name}, "
+            f"{list(d.theirs_shape)} {d.theirs_dtype} in {theirs.name}")
