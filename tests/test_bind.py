@@ -253,7 +253,7 @@ def _have_mcore() -> bool:
     import importlib.util
 
     try:
-        return importlib.util.find_spec("megatron.core") is not None
+        return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
     except ModuleNotFoundError:
         return False
 

@@ -13,7 +13,7 @@ import pytest
 
 from weightsync.cli import main
 
-needs_mcore = pytest.mark.skipif(__import__("importlib").util.find_spec("megatron.core") is None,
+needs_mcore = pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None,
                                  reason="megatron-core is not importable")
 
 

@@ -304,7 +304,7 @@ def test_membership_endpoints(server):
     assert c.gone(1)["changed"] is False  # idempotent
     m = c.members()[1]
     assert m["state"] == "gone" and m["reason"] == "no answer" and m["version"] == 3
-    with pytest.raises(MetaError, match="dropped \(gone\) .*no answer.*join again") as e:
+    with pytest.raises(MetaError, match=r"dropped \(gone\) .*no answer.*join again") as e:
         c.held(1, 1)
     assert e.value.status == 409
     c.join(1)

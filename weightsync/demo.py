@@ -408,7 +408,7 @@ def check(cfg: DemoConfig) -> None:
     if train.engine not in ("hf", "fsdp", "megatron"):
         raise ConfigError(f"demo: {cfg.train!r} is not a training layout; use hf, fsdp:dp=N[,tp=T] or megatron:k=v,...")
     if train.engine == "megatron":
-        if importlib.util.find_spec("megatron.core") is None:
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise ConfigError("demo: --train megatron needs megatron-core (pip install megatron-core)")
         if spec.attention.kind == "mla":
             raise ConfigError(f"demo: {cfg.model} has multi-latent attention, which megatron-core runs only with "
