@@ -235,7 +235,7 @@ TRANSPORTS: dict[str, TransportEntry] = {
     "file": TransportEntry("weightsync.transport.file:FileSender", "weightsync.transport.file:FileReceiver",
                            needs_directory=True, elastic=True, delta=True),
     "nixl": TransportEntry("weightsync.transport.nixl:NixlSender", "weightsync.transport.nixl:NixlReceiver",
-                           modes=frozenset({"sync", "async"}), elastic=True),
+                           modes=frozenset({"sync", "async"}), elastic=True, delta=True),
 }
 
 

@@ -115,6 +115,13 @@ class NixlSender(Sender):
 
     modes = frozenset({"sync", "async"})
 
+    def memory(self, ctx: SenderContext) -> Buffers:
+        if self.options.delta:  # the previous version and the registered delta region (weightsync.delta.nixl)
+            from weightsync.delta.nixl import sender_buffers_bytes
+
+            return Buffers(previous=sender_buffers_bytes(ctx.plans, self.options.delta_host))
+        return Buffers()
+
     def connect(self, ctx: SenderContext) -> None:
         nixl = load_nixl()
         self.close()
@@ -131,9 +138,18 @@ class NixlSender(Sender):
         regions = _storages(self.served.values())
         self.regs = [_register(self.agent, regions, mem, dev),
                      _register(self.agent, [(self.header.data_ptr(), self.header.numel() * 8)], "DRAM", 0)]
+        served = dict(self.served)
+        self.delta = None
+        if self.options.delta:  # sync only (weightsync.delta.check_options): encoded into a registered region
+            from weightsync.delta.nixl import INDEX, REGION, DeltaNixlSender
+
+            self.delta = DeltaNixlSender(ctx.plans, self.live, self.device, host=self.options.delta_host)
+            self.regs += [_register(self.agent, _storages([self.delta.region]), mem, dev),
+                          _register(self.agent, _storages([self.delta.index]), "DRAM", 0)]
+            served[REGION], served[INDEX] = self.delta.region, self.delta.index
         doc = TrainerDoc(ctx.rank, name, self.agent.get_agent_metadata(), mem, dev, tuple(regions),
                          {n: RemoteTensor(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype),
-                                          t.element_size()) for n, t in self.served.items()},
+                                          t.element_size()) for n, t in served.items()},
                          self.header.data_ptr(), layout_digest(ctx.planner.src.layout(ctx.rank)), self.options.mode)
         size = publish_doc(ctx.client, doc)
         log.info("training rank %d: NIXL agent %s registered %d regions (%s), descriptors %d chars",
@@ -146,6 +162,8 @@ class NixlSender(Sender):
         if self.asynchronous:
             self._stage(step)
             return None
+        if self.delta is not None:  # before the step is announced: workers read the index after it
+            self.delta.encode(step)
         self.header[1] = step
         self.header[0] += 2
         # one-sided: the readers move the bytes; this rank moved none
@@ -233,7 +251,9 @@ class NixlReceiver(Receiver):
     reads_after_written = True  # sync: the trainers' memory holds the step once every one announced it
 
     def memory(self, ctx: ReceiverContext) -> Buffers:
-        return Buffers(SLOTS, _largest_staged(ctx.plans, ctx.tensors))
+        # delta: a scratch buffer for the payloads and one to stage a bucket's base, each a largest bucket
+        extra = 2 * max((b.nbytes for bs in ctx.plans.values() for b in bs), default=0) if self.options.delta else 0
+        return Buffers(SLOTS, _largest_staged(ctx.plans, ctx.tensors), previous=extra)
 
     def connect(self, ctx: ReceiverContext) -> None:
         """Start this worker's agent. The peers' descriptors are looked up at the first read, not here:
@@ -255,6 +275,11 @@ class NixlReceiver(Receiver):
         self.programs: dict[tuple, Program] = {}
         self.header_handles: list[tuple[int, object]] = []
         self.header_dlists: list = []
+        self.delta = None
+        if self.options.delta:  # the payloads when this worker proves its base, else a full read
+            from weightsync.delta.nixl import DeltaNixlReceiver
+
+            self.delta = DeltaNixlReceiver(self, ctx.plans)
 
     def _ensure_peers(self) -> None:
         """Each peer trainer's descriptors, checked against the plan before any byte moves (once)."""
@@ -403,10 +428,12 @@ class NixlReceiver(Receiver):
     # -- steps ----------------------------------------------------------------------------------
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
         t0 = time.perf_counter()
-        stats = self._read(targets, t0)
+        stats = self._read(targets, t0) if self.delta is None else self.delta.receive(step, targets, self._read)
         for r, h in self._headers():
             seq, got = int(h[0]), int(h[1])
             if got != step or seq % 2:
+                if self.delta is not None:
+                    self.delta.version = None  # not a whole step: no base to prove next time
                 raise TransportError(f"training rank {r} -> instance {self.ctx.instance} rank {self.ctx.rank}: its "
                                      f"header says step {got} (seq {seq}) after reading step {step}: it restarted or "
                                      "moved on while read; the step is not whole", pair=(r, self.ctx.instance, self.ctx.rank))
@@ -523,6 +550,8 @@ class NixlReceiver(Receiver):
         agent = getattr(self, "agent", None)
         if agent is None:
             return
+        if getattr(self, "delta", None) is not None:
+            self.delta.close()
         for prog in getattr(self, "programs", {}).values():
             for _, h in prog.direct:
                 _quietly(h.release)

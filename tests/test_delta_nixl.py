@@ -1,0 +1,167 @@
+"""Delta updates over the nixl transport (weightsync.delta.nixl): real NIXL agents (UCX on loopback),
+a real MetaServer, random sparse changes per step, poisoned destinations, ``torch.equal``.
+
+One job is shared by the module's cases (set-up is the cost): two instances, so a gap in one shows
+it falls back to a full read alone while the other keeps reading deltas.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from weightsync.engines import make_layout
+from weightsync.errors import ConfigError
+from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
+from weightsync.meta.client import MetaClient
+from weightsync.meta.server import MetaServer
+from weightsync.plan.planner import Planner
+from weightsync.spec import load_spec
+from weightsync.testing import random_canonical
+from weightsync.transport.base import MetaLink, ReceiverContext, SenderContext, TransportOptions
+
+try:
+    from weightsync.transport.nixl_wire import load_nixl
+
+    load_nixl()
+    NIXL = None
+except ConfigError as e:  # the rdma extra is not installed
+    NIXL = str(e)
+
+pytestmark = pytest.mark.skipif(NIXL is not None, reason=f"nixl not importable: {NIXL}")
+
+TIMEOUT_S = 5.0
+CHANGED = 0.01  # the fraction of elements a step changes (RL learning rates: ~1%)
+
+
+def poisoned(layout) -> dict[str, torch.Tensor]:
+    return {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype]) for n, t in layout.tensors.items()}
+
+
+class Job:
+    """Real NixlSender/NixlReceiver pairs with delta=True; ``canon[step]`` the step's canonical weights."""
+
+    def __init__(self, url: str):
+        from weightsync.transport.nixl import NixlReceiver, NixlSender
+
+        self.spec = load_spec("tiny-qwen3")
+        self.src, self.dst = make_layout(self.spec, "fsdp:dp=2"), make_layout(self.spec, "vllm:tp=2")
+        self.planner = Planner(self.src, self.dst, 2, bucket_bytes=4096)
+        job = f"dnixl-{uuid.uuid4().hex[:8]}"
+        self.link = MetaLink(url, job)
+        self.client = MetaClient(url, job, timeout=TIMEOUT_S)
+        self.options = TransportOptions("nixl", "sync", timeout_s=TIMEOUT_S, delta=True)
+        self.canon = {0: random_canonical(self.spec, seed=7)}
+        self.gen = torch.Generator().manual_seed(11)
+        self.train = {r: scatter(self.src.layout(r), self.canon[0]) for r in range(self.src.world_size)}
+        self.senders = {}
+        for r, t in self.train.items():
+            s = NixlSender(self.options)
+            s.connect(SenderContext(self.link, self.client, None, r, self.planner, self.planner.send_plan(r), t))
+            self.senders[r] = s
+        self.targets, self.receivers = {}, {}
+        for i in range(2):
+            for j in range(self.dst.world_size):
+                rx = NixlReceiver(self.options)
+                live = poisoned(self.dst.layout(j))
+                rx.connect(ReceiverContext(self.link, None, i, j, self.planner, self.planner.recv_plan(i, j), live,
+                                           torch.device("cpu")))
+                self.targets[i, j], self.receivers[i, j] = live, rx
+
+    def write(self, step: int) -> None:
+        """A sparse random change of the previous step (as an optimizer step at RL learning rates)."""
+        prev = self.canon[max(self.canon)]
+        cur = {}
+        for n, t in prev.items():
+            t = t.clone()
+            mask = torch.rand(t.shape, generator=self.gen) < CHANGED
+            t[mask] = torch.randn(int(mask.sum()), generator=self.gen).to(t.dtype)
+            cur[n] = t
+        self.canon[step] = cur
+        for r, t in self.train.items():
+            fill_from(self.src.layout(r), t, cur)  # in place
+            self.senders[r].send(step)
+            self.senders[r].check(step)
+
+    def wrong(self, key, step: int, got=None) -> list[str]:
+        got = self.targets[key] if got is None else got
+        want = scatter(self.dst.layout(key[1]), self.canon[step])
+        return [n for n, w in want.items()
+                if not (torch.equal(got[n].isnan(), w.isnan()) and torch.equal(got[n].nan_to_num(), w.nan_to_num()))]
+
+    def close(self) -> None:
+        for x in [*self.receivers.values(), *self.senders.values()]:
+            x.close()
+
+
+@pytest.fixture(scope="module")
+def job():
+    with MetaServer().start() as s:
+        j = Job(s.url)
+        try:
+            yield j
+        finally:
+            j.close()
+
+
+def full_of(rx) -> int:
+    return sum(b.nbytes for bs in rx.ctx.plans.values() for b in bs)
+
+
+def test_deltas_bit_exact_gap_falls_back_alone(job):
+    # step 1: nobody holds a base -> full reads
+    job.write(1)
+    for k, rx in job.receivers.items():
+        st = rx.receive(1, job.targets[k])
+        assert rx.delta.last_full and st.bytes == full_of(rx) == st.full_bytes
+        assert not job.wrong(k, 1), job.wrong(k, 1)
+    # steps 2, 3: every worker proves its base -> only the changes move, bit-exact
+    for step in (2, 3):
+        job.write(step)
+        for k, rx in job.receivers.items():
+            st = rx.receive(step, job.targets[k])
+            assert not rx.delta.last_full, k
+            assert 0 < st.bytes < 0.2 * full_of(rx) and st.full_bytes == full_of(rx), (k, st)
+            assert not job.wrong(k, step), (k, job.wrong(k, step))
+    # step 4: instance 1 misses it (a failed or skipped update); step 5: instance 1 reads in full, alone
+    job.write(4)
+    for k, rx in job.receivers.items():
+        if k[0] == 0:
+            rx.receive(4, job.targets[k])
+    job.write(5)
+    for k, rx in job.receivers.items():
+        st = rx.receive(5, job.targets[k])
+        assert rx.delta.last_full == (k[0] == 1), k
+        assert st.bytes == (full_of(rx) if k[0] == 1 else st.bytes) and (k[0] == 1 or st.bytes < 0.2 * full_of(rx))
+        assert not job.wrong(k, 5), (k, job.wrong(k, 5))
+    # step 6: something touched one of instance 0's tensors -> its proof fails -> a full read heals it
+    k0 = (0, 0)
+    name = next(iter(job.targets[k0]))
+    job.targets[k0][name].view(-1)[0] += 1
+    job.write(6)
+    for k, rx in job.receivers.items():
+        rx.receive(6, job.targets[k])
+        assert rx.delta.last_full == (k == k0), k
+        assert not job.wrong(k, 6), (k, job.wrong(k, 6))
+    # step 7: a staged copy (other tensors, poisoned) proves nothing -> full; the live ones stay at 6
+    job.write(7)
+    k1 = (1, 1)
+    staged = poisoned(job.dst.layout(1))
+    rx = job.receivers[k1]
+    rx.receive(7, staged)
+    assert rx.delta.last_full and not job.wrong(k1, 7, staged) and not job.wrong(k1, 6)
+
+
+def test_memory_counts_the_previous_version_and_the_region(job):
+    from weightsync.delta.nixl import region_bytes
+    from weightsync.delta.state import previous_bytes
+
+    for r, s in job.senders.items():
+        plans = job.planner.send_plan(r)
+        buf = s.memory(s.delta and SenderContext(job.link, job.client, None, r, job.planner, plans, job.train[r]))
+        assert buf.previous == previous_bytes(plans) + region_bytes(plans) == s.delta.previous.nbytes + \
+            s.delta.region.numel()
+    rx = job.receivers[0, 0]
+    assert rx.memory(rx.ctx).previous == 2 * max(b.nbytes for bs in rx.ctx.plans.values() for b in bs)

@@ -1,0 +1,319 @@
+"""Delta updates through the NIXL transport (sync mode): workers READ what changed, when they prove its base.
+
+NIXL is one-sided (workers READ the trainers' registered memory), so -- as with the file transport --
+the trainer cannot ask each worker what it holds. Instead, per step, each training rank encodes every
+bucket of its send plan against the step it served before (:func:`weightsync.delta.codec.encode`;
+buckets to several instances with one source layout share one encoding, one
+:class:`~weightsync.delta.state.PreviousVersion` copy) into a registered *delta region* (allocated
+once at its worst case, a full bucket per distinct bucket, and counted with the previous version in
+the sender's :class:`~weightsync.transport.base.Buffers`), and stamps a registered *index*: ``(seq,
+step, base step, slots)`` then per slot ``(signature hash, offset, kind, count, base checksum)`` (a
+kind of -1: no delta this step). Both are published as two extra entries of the rank's descriptor
+document (:data:`REGION`, :data:`INDEX`), so a worker needs no new rendezvous.
+
+A worker READs each peer's index after the step was announced, and takes the delta path only when
+it proves it holds the base of every bucket it receives: its version (the step it last received
+whole) is every index's base step and each bucket's checksum as its targets hold it now equals the
+base checksum. Then it READs only the payloads (batched into one registered scratch buffer of its
+largest bucket) and applies them in place; otherwise -- a new instance, a failed or skipped step, a
+staged copy, anything that touched the tensors -- it reads everything as a full sync (the fall-back
+is per worker and per step, and needs no round trip).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.delta import codec
+from weightsync.delta.state import PreviousVersion, gather_pairs, previous_buffers_bytes, signature, words_of
+from weightsync.plan.planner import Bucket, Pair
+from weightsync.transport.pack import copy_pairs, pack, stage, unpack_pairs
+
+log = logging.getLogger("weightsync.delta.nixl")
+
+REGION = "__weightsync.delta.region"  # descriptor-document entries (never a model tensor's name)
+INDEX = "__weightsync.delta.index"
+HEAD = 4  # index words before the slots: seq, step, base step, slots
+SLOT = 5  # words per slot: signature hash, offset, kind (-1: none), count, base checksum
+NONE = -1
+_ALIGN = 8
+
+
+def sig_hash(sig: tuple) -> int:
+    """A bucket signature as one signed int64 (both ends hash the same planner records)."""
+    return int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def _buckets(plans: Mapping[Pair, list[Bucket]]) -> list[Bucket]:
+    return [b for p in sorted(plans) for b in sorted(plans[p], key=lambda b: b.index) if b.nbytes > 0]
+
+
+def region_bytes(plans: Mapping[Pair, list[Bucket]]) -> int:
+    """The delta region's worst case: every distinct bucket encoded FULL (no encoding is larger)."""
+    sizes = {signature(b): b.nbytes for b in _buckets(plans)}
+    return sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
+
+
+def sender_buffers_bytes(plans: Mapping[Pair, list[Bucket]], host: bool) -> int:
+    """What delta adds to a NIXL sender's device memory: the previous version (unless in host memory)
+    and the delta region (always beside the tensors, where the workers READ it)."""
+    return previous_buffers_bytes(plans, host) + region_bytes(plans)
+
+
+class DeltaNixlSender:
+    """A training rank's encoder: fills the registered region and index every step (module docstring)."""
+
+    def __init__(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor], device: torch.device,
+                 host: bool = False):
+        self.tensors, self.device = tensors, device
+        self.previous = PreviousVersion(plans, device, host=host)
+        self.first: dict[tuple, Bucket] = {}  # signature -> the bucket it is encoded from
+        for b in _buckets(plans):
+            self.first.setdefault(signature(b), b)
+        self.sigs = sorted(self.first, key=sig_hash)
+        self.offsets: dict[tuple, int] = {}
+        at = 0
+        for s in self.sigs:
+            self.offsets[s] = at
+            at += -(-self.first[s].nbytes // _ALIGN) * _ALIGN
+        self.region = torch.empty(max(at, _ALIGN), dtype=torch.uint8, device=device)
+        self.index = torch.zeros(HEAD + SLOT * len(self.sigs), dtype=torch.int64)
+        self.index[3] = len(self.sigs)
+        for k, s in enumerate(self.sigs):
+            self.index[HEAD + SLOT * k] = sig_hash(s)
+            self.index[HEAD + SLOT * k + 2] = NONE
+        largest = max((b.nbytes for b in self.first.values()), default=0)
+        self._buf = torch.empty(max(largest, 1), dtype=torch.uint8, device=device)
+        self.last_kinds: dict[str, int] = {}
+
+    def encode(self, step: int) -> None:
+        """Encode this step against the previous one into the region and stamp the index (the tensors
+        are still: the optimizer is done and the step not yet announced)."""
+        try:
+            self._encode(step)
+        except BaseException:
+            self.previous.invalidate()
+            self.index[2] = NONE
+            raise
+
+    def _encode(self, step: int) -> None:
+        base_step = self.previous.version
+        idx = self.index
+        idx[0] += 1  # odd while stamping
+        kinds: dict[str, int] = {}
+        for k, s in enumerate(self.sigs):
+            b = self.first[s]
+            w = HEAD + SLOT * k
+            buf = pack(b, self.tensors, out=self._buf[: b.nbytes])
+            base = self.previous.base(b)
+            base_sum = self.previous.checksum_of(b)
+            if base_step is None or base is None or base_sum is None:
+                idx[w + 2] = NONE
+            else:
+                word = words_of(b).word
+                base = base.to(buf.device) if base.device != buf.device else base
+                enc = codec.encode(codec.as_words(buf, word), codec.as_words(base, word), blocks=False)
+                off = self.offsets[s]
+                self.region[off : off + enc.payload.numel()].copy_(enc.payload)
+                idx[w + 1], idx[w + 2], idx[w + 3], idx[w + 4] = off, enc.kind, enc.count, _signed(base_sum)
+                name = codec.KIND_NAMES[enc.kind]
+                kinds[name] = kinds.get(name, 0) + 1
+            self.previous.store(b, buf)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.previous.version = step
+        idx[1], idx[2] = step, NONE if base_step is None else base_step
+        idx[0] += 1
+        self.last_kinds = kinds
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One bucket a worker applies from a peer's delta: where its payload lies and what it holds."""
+
+    pair: Pair
+    bucket: Bucket
+    addr: int  # remote address of the payload
+    kind: int
+    count: int
+    nbytes: int
+
+
+class DeltaNixlReceiver:
+    """A worker's side: proves its base from each peer's index, then READs and applies the payloads."""
+
+    def __init__(self, rx, plans: Mapping[Pair, list[Bucket]]):
+        self.rx = rx  # the NixlReceiver: its agent, peers and error handling
+        self.buckets = _buckets(plans)
+        self.words = {(b.pair, b.index): words_of(b).word for b in self.buckets}
+        self.hashes = {(b.pair, b.index): sig_hash(signature(b)) for b in self.buckets}
+        self.version: int | None = None
+        self.largest = max((b.nbytes for b in self.buckets), default=0)
+        self._scratch: torch.Tensor | None = None
+        self._slot: torch.Tensor | None = None
+        self._regs: list = []
+        self._index: dict[int, torch.Tensor] = {}
+        self.last_kinds: dict[str, int] = {}
+        self.last_full = False
+
+    def receive(self, step: int, targets: Mapping[str, torch.Tensor], full) -> "StepStats":  # noqa: F821
+        from weightsync.transport.base import StepStats
+
+        t0 = time.perf_counter()
+        held, self.version = self.version, None  # from here the targets may mix two steps
+        full_bytes = sum(b.nbytes for b in self.buckets)
+        plan = self._plan(step, held, targets) if held is not None else None
+        if plan is None:
+            stats = full(targets, t0)
+            self.version, self.last_full = step, True
+            self.last_kinds = {"full": len(self.buckets)}
+            return StepStats(stats.buckets, stats.bytes, stats.seconds, stats.posted, stats.started,
+                             full_bytes=full_bytes)
+        moved = self._apply(plan, targets)
+        self.version, self.last_full = step, False
+        return StepStats(len(self.buckets), moved, time.perf_counter() - t0, full_bytes=full_bytes)
+
+    # -- the proof ------------------------------------------------------------------------------
+    def _buffers(self, device: torch.device) -> None:
+        from weightsync.transport.nixl import _mem, _register, _storages
+
+        if self._scratch is not None and self._scratch.device == device:
+            return
+        n = max(-(-self.largest // _ALIGN) * _ALIGN, _ALIGN)
+        self._scratch = torch.empty(n, dtype=torch.uint8, device=device)
+        self._slot = torch.empty(n, dtype=torch.uint8, device=device)
+        mem, dev = _mem(device)
+        self._regs.append(_register(self.rx.agent, _storages([self._scratch]), mem, dev))
+
+    def _read_index(self, r: int) -> torch.Tensor | None:
+        from weightsync.transport.nixl import _register, _storages
+
+        rt = self.rx.peers[r].doc.tensors.get(INDEX)
+        if rt is None:
+            return None  # that trainer runs without delta
+        buf = self._index.get(r)
+        if buf is None:
+            buf = self._index[r] = torch.zeros(rt.shape[0], dtype=torch.int64)
+            self._regs.append(_register(self.rx.agent, _storages([buf]), "DRAM", 0))
+        buf.fill_(0)
+        self._xfer(r, [(buf.data_ptr(), buf.numel() * 8, 0)], "DRAM", [(rt.addr, buf.numel() * 8, 0)], "DRAM", None)
+        return buf
+
+    def _plan(self, step: int, held: int, targets: Mapping[str, torch.Tensor]) -> list[Planned] | None:
+        """The payloads to READ when this worker proves the base of every bucket, else None (read full)."""
+        self.rx._ensure_peers()
+        device = next(iter(targets.values())).device
+        self._buffers(device)
+        slots: dict[int, dict[int, tuple[int, int, int, int, int]]] = {}
+        for r in self.rx.peer_ranks:
+            idx = self._read_index(r)
+            if idx is None:
+                return None
+            v = idx.tolist()
+            if v[0] % 2 or v[1] != step or v[2] != held:
+                log.info("instance %d rank %d, step %d: training rank %d's delta is against step %d, this worker "
+                         "holds %s; reading in full", self.rx.ctx.instance, self.rx.ctx.rank, step, r, v[2], held)
+                return None
+            slots[r] = {v[HEAD + SLOT * k]: tuple(v[HEAD + SLOT * k + 1: HEAD + SLOT * k + SLOT])
+                        for k in range(v[3])}
+        plan = []
+        for b in self.buckets:
+            got = slots[b.pair[0]].get(self.hashes[(b.pair, b.index)])
+            if got is None or got[1] == NONE:
+                return None
+            off, kind, count, base_sum = got
+            _, parts = self._base(b, targets)
+            if _signed(codec.checksum(parts)) != base_sum:
+                log.info("instance %d rank %d, step %d: bucket %d does not hold base step %d; reading in full",
+                         self.rx.ctx.instance, self.rx.ctx.rank, step, b.index, held)
+                return None
+            n = codec.payload_bytes(kind, count, b.nbytes // self.words[(b.pair, b.index)], self.words[(b.pair, b.index)])
+            region = self.rx.peers[b.pair[0]].doc.tensors[REGION]
+            plan.append(Planned(b.pair, b, region.addr + off, kind, count, n))
+        return plan
+
+    def _base(self, b: Bucket, targets: Mapping[str, torch.Tensor]):
+        st = stage(b, targets, False)
+        if st.staged:
+            copy_pairs(gather_pairs(st.staged, targets, self._slot))
+        return st, st.tensors(self._slot)
+
+    # -- the payloads ---------------------------------------------------------------------------
+    def _apply(self, plan: list[Planned], targets: Mapping[str, torch.Tensor]) -> int:
+        from weightsync.transport.nixl import _mem
+
+        mem, dev = _mem(self._scratch.device)
+        kinds: dict[str, int] = {}
+        moved = 0
+        batch: list[tuple[Planned, int]] = []
+        at = 0
+
+        def flush() -> None:
+            by_peer: dict[int, list] = {}
+            for p, o in batch:
+                if p.nbytes:
+                    by_peer.setdefault(p.pair[0], []).append((p, o))
+            for r, items in by_peer.items():
+                doc = self.rx.peers[r].doc
+                self._xfer(r, [(self._scratch.data_ptr() + o, p.nbytes, dev) for p, o in items], mem,
+                           [(p.addr, p.nbytes, doc.device) for p, _ in items], doc.mem, items[0][0])
+            for p, o in batch:
+                w = self.words[(p.pair, p.bucket.index)]
+                st, parts = self._base(p.bucket, targets)
+                codec.apply([codec.as_words(x, w) for x in parts], p.kind, p.count, w, self._scratch[o : o + p.nbytes])
+                if st.staged:
+                    copy_pairs(unpack_pairs(st.staged, self._slot, targets))
+                name = codec.KIND_NAMES[p.kind]
+                kinds[name] = kinds.get(name, 0) + 1
+            batch.clear()
+
+        for p in plan:
+            size = -(-p.nbytes // _ALIGN) * _ALIGN
+            if at + size > self._scratch.numel() and batch:
+                flush()
+                at = 0
+            batch.append((p, at))
+            at += size
+            moved += p.nbytes
+        if batch:
+            flush()
+        self.last_kinds = kinds
+        return moved
+
+    def _xfer(self, r: int, local: list, local_mem: str, remote: list, remote_mem: str, what: Planned | None) -> None:
+        agent = self.rx.agent
+        pair = what.pair if what is not None else (r, self.rx.ctx.instance, self.rx.ctx.rank)
+        bucket = what.bucket.index if what is not None else None
+        try:
+            h = agent.initialize_xfer("READ", agent.get_xfer_descs(local, local_mem),
+                                      agent.get_xfer_descs(remote, remote_mem), self.rx.remote[r])
+        except Exception as e:  # noqa: BLE001 - NIXL's own error types
+            raise self.rx._error(pair, bucket, e) from e
+        try:
+            self.rx._post(h, pair, bucket)
+            self.rx._wait([(h, pair, bucket)])
+        finally:
+            try:
+                h.release()
+            except Exception:  # noqa: BLE001 - tearing down
+                pass
+
+    def close(self) -> None:
+        agent = getattr(self.rx, "agent", None)
+        for reg in self._regs:
+            if reg is not None and agent is not None:
+                try:
+                    agent.deregister_memory(reg)
+                except Exception:  # noqa: BLE001
+                    pass
+        self._regs = []
