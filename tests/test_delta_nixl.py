@@ -43,12 +43,14 @@ def poisoned(layout) -> dict[str, torch.Tensor]:
 class Job:
     """Real NixlSender/NixlReceiver pairs with delta=True; ``canon[step]`` the step's canonical weights."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, train: str = "fsdp:dp=2", sender_instances: int = 2):
         from weightsync.transport.nixl import NixlReceiver, NixlSender
 
         self.spec = load_spec("tiny-qwen3")
-        self.src, self.dst = make_layout(self.spec, "fsdp:dp=2"), make_layout(self.spec, "vllm:tp=2")
+        self.src, self.dst = make_layout(self.spec, train), make_layout(self.spec, "vllm:tp=2")
         self.planner = Planner(self.src, self.dst, 2, bucket_bytes=4096)
+        # an elastic trainer plans one instance slot (weightsync.runtime.session)
+        sending = Planner(self.src, self.dst, sender_instances, bucket_bytes=4096)
         job = f"dnixl-{uuid.uuid4().hex[:8]}"
         self.link = MetaLink(url, job)
         self.client = MetaClient(url, job, timeout=TIMEOUT_S)
@@ -59,7 +61,7 @@ class Job:
         self.senders = {}
         for r, t in self.train.items():
             s = NixlSender(self.options)
-            s.connect(SenderContext(self.link, self.client, None, r, self.planner, self.planner.send_plan(r), t))
+            s.connect(SenderContext(self.link, self.client, None, r, sending, sending.send_plan(r), t))
             self.senders[r] = s
         self.targets, self.receivers = {}, {}
         for i in range(2):
@@ -97,13 +99,18 @@ class Job:
 
 
 @pytest.fixture(scope="module")
-def job():
+def meta():
     with MetaServer().start() as s:
-        j = Job(s.url)
-        try:
-            yield j
-        finally:
-            j.close()
+        yield s.url
+
+
+@pytest.fixture(scope="module")
+def job(meta):
+    j = Job(meta)
+    try:
+        yield j
+    finally:
+        j.close()
 
 
 def full_of(rx) -> int:
@@ -165,3 +172,20 @@ def test_memory_counts_the_previous_version_and_the_region(job):
             s.delta.region.numel()
     rx = job.receivers[0, 0]
     assert rx.memory(rx.ctx).previous == 2 * max(b.nbytes for bs in rx.ctx.plans.values() for b in bs)
+
+
+def test_a_bucket_the_trainer_did_not_plan_reads_in_full(meta):
+    """Elastic: the trainers plan one instance slot; with DP replicas, instance 1 reads some buckets
+    from a replica whose plan does not hold them: no slot in its index, so that worker reads in full
+    every step (bit-exact), while the workers the plan covers read deltas."""
+    j = Job(meta, train="megatron:tp=2,dp=2", sender_instances=1)
+    try:
+        for step in (1, 2):
+            j.write(step)
+            for k, rx in j.receivers.items():
+                rx.receive(step, j.targets[k])
+                assert not j.wrong(k, step), (k, j.wrong(k, step))
+        covered = {k: not rx.delta.last_full for k, rx in j.receivers.items()}
+        assert covered[0, 0] and covered[0, 1] and not all(covered.values()), covered
+    finally:
+        j.close()

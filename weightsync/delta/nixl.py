@@ -16,8 +16,10 @@ it proves it holds the base of every bucket it receives: its version (the step i
 whole) is every index's base step and each bucket's checksum as its targets hold it now equals the
 base checksum. Then it READs only the payloads (batched into one registered scratch buffer of its
 largest bucket) and applies them in place; otherwise -- a new instance, a failed or skipped step, a
-staged copy, anything that touched the tensors -- it reads everything as a full sync (the fall-back
-is per worker and per step, and needs no round trip).
+staged copy, anything that touched the tensors, a bucket the trainer's own plan does not hold (an
+elastic trainer plans one instance slot: with DP replicas, an instance served by another replica
+than slot 0's finds no slot and always reads in full) -- it reads everything as a full sync (the
+fall-back is per worker and per step, and needs no round trip).
 """
 
 from __future__ import annotations
@@ -237,7 +239,8 @@ class DeltaNixlReceiver:
                 log.info("instance %d rank %d, step %d: bucket %d does not hold base step %d; reading in full",
                          self.rx.ctx.instance, self.rx.ctx.rank, step, b.index, held)
                 return None
-            n = codec.payload_bytes(kind, count, b.nbytes // self.words[(b.pair, b.index)], self.words[(b.pair, b.index)])
+            w = self.words[(b.pair, b.index)]
+            n = codec.payload_bytes(kind, count, b.nbytes // w, w)
             region = self.rx.peers[b.pair[0]].doc.tensors[REGION]
             plan.append(Planned(b.pair, b, region.addr + off, kind, count, n))
         return plan
@@ -275,6 +278,8 @@ class DeltaNixlReceiver:
                     copy_pairs(unpack_pairs(st.staged, self._slot, targets))
                 name = codec.KIND_NAMES[p.kind]
                 kinds[name] = kinds.get(name, 0) + 1
+            if self._scratch.device.type == "cuda":  # applied before NIXL writes the next batch there
+                torch.cuda.current_stream().synchronize()
             batch.clear()
 
         for p in plan:
