@@ -26,6 +26,7 @@ _EXPORTS = {
         "WeightSyncError", "SpecError", "ConfigError", "LayoutMismatch", "PlanError", "JobMismatch",
         "TransportError", "WeightsMoved", "MetaError", "MetaAborted", "MetaTimeout", "MetaUnavailable",
         "InstanceError", "WorkerError", "WorkerDied", "WorkerTimeout", "ValidationMismatch", "IntegrityError",
+        "GroupTimeout",
     )},
 }
 

@@ -53,6 +53,11 @@ class MetaAborted(MetaError):
     """The job was aborted (a peer died or refused the job); every waiter of the job gets this."""
 
 
+class GroupTimeout(WeightSyncError, TimeoutError):
+    """A trainer group's collective did not complete within its deadline (a member or the
+    representative died, hangs, or is not writing the same step)."""
+
+
 class MetaTimeout(MetaError, TimeoutError):
     """A deadline passed: a long-poll's condition did not hold in time."""
 

@@ -25,16 +25,11 @@ from typing import Any
 import torch
 
 from weightsync import errors
-from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.errors import ConfigError, GroupTimeout, WeightSyncError
 
 log = logging.getLogger("weightsync.trainer_group")
 
 SLOT = 4096  # bytes a rank contributes to a collective: an outcome's JSON, its message cut to fit
-
-
-class GroupTimeout(WeightSyncError, TimeoutError):
-    """A trainer group's collective did not complete within its deadline (a member or the
-    representative died, hangs, or is not writing the same step)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +72,7 @@ class Outcome:
 
     def exception(self) -> WeightSyncError:
         """The error this outcome reports, as the class it was raised as where weightsync has it."""
-        kind = GroupTimeout if self.error == "GroupTimeout" else getattr(errors, self.error or "", None)
+        kind = getattr(errors, self.error or "", None)
         message = self.message if self.message.startswith("training rank") else \
             f"training rank {self.rank}: {self.error}: {self.message}"
         if isinstance(kind, type) and issubclass(kind, errors.MetaError):
