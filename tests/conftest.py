@@ -41,17 +41,15 @@ def pytest_collection_modifyitems(config, items):
         if kind is None:
             raise pytest.UsageError(f"{module}: say what kind of test it is in KINDS (tests/conftest.py)")
         item.add_marker(kind)
-    # the long serial groups first (real vLLM engines, then the live megatron-core worlds): `--dist
-    # loadgroup` hands work out in collection order, so a group collected last runs alone at the end
-    # while the other worker idles; the sort is stable, so each group keeps its own order
-    items.sort(key=_group_rank)
 
 
-def _group_rank(item) -> int:
-    group = item.get_closest_marker("xdist_group")
-    if group is None:
-        return 2
-    return 0 if group.args and group.args[0] == "vllm" else 1
+@pytest.fixture(autouse=True)
+def _default_dtype_restored():
+    """A test that changes torch's default dtype (vLLM's model loading sets it in-process) must not leak
+    it into the tests that run after it on the same xdist worker."""
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
 
 
 TINY = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"]
