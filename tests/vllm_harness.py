@@ -33,11 +33,12 @@ import torch
 from weightsync.engines import make_layout
 from weightsync.spec import load_spec
 from weightsync.spec.model import ModelSpec
+from weightsync.vllm.engine import CPU_TP2_ENV as TP2_ENV
+from weightsync.vllm.engine import environ
 
 EXTENSION = "weightsync.vllm.extension.WeightSyncExtension"
 PROMPTS = [[3, 17, 42, 99, 7, 128], [200, 5, 61, 11]]
 MAX_TOKENS = 8
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 SEEDS = (1, 2)
 
 
@@ -108,20 +109,6 @@ def reference(inst, llm, seed: int) -> Reference:
     from weightsync.vllm.verify import computed
 
     return Reference(seed, inst.call(computed), generate(llm))
-
-
-@contextlib.contextmanager
-def environ(env: dict[str, str]):
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @dataclass

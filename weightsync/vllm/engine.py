@@ -201,6 +201,22 @@ def save_hf_checkpoint(model_config: dict[str, Any], canonical: dict[str, Any], 
     return directory
 
 
+@contextlib.contextmanager
+def environ(env: dict[str, str]):
+    """``env`` set in this process's environment for the block (vLLM reads it while it starts its
+    workers), the previous values restored after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def start(model_config: dict[str, Any], engine: str, options: EngineOptions = EngineOptions(),
           checkpoint: str | None = None) -> OwnedEngine:
     """Start a real vLLM engine for the inference layout ``engine`` (``vllm:tp=N``) of ``model_config``:
@@ -213,22 +229,15 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
     from vllm import LLM
 
     env = CPU_TP2_ENV if options.device == "cpu" and tp > 1 else {}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     t0 = time.perf_counter()
     try:
         dtype = str(model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16")
-        llm = LLM(**options.llm_args(checkpoint, tp, dummy=workdir is not None, dtype=dtype))
+        with environ(env):
+            llm = LLM(**options.llm_args(checkpoint, tp, dummy=workdir is not None, dtype=dtype))
     except Exception:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
         raise
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     startup = time.perf_counter() - t0
     log.info("vLLM %s started in %.1f s on %s", engine, startup, "dummy weights" if workdir else checkpoint)
     try:
