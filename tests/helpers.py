@@ -17,6 +17,18 @@ from weightsync.spec.model import PRESET_DIR, ModelSpec, load_spec, spec_from_co
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def nixl_missing() -> str | None:
+    """Why NIXL cannot be loaded here (the rdma extra is not installed), or None when it can."""
+    from weightsync.errors import ConfigError
+    from weightsync.transport.nixl_wire import load_nixl
+
+    try:
+        load_nixl()
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

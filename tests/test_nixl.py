@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from weightsync.engines import make_layout
-from weightsync.errors import ConfigError, TransportError, WeightsMoved
+from weightsync.errors import TransportError, WeightsMoved
 from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
 from weightsync.meta.client import MetaClient
 from weightsync.meta.server import MetaServer
@@ -29,14 +29,9 @@ from weightsync.plan.planner import Planner
 from weightsync.spec import load_spec
 from weightsync.testing import random_canonical
 from weightsync.transport.base import MetaLink, ReceiverContext, SenderContext, TransportOptions
+from helpers import nixl_missing
 
-try:
-    from weightsync.transport.nixl_wire import load_nixl
-
-    load_nixl()
-    NIXL = None
-except ConfigError as e:  # the rdma extra is not installed
-    NIXL = str(e)
+NIXL = nixl_missing()
 
 pytestmark = pytest.mark.skipif(NIXL is not None, reason=f"nixl not importable: {NIXL}")
 
