@@ -17,6 +17,47 @@ from weightsync.spec.model import PRESET_DIR, ModelSpec, load_spec, spec_from_co
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def run_rank_processes(script: str, job: dict, world: int, timeout: float) -> list[str]:
+    """Run ``python script worker <job as JSON>`` as ranks 0..world-1 of one torch.distributed job
+    (``env://`` on loopback, gloo) and return each rank's output, once every rank exited 0 and printed
+    ``RANK r OK``; a rank not done within ``timeout`` seconds gets every rank killed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(
+        os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(here.parent), str(here), os.environ.get("PYTHONPATH")])),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, "worker", json.dumps(job)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    if q.poll() is None:
+                        q.kill()
+                outs.append((p.communicate()[0] or "") + "\n[timed out]")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"RANK {r} OK" in out, f"rank {r} (rc={p.returncode}):\n{out[-8000:]}"
+    return outs
+
+
 def nixl_missing() -> str | None:
     """Why NIXL cannot be loaded here (the rdma extra is not installed), or None when it can."""
     from weightsync.errors import ConfigError

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -210,38 +209,9 @@ def test_fsdp_engine_refuses_unsharded_module():
 
 
 def run_world(world: int, job: dict, timeout: float = 120) -> list[str]:
-    from helpers import free_port
+    from helpers import run_rank_processes
 
-    port = free_port()
-    env = dict(
-        os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(HERE), os.environ.get("PYTHONPATH")])),
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "worker", json.dumps(job)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(world)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    if q.poll() is None:
-                        q.kill()
-                outs.append((p.communicate()[0] or "") + "\n[timed out]")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"RANK {r} OK" in out, f"rank {r} (rc={p.returncode}):\n{out[-8000:]}"
-    return outs
+    return run_rank_processes(__file__, job, world, timeout)
 
 
 def test_fsdp2_dp2_live():
