@@ -149,8 +149,7 @@ def placement(spec, scen) -> Placement:
         load[r] += t.nbytes
     receivers = {}
     for inst in range(scen.instances):
-        # one GPU holds both sides when they share it, also as separate processes (nixl-1gpu)
-        base = 0 if scen.colocate or scen.gpus == 1 else train.world_size + inst * infer.world_size
+        base = 0 if scen.one_gpu else train.world_size + inst * infer.world_size
         for k in range(infer.world_size):
             if base + k in receivers:
                 raise ConfigError(f"two inference workers on GPU {base + k}")

@@ -223,7 +223,7 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
         peak = max(p - b for p, b in zip(instance.call(peak_memory), base))
         exact = all(instance.call(check, model, scen.infer, steps + 1))
         on_gpu = device == "cuda"  # a CPU run measures no ceilings
-        copy_bw = instance.call(copy_ceiling, 1 << 30)[0] if (scen.colocate or scen.gpus == 1) and on_gpu else None
+        copy_bw = instance.call(copy_ceiling, 1 << 30)[0] if scen.one_gpu and on_gpu else None
         nvlink = None
         if scen.colocate and instance.world_size > 1 and on_gpu:  # cross-GPU pieces: copies over NVLink
             nvlink = peer_bandwidth(instance, 4 << 30, 256 << 20)
@@ -388,7 +388,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
             job.add(Participant.trainer(r), _trainer, r, scen, model, steps, job.meta_url, timeout, baselines,
                     store_port, device, together, integrity)
         for i in range(scen.instances):
-            gpu = 0 if scen.colocate or scen.gpus == 1 else train.world_size + i * infer.world_size
+            gpu = 0 if scen.one_gpu else train.world_size + i * infer.world_size
             job.add(Participant.instance(i), _reader, i, gpu, scen, model, steps, job.meta_url, timeout, link_q,
                     baselines, store_port, device, peer_copies, receiver, integrity)
         outcome = job.run(on_event=on_event)

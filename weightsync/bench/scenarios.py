@@ -42,6 +42,12 @@ class Scenario:
     gpus: int
     transport: str = "p2p"  # separated scenarios: "p2p" (NCCL) or "nixl" (one-sided READs over UCX)
 
+    @property
+    def one_gpu(self) -> bool:
+        """Whether trainers and inference workers share the GPUs: co-located, or every process on one
+        GPU as separate processes (nixl-1gpu)."""
+        return self.colocate or self.gpus == 1
+
 
 SCENARIOS = {
     "colo-1gpu": Scenario("hf", "vllm:tp=1", 1, True, 1),
@@ -104,7 +110,7 @@ def moved_per_gpu(train, infer, scen: Scenario) -> dict[int, tuple[int, int]]:
     from weightsync.plan.topology import Topology
 
     # one GPU holds both sides even when they are separate processes (nixl-1gpu)
-    make = Topology.colocated if scen.colocate or scen.gpus == 1 else Topology.separated
+    make = Topology.colocated if scen.one_gpu else Topology.separated
     topo = make(train.world_size, infer.world_size, scen.instances)
     planner = Planner(train, infer, scen.instances, topo)
     per: dict[int, tuple[int, int]] = {}
