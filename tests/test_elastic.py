@@ -21,7 +21,7 @@ from weightsync.engines import make_layout
 from weightsync.errors import ConfigError
 from weightsync.layout.layout import EngineLayout, Layout
 from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
-from weightsync.meta.client import MetaClient, MetaError
+from weightsync.meta.client import Member, MetaClient, MetaError
 from weightsync.meta.server import MetaServer
 from weightsync.runtime.instance import NoEngineHooks, WorkerContext
 from weightsync.runtime.reader import WeightReader
@@ -192,7 +192,7 @@ def test_join_leave_die_rejoin_bit_exact(server, tmp_path, transport, infer):
 
         # leave: out from the next step
         job.readers[1][0].close()
-        assert job.client.members()[1]["state"] == "left"
+        assert job.client.members()[1].state == "left"
         seconds, ok = job.step(3, [0, 2])
         assert ok == {0: True, 2: True} and seconds < timeout  # nobody waited for instance 1
 
@@ -201,7 +201,7 @@ def test_join_leave_die_rejoin_bit_exact(server, tmp_path, transport, infer):
         assert ok == {2: True}
         assert timeout <= seconds < timeout + 3.0, seconds
         members = job.client.members()
-        assert members[0]["state"] == "gone" and "step 4" in members[0]["reason"]
+        assert members[0].state == "gone" and "step 4" in members[0].reason
         # the first rank to time out drops it (the other may find it gone already)
         assert {0: 4} in [w.dropped for w in job.writers]
         with pytest.raises(MetaError, match="gone"):  # what the dead one would be told, had it lived on
@@ -212,14 +212,14 @@ def test_join_leave_die_rejoin_bit_exact(server, tmp_path, transport, infer):
         again, fresh = job.reader(0)
         assert not exact(job.spec, fresh, 4)  # poisoned
         again.connect()
-        assert again.since == 5 and job.client.members()[0]["state"] == "joined"
+        assert again.since == 5 and job.client.members()[0].state == "joined"
         seconds, ok = job.step(5, [0, 2])
         assert ok == {0: True, 2: True} and seconds < timeout
         # the dead reader's process, had it come back, is fenced off: its reports and its leave count no more
         with pytest.raises(MetaError, match="rejoined .* after this reader was dropped"):
             job.client.held(0, 5, incarnation=dead.session.incarnation)
         dead.close()
-        assert job.client.members()[0]["state"] == "joined"
+        assert job.client.members()[0].state == "joined"
 
         summary = job.client.summary()
         assert summary["topology_version"] == 6  # joined 0, 1, 2; left 1; gone 0; joined 0
@@ -272,7 +272,7 @@ def test_async_join_and_leave_over_nixl(server, tmp_path):
         assert joiner.pull() == 1 and exact(spec, inst, 1)  # the latest staged step, whole
         write(2)
         readers[0][0].close()
-        assert writer.client.members()[0]["state"] == "left"
+        assert writer.client.members()[0].state == "left"
         assert write(3) < 1.0  # nobody is waited for in async mode
         assert joiner.pull() == 3 and exact(spec, inst, 3)
     finally:
@@ -297,18 +297,18 @@ def test_membership_endpoints(server):
     c.join(0)
     c.written(1, 0)
     c.join(1)  # joins after step 1 was written: the default held wait for step 1 does not count it
-    assert c.members()[1]["since"] == 2 and c.members()[0]["since"] == 0
+    assert c.members()[1].since == 2 and c.members()[0].since == 0
     c.held(0, 1)
     assert c.wait_held(1, timeout=1.0) == {0: 1}
     assert c.gone(1, reason="no answer")["changed"] is True
     assert c.gone(1)["changed"] is False  # idempotent
     m = c.members()[1]
-    assert m["state"] == "gone" and m["reason"] == "no answer" and m["version"] == 3
+    assert m == Member(1, "gone", since=2, version=3, reason="no answer")
     with pytest.raises(MetaError, match=r"dropped \(gone\) .*no answer.*join again") as e:
         c.held(1, 1)
     assert e.value.status == 409
     c.join(1)
-    assert c.members()[1]["state"] == "joined" and c.summary()["topology_version"] == 4
+    assert c.members()[1].state == "joined" and c.summary()["topology_version"] == 4
     text = c.metrics()
     assert 'weightsync_meta_member{job="members",instance="1",state="joined"} 1' in text
     # incarnations: a reader's own id; a new one replaces the joined member and fences the old one off
@@ -319,7 +319,7 @@ def test_membership_endpoints(server):
         c.held(2, 1, incarnation="aa")
     assert c.held(2, 1, incarnation="bb")["step"] == 1
     assert c.leave(2, incarnation="aa")["changed"] is False and c.gone(2, incarnation="aa")["changed"] is False
-    assert c.members()[2]["incarnation"] == "bb" and c.leave(2, incarnation="bb")["changed"] is True
+    assert c.members()[2].incarnation == "bb" and c.leave(2, incarnation="bb")["changed"] is True
     with pytest.raises(MetaError, match="unknown fields"):
         c._request("POST", f"{c._job_path}/instances/1/gone", {"why": "x"})
 
@@ -334,8 +334,7 @@ def test_membership_survives_a_restart(tmp_path):
         port = s.port
     with MetaServer(port=port, state_path=path) as s:
         members = MetaClient(s.url, "j", timeout=5.0).members()
-        assert members[0]["state"] == "joined" and members[1] == {"state": "gone", "since": 0, "version": 3,
-                                                                  "reason": "killed", "held": None}
+        assert members[0].state == "joined" and members[1] == Member(1, "gone", since=0, version=3, reason="killed")
 
 
 @pytest.mark.parametrize("transport", ["p2p"])

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from weightsync import __version__
@@ -30,6 +31,40 @@ BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
 
 _RETRY = (http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError)
 _TIMEOUTS = (socket.timeout, TimeoutError)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One instance's membership, as the job summary's ``members`` shows it, parsed once from its JSON."""
+
+    instance: int
+    state: str  # joined, left or gone
+    since: int  # the first step it must hold (no step written before it joined is waited for)
+    version: int  # the topology version of its last change
+    held: int | None = None  # the latest step it reported held
+    reason: str | None = None  # why it left or was dropped
+    incarnation: str | None = None  # the joined reader's own id (elastic readers carry one)
+    #: the MetaServer marks it gone once it has not heard from it for this long (async readers' heartbeat)
+    liveness_s: float | None = None
+
+    @property
+    def joined(self) -> bool:
+        return self.state == "joined"
+
+    def owes(self, step: int) -> bool:
+        """Whether ``step`` waits for this member and it has not reported it held yet."""
+        return self.joined and self.since <= step and (self.held is None or self.held < step)
+
+    @classmethod
+    def from_json(cls, instance: int | str, d: Mapping[str, Any]) -> "Member":
+        try:
+            return cls(int(instance), str(d["state"]), int(d["since"]), int(d["version"]),
+                       held=None if d.get("held") is None else int(d["held"]), reason=d.get("reason"),
+                       incarnation=d.get("incarnation"),
+                       liveness_s=None if d.get("liveness_s") is None else float(d["liveness_s"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise MetaError(f"the MetaServer's record of instance {instance} is not a membership record "
+                            f"({type(e).__name__}: {e}): {json.dumps(d)[:200]}") from None
 
 
 class _Connection(http.client.HTTPConnection):
@@ -193,9 +228,9 @@ class MetaClient:
         """Drop an instance that stopped answering (member state ``gone``); it may join again."""
         return self._request("POST", f"{self._job_path}/instances/{instance}/gone", _membership(reason, incarnation))
 
-    def members(self) -> dict[int, dict]:
-        """Every instance that ever joined: its state (joined, left, gone), ``since``, ``version``, ``held``."""
-        return {int(i): m for i, m in self.summary()["members"].items()}
+    def members(self) -> dict[int, Member]:
+        """Every instance that ever joined (joined, left or gone), by instance id."""
+        return {int(i): Member.from_json(i, m) for i, m in self.summary()["members"].items()}
 
     def instances(self) -> dict:
         return self._request("GET", f"{self._job_path}/instances")

@@ -382,7 +382,7 @@ class InstanceSession(JobSession):
         self.instance.call(worker.connect, self.link, timeout_s=worker.call_timeout(opts.timeout_s))
         if opts.elastic:  # a member from now on: the next step the trainers write waits for us
             got = self.client.join(self.instance_id, incarnation=self.incarnation)
-            self.since = self.client.members()[self.instance_id]["since"]
+            self.since = self.client.members()[self.instance_id].since
             log.info("%s joined at topology version %s (members %s), holding steps from %d on", self.who,
                      got["version"], got["instances"], self.since)
 

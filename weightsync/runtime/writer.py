@@ -218,9 +218,7 @@ class WeightWriter(SessionDriven):
             return
         except MetaTimeout:
             pass
-        summary = self.client.summary()
-        late = {int(i): m.get("incarnation") for i, m in summary["members"].items()
-                if m["state"] == "joined" and m["since"] <= step and (m["held"] is None or m["held"] < step)}
+        late = {i: m.incarnation for i, m in self.client.members().items() if m.owes(step)}
         for i, incarnation in late.items():
             reason = (f"training rank {self.train.rank}: no report of step {step} held within "
                       f"{self.instance_timeout_s:g} s")
