@@ -171,11 +171,14 @@ def test_corrupted_landing_fails_the_step_and_no_version_is_reported(staged):
     assert clean.step == 1 and clean.version == 1 and clean.problems == ()
     (failed,) = _failed(result)
     assert failed.step == 2 and failed.kind == "IntegrityError", failed
-    assert "step 2: what landed differs from what training rank" in failed.message
-    assert "instance 0 rank 0" in failed.message and "bucket" in failed.message
+    # the finer exchange names the exact tensor, box and (one flipped bit) element: the harness flips bit 3
+    # of the first element of worker 0's first planned destination box (tests/e2e.py _corrupt_in_worker)
+    assert "instance 0 rank 0: step 2: model.embed_tokens.weight differs from what was sent" in failed.message
+    assert "model.embed_tokens.weight [0:32, 0:64] (one flipped bit: element [0, 0], bit 3 of 16" in failed.message
     # the reader aborted the job, so the trainers waiting for step 2 held fail at once, with the reason
     trainers = train_errors(result)
-    assert trainers and all(f.kind == "MetaAborted" and "what landed differs" in f.message for f in trainers), trainers
+    assert trainers and all(f.kind == "MetaAborted" and "differs from what was sent" in f.message
+                            for f in trainers), trainers
     if staged:  # the copy was checked before it was committed: the live weights still hold step 1
         assert failed.version == 1 and failed.intact
     else:

@@ -8,6 +8,13 @@ unpadded base64. A 1,000-rank job posts one value per training rank a checked st
 buckets); the 64 buckets of an 8B model from one rank take three.
 
 A worker reads the names of the training ranks it receives from, waiting until they carry its step.
+
+On a mismatch only, the finer exchange: the worker asks each training rank it found a differing bucket
+from (``integrity.ask.<rank>.<step>``, first asker wins, every asker waits for the same answer) and the
+rank answers with the sum of every *copy* it sent that step (``integrity.copies.<rank>[.<k>]``, the
+same format, each pair's copy sums in plan order), so the worker names the exact copies that differ.
+Async pulls read the bucket sums posted with a staged snapshot; a value that already carries a later
+step means the snapshot moved on, and the pull is tried again (``stale_ok``).
 """
 
 from __future__ import annotations
@@ -23,8 +30,15 @@ VALUE_MAX = 512  # the MetaServer's limit on a rendezvous value
 _SUM_CHARS = 11
 
 
-def name(rank: int, k: int = 0) -> str:
-    return f"integrity.{rank}" if k == 0 else f"integrity.{rank}.{k}"
+SUMS, COPIES = "integrity", "integrity.copies"  # the bucket sums, the per-copy answer
+
+
+def name(rank: int, k: int = 0, kind: str = SUMS) -> str:
+    return f"{kind}.{rank}" if k == 0 else f"{kind}.{rank}.{k}"
+
+
+def ask_name(rank: int, step: int) -> str:
+    return f"integrity.ask.{rank}.{step}"
 
 
 def encode(sums: PairSums) -> str:
@@ -54,13 +68,24 @@ def chunks(step: int, text: str) -> list[tuple[str, str]]:
     return [(str(k), f"{step}/{n}|{p}" if k == 0 else f"{step}/{n}/{k}|{p}") for k, p in enumerate(pieces)]
 
 
-def publish(client, rank: int, step: int, sums: PairSums) -> int:
+def publish(client, rank: int, step: int, sums: PairSums, kind: str = SUMS) -> int:
     """Post this rank's sums of ``step`` (the continuation values first, the head last: a reader that
     sees the head at this step finds the rest there too). Returns how many values were posted."""
     values = chunks(step, encode(sums))
     for k, value in reversed(values):
-        client.publish(name(rank, int(k)), value, replace=True)
+        client.publish(name(rank, int(k), kind), value, replace=True)
     return len(values)
+
+
+def ask(client, rank: int, step: int, who: str) -> None:
+    """Ask training rank ``rank`` for its per-copy sums of ``step`` (another asker may have already)."""
+    from weightsync.meta.client import MetaError
+
+    try:
+        client.publish(ask_name(rank, step), who[:256])
+    except MetaError as e:
+        if e.status != 409:  # 409: asked already (the answer serves every asker)
+            raise
 
 
 def _parse(value: str) -> tuple[int, int, str]:
@@ -69,9 +94,24 @@ def _parse(value: str) -> tuple[int, int, str]:
     return int(fields[0]), int(fields[1]), text
 
 
-def fetch(client, srcs: Iterable[int], step: int, timeout_s: float) -> PairSums:
+class MovedOn(Exception):
+    """A value already carries a later step than the one asked for (an async snapshot re-staged)."""
+
+
+def fetch(client, srcs: Iterable[int], step: int, timeout_s: float, kind: str = SUMS,
+          stale_ok: bool = False) -> PairSums | None:
     """The sums of ``step`` every listed training rank posted, waiting for them (polling its values
-    until they carry ``step``); an IntegrityError names the ranks that did not post it in time."""
+    until they carry ``step``); an IntegrityError names the ranks that did not post it in time.
+    ``stale_ok`` (async pulls): None where a rank's values already carry a later step."""
+    try:
+        return _fetch(client, srcs, step, timeout_s, kind)
+    except MovedOn as e:
+        if stale_ok:
+            return None
+        raise IntegrityError(str(e)) from None
+
+
+def _fetch(client, srcs: Iterable[int], step: int, timeout_s: float, kind: str) -> PairSums:
     deadline = time.monotonic() + timeout_s
     out: PairSums = {}
     pending = sorted(set(srcs))
@@ -79,19 +119,18 @@ def fetch(client, srcs: Iterable[int], step: int, timeout_s: float) -> PairSums:
     while pending:
         later = []
         for src in pending:
-            got, n, text = _parse(client.lookup(name(src), timeout=max(0.05, deadline - time.monotonic())))
+            got, n, text = _parse(client.lookup(name(src, 0, kind), timeout=max(0.05, deadline - time.monotonic())))
             if got > step:
-                raise IntegrityError(f"training rank {src} posted the checksums of step {got} while this worker "
-                                     f"checks step {step}: the steps are out of order")
+                raise MovedOn(f"training rank {src} posted the checksums of step {got} while this worker "
+                              f"checks step {step}: the steps are out of order")
             if got < step:
                 later.append(src)
                 continue
             texts = [text]
             for k in range(1, n):
-                g2, _, t2 = _parse(client.lookup(name(src, k), timeout=max(0.05, deadline - time.monotonic())))
-                if g2 != step:
-                    raise IntegrityError(f"training rank {src}'s checksum value {k} of {n} carries step {g2}, "
-                                         f"not {step}")
+                g2, _, t2 = _parse(client.lookup(name(src, k, kind), timeout=max(0.05, deadline - time.monotonic())))
+                if g2 != step:  # replaced meanwhile (the head is posted last, read first)
+                    raise MovedOn(f"training rank {src}'s checksum value {k} of {n} carries step {g2}, not {step}")
                 texts.append(t2)
             out.update(decode(src, "".join(texts)))
         pending = later

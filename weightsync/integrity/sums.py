@@ -88,37 +88,50 @@ def _read(r: Region, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where each region's row sums and column sums go in one step's buffer, their weights, and which
-    bucket each entry of the buffer adds to."""
+    """Where each region's row sums and column sums go in one step's buffer, their weights, which region
+    each entry of the buffer adds to, and which bucket each region adds to."""
 
-    entries: tuple[tuple[Region, int, int, int, int], ...]  # region, bucket number, offset, rows, cols
+    entries: tuple[tuple[Region, int, int, int, int], ...]  # region, region number, offset, rows, cols
     weights: torch.Tensor
-    bucket_of: torch.Tensor
+    region_of: torch.Tensor
+    bucket_of: torch.Tensor  # per region
     buckets: int
 
 
 def _layout(plan: SumPlan, tensors: Mapping[str, torch.Tensor], device: torch.device) -> _Layout:
-    entries, ws, ids, at, k = [], [], [], 0, 0
+    entries, ws, ids, owners, at, k = [], [], [], [], 0, 0
     for pair in plan.pairs:
         for _, regions in plan.buckets[pair]:
             for r in regions:
                 rows, cols = _read(r, tensors).shape
                 row_w, col_w = weights(rows, cols, r.base, device)
-                entries.append((r, k, at, rows, cols))
+                entries.append((r, len(entries), at, rows, cols))
                 ws += [row_w, col_w]
-                ids.append(torch.full((rows + cols,), k, dtype=torch.int64, device=device))
+                ids.append(torch.full((rows + cols,), len(entries) - 1, dtype=torch.int64, device=device))
+                owners.append(k)
                 at += rows + cols
             k += 1
     cat = (lambda xs: torch.cat(xs)) if ws else (lambda xs: torch.zeros(0, dtype=torch.int64, device=device))
-    return _Layout(tuple(entries), cat(ws), cat(ids), k)
+    return _Layout(tuple(entries), cat(ws), cat(ids), torch.tensor(owners, dtype=torch.int64, device=device), k)
 
 
-def bucket_sums(plan: SumPlan, tensors: Mapping[str, torch.Tensor]) -> PairSums:
-    """Every bucket's checksum: per region two reductions into one buffer, then one weighted sum per
-    bucket (``index_add``) and one device synchronisation for the whole step. The weights are laid out
-    once per device; the regions are read from ``tensors`` afresh every step (a tensor may have moved)."""
+@dataclass(frozen=True)
+class StepSums:
+    """One side's sums of one step: every bucket's, and every copy's (a bucket's sum is the sum of its
+    copies' sums modulo 2**64, so both come from the same reductions)."""
+
+    buckets: PairSums
+    #: ``{pair: ((copy sums of bucket 0, in plan order), (... of bucket 1), ...)}``
+    copies: dict[Pair, tuple[tuple[int, ...], ...]]
+
+
+def step_sums(plan: SumPlan, tensors: Mapping[str, torch.Tensor]) -> StepSums:
+    """Every copy's and every bucket's checksum: per region two reductions into one buffer, one weighted
+    sum per region (``index_add``), those summed per bucket, and one device synchronisation for the
+    whole step. The weights are laid out once per device; the regions are read from ``tensors`` afresh
+    every step (a tensor may have moved)."""
     if not plan.buckets:
-        return {}
+        return StepSums({}, {})
     device = next(iter(tensors.values())).device
     with torch.no_grad():
         lay = plan.prepared.get(device)
@@ -134,16 +147,28 @@ def bucket_sums(plan: SumPlan, tensors: Mapping[str, torch.Tensor]) -> PairSums:
             else:
                 buf[at : at + rows + cols].zero_()
                 odd.append((k, region_sum(r, tensors)))
-        per = torch.zeros(lay.buckets, dtype=torch.int64, device=device).index_add_(0, lay.bucket_of, buf * lay.weights)
+        regions = len(lay.entries)
+        per = torch.zeros(regions, dtype=torch.int64, device=device).index_add_(0, lay.region_of, buf * lay.weights)
         for k, s in odd:
             per[k] += s
-        ints = [v & ((1 << 64) - 1) for v in per.cpu().tolist()]
-    out, at = {}, 0
+        buckets = torch.zeros(lay.buckets, dtype=torch.int64, device=device).index_add_(0, lay.bucket_of, per)
+        ints = [v & ((1 << 64) - 1) for v in torch.cat([buckets, per]).cpu().tolist()]
+    out, copies, at, rat = {}, {}, 0, lay.buckets
     for pair in plan.pairs:
         n = len(plan.buckets[pair])
         out[pair] = tuple(ints[at : at + n])
         at += n
-    return out
+        per_bucket = []
+        for _, rs in plan.buckets[pair]:
+            per_bucket.append(tuple(ints[rat : rat + len(rs)]))
+            rat += len(rs)
+        copies[pair] = tuple(per_bucket)
+    return StepSums(out, copies)
+
+
+def bucket_sums(plan: SumPlan, tensors: Mapping[str, torch.Tensor]) -> PairSums:
+    """Every bucket's checksum (:func:`step_sums`)."""
+    return step_sums(plan, tensors).buckets
 
 
 def destination_dtypes(planner, plans: Mapping[Pair, list[Bucket]]) -> dict[tuple[Pair, str], torch.dtype]:

@@ -226,6 +226,7 @@ class WeightReader(SessionDriven):
         if self.mode != "async":
             raise ValueError("pull() is for async mode; in sync mode call update(step)")
         self.connect()
+        check = self._pull_check()  # integrity=N: a pulled step on the cadence is verified before it is reported
         for _ in range(attempts):
             n = claim_pull(self.client, self.instance_id, self._next_pull)
             self._next_pull = n + 1
@@ -233,11 +234,14 @@ class WeightReader(SessionDriven):
                 self.version = None
             self.instance.pause()
             try:
-                results = self.instance.call(worker.pull, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
+                results = self.instance.call(worker.pull, self.staged, check, timeout_s=worker.call_timeout(self.timeout_s))
+                steps = set().union(*(r.steps for r in results))
+                if len(steps) == 1 and check is not None and check.due(next(iter(steps))):
+                    if not self._verify_pulled(next(iter(steps)), check):
+                        steps.add(-1)  # the snapshot moved on before its sums were read: pull again
                 self.instance.after_update()
             finally:
                 self.instance.resume()
-            steps = set().union(*(r.steps for r in results))
             self.last_stats = results
             if len(steps) == 1:
                 self._validate_due(next(iter(steps)))  # validate_every: before the step is reported held
@@ -246,6 +250,29 @@ class WeightReader(SessionDriven):
                 self._announce(self.version)
                 return self.version
         raise TransportError(f"instance {self.instance_id}: training ranks kept serving different steps")
+
+    def _pull_check(self):
+        """Async pulls at the integrity cadence (weightsync.integrity): what the workers check with, or None."""
+        from weightsync.integrity.check import IntegrityCheck, agree
+
+        n = self.session.options.integrity
+        if not self._integrity_agreed:
+            agree(self.session.people, n, self.client)
+            self._integrity_agreed = True
+        return IntegrityCheck(self.timeout_s, pulled=True, every=n) if n else None
+
+    def _verify_pulled(self, step: int, check) -> bool:
+        """Every worker compares the pulled step with the sums posted with its snapshot; a mismatch raises
+        IntegrityError (staged: nothing committed, the old version stays; live: no version). False where
+        the snapshot's sums already moved on (not compared: the caller pulls again)."""
+        ti = time.perf_counter()
+        done = self.instance.call(worker.verify, step, check, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
+        self._integrity_s = time.perf_counter() - ti
+        if not all(c.current for c in done):
+            return False
+        if self.staged:  # every worker's copy is whole and checked: commit them
+            self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
+        return True
 
     def _announce(self, step: int) -> None:
         """Report ``step`` held to the MetaServer off the critical path: the workers already hold it

@@ -172,12 +172,14 @@ def commit(ctx: WorkerContext) -> None:
         _reader(ctx).commit(ctx)
 
 
-def pull(ctx: WorkerContext, staged: bool) -> WorkerReport:
-    """Async pull: the steps the training ranks served, then the data; commit when staged and whole."""
+def pull(ctx: WorkerContext, staged: bool, check: IntegrityCheck | None = None) -> WorkerReport:
+    """Async pull: the steps the training ranks served, then the data; commit when staged and whole,
+    unless the step is on ``check``'s cadence (the reader commits it once every worker verified it)."""
     r = _reader(ctx)
     with torch.no_grad():
         pulled = r.receiver.pull(r.targets(ctx, staged))
-        if staged and len(pulled.steps) == 1:
+        checked = check is not None and len(pulled.steps) == 1 and check.due(next(iter(pulled.steps)))
+        if staged and len(pulled.steps) == 1 and not checked:
             r.commit(ctx)
     return WorkerReport(ctx.rank, pulled.steps, pulled.stats)
 

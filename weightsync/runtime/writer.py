@@ -231,18 +231,20 @@ class WeightWriter(SessionDriven):
             self.client.wait_held(step, None, timeout=min(1.0, self.instance_timeout_s))
 
     def _post_sums(self, step: int) -> None:
-        """On a checked step (``integrity=N``, sync mode), post the checksums of every bucket this rank
-        sent (:mod:`weightsync.integrity`); each worker compares what landed before its step is held."""
+        """On a checked step (``integrity=N``), post the checksums of every bucket this rank sent (async:
+        of the snapshot just staged) (:mod:`weightsync.integrity`); each worker compares what landed
+        before its step is held (async: before its pull reports the step)."""
         s = self.session
-        if self.mode != "sync":
-            return
         if self._sent_sums is None:  # the first write: the job must agree on the cadence
             from weightsync.integrity.check import SentSums, agree
 
             agree(s.people, s.options.integrity, self.client)
             self._sent_sums = SentSums(self.train.rank, s.plans, self.train.tensors, planner=s.context.planner)
+        if self.mode == "sync":  # the last checked step is held: no worker asks for its copy sums now
+            self._sent_sums.disarm()
         if integrity_due(s.options.integrity, step):
-            self.last_integrity = self._sent_sums.post(self.client, step)
+            staged = s.sender.snapshot() if self.mode != "sync" else None
+            self.last_integrity = self._sent_sums.post(self.client, step, staged)
 
     def _check(self, step: int) -> None:
         """Refuse to record ``step`` as written when the transport says the receivers did not read it
@@ -264,4 +266,6 @@ class WeightWriter(SessionDriven):
         return save_checkpoint(self.train, directory, **options)
 
     def close(self) -> None:
+        if self._sent_sums is not None:
+            self._sent_sums.close()
         self.session.close()

@@ -179,6 +179,11 @@ class Sender(ABC):
     def held(self, step: int) -> None:
         """Sync: every live instance holds ``step`` (called after the wait): release what was kept for it."""
 
+    def snapshot(self) -> Mapping[str, torch.Tensor] | None:
+        """Async: the staged copy of the weights that pulls are served from (its integrity sums are
+        computed over it, :mod:`weightsync.integrity`); None where the sender stages none."""
+        return None
+
     def close(self) -> None:
         pass
 

@@ -179,6 +179,9 @@ class NixlSender(Sender):
         self.header[1] = step
         self.header[0] += 1
 
+    def snapshot(self) -> Mapping[str, torch.Tensor] | None:
+        return self.served if self.asynchronous else None
+
     def check(self, step: int) -> None:
         if self.asynchronous:
             return  # readers read the snapshot, which never moves

@@ -387,6 +387,9 @@ class P2PSender(Sender):
                 return self.delta.send(step)
             return self.transport.send(self.plans, self.tensors)
 
+    def snapshot(self) -> Mapping[str, torch.Tensor] | None:
+        return self.server.snapshot if self.server is not None else None
+
     def close(self) -> None:
         if getattr(self, "server", None) is not None:
             self.server.close()
