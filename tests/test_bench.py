@@ -62,7 +62,7 @@ def test_every_scenario_plans_and_places_on_its_gpus():
         assert needs_training_group(train) == (train.config.get("tp", 1) > 1), name
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s != "nixl-1gpu"])  # nixl-1gpu: with --delta below
 def test_every_scenario_rehearses_on_cpu(scenario):
     """``weightsync bench --device cpu``: the scenario's real processes -- MetaServer, writers, readers driving
     layout-faithful workers, the baselines' groups (gloo) and hand-overs (shared memory) -- with a small MoE
@@ -92,3 +92,119 @@ def test_colocated_bench_without_peer_copies_goes_through_the_group():
     r = run("colo-pp2-tp2", "tiny-qwen3-moe", steps=2, timeout=60.0, baselines=(), device="cpu", peer_copies=False)
     assert not r["errors"], r["errors"]
     assert r["verified"] and r["peer_copies"] is False and r["pushed_bytes"] == 0
+
+
+# -- --delta ----------------------------------------------------------------------------------------
+
+
+def test_delta_changes_exactly_the_fraction_alike_on_any_box():
+    """Each step flips exactly round(numel * F) elements, and a piece holding a box of the tensor flips
+    the same ones the whole tensor does: trainer shards and the readers' replay agree."""
+    from weightsync.bench.delta import changed_count, toggle
+
+    g = torch.Generator().manual_seed(3)
+    shape = (37, 53)
+    base = torch.randn(shape, generator=g).to(torch.bfloat16)
+    for frac, step in ((0.001, 1), (0.01, 2), (0.1, 3), (1.0, 4)):
+        whole = base.clone()
+        assert toggle(whole, "w", shape, ((0, 37), (0, 53)), frac, step) == changed_count(37 * 53, frac)
+        differ = whole.view(torch.int16) != base.view(torch.int16)
+        assert int(differ.sum()) == changed_count(37 * 53, frac) == round(37 * 53 * frac)
+        assert torch.isfinite(whole.float()).all()
+        box = ((5, 20), (11, 30))
+        part = base[5:25, 11:41].clone()
+        toggle(part, "w", shape, box, frac, step)
+        assert torch.equal(part.view(torch.int16), whole[5:25, 11:41].view(torch.int16))
+        if frac < 1:
+            other = base.clone()
+            toggle(other, "w", shape, ((0, 37), (0, 53)), frac, step + 1)  # another step: other positions
+            assert not torch.equal(other.view(torch.int16), whole.view(torch.int16))
+
+
+def test_delta_steps_are_checked_exactly():
+    from weightsync.bench.delta import apply_step, check_changed
+
+    spec = load_spec("tiny-qwen3-moe")
+    train, infer = make_layout(spec, "fsdp:dp=2"), make_layout(spec, "vllm:tp=2,ep=2")
+    schedule = (0.0, 0.01, 0.1, 0.1)
+    # what the trainers hold after the schedule, gathered as canonical tensors, scattered into rank 1's layout
+    canonical = {}
+    for r in range(train.world_size):
+        layout = train.layout(r)
+        tensors = {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype]) for n, t in layout.tensors.items()}
+        init_weights(layout, tensors, spec)
+        for step, frac in enumerate(schedule):
+            if frac:
+                apply_step(layout, tensors, spec, frac, step)
+        from weightsync.layout.materialize import local_view
+
+        for name, t in layout.tensors.items():
+            for p in t.pieces:
+                c = spec.by_name[p.canonical]
+                full = canonical.setdefault(c.name, torch.full(c.shape, float("nan"), dtype=TORCH_DTYPES[c.dtype]))
+                full[tuple(slice(o, o + n) for o, n in p.canon_box)] = local_view(tensors[name], p)
+    from weightsync.layout.materialize import scatter
+
+    ctx = WorkerContext(rank=1, device=torch.device("cpu"), tensors=scatter(infer.layout(1), canonical))
+    assert check_changed(ctx, spec.name, "vllm:tp=2,ep=2", schedule)
+    assert not check_changed(ctx, spec.name, "vllm:tp=2,ep=2", schedule[:-1])  # a missed step never passes
+    assert not check_changed(ctx, spec.name, "vllm:tp=2,ep=2", (0.0, 0.01, 0.01, 0.1))
+
+
+def test_delta_options_parse_and_refuse_what_cannot_run():
+    import argparse
+
+    from weightsync.bench.delta import DEFAULT_FRACTIONS, DeltaOptions
+    from weightsync.bench.run import add_arguments, delta_options, run
+    from weightsync.errors import ConfigError
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    parse = lambda *a: delta_options(p.parse_args(["--scenario", "nixl-1gpu", *a]))
+    assert parse() is None
+    assert parse("--delta") == DeltaOptions(DEFAULT_FRACTIONS, 5, ("device",)) and DEFAULT_FRACTIONS == (0.001, 0.01, 0.1)
+    got = parse("--delta", "--change-fraction", "0.01,0.1", "--change-fraction", "0.3", "--steps", "4",
+                "--delta-previous", "both")
+    assert got == DeltaOptions((0.01, 0.1, 0.3), 4, ("device", "host"))
+    with pytest.raises(ConfigError, match="go with --delta"):
+        parse("--change-fraction", "0.01")
+    with pytest.raises(ConfigError, match="takes numbers"):
+        parse("--delta", "--change-fraction", "1%")
+    # refused before any process starts
+    with pytest.raises(ConfigError, match="co-located"):
+        run("colo-1gpu", "tiny-qwen3-moe", steps=1, baselines=(), device="cpu", delta=DeltaOptions())
+    with pytest.raises(ConfigError, match=r"in \(0, 1\]"):
+        run("nixl-1gpu", "tiny-qwen3-moe", steps=1, baselines=(), device="cpu", delta=DeltaOptions((0.0, 0.1)))
+    with pytest.raises(ConfigError, match="device and/or host"):
+        run("nixl-1gpu", "tiny-qwen3-moe", steps=1, baselines=(), device="cpu", delta=DeltaOptions(previous=("gpu",)))
+
+
+def test_nixl_bench_with_delta_rehearses_on_cpu():
+    """``weightsync bench --scenario nixl-1gpu --delta --device cpu``: the full steps as every scenario's
+    rehearsal, then a delta job with the previous version on the device and one in host memory
+    (``delta_host=True``), real NIXL agents (UCX over shared memory): every delta step reads only the
+    changes (no worker falls back), the bytes are the encodings' (indices at 1%, bitmap at 10%), and the
+    readers hold every step's changes bit for bit at the end."""
+    from weightsync.bench.delta import DeltaOptions
+    from weightsync.bench.run import run
+    from helpers import nixl_missing
+
+    if nixl_missing():
+        pytest.skip(nixl_missing())
+    r = run("nixl-1gpu", "tiny-qwen3-moe", steps=2, timeout=60.0, baselines=(), device="cpu",
+            delta=DeltaOptions((0.01, 0.1), 2, ("device", "host")))
+    assert not r["errors"], r["errors"]
+    assert r["verified"] and len(r["step_seconds"]) == 2 and r["baselines"] == {}
+    d = r["delta"]
+    assert d["verified"] and d["full"]["bytes_moved"] == r["bytes_moved"] > 0
+    assert [x["previous"] for x in d["runs"]] == ["device", "host"]
+    for x in d["runs"]:
+        assert not x["errors"], x["errors"]
+        assert x["first_step_bytes"] == r["bytes_moved"]  # no base yet: whole
+        assert x["memory_budget_bytes"] > x["sender_device_bytes"] >= 0
+        one, ten = x["rows"]
+        for row, lo, hi in ((one, 0.02, 0.05), (ten, 0.12, 0.22)):  # indices 6 B / changed bf16; bitmap n/8 + 2k
+            assert row["full_reads"] == 0 and len(row["step_seconds"]) == 2
+            assert abs(row["changed_fraction"] - row["fraction"]) < 0.1 * row["fraction"]
+            assert all(lo < b / r["bytes_moved"] < hi for b in row["bytes_per_step"]), row["bytes_per_step"]
+            assert row["p90_seconds"] >= row["median_seconds"] > 0 and row["floor_seconds"] is None

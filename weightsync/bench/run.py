@@ -299,7 +299,7 @@ class _Timings:
 
 def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         baselines: tuple[str, ...] = ("naive", "bucketed"), device: str = "cuda", peer_copies: bool = True,
-        receiver: str = "faithful", integrity: int | None = None) -> dict:
+        receiver: str = "faithful", integrity: int | None = None, delta=None) -> dict:
     """One scenario: our timed steps, the ceilings, then the baselines; a JSON-ready result.
 
     ``peer_copies=False`` makes co-located workers take other GPUs' pieces through their NCCL group, as
@@ -310,7 +310,11 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
 
     ``receiver="vllm"``: each instance is a real vLLM engine (dummy weights, eager; the worker extension
     runs the reader's calls and the checks in vLLM's own workers) instead of layout-faithful workers;
-    co-located scenarios on one instance's GPUs only (vLLM picks its GPUs from 0)."""
+    co-located scenarios on one instance's GPUs only (vLLM picks its GPUs from 0).
+
+    ``delta`` (a :class:`weightsync.bench.delta.DeltaOptions`): after the full steps, delta jobs on the same
+    GPUs, each step changing a given fraction of the elements; ``result["delta"]`` holds their rows against
+    this run's full step and ceiling (:mod:`weightsync.bench.delta`)."""
     from weightsync.engines import make_layout
     from weightsync.spec import load_spec
     from weightsync.transport.group import free_port
@@ -335,6 +339,10 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     if receiver == "vllm" and not (scen.colocate and scen.instances == 1):
         raise ConfigError(f"--receiver vllm runs co-located one-instance scenarios (its engine takes GPUs from 0); "
                           f"{scenario} is not one")
+    if delta is not None:
+        from weightsync.bench.delta import check_options
+
+        check_options(scen, scenario, delta, baselines)
     if scen.transport != "p2p":  # the baselines run over the job's NCCL group, which only p2p builds
         baselines = ()
     requested = baselines
@@ -462,6 +470,10 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
             if ce.get("median_seconds_without_h2d"):
                 ce["speedup_without_h2d"] = ce["median_seconds_without_h2d"] / median
         result["baselines"][CHECKPOINT_ENGINE] = ce
+    if delta is not None:  # its own jobs on the same GPUs, once the full steps' processes have exited
+        from weightsync.bench.delta import run_all
+
+        result["delta"] = run_all(scenario, scen, model, delta, timeout, device, _integrity(integrity), result)
     return result
 
 
@@ -494,8 +506,9 @@ def environment() -> dict:
 def main_from_args(args) -> int:
     baselines = tuple(b for b in args.baselines.split(",") if b)
     model = args.model or ("qwen3-8b" if args.device == "cuda" else "tiny-qwen3-moe")
+    delta = delta_options(args)
     results = [run(s, model, args.steps, args.timeout, baselines, args.device, not args.no_peer_copies,
-                   args.receiver, args.integrity) for s in args.scenario]
+                   args.receiver, args.integrity, delta) for s in args.scenario]
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0]))
     else:
@@ -514,7 +527,38 @@ def main_from_args(args) -> int:
                           f"verified {b['verified']}")
                 else:
                     print(f"  {kind}: not run ({b['why']})")
-    return 0 if all(not r.get("errors") and r.get("verified") for r in results) else 1
+            for d in r.get("delta", {}).get("runs", []):
+                if d["errors"]:
+                    print(f"  delta (previous on {d['previous']}): FAILED: {d['errors']}")
+                    continue
+                for row in d["rows"]:
+                    print(f"  delta {row['fraction']:.1%} changed (previous on {d['previous']}): "
+                          f"{row['bytes_moved'] / 1e6:.2f} MB ({row['bytes_ratio_to_full']:.4f} of full), median "
+                          f"{row['median_seconds'] * 1e3:.1f} ms, p90 {row['p90_seconds'] * 1e3:.1f} ms "
+                          f"({row['seconds_ratio_to_full']:.2f} of full), verified {d['verified']}")
+    return 0 if all(not r.get("errors") and r.get("verified") and r.get("delta", {}).get("verified", True)
+                    for r in results) else 1
+
+
+def _fractions(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--change-fraction takes numbers (0.01 = 1%), comma-separated or repeated; got {text!r}") \
+            from None
+
+
+def delta_options(args):
+    """``--delta`` and its options as a :class:`weightsync.bench.delta.DeltaOptions`, or None without it."""
+    from weightsync.bench.delta import DEFAULT_FRACTIONS, DeltaOptions
+
+    given = [f for text in (args.change_fraction or []) for f in _fractions(text)]
+    if not args.delta:
+        if given or args.delta_previous != "device":
+            raise ConfigError("--change-fraction and --delta-previous go with --delta")
+        return None
+    previous = ("device", "host") if args.delta_previous == "both" else (args.delta_previous,)
+    return DeltaOptions(tuple(given) or DEFAULT_FRACTIONS, args.steps, previous)
 
 
 def add_arguments(p) -> None:
@@ -537,6 +581,15 @@ def add_arguments(p) -> None:
     p.add_argument("--integrity", type=int, default=None,
                    help="check every Nth step's checksums (weightsync.integrity; 1: every step, 0: never); "
                         "default: the library's")
+    p.add_argument("--delta", action="store_true",
+                   help="after the full steps, time delta steps (delta=True) in which each step changes exactly "
+                        "--change-fraction of the elements at random positions (separated scenarios)")
+    p.add_argument("--change-fraction", action="append", metavar="F",
+                   help="with --delta: the fraction of elements each step changes, repeatable or comma-separated "
+                        "(default 0.001,0.01,0.1: lr 1e-7..1e-5 as measured); --steps timed steps at each")
+    p.add_argument("--delta-previous", choices=["device", "host", "both"], default="device",
+                   help="with --delta: where the sender keeps its previous version (host: delta_host=True, pinned "
+                        "host memory where CUDA is present); both: one delta job each")
     p.add_argument("--json", action="store_true")
 
 
