@@ -37,7 +37,7 @@ def poisoned(layout) -> dict[str, torch.Tensor]:
 class Job:
     """Real NixlSender/NixlReceiver pairs with delta=True; ``canon[step]`` the step's canonical weights."""
 
-    def __init__(self, url: str, train: str = "fsdp:dp=2", sender_instances: int = 2):
+    def __init__(self, url: str, train: str = "fsdp:dp=2", sender_instances: int = 2, mode: str = "sync"):
         from weightsync.transport.nixl import NixlReceiver, NixlSender
 
         self.spec = load_spec("tiny-qwen3")
@@ -48,7 +48,7 @@ class Job:
         job = f"dnixl-{uuid.uuid4().hex[:8]}"
         self.link = MetaLink(url, job)
         self.client = MetaClient(url, job, timeout=TIMEOUT_S)
-        self.options = TransportOptions("nixl", "sync", timeout_s=TIMEOUT_S, delta=True)
+        self.options = TransportOptions("nixl", mode, timeout_s=TIMEOUT_S, delta=True)
         self.canon = {0: random_canonical(self.spec, seed=7)}
         self.gen = torch.Generator().manual_seed(11)
         self.train = {r: scatter(self.src.layout(r), self.canon[0]) for r in range(self.src.world_size)}
@@ -78,7 +78,7 @@ class Job:
         self.canon[step] = cur
         for r, t in self.train.items():
             fill_from(self.src.layout(r), t, cur)  # in place
-            self.senders[r].send(step)
+            self.senders[r].send(step)  # async: stages the snapshot (and its delta) and returns
             self.senders[r].check(step)
 
     def wrong(self, key, step: int, got=None) -> list[str]:
@@ -183,3 +183,104 @@ def test_a_bucket_the_trainer_did_not_plan_reads_in_full(meta):
         assert covered[0, 0] and covered[0, 1] and not all(covered.values()), covered
     finally:
         j.close()
+
+
+# -- async mode: the trainers stage snapshots, workers pull when they choose ----------------------------
+
+
+@pytest.fixture(scope="module")
+def async_job(meta):
+    j = Job(meta, mode="async")
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def pulled(job, k, step: int, read: str, targets=None) -> None:
+    """Worker ``k`` pulls; it must report exactly ``step``, have read as ``read`` says ("full", "delta":
+    only the changes, "none": it held the step already) and hold ``step`` bit-exact."""
+    rx = job.receivers[k]
+    p = rx.pull(job.targets[k] if targets is None else targets)
+    assert p.steps == {step}, (k, p.steps)
+    assert rx.delta.last_full == (read == "full"), (k, step)
+    assert p.stats.full_bytes == full_of(rx), (k, p.stats)
+    moved = {"full": lambda n: n == full_of(rx), "delta": lambda n: 0 < n < 0.2 * full_of(rx),
+             "none": lambda n: n == 0}[read]
+    assert moved(p.stats.bytes), (k, read, p.stats)
+    assert rx.delta.version == step
+    assert not job.wrong(k, step, targets), (k, job.wrong(k, step, targets))
+
+
+def test_async_pulls_read_deltas_only_on_the_staged_base(async_job):
+    job = async_job
+    job.write(1)  # nobody holds a base
+    for k in job.receivers:
+        pulled(job, k, 1, "full")
+    for step in (2, 3):  # every worker holds the step before the snapshot's
+        job.write(step)
+        for k in job.receivers:
+            pulled(job, k, step, "delta")
+    pulled(job, (0, 0), 3, "none")  # the same snapshot again: it proves it holds it, reads nothing
+    job.write(4)  # instance 1 does not pull 4: at 5 it holds 3, the delta's base is 4
+    for k in job.receivers:
+        if k[0] == 0:
+            pulled(job, k, 4, "delta")
+    job.write(5)
+    for k in job.receivers:
+        pulled(job, k, 5, "full" if k[0] == 1 else "delta")
+    job.write(6)  # staged twice between pulls: nobody holds 6, the base of 7
+    job.write(7)
+    for k in job.receivers:
+        pulled(job, k, 7, "full")
+    # a staged copy (other tensors, poisoned) proves nothing: full, the live tensors untouched
+    job.write(8)
+    staged = poisoned(job.dst.layout(1))
+    pulled(job, (1, 1), 8, "full", targets=staged)
+    assert not job.wrong((1, 1), 7)
+    for k in job.receivers:
+        if k != (1, 1):
+            pulled(job, k, 8, "delta")
+    # at 9 (base 8) that worker's version is the base, but its live tensors hold 7: the checksums
+    # disagree, so it reads in full, alone
+    job.write(9)
+    for k in job.receivers:
+        pulled(job, k, 9, "full" if k == (1, 1) else "delta")
+
+
+@pytest.mark.parametrize("when", ["under the payload reads", "after applying"])
+def test_async_pull_torn_by_a_restage_is_a_mix_then_reads_in_full(async_job, when):
+    """The trainer stages the next snapshot while a worker pulls this one's delta -- before its payload
+    reads (they would read the new encoding: nothing is applied) or after it applied them (the data is
+    whole, but the header moved): the pull reports a mix, never the step, and the next pull reads in
+    full, bit-exact; the other workers prove the new base and read deltas."""
+    job = async_job
+    step = max(job.canon) + 1
+    job.write(step)
+    k = (0, 1)
+    for other in job.receivers:
+        if other != k:
+            pulled(job, other, step, "delta")
+    rx = job.receivers[k]
+    real = rx.delta._apply
+
+    def racing(plan, targets):
+        if when == "after applying":
+            moved = real(plan, targets)
+            job.write(step + 1)
+            return moved
+        job.write(step + 1)  # staged between reading the index and reading the payloads
+        return real(plan, targets)
+
+    rx.delta._apply = racing
+    try:
+        p = rx.pull(job.targets[k])
+    finally:
+        del rx.delta._apply
+    assert p.steps == {step, -1} and not rx.delta.last_full and rx.delta.version is None, p.steps
+    if when == "after applying":
+        assert not job.wrong(k, step)  # whole, yet not reported: the header moved
+    pulled(job, k, step + 1, "full")
+    for other in job.receivers:
+        if other != k:
+            pulled(job, other, step + 1, "delta")

@@ -7,6 +7,10 @@ why and what it costs.
 
 from weightsync.errors import ConfigError
 
+#: the transports whose async pulls run deltas: a pull that proves the base of the staged snapshot's
+#: delta reads only the change (file has no async mode; p2p's pull server sends the snapshot whole)
+ASYNC = frozenset({"nixl"})
+
 
 def check_options(transport: str, mode: str, delta: bool) -> None:
     """Refuse ``delta=True`` where it does not run, before any I/O, saying what to do.
@@ -14,7 +18,8 @@ def check_options(transport: str, mode: str, delta: bool) -> None:
     Co-located copies gain nothing (the bytes never cross a link: the workers copy GPU memory), so
     delta=True is refused there rather than silently ignored. A transport runs deltas once its
     registry entry says ``delta=True`` (p2p, file and nixl: :mod:`.p2p`, :mod:`.file`, :mod:`.nixl`).
-    Async pulls take the whole snapshot: sync mode only."""
+    Async mode runs deltas where the pull path proves its base against the staged snapshot
+    (:data:`ASYNC`: nixl, :mod:`.nixl`); elsewhere an async pull takes the whole snapshot, so it is refused."""
     if not delta:
         return
     from weightsync.transport.base import TRANSPORTS
@@ -26,6 +31,7 @@ def check_options(transport: str, mode: str, delta: bool) -> None:
     if not entry.delta:
         runs = ", ".join(n for n, e in TRANSPORTS.items() if e.delta)
         raise ConfigError(f"delta=True runs over the {runs} transport(s), not {transport} (yet); drop delta=True")
-    if mode != "sync":
-        raise ConfigError(f"delta=True runs in sync mode (an async pull takes the whole snapshot), not {mode}; "
-                          "use mode='sync' or drop delta=True")
+    if mode != "sync" and transport not in ASYNC:
+        raise ConfigError(f"delta=True runs in sync mode over {transport} (its async pull takes the whole snapshot), "
+                          f"not {mode}; use mode='sync', transport {' or '.join(sorted(ASYNC))} in async mode, "
+                          "or drop delta=True")

@@ -1,4 +1,4 @@
-"""Delta updates through the NIXL transport (sync mode): workers READ what changed, when they prove its base.
+"""Delta updates through the NIXL transport (sync and async): workers READ what changed, when they prove its base.
 
 NIXL is one-sided (workers READ the trainers' registered memory), so -- as with the file transport --
 the trainer cannot ask each worker what it holds. Instead, per step, each training rank encodes every
@@ -20,6 +20,17 @@ staged copy, anything that touched the tensors, a bucket the trainer's own plan 
 elastic trainer plans one instance slot: with DP replicas, an instance served by another replica
 than slot 0's finds no slot and always reads in full) -- it reads everything as a full sync (the
 fall-back is per worker and per step, and needs no round trip).
+
+Async mode. The trainer stages a snapshot (under the header's sequence lock, ``seq`` odd while
+copying) and encodes it, inside the same odd window, against the snapshot it staged before: the
+region and the index then always describe the snapshot the header names. A pull takes the step
+every peer's stable header names (none: the peers staged different steps, so the pull is a mix
+anyway and reads in full) and proves the base exactly as a sync receive does: its version is each
+index's base step (the step staged before the snapshot's) and every bucket's checksum is the base
+checksum. A pull whose headers changed meanwhile (the trainer staged again: the payloads may have
+been overwritten under the read) is reported as a mix, as every torn async pull is, and leaves no
+version, so the next pull reads in full; an instance that skipped a snapshot holds an older step
+than the base and reads in full too.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import torch
 
 from weightsync.delta import codec
 from weightsync.delta.state import PreviousVersion, gather_pairs, previous_buffers_bytes, signature, words_of
+from weightsync.errors import TransportError
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.transport.pack import copy_pairs, pack, stage, unpack_pairs
 
@@ -42,7 +54,7 @@ log = logging.getLogger("weightsync.delta.nixl")
 REGION = "__weightsync.delta.region"  # descriptor-document entries (never a model tensor's name)
 INDEX = "__weightsync.delta.index"
 HEAD = 4  # index words before the slots: seq, step, base step, slots
-SLOT = 5  # words per slot: signature hash, offset, kind (-1: none), count, base checksum
+SLOT = 6  # words per slot: signature hash, offset, kind (-1: none), count, base checksum, this step's checksum
 NONE = -1
 _ALIGN = 8
 
@@ -131,12 +143,23 @@ class DeltaNixlSender:
                 name = codec.KIND_NAMES[enc.kind]
                 kinds[name] = kinds.get(name, 0) + 1
             self.previous.store(b, buf)
+            idx[w + 5] = _signed(self.previous.checksum_of(b))  # a worker holding this step proves it
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.previous.version = step
         idx[1], idx[2] = step, NONE if base_step is None else base_step
         idx[0] += 1
         self.last_kinds = kinds
+
+
+class Restaged(TransportError):
+    """A peer encoded a new delta (re-staged, or moved on) while this worker read the payloads of the
+    one it proved: nothing of that batch was applied, the targets may mix two steps. ``moved``: the
+    bytes read before."""
+
+    def __init__(self, message: str, moved: int, peer: int, pair: Pair):
+        super().__init__(message, peer=peer, pair=pair)
+        self.moved = moved
 
 
 @dataclass(frozen=True)
@@ -165,24 +188,30 @@ class DeltaNixlReceiver:
         self._slot: torch.Tensor | None = None
         self._regs: list = []
         self._index: dict[int, torch.Tensor] = {}
+        self._heads: dict[int, tuple[int, int]] = {}  # each peer's index (seq, step) the plan was proven on
         self.last_kinds: dict[str, int] = {}
         self.last_full = False
 
-    def receive(self, step: int, targets: Mapping[str, torch.Tensor], full) -> "StepStats":  # noqa: F821
+    def receive(self, step: int | None, targets: Mapping[str, torch.Tensor], full) -> "StepStats":  # noqa: F821
+        """Read ``step`` into ``targets``: the payloads when this worker proves their base, else in full
+        (``full(targets, t0)``). ``step``: sync, the announced step; async, the step every peer's stable
+        header names, or None when they name different ones (a mix: read in full, no version). The
+        caller drops :attr:`version` when the transport finds the read torn afterwards."""
         from weightsync.transport.base import StepStats
 
         t0 = time.perf_counter()
         held, self.version = self.version, None  # from here the targets may mix two steps
         full_bytes = sum(b.nbytes for b in self.buckets)
-        plan = self._plan(step, held, targets) if held is not None else None
+        plan = self._plan(step, held, targets) if held is not None and step is not None else None
         if plan is None:
             stats = full(targets, t0)
             self.version, self.last_full = step, True
             self.last_kinds = {"full": len(self.buckets)}
             return StepStats(stats.buckets, stats.bytes, stats.seconds, stats.posted, stats.started,
                              full_bytes=full_bytes)
-        moved = self._apply(plan, targets)
-        self.version, self.last_full = step, False
+        self.last_full = False
+        moved = self._apply(plan, targets)  # Restaged: no version (sync raises it; an async pull is a mix)
+        self.version = step
         return StepStats(len(self.buckets), moved, time.perf_counter() - t0, full_bytes=full_bytes)
 
     # -- the proof ------------------------------------------------------------------------------
@@ -212,17 +241,23 @@ class DeltaNixlReceiver:
         return buf
 
     def _plan(self, step: int, held: int, targets: Mapping[str, torch.Tensor]) -> list[Planned] | None:
-        """The payloads to READ when this worker proves the base of every bucket, else None (read full)."""
+        """The payloads to READ when this worker proves the base of every bucket, else None (read full).
+
+        A worker that already holds ``step`` (async: it pulls a snapshot it pulled before) proves that
+        against each bucket's checksum of the step itself, and reads nothing."""
         self.rx._ensure_peers()
         device = next(iter(targets.values())).device
         self._buffers(device)
-        slots: dict[int, dict[int, tuple[int, int, int, int, int]]] = {}
+        slots: dict[int, dict[int, tuple[int, int, int, int, int, int]]] = {}
+        holds: dict[int, bool] = {}
         for r in self.rx.peer_ranks:
             idx = self._read_index(r)
             if idx is None:
                 return None
             v = idx.tolist()
-            if v[0] % 2 or v[1] != step or v[2] != held:
+            self._heads[r] = (v[0], v[1])
+            holds[r] = v[1] == held
+            if v[0] % 2 or v[1] != step or not (holds[r] or v[2] == held):
                 log.info("instance %d rank %d, step %d: training rank %d's delta is against step %d, this worker "
                          "holds %s; reading in full", self.rx.ctx.instance, self.rx.ctx.rank, step, r, v[2], held)
                 return None
@@ -231,14 +266,17 @@ class DeltaNixlReceiver:
         plan = []
         for b in self.buckets:
             got = slots[b.pair[0]].get(self.hashes[(b.pair, b.index)])
-            if got is None or got[1] == NONE:
+            holds_step = holds[b.pair[0]]
+            if got is None or (got[1] == NONE and not holds_step):
                 return None
-            off, kind, count, base_sum = got
+            off, kind, count, base_sum, step_sum = got
             _, parts = self._base(b, targets)
-            if _signed(codec.checksum(parts)) != base_sum:
-                log.info("instance %d rank %d, step %d: bucket %d does not hold base step %d; reading in full",
+            if _signed(codec.checksum(parts)) != (step_sum if holds_step else base_sum):
+                log.info("instance %d rank %d, step %d: bucket %d does not hold step %d; reading in full",
                          self.rx.ctx.instance, self.rx.ctx.rank, step, b.index, held)
                 return None
+            if holds_step:
+                continue  # nothing to read
             w = self.words[(b.pair, b.index)]
             n = codec.payload_bytes(kind, count, b.nbytes // w, w)
             region = self.rx.peers[b.pair[0]].doc.tensors[REGION]
@@ -270,6 +308,7 @@ class DeltaNixlReceiver:
                 doc = self.rx.peers[r].doc
                 self._xfer(r, [(self._scratch.data_ptr() + o, p.nbytes, dev) for p, o in items], mem,
                            [(p.addr, p.nbytes, doc.device) for p, _ in items], doc.mem, items[0][0])
+            self._unchanged(by_peer, done[0])  # before applying: a torn payload could index out of bounds
             for p, o in batch:
                 w = self.words[(p.pair, p.bucket.index)]
                 st, parts = self._base(p.bucket, targets)
@@ -280,8 +319,10 @@ class DeltaNixlReceiver:
                 kinds[name] = kinds.get(name, 0) + 1
             if self._scratch.device.type == "cuda":  # applied before NIXL writes the next batch there
                 torch.cuda.current_stream().synchronize()
+            done[0] += sum(p.nbytes for p, _ in batch)
             batch.clear()
 
+        done = [0]  # the bytes read and applied so far
         for p in plan:
             size = -(-p.nbytes // _ALIGN) * _ALIGN
             if at + size > self._scratch.numel() and batch:
@@ -294,6 +335,24 @@ class DeltaNixlReceiver:
             flush()
         self.last_kinds = kinds
         return moved
+
+    def _unchanged(self, peers, moved: int) -> None:
+        """Raise :class:`Restaged` unless every peer's index still is the one the plan was proven on.
+
+        A trainer bumps its index's ``seq`` (odd) before it writes a new delta into the region, and
+        this re-reads it only after the payload READs completed: unchanged, no payload byte was
+        overwritten under them (the seqlock argument of the async header, applied to the region)."""
+        for r in peers:
+            buf = self._index[r]
+            rt = self.rx.peers[r].doc.tensors[INDEX]
+            self._xfer(r, [(buf.data_ptr(), 16, 0)], "DRAM", [(rt.addr, 16, 0)], "DRAM", None)
+            got = (int(buf[0]), int(buf[1]))
+            if got != self._heads[r]:
+                ctx = self.rx.ctx
+                raise Restaged(f"training rank {r} -> instance {ctx.instance} rank {ctx.rank}: the trainer encoded a "
+                               f"new delta (index seq {got[0]}, step {got[1]}) while the payloads of step "
+                               f"{self._heads[r][1]} were read; nothing of them applied, the step is not whole",
+                               moved, r, (r, ctx.instance, ctx.rank))
 
     def _xfer(self, r: int, local: list, local_mem: str, remote: list, remote_mem: str, what: Planned | None) -> None:
         agent = self.rx.agent

@@ -140,10 +140,10 @@ class NixlSender(Sender):
                      _register(self.agent, [(self.header.data_ptr(), self.header.numel() * 8)], "DRAM", 0)]
         served = dict(self.served)
         self.delta = None
-        if self.options.delta:  # sync only (weightsync.delta.check_options): encoded into a registered region
+        if self.options.delta:  # encoded into a registered region: sync from the live weights, async the snapshot
             from weightsync.delta.nixl import INDEX, REGION, DeltaNixlSender
 
-            self.delta = DeltaNixlSender(ctx.plans, self.live, self.device, host=self.options.delta_host)
+            self.delta = DeltaNixlSender(ctx.plans, self.served, self.device, host=self.options.delta_host)
             self.regs += [_register(self.agent, _storages([self.delta.region]), mem, dev),
                           _register(self.agent, _storages([self.delta.index]), "DRAM", 0)]
             served[REGION], served[INDEX] = self.delta.region, self.delta.index
@@ -174,6 +174,8 @@ class NixlSender(Sender):
         with torch.no_grad():
             for n, t in self.live.items():
                 self.served[n].copy_(t)
+            if self.delta is not None:  # against the snapshot staged before, inside the odd window
+                self.delta.encode(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.header[1] = step
@@ -445,13 +447,26 @@ class NixlReceiver(Receiver):
     def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:
         t0 = time.perf_counter()
         before = self._stable_headers(t0)
-        stats = self._read(targets, t0)
+        if self.delta is None:
+            stats = self._read(targets, t0)
+        else:  # the payloads when this worker proves the staged delta's base (weightsync.delta.nixl)
+            from weightsync.delta.nixl import Restaged
+
+            served = {step for _, step in before.values()}
+            try:
+                stats = self.delta.receive(served.pop() if len(served) == 1 else None, targets, self._read)
+            except Restaged as e:  # re-staged under the payload reads: a mix, like any torn pull
+                log.info("%s; pulling again", e)
+                stats = StepStats(0, e.moved, time.perf_counter() - t0)
+                return Pulled(frozenset({step for _, step in before.values()} | {-1}), stats)
         steps = set()
         for r, h in self._headers():
             seq, step = before[r]
             steps.add(step)
             if int(h[0]) != seq:  # re-staged while we read: a mix, never reported
                 steps.add(-1)
+        if self.delta is not None and len(steps) != 1:
+            self.delta.version = None  # not a whole step: no base to prove next time
         return Pulled(frozenset(steps), stats)
 
     def _stable_headers(self, t0: float) -> dict[int, tuple[int, int]]:
