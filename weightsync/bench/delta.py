@@ -209,6 +209,8 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, opts: DeltaOptio
     dev = device_of(device, rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    else:  # a CPU rehearsal beside the workers on shared cores: OpenMP threads would spin against them
+        torch.set_num_threads(1)
     spec = load_spec(model)
     engine = make_layout(spec, scen.train)
     layout = engine.layout(rank)
