@@ -216,9 +216,19 @@ class MetaClient:
         return self._request("GET", f"{self._job_path}/plan-hashes/check")
 
     # -- instances ------------------------------------------------------------------------------
-    def join(self, instance: int, incarnation: str | None = None) -> dict:
-        """Join (``incarnation``: this reader's own hex id; a new one replaces a joined member)."""
-        return self._request("POST", f"{self._job_path}/instances/{instance}/join", _membership(None, incarnation))
+    def join(self, instance: int, incarnation: str | None = None, liveness_s: float | None = None) -> dict:
+        """Join (``incarnation``: this reader's own hex id; a new one replaces a joined member). ``liveness_s``:
+        the server marks the member gone once it has heard nothing from it for that long (see :meth:`alive`)."""
+        body: dict[str, Any] = _membership(None, incarnation)
+        if liveness_s is not None:
+            body["liveness_s"] = liveness_s
+        return self._request("POST", f"{self._job_path}/instances/{instance}/join", body)
+
+    def alive(self, instance: int, incarnation: str | None = None, timeout: float | None = None) -> dict:
+        """A joined member's heartbeat (:mod:`weightsync.meta.heartbeat` sends it); 409 once it is no member."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        return self._request("POST", f"{self._job_path}/instances/{instance}/alive", _membership(None, incarnation),
+                             deadline=deadline)
 
     def leave(self, instance: int, reason: str = "", incarnation: str | None = None) -> dict:
         """Leave (of ``incarnation`` only, when given: a stale process cannot leave for its successor)."""

@@ -22,7 +22,9 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
     POST /v1/jobs/{job}/plan-hashes                {"role", "rank", "instance"?, "plan_hash"?,
                                                    "pairs": [[src_rank, dst_instance, dst_rank, hash], ...]}
     GET  /v1/jobs/{job}/plan-hashes/check          pairs whose two ends disagree, with both names
-    POST /v1/jobs/{job}/instances/{i}/join         {"incarnation"?}; the topology version grows on each change
+    POST /v1/jobs/{job}/instances/{i}/join         {"incarnation"?, "liveness_s"?}; the topology version grows
+                                                   on each change
+    POST /v1/jobs/{job}/instances/{i}/alive        {"incarnation"?}: a joined member's heartbeat (nothing stored)
     POST /v1/jobs/{job}/instances/{i}/leave        {"reason"?, "incarnation"?}: member state "left"
     POST /v1/jobs/{job}/instances/{i}/gone         {"reason"?, "incarnation"?}: dropped (stopped answering)
     GET  /v1/jobs/{job}/instances                  ?after_version=V&timeout=S
@@ -47,7 +49,10 @@ joiner counts for the default ``held`` wait from the first step no training rank
 joined. An ``incarnation`` (a reader's own hex id) makes a join under a joined id replace the member
 (a retry with the same one changes nothing); ``held``, ``leave`` and ``gone`` carrying another
 incarnation than the member's are refused (409) or change nothing, so a dropped process that comes
-back cannot report steps or leave for its successor. A registration whose model spec differs
+back cannot report steps or leave for its successor. A member that joined with ``liveness_s`` (an async
+reader: no step waits for it, so nothing else would notice it died) is marked gone, with the reason, once
+nothing (join, alive, held) was heard from it for longer than that; the server looks every 0.25 s, and
+after a restart each such member gets a whole ``liveness_s`` again (when it was heard is not stored). A registration whose model spec differs
 from a registered one's is refused (409) and aborts the job, so the participants already waiting
 fail at once with the same reason, which names the first tensor that differs and its shape on each
 side (:mod:`.mismatch`). Once a job is aborted its waits and mutations answer 409 (with
@@ -90,7 +95,7 @@ from aiohttp import web
 
 from weightsync import __version__
 from weightsync.errors import WeightSyncError
-from weightsync.meta.state import Coordinator, Encoded, last_mutation
+from weightsync.meta.state import SWEEP_S, Coordinator, Encoded, last_mutation
 from weightsync.meta.store import Store
 from weightsync.meta.validate import MAX_BODY, HTTPError, Query, parse_body, path_params, short
 
@@ -215,6 +220,7 @@ def _routes(c: Coordinator) -> list[tuple[str, tuple[str, ...], Callable]]:
         ("POST", J + ("instances", "{i}", "join"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, True)),
         ("POST", J + ("instances", "{i}", "leave"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, False)),
         ("POST", J + ("instances", "{i}", "gone"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, False, "gone")),
+        ("POST", J + ("instances", "{i}", "alive"), lambda p, q, b: c.alive(p["job"], p["i"], b)),
         ("GET", J + ("instances",), lambda p, q, b: c.instances(p["job"], Query(q, {"after_version", "timeout"}))),
         ("POST", J + ("steps", "{S}", "written"), lambda p, q, b: c.written(p["job"], p["S"], b)),
         ("GET", J + ("steps", "{S}", "written"),
@@ -355,6 +361,18 @@ class _App:
         raise HTTPError(500, "MetaServer state not saved (see the server's log): retry")
 
 
+async def _sweep(coord: Coordinator) -> None:
+    """Every ``SWEEP_S``: mark gone the members not heard from within their ``liveness_s``."""
+    while True:
+        await asyncio.sleep(SWEEP_S)
+        try:
+            for job, i in coord.expire_silent():
+                log.warning("MetaServer: instance %d of job %s is gone: %s", i, job,
+                            coord.jobs[job].members[i].get("reason"))
+        except Exception:  # a bug: say so, keep sweeping (and serving)
+            log.exception("MetaServer: looking for silent members failed")
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -424,8 +442,10 @@ class MetaServer:
                 await site.start()
                 self._bound = runner.addresses[0][1]
                 self._stopping = asyncio.Event()
+                sweeper = asyncio.get_running_loop().create_task(_sweep(coord))
                 ready.set_result(None)
                 await self._stopping.wait()
+                sweeper.cancel()
                 coord.close()  # every long-poll answers 503 now; clients retry on the next server
                 await persist.drain()
             finally:

@@ -13,20 +13,24 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from weightsync.meta.mismatch import refusal
 from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten
 from weightsync.meta.validate import (
-    MAX_JOBS, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, ROLES, STEP_STRIDE, STEPS_KEPT,
-    HEX_RE, Aborted, HTTPError, Query, bad, boolean, engine_config, fields, identity, integer, model_config,
-    participant_name, short, string,
+    MAX_JOBS, MAX_LIVENESS_S, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, MIN_LIVENESS_S, ROLES,
+    STEP_STRIDE, STEPS_KEPT, HEX_RE, Aborted, HTTPError, Query, bad, boolean, engine_config, fields, identity,
+    integer, model_config, participant_name, seconds, short, string,
 )
 
 #: how long a ``held`` post for a step no training rank has written yet waits for that ``written``
 #: (the two race when a reader's receive ends as the trainers post), before it is refused
 HELD_WAITS_FOR_WRITTEN_S = 10.0
+
+#: how often the server looks for members silent past their ``liveness_s`` (at least MIN_LIVENESS_S)
+SWEEP_S = 0.25
 
 #: the ``seq`` of the last mutation made in this request's context (0: none), so the server knows
 #: whether a dropped save was the request's own
@@ -49,7 +53,8 @@ class Job:
     instances: set[int] = field(default_factory=set)  # the members that are joined now (live)
     #: every instance that ever joined: {"state": "joined"|"left"|"gone", "since": the first step it must
     #: hold (steps written before it joined are not waited for), "version": the topology version of its
-    #: last change, "reason": why it is gone}; kept after it leaves, so a rejoin is visible
+    #: last change, "reason": why it is gone, "liveness_s": its heartbeat deadline}; kept after it leaves,
+    #: so a rejoin is visible
     members: dict[int, dict] = field(default_factory=dict)
     topology_version: int = 0
     written: dict[int, set[int]] = field(default_factory=dict)  # step -> training ranks that wrote it
@@ -63,6 +68,9 @@ class Job:
     role_count: dict[str, int] = field(default_factory=dict)
     listing: dict[str | None, bytes] = field(default_factory=dict)  # encoded participants by role
     held_answers: dict[tuple, Encoded] = field(default_factory=dict)  # encoded wait_held answers, until held moves
+    #: when each joined member was last heard from (join, alive, held; time.monotonic()), for those with a
+    #: ``liveness_s``; not stored: after a restart each gets a whole ``liveness_s`` from the first sweep
+    heard: dict[int, float] = field(default_factory=dict)
 
     def rebuild_counts(self) -> None:
         self.train_set = {p["rank"] for p in self.participants.values() if p["role"] == "train"}
@@ -110,15 +118,20 @@ class Job:
 MEMBER_STATES = ("joined", "left", "gone")
 
 
-def member(state: str, since: int, version: int, reason: str | None = None, incarnation: str | None = None) -> dict:
+def member(state: str, since: int, version: int, reason: str | None = None, incarnation: str | None = None,
+           liveness_s: float | None = None) -> dict:
     """One instance's membership record (what ``GET /v1/jobs/{job}`` shows under ``members``).
     ``incarnation``: the joining reader's own id, so a stale process under the same instance id (one
-    that was dropped, then rejoined by another) can neither report steps held nor leave for it."""
-    rec = {"state": state, "since": since, "version": version}
+    that was dropped, then rejoined by another) can neither report steps held nor leave for it.
+    ``liveness_s``: the member is marked gone once nothing was heard from it for that long (an async
+    reader's heartbeat: no step waits for it, so nothing else notices it died)."""
+    rec: dict = {"state": state, "since": since, "version": version}
     if reason:
         rec["reason"] = reason
     if incarnation:
         rec["incarnation"] = incarnation
+    if liveness_s is not None:
+        rec["liveness_s"] = liveness_s
     return rec
 
 
@@ -422,10 +435,14 @@ class Coordinator:
         """Join, leave, or (``state="gone"``) drop an instance; each change grows the topology version.
 
         A joiner must hold every step no training rank had written when it joined (``since``); a member
-        that leaves or is dropped stops counting for the steps' default ``held`` waits at once."""
-        fields(body, set(), {"reason", "incarnation"})
+        that leaves or is dropped stops counting for the steps' default ``held`` waits at once. A joiner
+        giving ``liveness_s`` must be heard from (``alive``, ``held``) at least that often, else the server
+        marks it gone (:meth:`expire_silent`)."""
+        fields(body, set(), {"reason", "incarnation"} | ({"liveness_s"} if join else set()))
         reason = string(body.get("reason", ""), "reason", 1024)
         inc = string(body["incarnation"], "incarnation", 64, HEX_RE) if "incarnation" in body else None
+        liveness = (seconds(body["liveness_s"], "liveness_s", MIN_LIVENESS_S, MAX_LIVENESS_S)
+                    if "liveness_s" in body else None)
         state = state or ("joined" if join else "left")
         self._refuse_if_closing()
         j = self._job(job)
@@ -435,16 +452,69 @@ class Coordinator:
         else:  # a leave or drop of another incarnation than the joined one changes nothing
             changed = instance in j.instances and (inc is None or inc == current)
         if changed:
-            (j.instances.add if join else j.instances.discard)(instance)
-            j.topology_version += 1
-            j.held_answers.clear()
-            rec = j.members[instance] = member(state, j.written_max + 1, j.topology_version, reason or None,
-                                               inc if join else current)
-            row = Put(job, "instance", str(instance), json.dumps(rec))
-            version = Put(job, "job", "topology_version", str(j.topology_version))
-            self._save(job, j, ("instances", "held"), [row, version])
+            self._change_member(job, j, instance, state, reason or None, inc if join else current, liveness)
+        if join:
+            j.heard[instance] = time.monotonic()
         return {"instance": instance, "changed": changed, "version": j.topology_version,
                 "instances": sorted(j.instances)}
+
+    def _change_member(self, job: str, j: Job, instance: int, state: str, reason: str | None,
+                       incarnation: str | None, liveness_s: float | None = None) -> None:
+        """A member joins, leaves or is dropped: the topology version grows and waiters look again."""
+        (j.instances.add if state == "joined" else j.instances.discard)(instance)
+        if state != "joined":
+            j.heard.pop(instance, None)
+        j.topology_version += 1
+        j.held_answers.clear()
+        rec = j.members[instance] = member(state, j.written_max + 1, j.topology_version, reason, incarnation,
+                                           liveness_s)
+        row = Put(job, "instance", str(instance), json.dumps(rec))
+        version = Put(job, "job", "topology_version", str(j.topology_version))
+        self._save(job, j, ("instances", "held"), [row, version])
+
+    def alive(self, job: str, instance: int, body: dict) -> dict:
+        """A member's heartbeat (``{"incarnation"?}``): heard from now. Nothing is stored; a member that is
+        not joined, or another incarnation than the joined one, is told so (409), as ``held`` is."""
+        fields(body, set(), {"incarnation"})
+        inc = string(body["incarnation"], "incarnation", 64, HEX_RE) if "incarnation" in body else None
+        self._refuse_if_closing()
+        j = self._job(job, create=False)
+        self._check_member(job, j, instance, inc)
+        j.heard[instance] = time.monotonic()
+        rec = j.members[instance]
+        return {"instance": instance, "state": rec["state"], "liveness_s": rec.get("liveness_s")}
+
+    def _check_member(self, job: str, j: Job, instance: int, inc: str | None) -> None:
+        """409 unless ``instance`` is joined (and, given ``inc``, as that incarnation)."""
+        if instance not in j.instances:
+            raise HTTPError(409, _not_member(job, j, instance))
+        if inc is not None and inc != j.members[instance].get("incarnation"):
+            raise HTTPError(409, f"instance {instance} of job {job} rejoined (topology version "
+                                 f"{j.members[instance]['version']}) after this reader was dropped: its reports "
+                                 "no longer count; start a new WeightReader to rejoin")
+
+    def expire_silent(self, now: float | None = None) -> list[tuple[str, int]]:
+        """Mark gone every joined member with a ``liveness_s`` not heard from for longer than that (the
+        server calls this every ``SWEEP_S``); the (job, instance) pairs dropped."""
+        if self.closing:
+            return []
+        now = time.monotonic() if now is None else now
+        dropped = []
+        for name, j in self.jobs.items():
+            if j.aborted is not None:
+                continue
+            for i in sorted(j.instances):
+                rec = j.members.get(i, {})
+                limit = rec.get("liveness_s")
+                if limit is None:
+                    continue
+                silent = now - j.heard.setdefault(i, now)  # none heard since a restart: from now
+                if silent > limit:
+                    reason = (f"no heartbeat for {silent:.1f} s, over its liveness_s of {limit:g} s: its reader's "
+                              "process died, hangs or lost the network")
+                    self._change_member(name, j, i, "gone", reason, rec.get("incarnation"), limit)
+                    dropped.append((name, i))
+        return dropped
 
     async def instances(self, job: str, q: Query) -> dict:
         after = q.int("after_version", -1, -1)
@@ -523,12 +593,8 @@ class Coordinator:
         reset = boolean(body.get("reset", False), "reset")
         inc = string(body["incarnation"], "incarnation", 64, HEX_RE) if "incarnation" in body else None
         j = self._job(job)
-        if instance not in j.instances:
-            raise HTTPError(409, _not_member(job, j, instance))
-        if inc is not None and inc != j.members[instance].get("incarnation"):
-            raise HTTPError(409, f"instance {instance} of job {job} rejoined (topology version "
-                                 f"{j.members[instance]['version']}) after this reader was dropped: its reports "
-                                 "no longer count; start a new WeightReader to rejoin")
+        self._check_member(job, j, instance, inc)
+        j.heard[instance] = time.monotonic()
         if step > j.written_max:  # its `written` may be on its way: the receive and the post race
             ok, _ = await self._wait("held-needs-written", job, "written", ("max", step), HELD_WAITS_FOR_WRITTEN_S,
                                      lambda j: j.written_max >= step)

@@ -23,6 +23,8 @@ MAX_RANK = 1 << 20
 MAX_JSON_DEPTH = 32  # a model config nests 3 or 4 levels; ~1000 levels broke every later save
 MAX_MODEL_CONFIG = 65536  # bytes of a participant's model_config, as JSON
 STEPS_KEPT = 64  # written-step sets kept per job; older steps answer 410
+#: a member's heartbeat deadline (``liveness_s``): from half a second (the server looks every 0.25 s) to a day
+MIN_LIVENESS_S, MAX_LIVENESS_S = 0.5, 86400.0
 STEP_STRIDE = 1 << 32  # a new step is at most this far past the latest one written (the first: below it)
 
 ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -73,6 +75,13 @@ def string(v: Any, what: str, max_len: int, pattern: re.Pattern | None = None) -
         rule = f"matching {pattern.pattern}" if pattern is not None else f"of at most {max_len} characters"
         raise bad(f"{what} must be a string {rule}, got {short(v)}")
     return v
+
+
+def seconds(v: Any, what: str, lo: float, hi: float) -> float:
+    """A duration in seconds: a JSON number (not a bool) in [lo, hi]."""
+    if type(v) not in (int, float) or not lo <= v <= hi:
+        raise bad(f"{what} must be a number of seconds in [{lo:g}, {hi:g}], got {short(v)}")
+    return float(v)
 
 
 def boolean(v: Any, what: str) -> bool:

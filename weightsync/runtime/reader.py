@@ -64,7 +64,10 @@ class WeightReader(SessionDriven):
         validate_every: int = 0,
         validate_checkpoint: str | Callable[[int], str] | None = None,
         delta: bool = False,
+        instance_timeout_s: float | None = None,
     ):
+        # instance_timeout_s (async): the MetaServer marks this instance gone once its heartbeat has been
+        # silent that long (default timeout_s; weightsync.meta.heartbeat)
         if validate_every < 0 or (validate_every and validate_checkpoint is None):
             raise ValueError("validate_every=N (N >= 1) needs validate_checkpoint=: the checkpoint directory, or "
                              "a callable step -> directory, to validate every Nth update against")
@@ -78,7 +81,7 @@ class WeightReader(SessionDriven):
         self._next_pull = 0
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         self.session = InstanceSession(self.client, MetaLink(meta, job, token), instance, instance_id, instances,
-                                       options, push=push, staged=staged)
+                                       options, push=push, staged=staged, instance_timeout_s=instance_timeout_s)
         self.version: int | None = None
         self._integrity_agreed = False  # the job's integrity cadence checked (first update)
         self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-held")

@@ -53,6 +53,7 @@ from weightsync.engines import make_layout
 from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
+from weightsync.meta.heartbeat import Heartbeat
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES, Bucket, Pair
 from weightsync.runtime.doorbell import Doorbell, open_bells
 from weightsync.runtime.job import (
@@ -139,6 +140,9 @@ class JobSession(ABC):
         self.shape: JobShape | None = None
         self.people: list[dict] = []  # every registration of the job, as agreed
         self.connected = False
+
+    def check_alive(self) -> None:
+        """Raise if the MetaServer no longer counts this participant (an async instance's refused heartbeat)."""
 
     def setup(self) -> None:
         """Run steps 1-7; return once the job is proven and this process connected."""
@@ -293,7 +297,7 @@ class InstanceSession(JobSession):
     role = "infer"
 
     def __init__(self, client: MetaClient, link: MetaLink, instance: Any, instance_id: int, instances: int,
-                 options: SessionOptions, push: bool, staged: bool):
+                 options: SessionOptions, push: bool, staged: bool, instance_timeout_s: float | None = None):
         from weightsync.spec.model import spec_from_config
 
         super().__init__(client, link, spec_from_config(instance.model_config), options)
@@ -309,6 +313,11 @@ class InstanceSession(JobSession):
         #: elastic: this reader's own id at the MetaServer: its joins, reports and leave carry it, so a
         #: stale process under the same instance id (dropped, then rejoined by another) counts no more
         self.incarnation: str | None = uuid.uuid4().hex if options.elastic else None
+        #: async: no step waits for this instance, so it proves it is alive (weightsync.meta.heartbeat) within
+        #: this many seconds (``instance_timeout_s``, default its timeout), else the MetaServer marks it gone;
+        #: None in sync mode, where a step notices
+        self.liveness_s = check_liveness(instance_timeout_s, options)
+        self.heartbeat: Heartbeat | None = None
 
     @property
     def who(self) -> str:
@@ -322,7 +331,8 @@ class InstanceSession(JobSession):
         # send those pieces through the workers' group instead
         probes = self.instance.call(worker.probe, opts.colocate and opts.peer_copies, timeout_s=opts.timeout_s)
         if not opts.elastic:  # elastic: joins once connected (``connect``)
-            self.client.join(self.instance_id)
+            self.client.join(self.instance_id, liveness_s=self.liveness_s)
+            self._beat()
         for rank, p in enumerate(probes):
             register(self.client, self.spec, "infer", rank, self.engine, self.engine.layout(rank),
                      instance=self.instance_id,
@@ -381,18 +391,32 @@ class InstanceSession(JobSession):
             self.written_bells = open_bells(self.client, names, opts.timeout_s)
         self.instance.call(worker.connect, self.link, timeout_s=worker.call_timeout(opts.timeout_s))
         if opts.elastic:  # a member from now on: the next step the trainers write waits for us
-            got = self.client.join(self.instance_id, incarnation=self.incarnation)
+            got = self.client.join(self.instance_id, incarnation=self.incarnation, liveness_s=self.liveness_s)
+            self._beat()
             self.since = self.client.members()[self.instance_id].since
             log.info("%s joined at topology version %s (members %s), holding steps from %d on", self.who,
                      got["version"], got["instances"], self.since)
+
+    def _beat(self) -> None:
+        """Async, once joined: start the heartbeat (a joined member that stops it is marked gone)."""
+        if self.liveness_s is not None and self.heartbeat is None:
+            self.heartbeat = Heartbeat(self.client, self.instance_id, self.liveness_s, self.incarnation).start()
+
+    def check_alive(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.check()
 
     def close(self) -> None:
         from weightsync.runtime import worker
 
         if self.held_bell is not None:
             self.held_bell.close()
+        beating, self.heartbeat = self.heartbeat, None
+        if beating is not None:
+            beating.stop()
         try:
-            if self.options.elastic and self.connected:  # out from the next step the trainers write
+            # out from the next step the trainers write; async: left, rather than gone once its heartbeat stops
+            if (self.options.elastic and self.connected) or beating is not None:
                 with contextlib.suppress(MetaError):
                     self.client.leave(self.instance_id, reason="closed", incarnation=self.incarnation)
         finally:
@@ -406,9 +430,11 @@ class SessionDriven:
 
     def connect(self):
         """Set the job up (once): register, agree, plan, budget, bells, prove, connect. Call it on every
-        participant at once (each waits for the whole job), or let the first write/update/pull do it."""
+        participant at once (each waits for the whole job), or let the first write/update/pull do it. Every
+        call raises once the MetaServer dropped this instance for silence (async: its heartbeat refused)."""
         if not self.session.connected:
             self.session.setup()
+        self.session.check_alive()
         return self
 
     @property
@@ -428,6 +454,22 @@ def check_instance_id(instance_id: int, instances: int, options: SessionOptions)
             f"only over an elastic transport ({', '.join(elastic_transports())}), or start the job with "
             f"instances={instance_id + 1}"
         )
+
+
+def check_liveness(instance_timeout_s: float | None, options: SessionOptions) -> float | None:
+    """An async instance's heartbeat deadline (``instance_timeout_s``, default ``timeout_s``); None in sync mode."""
+    from weightsync.meta.validate import MAX_LIVENESS_S, MIN_LIVENESS_S
+
+    if options.mode != "async":
+        return None
+    if instance_timeout_s is None:  # the reader's timeout, within what the MetaServer keeps
+        return float(min(max(options.timeout_s, MIN_LIVENESS_S), MAX_LIVENESS_S))
+    liveness = instance_timeout_s
+    if not MIN_LIVENESS_S <= liveness <= MAX_LIVENESS_S:
+        raise ConfigError(f"instance_timeout_s (async: how long the MetaServer waits for an instance's heartbeat "
+                          f"before marking it gone; default timeout_s) must be within [{MIN_LIVENESS_S:g}, "
+                          f"{MAX_LIVENESS_S:g}] s, got {liveness:g}")
+    return float(liveness)
 
 
 def wait_joined(client: MetaClient, count: int, timeout_s: float) -> list[int]:
