@@ -46,7 +46,7 @@ def test_a_silent_member_is_marked_gone_and_a_beating_one_stays(server):
     c.join(0, liveness_s=BEATING)  # beats
     c.join(1, liveness_s=LIVENESS)  # falls silent
     c.join(2)  # no deadline: only a step (sync) notices it
-    c.join(3, liveness_s=LIVENESS)  # reports steps held: that is heard from too
+    c.join(3, liveness_s=BEATING)  # reports steps held (every 0.25 s): that is heard from too
     version = c.instances()["version"]
     beat = Heartbeat(c, 0, BEATING).start()
     try:
@@ -54,7 +54,7 @@ def test_a_silent_member_is_marked_gone_and_a_beating_one_stays(server):
             c.written(step, 0)
             c.held(3, step)
             time.sleep(0.25)
-        gone = wait_state(c, 1, "gone", within=0)
+        gone = wait_state(c, 1, "gone", within=1.0)
         assert gone.state == "gone" and "no heartbeat" in gone.reason and f"liveness_s of {LIVENESS:g} s" in gone.reason
         assert gone.liveness_s == LIVENESS
         members = c.members()
@@ -220,5 +220,5 @@ def test_a_killed_async_instance_is_marked_gone():
     assert live.state == "joined" and live.held == 1 and live.liveness_s == TIMEOUT, live
     # marked within its deadline and a sweep (and the trainer's look): never before the deadline passed
     # (its last word, the step's held report, came a moment before the kill; a beat at most 1/4 deadline)
-    assert KILLED_LIVENESS * 3 / 4 - 0.1 <= seen.after_s < KILLED_LIVENESS + 1.5, seen.after_s
+    assert KILLED_LIVENESS * 3 / 4 - 0.1 <= seen.after_s < KILLED_LIVENESS + 2.5, seen.after_s
     assert final[0].state == "gone" and final[1].state == "left" and final[1].held == 2
