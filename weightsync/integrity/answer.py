@@ -7,21 +7,25 @@ thread posts the rank's per-copy sums of that step once (``integrity.copies.<ran
 are of that step whatever the weights hold by then, so an answer is right even after training moved
 on. Sync writers stay armed from a checked step until their next write (the workers check before
 they report the step held); async writers until their next checked stage (a snapshot's sums are
-posted with it and stay valid that long). Clean steps cost one idle long-poll; only a failed step
-posts more.
+posted with it and stay valid that long). Clean steps cost an idle long-poll (one request a second
+for the first 30 s armed, then one every 10 s); only a failed step posts more. A long-poll wakes the
+moment its ask is posted; a slice's length only delays watching a newly armed step, by at most one
+slice, which the asker's wait (``check.ASK_S``) covers.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from weightsync.integrity import exchange
 from weightsync.integrity.sums import PairSums
 
 log = logging.getLogger("weightsync.integrity")
 
-POLL_S = 1.0  # one long-poll of the ask name; a re-armed answerer watches its new step within this
+POLL_S, SLOW_POLL_S = 1.0, 10.0  # one long-poll of the ask name: the first FAST_S armed, and after
+FAST_S = 30.0
 
 
 class Answerer:
@@ -31,6 +35,7 @@ class Answerer:
         self.client, self.rank = client, rank
         self._cond = threading.Condition()
         self._armed: tuple[int, PairSums] | None = None
+        self._armed_at = 0.0
         self._answered: int | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -38,7 +43,7 @@ class Answerer:
     def arm(self, step: int, copies: PairSums) -> None:
         """Answer asks for ``step`` with ``copies`` (each pair's copy sums, flat in plan order)."""
         with self._cond:
-            self._armed = (step, copies)
+            self._armed, self._armed_at = (step, copies), time.monotonic()
             self._cond.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"weightsync-integrity-answer-{self.rank}",
@@ -64,13 +69,14 @@ class Answerer:
                 if self._closed:
                     return
                 step, copies = self._armed
+                slice_s = POLL_S if time.monotonic() - self._armed_at < FAST_S else SLOW_POLL_S
             if self._answered == step:
                 with self._cond:  # answered: wait for the next arm
                     if self._armed is not None and self._armed[0] == step:
                         self._armed = None
                 continue
             try:
-                who = self.client.lookup(exchange.ask_name(self.rank, step), timeout=POLL_S)
+                who = self.client.lookup(exchange.ask_name(self.rank, step), timeout=slice_s)
             except MetaTimeout:
                 continue
             except MetaAborted:

@@ -80,8 +80,9 @@ class Checked:
     current: bool = True
 
 
-#: how long a worker whose check failed waits for its senders' per-copy sums (the finer exchange)
-ASK_S = 5.0
+#: how long a worker whose check failed waits for its senders' per-copy sums (the finer exchange): a
+#: sender answers at once, or once its answerer's current long-poll slice ended (answer.SLOW_POLL_S)
+ASK_S = 12.0
 
 
 class SentSums:
