@@ -12,9 +12,11 @@ never. On a checked step
   the same over its destination boxes, reads its senders' values and compares, bucket by bucket; a
   staged worker checks its copy before committing it, so a bad step never reaches the live weights.
 
-A mismatch raises :class:`~weightsync.errors.IntegrityError` naming the step, pair, bucket and the
-tensors in it, from the worker, so ``update`` fails and the reader does not report the step held
-(its ``version`` stays None, or the old step when staged).
+A mismatch raises :class:`~weightsync.errors.IntegrityError` from the worker, so ``update`` (or an
+async ``pull``) fails and the reader does not report the step held (its ``version`` stays None, or
+the old step when staged). Before raising, the finer exchange (:mod:`.answer`, on a mismatch only)
+fetches the senders' per-copy sums, so the error names the exact tensors, boxes and (one flipped bit,
+:mod:`.locate`) the element. Async pulls compare with the sums posted with the staged snapshot.
 """
 
 from __future__ import annotations
