@@ -272,7 +272,8 @@ def test_one_flipped_bit_is_located_to_its_element_and_bit_in_every_dtype():
     from weightsync.integrity.sums import Region
 
     g = torch.Generator().manual_seed(5)
-    for dtype, ints_of in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32), (torch.float8_e4m3fn, torch.int8)):
+    for dtype, ints_of in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32),
+                           (torch.float8_e4m3fn, torch.int8)):
         full = (torch.randn(40, 96, generator=g) * 3).to(dtype)
         view = full[3:23, 8:72]  # a strided destination box [3:23, 8:72]
         region, bits = Region("t", ((3, 20), (8, 64)), None, 777), full.element_size() * 8

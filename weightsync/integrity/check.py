@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.errors import ConfigError, IntegrityError
+from weightsync.errors import ConfigError, IntegrityError, MetaError
 from weightsync.integrity import exchange
 from weightsync.integrity.locate import BadCopy, bad_copies
 from weightsync.integrity.sums import PairSums, StepSums, SumPlan, destination_dtypes, step_sums, sum_plan
@@ -40,7 +40,7 @@ log = logging.getLogger("weightsync.integrity")
 def agree(people: list[dict], mine: int, client=None) -> None:
     """Refuse a job whose participants registered different cadences (a worker would wait for sums no
     trainer posts), aborting it through ``client`` so every peer stops at once."""
-    from weightsync.errors import JobMismatch, MetaError
+    from weightsync.errors import JobMismatch
     from weightsync.runtime.job import check_agreement
 
     try:
@@ -171,7 +171,6 @@ def mismatch_error(step: int, who: str, plan: SumPlan, bad: list[tuple[Pair, int
     (``copies``), else every differing bucket with the tensors it holds (``why_not``: why not exact)."""
     pair, k = bad[0]
     b, regions = plan.buckets[pair][k]
-    pairs = sorted({p for p, _ in bad})
     where = f"training rank {pair[0]} -> instance {pair[1]} rank {pair[2]}"
     if copies:
         listed = "; ".join(c.describe() for c in copies[:8]) + (f"; and {len(copies) - 8} more copies"
@@ -187,7 +186,8 @@ def mismatch_error(step: int, who: str, plan: SumPlan, bad: list[tuple[Pair, int
     tensors = sorted({r.tensor for r in regions})
     listed = ", ".join(tensors[:6]) + (f" and {len(tensors) - 6} more" if len(tensors) > 6 else "")
     more = f" ({len(bad)} buckets differ in all: " + ", ".join(
-        f"training rank {p[0]} bucket {plan.buckets[p][kk][0].index}" for p, kk in bad[:8]) + ")" if len(bad) > 1 else ""
+        f"training rank {p[0]} bucket {plan.buckets[p][kk][0].index}" for p, kk in bad[:8]) + ")" \
+        if len(bad) > 1 else ""
     return IntegrityError(
         f"{who}: step {step}: what landed differs from what training rank {pair[0]} sent in bucket {b.index} "
         f"({b.nbytes} bytes, {len(b.copies)} copies into {listed}) of {where}{more}; which of these tensors "
@@ -209,11 +209,14 @@ def locate(client, step: int, who: str, plan: SumPlan, bad: list[tuple[Pair, int
     """The finer exchange of a failed step: ask every sender of a differing bucket for its per-copy sums
     and name the copies that differ; ``(None, why)`` where they did not answer within ``wait_s``."""
     srcs = sorted({p[0] for p, _ in bad})
-    for src in srcs:
-        exchange.ask(client, src, step, who)
+    try:
+        for src in srcs:
+            exchange.ask(client, src, step, who)
+    except MetaError as e:
+        return None, f"asking for the per-copy sums failed: {e}"
     try:
         sent = exchange.fetch(client, srcs, step, wait_s, kind=exchange.COPIES, stale_ok=True)
-    except IntegrityError:
+    except (IntegrityError, MetaError):  # not answered in time, or the job ended meanwhile: name the buckets
         sent = None
     if sent is None:
         return None, f"training ranks {srcs} did not answer with their per-copy sums within {wait_s:g} s"

@@ -85,7 +85,8 @@ def single_flip(diff: int, region: Region, shape: tuple[int, ...], itemsize: int
 
 
 def bad_copies(plan: SumPlan, buckets: list[tuple[Pair, int]], sent: Mapping[Pair, tuple[int, ...]],
-               landed: Mapping[Pair, tuple[tuple[int, ...], ...]], targets: Mapping[str, torch.Tensor]) -> list[BadCopy]:
+               landed: Mapping[Pair, tuple[tuple[int, ...], ...]],
+               targets: Mapping[str, torch.Tensor]) -> list[BadCopy]:
     """Every copy of the listed ``(pair, bucket number)`` whose landed sum differs from the sent one
     (``sent``: the sender's copy sums of each pair, flat in plan order; ``landed``: per bucket)."""
     out = []

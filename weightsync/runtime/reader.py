@@ -237,7 +237,8 @@ class WeightReader(SessionDriven):
                 self.version = None
             self.instance.pause()
             try:
-                results = self.instance.call(worker.pull, self.staged, check, timeout_s=worker.call_timeout(self.timeout_s))
+                results = self.instance.call(worker.pull, self.staged, check,
+                                             timeout_s=worker.call_timeout(self.timeout_s))
                 steps = set().union(*(r.steps for r in results))
                 if len(steps) == 1 and check is not None and check.due(next(iter(steps))):
                     if not self._verify_pulled(next(iter(steps)), check):
@@ -269,7 +270,8 @@ class WeightReader(SessionDriven):
         IntegrityError (staged: nothing committed, the old version stays; live: no version). False where
         the snapshot's sums already moved on (not compared: the caller pulls again)."""
         ti = time.perf_counter()
-        done = self.instance.call(worker.verify, step, check, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
+        done = self.instance.call(worker.verify, step, check, self.staged,
+                                  timeout_s=worker.call_timeout(self.timeout_s))
         self._integrity_s = time.perf_counter() - ti
         if not all(c.current for c in done):
             return False
