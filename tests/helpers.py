@@ -71,9 +71,10 @@ def nixl_missing() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port held for the rendezvous that will listen on it (see weightsync.transport.group.free_port)."""
+    from weightsync.transport.group import free_port as held_port
+
+    return held_port()
 
 
 def same(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -26,20 +26,52 @@ backends' ``_Options`` fields (stable since torch 2.0; vLLM relies on the same o
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
+from weightsync.errors import ConfigError
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+# (deadline, socket) of the ports free_port handed out lately, held bound until their listener has had time to bind
+_HELD: list[tuple[float, socket.socket]] = []
+_HELD_LOCK = threading.Lock()
+HOLD_S = 120.0
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (for tests; a tiny race with other processes is accepted)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nobody listens on, held back for the rendezvous that will listen on it.
+
+    Binding port 0 and closing the socket is not enough: until the store binds the port (rank 0
+    starts, imports torch: seconds on a loaded machine) the kernel may hand the same port to any
+    other ``bind(0)`` on the host -- another job's ``free_port`` or one of gloo's own listeners --
+    and two groups then meet in one store, or rank 0 dies on ``EADDRINUSE`` while its peers talk
+    to a stranger (gloo reports ``Connection closed by peer`` at connectFullMesh). So the port stays
+    bound (all addresses, ``SO_REUSEADDR``, not listening) in this process for :data:`HOLD_S`
+    seconds: no ``bind(0)`` or ``connect()`` on the host is given it, while a listener that asks for
+    it by number with ``SO_REUSEADDR`` (TCPStore, vLLM's server) binds it at once. A listener
+    without ``SO_REUSEADDR`` cannot take it while it is held."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    now = time.monotonic()
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+        port = s.getsockname()[1]
+    except BaseException:
+        s.close()
+        raise
+    with _HELD_LOCK:
+        for _, old in [h for h in _HELD if h[0] <= now]:
+            old.close()
+        _HELD[:] = [h for h in _HELD if h[0] > now] + [(now + HOLD_S, s)]
+    return port
 
 
 def route_address(peer: str) -> str:
@@ -81,14 +113,23 @@ def new_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world of {world_size}")
     timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,  # the master must not block here: its peers may start later
-    )
+    try:
+        store = TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,  # the master must not block here: its peers may start later
+        )
+    except dist.DistNetworkError as e:
+        if rank == 0 and ("EADDRINUSE" in str(e) or "already in use" in str(e)):
+            raise ConfigError(
+                f"group {name!r}: rank 0 cannot serve the rendezvous on port {port}: another process listens "
+                "there (its peers would join that process's store); take the port from free_port(), which "
+                "holds it for this rendezvous, or pick one nothing else on the host uses"
+            ) from e
+        raise
     prefixed = PrefixStore(f"{name}/", store)
     pg = ProcessGroup(prefixed, rank, world_size)
     if backend == "gloo":
