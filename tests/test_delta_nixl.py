@@ -37,14 +37,15 @@ def poisoned(layout) -> dict[str, torch.Tensor]:
 class Job:
     """Real NixlSender/NixlReceiver pairs with delta=True; ``canon[step]`` the step's canonical weights."""
 
-    def __init__(self, url: str, train: str = "fsdp:dp=2", sender_instances: int = 2, mode: str = "sync"):
+    def __init__(self, url: str, train: str = "fsdp:dp=2", sender_instances: int = 2, mode: str = "sync",
+                 bucket_bytes: int = 4096):
         from weightsync.transport.nixl import NixlReceiver, NixlSender
 
         self.spec = load_spec("tiny-qwen3")
         self.src, self.dst = make_layout(self.spec, train), make_layout(self.spec, "vllm:tp=2")
-        self.planner = Planner(self.src, self.dst, 2, bucket_bytes=4096)
+        self.planner = Planner(self.src, self.dst, 2, bucket_bytes=bucket_bytes)
         # an elastic trainer plans one instance slot (weightsync.runtime.session)
-        sending = Planner(self.src, self.dst, sender_instances, bucket_bytes=4096)
+        sending = Planner(self.src, self.dst, sender_instances, bucket_bytes=bucket_bytes)
         job = f"dnixl-{uuid.uuid4().hex[:8]}"
         self.link = MetaLink(url, job)
         self.client = MetaClient(url, job, timeout=TIMEOUT_S)
@@ -155,6 +156,36 @@ def test_deltas_bit_exact_gap_falls_back_alone(job):
     assert rx.delta.last_full and not job.wrong(k1, 7, staged) and not job.wrong(k1, 6)
 
 
+def test_sync_payloads_re_encoded_under_the_read_raise_and_heal(job):
+    """A trainer encoding its next step while a worker reads this one's payloads (an elastic trainer
+    that dropped the slow worker and went on): nothing torn is applied, the receive raises naming the
+    trainer, and that worker's next receive reads in full, bit-exact."""
+    from weightsync.delta.nixl import Restaged
+
+    step = max(job.canon) + 1
+    job.write(step)
+    for k, rx in job.receivers.items():
+        rx.receive(step, job.targets[k])
+    k = (1, 0)
+    rx = job.receivers[k]
+    job.write(step + 1)
+    real = rx.delta._apply
+
+    def racing(plan, targets):
+        job.write(step + 2)
+        return real(plan, targets)
+
+    rx.delta._apply = racing
+    try:
+        with pytest.raises(Restaged, match=r"training rank \d -> instance 1 rank 0: the trainer encoded a new delta"):
+            rx.receive(step + 1, job.targets[k])
+    finally:
+        del rx.delta._apply
+    assert rx.delta.version is None
+    rx.receive(step + 2, job.targets[k])
+    assert rx.delta.last_full and not job.wrong(k, step + 2), job.wrong(k, step + 2)
+
+
 def test_memory_counts_the_previous_version_and_the_region(job):
     from weightsync.delta.nixl import region_bytes
     from weightsync.delta.state import previous_bytes
@@ -190,7 +221,7 @@ def test_a_bucket_the_trainer_did_not_plan_reads_in_full(meta):
 
 @pytest.fixture(scope="module")
 def async_job(meta):
-    j = Job(meta, mode="async")
+    j = Job(meta, mode="async", bucket_bytes=16 << 10)  # fewer buckets: every pull proves each one
     try:
         yield j
     finally:
@@ -217,35 +248,28 @@ def test_async_pulls_read_deltas_only_on_the_staged_base(async_job):
     job.write(1)  # nobody holds a base
     for k in job.receivers:
         pulled(job, k, 1, "full")
-    for step in (2, 3):  # every worker holds the step before the snapshot's
-        job.write(step)
-        for k in job.receivers:
-            pulled(job, k, step, "delta")
-    pulled(job, (0, 0), 3, "none")  # the same snapshot again: it proves it holds it, reads nothing
-    job.write(4)  # instance 1 does not pull 4: at 5 it holds 3, the delta's base is 4
+    job.write(2)  # every worker holds the step before the snapshot's
+    for k in job.receivers:
+        pulled(job, k, 2, "delta")
+    pulled(job, (0, 0), 2, "none")  # the same snapshot again: it proves it holds it, reads nothing
+    job.write(3)  # instance 1 does not pull 3: at 4 it holds 2, the delta's base is 3
     for k in job.receivers:
         if k[0] == 0:
-            pulled(job, k, 4, "delta")
-    job.write(5)
+            pulled(job, k, 3, "delta")
+    job.write(4)
     for k in job.receivers:
-        pulled(job, k, 5, "full" if k[0] == 1 else "delta")
-    job.write(6)  # staged twice between pulls: nobody holds 6, the base of 7
-    job.write(7)
-    for k in job.receivers:
-        pulled(job, k, 7, "full")
+        pulled(job, k, 4, "full" if k[0] == 1 else "delta")
     # a staged copy (other tensors, poisoned) proves nothing: full, the live tensors untouched
-    job.write(8)
+    job.write(5)
     staged = poisoned(job.dst.layout(1))
-    pulled(job, (1, 1), 8, "full", targets=staged)
-    assert not job.wrong((1, 1), 7)
-    for k in job.receivers:
-        if k != (1, 1):
-            pulled(job, k, 8, "delta")
-    # at 9 (base 8) that worker's version is the base, but its live tensors hold 7: the checksums
+    pulled(job, (1, 1), 5, "full", targets=staged)
+    assert not job.wrong((1, 1), 4)
+    pulled(job, (1, 0), 5, "delta")
+    # at 6 (base 5) that worker's version is the base, but its live tensors hold 4: the checksums
     # disagree, so it reads in full, alone
-    job.write(9)
-    for k in job.receivers:
-        pulled(job, k, 9, "full" if k == (1, 1) else "delta")
+    job.write(6)
+    pulled(job, (1, 1), 6, "full")
+    pulled(job, (1, 0), 6, "delta")
 
 
 @pytest.mark.parametrize("when", ["under the payload reads", "after applying"])
@@ -253,23 +277,22 @@ def test_async_pull_torn_by_a_restage_is_a_mix_then_reads_in_full(async_job, whe
     """The trainer stages the next snapshot while a worker pulls this one's delta -- before its payload
     reads (they would read the new encoding: nothing is applied) or after it applied them (the data is
     whole, but the header moved): the pull reports a mix, never the step, and the next pull reads in
-    full, bit-exact; the other workers prove the new base and read deltas."""
+    full, bit-exact."""
     job = async_job
+    k = (0, 1)
+    rx = job.receivers[k]
     step = max(job.canon) + 1
     job.write(step)
-    k = (0, 1)
-    for other in job.receivers:
-        if other != k:
-            pulled(job, other, step, "delta")
-    rx = job.receivers[k]
+    rx.pull(job.targets[k])  # whole: the base of the next snapshot
+    job.write(step + 1)
     real = rx.delta._apply
 
     def racing(plan, targets):
         if when == "after applying":
             moved = real(plan, targets)
-            job.write(step + 1)
+            job.write(step + 2)
             return moved
-        job.write(step + 1)  # staged between reading the index and reading the payloads
+        job.write(step + 2)  # staged between reading the index and reading the payloads
         return real(plan, targets)
 
     rx.delta._apply = racing
@@ -277,13 +300,10 @@ def test_async_pull_torn_by_a_restage_is_a_mix_then_reads_in_full(async_job, whe
         p = rx.pull(job.targets[k])
     finally:
         del rx.delta._apply
-    assert p.steps == {step, -1} and not rx.delta.last_full and rx.delta.version is None, p.steps
+    assert p.steps == {step + 1, -1} and not rx.delta.last_full and rx.delta.version is None, p.steps
     if when == "after applying":
-        assert not job.wrong(k, step)  # whole, yet not reported: the header moved
-    pulled(job, k, step + 1, "full")
-    for other in job.receivers:
-        if other != k:
-            pulled(job, other, step + 1, "delta")
+        assert not job.wrong(k, step + 1)  # whole, yet not reported: the header moved
+    pulled(job, k, step + 2, "full")
 
 
 def test_async_writer_and_readers_with_delta(meta):
@@ -297,13 +317,13 @@ def test_async_writer_and_readers_with_delta(meta):
     from test_elastic import ThreadInstance, TrainRank
 
     spec = load_spec("tiny-qwen3")
-    engine = make_layout(spec, "fsdp:dp=2")
+    engine = make_layout(spec, "hf")
     gen = torch.Generator().manual_seed(5)
     canon = {0: random_canonical(spec, seed=3)}
     ranks = [TrainRank(engine, r, engine.layout(r), scatter(engine.layout(r), canon[0]), spec)
              for r in range(engine.world_size)]
     kw = dict(meta=meta, job=f"dasync-{uuid.uuid4().hex[:8]}", transport="nixl", mode="async", delta=True,
-              bucket_bytes=4096, timeout_s=20.0)
+              bucket_bytes=32 << 10, timeout_s=20.0)
     writers = [WeightWriter(r, **kw) for r in ranks]
     instances = [ThreadInstance(spec, "vllm:tp=2") for _ in range(2)]
     readers = [WeightReader(inst, instance_id=i, instances=2, staged=i == 1, **kw) for i, inst in enumerate(instances)]
@@ -340,19 +360,18 @@ def test_async_writer_and_readers_with_delta(meta):
         for i in (0, 1):
             moved, full = pull(i, 1)
             assert moved == full > 0
-        for step in (2, 3):
-            write(step)
-            for i in (0, 1):
-                moved, full = pull(i, step)
-                assert 0 < moved < 0.2 * full, (i, step, moved, full)
-        write(4)  # instance 1 skips 4
-        moved, full = pull(0, 4)
+        write(2)
+        for i in (0, 1):
+            moved, full = pull(i, 2)
+            assert 0 < moved < 0.2 * full, (i, moved, full)
+        write(3)  # instance 1 skips 3
+        moved, full = pull(0, 3)
         assert 0 < moved < 0.2 * full, (moved, full)
-        assert pull(0, 4)[0] == 0  # the same snapshot again: it proves it holds it and reads nothing
-        write(5)
-        moved, full = pull(1, 5)
+        assert pull(0, 3)[0] == 0  # the same snapshot again: it proves it holds it and reads nothing
+        write(4)
+        moved, full = pull(1, 4)
         assert moved == full, (moved, full)
-        moved, full = pull(0, 5)
+        moved, full = pull(0, 4)
         assert 0 < moved < 0.2 * full, (moved, full)
     finally:
         for x in [*readers, *writers]:

@@ -174,6 +174,18 @@ class Planned:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Read:
+    """One READ from one peer: local and remote ``(addr, nbytes, device)`` descriptors."""
+
+    rank: int
+    local: list
+    local_mem: str
+    remote: list
+    remote_mem: str
+    what: Planned | None = None  # the first payload it carries (for errors), None for an index
+
+
 class DeltaNixlReceiver:
     """A worker's side: proves its base from each peer's index, then READs and applies the payloads."""
 
@@ -226,19 +238,24 @@ class DeltaNixlReceiver:
         mem, dev = _mem(device)
         self._regs.append(_register(self.rx.agent, _storages([self._scratch]), mem, dev))
 
-    def _read_index(self, r: int) -> torch.Tensor | None:
+    def _read_indexes(self) -> dict[int, torch.Tensor] | None:
+        """Every peer's index, read at once (None: a peer runs without delta)."""
         from weightsync.transport.nixl import _register, _storages
 
-        rt = self.rx.peers[r].doc.tensors.get(INDEX)
-        if rt is None:
-            return None  # that trainer runs without delta
-        buf = self._index.get(r)
-        if buf is None:
-            buf = self._index[r] = torch.zeros(rt.shape[0], dtype=torch.int64)
-            self._regs.append(_register(self.rx.agent, _storages([buf]), "DRAM", 0))
-        buf.fill_(0)
-        self._xfer(r, [(buf.data_ptr(), buf.numel() * 8, 0)], "DRAM", [(rt.addr, buf.numel() * 8, 0)], "DRAM", None)
-        return buf
+        reads = []
+        for r in self.rx.peer_ranks:
+            rt = self.rx.peers[r].doc.tensors.get(INDEX)
+            if rt is None:
+                return None  # that trainer runs without delta
+            buf = self._index.get(r)
+            if buf is None:
+                buf = self._index[r] = torch.zeros(rt.shape[0], dtype=torch.int64)
+                self._regs.append(_register(self.rx.agent, _storages([buf]), "DRAM", 0))
+            buf.fill_(0)
+            n = buf.numel() * 8
+            reads.append(Read(r, [(buf.data_ptr(), n, 0)], "DRAM", [(rt.addr, n, 0)], "DRAM"))
+        self._reads(reads)
+        return {r: self._index[r] for r in self.rx.peer_ranks}
 
     def _plan(self, step: int, held: int, targets: Mapping[str, torch.Tensor]) -> list[Planned] | None:
         """The payloads to READ when this worker proves the base of every bucket, else None (read full).
@@ -250,10 +267,10 @@ class DeltaNixlReceiver:
         self._buffers(device)
         slots: dict[int, dict[int, tuple[int, int, int, int, int, int]]] = {}
         holds: dict[int, bool] = {}
-        for r in self.rx.peer_ranks:
-            idx = self._read_index(r)
-            if idx is None:
-                return None
+        indexes = self._read_indexes()
+        if indexes is None:
+            return None
+        for r, idx in indexes.items():
             v = idx.tolist()
             self._heads[r] = (v[0], v[1])
             holds[r] = v[1] == held
@@ -304,10 +321,12 @@ class DeltaNixlReceiver:
             for p, o in batch:
                 if p.nbytes:
                     by_peer.setdefault(p.pair[0], []).append((p, o))
+            reads = []
             for r, items in by_peer.items():
                 doc = self.rx.peers[r].doc
-                self._xfer(r, [(self._scratch.data_ptr() + o, p.nbytes, dev) for p, o in items], mem,
-                           [(p.addr, p.nbytes, doc.device) for p, _ in items], doc.mem, items[0][0])
+                reads.append(Read(r, [(self._scratch.data_ptr() + o, p.nbytes, dev) for p, o in items], mem,
+                                  [(p.addr, p.nbytes, doc.device) for p, _ in items], doc.mem, items[0][0]))
+            self._reads(reads)  # every peer's payloads of the batch at once
             self._unchanged(by_peer, done[0])  # before applying: a torn payload could index out of bounds
             for p, o in batch:
                 w = self.words[(p.pair, p.bucket.index)]
@@ -342,10 +361,10 @@ class DeltaNixlReceiver:
         A trainer bumps its index's ``seq`` (odd) before it writes a new delta into the region, and
         this re-reads it only after the payload READs completed: unchanged, no payload byte was
         overwritten under them (the seqlock argument of the async header, applied to the region)."""
+        self._reads([Read(r, [(self._index[r].data_ptr(), 16, 0)], "DRAM",
+                          [(self.rx.peers[r].doc.tensors[INDEX].addr, 16, 0)], "DRAM") for r in peers])
         for r in peers:
             buf = self._index[r]
-            rt = self.rx.peers[r].doc.tensors[INDEX]
-            self._xfer(r, [(buf.data_ptr(), 16, 0)], "DRAM", [(rt.addr, 16, 0)], "DRAM", None)
             got = (int(buf[0]), int(buf[1]))
             if got != self._heads[r]:
                 ctx = self.rx.ctx
@@ -354,23 +373,29 @@ class DeltaNixlReceiver:
                                f"{self._heads[r][1]} were read; nothing of them applied, the step is not whole",
                                moved, r, (r, ctx.instance, ctx.rank))
 
-    def _xfer(self, r: int, local: list, local_mem: str, remote: list, remote_mem: str, what: Planned | None) -> None:
+    def _reads(self, reads: list[Read]) -> None:
+        """Post every read (one per peer, in flight together: one round trip, not one per peer), wait
+        for all, release them."""
         agent = self.rx.agent
-        pair = what.pair if what is not None else (r, self.rx.ctx.instance, self.rx.ctx.rank)
-        bucket = what.bucket.index if what is not None else None
+        handles = []
         try:
-            h = agent.initialize_xfer("READ", agent.get_xfer_descs(local, local_mem),
-                                      agent.get_xfer_descs(remote, remote_mem), self.rx.remote[r])
-        except Exception as e:  # noqa: BLE001 - NIXL's own error types
-            raise self.rx._error(pair, bucket, e) from e
-        try:
-            self.rx._post(h, pair, bucket)
-            self.rx._wait([(h, pair, bucket)])
+            for rd in reads:
+                pair = rd.what.pair if rd.what is not None else (rd.rank, self.rx.ctx.instance, self.rx.ctx.rank)
+                bucket = rd.what.bucket.index if rd.what is not None else None
+                try:
+                    h = agent.initialize_xfer("READ", agent.get_xfer_descs(rd.local, rd.local_mem),
+                                              agent.get_xfer_descs(rd.remote, rd.remote_mem), self.rx.remote[rd.rank])
+                except Exception as e:  # noqa: BLE001 - NIXL's own error types
+                    raise self.rx._error(pair, bucket, e) from e
+                handles.append((h, pair, bucket))
+                self.rx._post(h, pair, bucket)
+            self.rx._wait(handles)
         finally:
-            try:
-                h.release()
-            except Exception:  # noqa: BLE001 - tearing down
-                pass
+            for h, _, _ in handles:
+                try:
+                    h.release()
+                except Exception:  # noqa: BLE001 - tearing down
+                    pass
 
     def close(self) -> None:
         agent = getattr(self.rx, "agent", None)
