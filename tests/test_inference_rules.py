@@ -6,10 +6,34 @@ from weightsync.engines import make_layout
 from weightsync.errors import ConfigError
 from weightsync.spec import load_spec
 from weightsync.testing import coverage_problems
+from helpers import tiny
 
 
-def shapes(model, engine, rank=0):
-    return {n: t.shape for n, t in make_layout(load_spec(model), engine).layout(rank).tensors.items()}
+def shapes(model, engine, rank=0, layers=None):
+    """Rank ``rank``'s tensor shapes; ``layers`` keeps only the first decoder layers of the model."""
+    spec = load_spec(model) if layers is None else tiny(model, num_hidden_layers=layers)
+    return {n: t.shape for n, t in make_layout(spec, engine).layout(rank).tensors.items()}
+
+
+# The real models below keep their first 4 decoder layers (deepseek-v3: 3 dense, then MoE), where the asserted
+# tensors live: the layout rules are per tensor and depth only adds layers, so the shapes are the full model's.
+# A whole real model's layout costs seconds (deepseek-v3: 45k tensors, 7 s a rank on CI); this one, 0.1 s.
+# test_depth_changes_no_shape checks the premise on every config used here.
+REAL = 4
+REAL_CONFIGS = [
+    ("llama3-8b", "vllm:tp=4"), ("llama3-8b", "vllm:tp=16"), ("qwen3-0.6b", "vllm:tp=1"),
+    ("qwen3-30b-a3b", "vllm:tp=4,dp=2"), ("qwen3-30b-a3b", "vllm:tp=4,ep=4"),
+    ("deepseek-v3", "vllm:tp=8"), ("deepseek-v3", "vllm:tp=8,ep=8"),
+    ("deepseek-v3", "sglang:tp=8"), ("deepseek-v3", "sglang:tp=8,ep=8"), ("deepseek-v3", "sglang:tp=8,fuse_shared=0"),
+]
+
+
+@pytest.mark.parametrize("model,engine", REAL_CONFIGS)
+def test_depth_changes_no_shape(model, engine):
+    """The first layers' shapes are the same with twice the depth (and the model-wide tensors too)."""
+    short, deeper = shapes(model, engine, layers=REAL), shapes(model, engine, layers=2 * REAL)
+    assert short and all(deeper[n] == s for n, s in short.items())
+    assert set(deeper) - set(short) == {n for n in deeper if any(f".layers.{i}." in n for i in range(REAL, 2 * REAL))}
 
 
 def pieces(model, engine, rank, tensor):
@@ -34,19 +58,19 @@ def test_every_element_once_per_replica(model, engine):
 
 def test_vllm_worked_shapes_for_real_models():
     # the worked examples in docs/engines.md, from vLLM 0.33.0's source
-    s = shapes("llama3-8b", "vllm:tp=4")
+    s = shapes("llama3-8b", "vllm:tp=4", layers=REAL)
     assert s["model.embed_tokens.weight"] == (32064, 4096)
     assert s["model.layers.0.self_attn.qkv_proj.weight"] == (1536, 4096)
     assert s["model.layers.0.mlp.gate_up_proj.weight"] == (7168, 4096)
     assert s["model.layers.0.mlp.down_proj.weight"] == (4096, 3584)
-    assert shapes("llama3-8b", "vllm:tp=16")["model.layers.0.self_attn.qkv_proj.weight"] == (512, 4096)
-    assert "lm_head.weight" not in shapes("qwen3-0.6b", "vllm:tp=1")
-    s = shapes("qwen3-30b-a3b", "vllm:tp=4,dp=2")
+    assert shapes("llama3-8b", "vllm:tp=16", layers=REAL)["model.layers.0.self_attn.qkv_proj.weight"] == (512, 4096)
+    assert "lm_head.weight" not in shapes("qwen3-0.6b", "vllm:tp=1", layers=REAL)
+    s = shapes("qwen3-30b-a3b", "vllm:tp=4,dp=2", layers=REAL)
     assert s["model.layers.0.mlp.experts.routed_experts.w13_weight"] == (128, 192, 2048)
     assert s["model.layers.0.mlp.experts.routed_experts.w2_weight"] == (128, 2048, 96)
-    s = shapes("qwen3-30b-a3b", "vllm:tp=4,ep=4")
+    s = shapes("qwen3-30b-a3b", "vllm:tp=4,ep=4", layers=REAL)
     assert s["model.layers.0.mlp.experts.routed_experts.w13_weight"] == (32, 1536, 2048)
-    s = shapes("deepseek-v3", "vllm:tp=8")
+    s = shapes("deepseek-v3", "vllm:tp=8", layers=REAL)
     assert s["model.layers.0.self_attn.fused_qkv_a_proj.weight"] == (2112, 7168)
     assert s["model.layers.0.self_attn.q_b_proj.weight"] == (3072, 1536)
     assert s["model.layers.0.self_attn.kv_b_proj.weight"] == (4096, 512)
@@ -54,7 +78,7 @@ def test_vllm_worked_shapes_for_real_models():
     assert s["model.layers.0.mlp.gate_up_proj.weight"] == (4608, 7168)
     assert s["model.layers.3.mlp.shared_experts.gate_up_proj.weight"] == (512, 7168)
     assert s["model.layers.3.mlp.experts.routed_experts.w13_weight"] == (256, 512, 7168)
-    s = shapes("deepseek-v3", "vllm:tp=8,ep=8")
+    s = shapes("deepseek-v3", "vllm:tp=8,ep=8", layers=REAL)
     assert s["model.layers.3.mlp.experts.routed_experts.w13_weight"] == (32, 4096, 7168)
 
 
@@ -84,14 +108,14 @@ def test_vllm_uneven_experts_go_to_first_ranks():
 
 
 def test_sglang_fuses_the_shared_expert_by_default_without_ep():
-    s = shapes("deepseek-v3", "sglang:tp=8")
+    s = shapes("deepseek-v3", "sglang:tp=8", layers=REAL)
     assert s["model.layers.3.mlp.experts.w13_weight"] == (257, 512, 7168)
     assert "model.layers.3.mlp.shared_experts.gate_up_proj.weight" not in s
-    s = shapes("deepseek-v3", "sglang:tp=8,ep=8")
+    s = shapes("deepseek-v3", "sglang:tp=8,ep=8", layers=REAL)
     assert s["model.layers.3.mlp.experts.w13_weight"] == (32, 4096, 7168)
     assert s["model.layers.3.mlp.shared_experts.gate_up_proj.weight"] == (512, 7168)
     assert s["model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight"] == (2112, 7168)
-    s = shapes("deepseek-v3", "sglang:tp=8,fuse_shared=0")
+    s = shapes("deepseek-v3", "sglang:tp=8,fuse_shared=0", layers=REAL)
     assert s["model.layers.3.mlp.experts.w13_weight"] == (256, 512, 7168)
 
 
