@@ -40,7 +40,19 @@ def build_instance(spec: ModelSpec, engine: str, device: str = "cpu", seed: int 
         return LocalInstance(HFInstance(model), model)
     from weightsync.instances.faithful import FaithfulInstance
 
-    return LocalInstance(FaithfulInstance(dict(spec.config), engine, device=device, fill=float("nan")))
+    return LocalInstance(FaithfulInstance(dict(spec.config), engine, device=device, fill=float("nan"),
+                                          start_method=worker_start_method()))
 
 
-__all__ = ["LocalInstance", "build_instance"]
+def worker_start_method() -> str:
+    """How a local instance starts its worker processes: forked from a forkserver that imported torch once
+    (where the platform has one: each worker then costs a fork, not a fresh interpreter importing torch),
+    else ``spawn``. ``WEIGHTSYNC_WORKER_START_METHOD`` overrides it."""
+    import multiprocessing as mp
+    import os
+
+    return os.environ.get("WEIGHTSYNC_WORKER_START_METHOD") or (
+        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+
+
+__all__ = ["LocalInstance", "build_instance", "worker_start_method"]

@@ -44,8 +44,9 @@ _LAST_WORDS_S = 1.0  # how long it then reads what may still be in flight from t
 
 
 #: what the fork server imports once, so each participant forks with it in memory rather than importing it
-#: again (torch alone is ~1.6 s of CPU a process)
-PRELOAD = ["torch", "weightsync.runtime.writer", "weightsync.runtime.reader"]
+#: again (torch alone is ~1.6 s of CPU a process; :mod:`weightsync.local.preload`: transformers' and
+#: megatron-core's modelling code, on a CPU-only torch build)
+PRELOAD = ["torch", "weightsync.runtime.writer", "weightsync.runtime.reader", "weightsync.local.preload"]
 
 
 def participant_context(start_method: str | None = None):
