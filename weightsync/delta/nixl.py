@@ -8,8 +8,9 @@ buckets to several instances with one source layout share one encoding, one
 once at its worst case, a full bucket per distinct bucket, and counted with the previous version in
 the sender's :class:`~weightsync.transport.base.Buffers`), and stamps a registered *index*: ``(seq,
 step, base step, slots)`` then per slot ``(signature hash, offset, kind, count, base checksum,
-this step's checksum)`` (a kind of -1: no delta this step). Both are published as two extra entries of the rank's descriptor
-document (:data:`REGION`, :data:`INDEX`), so a worker needs no new rendezvous.
+this step's checksum)`` (a kind of -1: no delta this step). Both are published as two extra
+entries of the rank's descriptor document (:data:`REGION`, :data:`INDEX`), so a worker needs no new
+rendezvous.
 
 A worker READs each peer's index after the step was announced, and takes the delta path only when
 it proves it holds the base of every bucket it receives: its version (the step it last received
