@@ -6,6 +6,7 @@ Run as a script (``python tests/test_fsdp_layout.py worker JSON``) it is one ran
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from weightsync.engines import make_layout  # noqa: E402
@@ -240,14 +242,28 @@ def test_shards_are_analytic():
 # Live: real FSDP2 (+TP) on gloo
 
 
-def run_world(world: int, job: dict, timeout: float = 150) -> None:
+# each live case on the first dp*tp ranks of ONE 4-process world (sub-meshes; the other ranks wait): the
+# process starts and the torch/transformers imports were most of the cost, 9 processes for 3 cases before
+LIVE = {
+    "dp2": {"dp": 2, "tp": 1, "models": [preset("tiny-qwen3"), preset("tiny-qwen3-moe"), preset("tiny-deepseek-v3")]},
+    # vocab 250 -> 84/84/82, hidden 64 -> 22/22/20, head_dim 16 -> 6/6/4; 4 experts -> 2/2/EMPTY
+    "dp3-uneven": {"dp": 3, "tp": 1, "models": [variant("tiny-qwen3-moe", num_experts=4), preset("tiny-deepseek-v3")]},
+    # llama3: vocab 250 -> TP 125 -> FSDP 63/62 ; qwen2: q/k/v biases ; qwen3: tied + q/k norms
+    "dp2-tp2": {"dp": 2, "tp": 2, "models": [preset("tiny-llama3"), preset("tiny-qwen2"), preset("tiny-qwen3")]},
+}
+LIVE_WORLD = max(c["dp"] * c["tp"] for c in LIVE.values())
+
+
+@functools.lru_cache(maxsize=None)
+def run_world(timeout: float = 300) -> tuple[str, ...]:
+    """Every live case in one world of LIVE_WORLD processes; each rank's output."""
     port = _free_port()
     procs = []
-    for rank in range(world):
+    for rank in range(LIVE_WORLD):
         env = dict(
             os.environ,
             RANK=str(rank),
-            WORLD_SIZE=str(world),
+            WORLD_SIZE=str(LIVE_WORLD),
             LOCAL_RANK=str(rank),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -257,14 +273,14 @@ def run_world(world: int, job: dict, timeout: float = 150) -> None:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, __file__, "worker", json.dumps(job)],
+                [sys.executable, __file__, "worker", json.dumps({"cases": LIVE})],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
             )
         )
-    outs, failed = [], False
+    outs = []
     for rank, p in enumerate(procs):
         try:
             out, _ = p.communicate(timeout=timeout)
@@ -275,24 +291,29 @@ def run_world(world: int, job: dict, timeout: float = 150) -> None:
             out, _ = p.communicate()
             out += "\n[timed out]"
         outs.append(f"--- rank {rank} (rc={p.returncode}) ---\n{out}")
-        failed |= p.returncode != 0 or f"RANK {rank} OK" not in out
-    if failed:
-        raise AssertionError("live check failed:\n" + "\n".join(outs)[-12000:])
-    print("\n".join(outs))
+    return tuple(outs)
 
 
+def check_live_case(case: str) -> None:
+    outs = run_world()
+    ranks = LIVE[case]["dp"] * LIVE[case]["tp"]
+    for rank in range(ranks):
+        assert f"OK {case} rank {rank}\n" in outs[rank], f"live check {case} failed:\n" + "\n".join(outs)[-12000:]
+
+
+@pytest.mark.xdist_group("fsdp-live")
 def test_live_dp2():
-    run_world(2, {"dp": 2, "tp": 1, "models": [preset("tiny-qwen3"), preset("tiny-qwen3-moe"), preset("tiny-deepseek-v3")]})
+    check_live_case("dp2")
 
 
+@pytest.mark.xdist_group("fsdp-live")
 def test_live_dp3_uneven():
-    # vocab 250 -> 84/84/82, hidden 64 -> 22/22/20, head_dim 16 -> 6/6/4; 4 experts -> 2/2/EMPTY
-    run_world(3, {"dp": 3, "tp": 1, "models": [variant("tiny-qwen3-moe", num_experts=4), preset("tiny-deepseek-v3")]})
+    check_live_case("dp3-uneven")
 
 
+@pytest.mark.xdist_group("fsdp-live")
 def test_live_dp2_tp2():
-    # llama3: vocab 250 -> TP 125 -> FSDP 63/62 ; qwen2: q/k/v biases ; qwen3: tied + q/k norms
-    run_world(4, {"dp": 2, "tp": 2, "models": [preset("tiny-llama3"), preset("tiny-qwen2"), preset("tiny-qwen3")]})
+    check_live_case("dp2-tp2")
 
 
 def _loaded_model(cfg: dict):
@@ -313,24 +334,44 @@ def _worker(job: dict) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.device_mesh import DeviceMesh
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dp, tp = job["dp"], job["tp"]
-    models = []
-    for cfg in job["models"]:  # before the group is up: save_pretrained under torch.distributed writes on rank 0 only
-        torch.manual_seed(0)
-        models.append(_loaded_model(cfg))
+    models = {}
+    for case, c in job["cases"].items():  # before the group is up: save_pretrained under torch.distributed writes on rank 0 only
+        if rank < c["dp"] * c["tp"]:
+            models[case] = []
+            for cfg in c["models"]:
+                torch.manual_seed(0)
+                models[case].append(_loaded_model(cfg))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    if tp > 1:
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
-    else:
-        dp_mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
-    for cfg, model in zip(job["models"], models):
+    for case, c in job["cases"].items():  # a failed case ends the process: the collectives are out of step then
+        # the case's ranks are the first dp*tp (tp fastest, as init_device_mesh orders them); every rank
+        # takes part in making the mesh (its groups are made over the whole world)
+        dp, tp = c["dp"], c["tp"]
+        if tp > 1:
+            mesh = DeviceMesh("cpu", torch.arange(dp * tp).view(dp, tp), mesh_dim_names=("dp", "tp"))
+            dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+        else:
+            dp_mesh = DeviceMesh("cpu", torch.arange(dp), mesh_dim_names=("dp",))
+        if case in models:
+            _check_case(c, models[case], rank, dp, tp, dp_mesh, tp_mesh if tp > 1 else None)
+        dist.barrier()
+        if case in models:
+            print(f"OK {case} rank {rank}", flush=True)
+    dist.destroy_process_group()
+    print(f"RANK {rank} OK", flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: gloo threads can abort there ("terminate called ...")
+
+
+def _check_case(c: dict, models: list, rank: int, dp: int, tp: int, dp_mesh, tp_mesh) -> None:
+    """One live case on one of its ranks: every model FSDP2(+TP)-sharded and checked against the layout."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    for cfg, model in zip(c["models"], models):
         spec = spec_from_config(cfg)
         layout = FSDPLayout(spec, dp=dp, tp=tp).layout(rank)
 
@@ -384,11 +425,6 @@ def _worker(job: dict) -> None:
             assert torch.equal(full, hf[name].to(full.dtype)), f"full_tensor of {name} differs"
         placements = {str(p.placements) for _, p in model.named_parameters()}
         print(f"rank {rank} {spec.name}: {len(live_t)} tensors ok, empty={empty}, placements={sorted(placements)}", flush=True)
-        dist.barrier()
-    dist.destroy_process_group()
-    print(f"RANK {rank} OK", flush=True)
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: gloo threads can abort there ("terminate called ...")
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":
