@@ -248,11 +248,11 @@ def reader(emit: Emit, inst: int, meta: str, job: dict) -> None:
 # -- driver -----------------------------------------------------------------------------------------
 
 
-def run_job(job: dict, meta_server=None, on_restart=None) -> JobResult:
+def run_job(job: dict, meta_server=None, on_restart=None, on_event=None) -> JobResult:
     """Run trainers and readers for ``job`` until every one has finished; their events, in arrival order.
 
     ``on_restart(server) -> server``: called when a trainer asks for a MetaServer restart
-    (``restart_meta_before``)."""
+    (``restart_meta_before``). ``on_event(event)``: called as each event arrives (to time them)."""
     from weightsync.transport.group import free_port
 
     job = {"job": "e2e", "steps": 2, "instances": 1, "timeout": 30.0, **job}
@@ -260,9 +260,11 @@ def run_job(job: dict, meta_server=None, on_restart=None) -> JobResult:
     world = make_layout(spec, job["train"]).world_size
     server = [meta_server]
 
-    def on_event(ev: Event) -> None:
+    def each(ev: Event) -> None:
         if isinstance(ev, NeedRestart) and on_restart is not None:
             server[0] = on_restart(server[0])
+        if on_event is not None:
+            on_event(ev)
 
     with LocalJob(deadline_s=job["timeout"] * (job["steps"] + 4), stop_on_failure=False, meta=meta_server,
                   meta_token=job.get("server_token"), exit_grace_s=5.0) as local:
@@ -271,7 +273,7 @@ def run_job(job: dict, meta_server=None, on_restart=None) -> JobResult:
             local.add(Participant.trainer(r), trainer, r, world, port, local.meta_url, job)
         for i in range(job["instances"]):
             local.add(Participant.instance(i), reader, i, local.meta_url, job)
-        return local.run(on_event=on_event)
+        return local.run(on_event=each)
 
 
 def train_errors(result: JobResult) -> list[Failed]:

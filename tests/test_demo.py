@@ -6,6 +6,7 @@ real MetaServer and real instances, through :class:`weightsync.local.runner.Loca
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -57,9 +58,12 @@ def test_fsdp2_with_tp_trains_and_syncs(capsys):
 
 def test_a_failure_ends_the_demo_in_one_line():
     # a 10 ms timeout: the job's deadline (4 x 10 ms) passes before any process is through; every process
-    # is stopped and the first one still running is named
+    # is stopped and the first one still running is named. Participants spawn (a fresh interpreter each,
+    # started at once): the default fork server would first import torch, transformers and megatron-core,
+    # seconds of CPU for processes killed as soon as they start; the error line is the same either way
     p = subprocess.run([sys.executable, "-m", "weightsync", "demo", "--train", "hf", "--infer", "hf", "--steps", "1",
-                        "--timeout", "0.01"], capture_output=True, text=True, timeout=120)
+                        "--timeout", "0.01"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "WEIGHTSYNC_START_METHOD": "spawn"})
     assert p.returncode != 0
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("weightsync demo: error: "), p.stderr
