@@ -249,7 +249,9 @@ def test_mismatched_model_refused_before_any_transfer():
 
 
 def test_wrong_token_refused():
-    job = dict(model="tiny-qwen3", train="hf", infer="hf", steps=1, timeout=5.0, server_token="s3cret", token="wrong")
+    # refused at the first request, so the timeout costs nothing; it bounds the job (5 x timeout), which must
+    # outlast both processes' start on a loaded machine (5 s: the job's 25 s passed before either asked)
+    job = dict(model="tiny-qwen3", train="hf", infer="hf", steps=1, timeout=20.0, server_token="s3cret", token="wrong")
     result = run_job(job)
     errors = result.failures
     assert errors and all("401" in e.message or "token" in e.message.lower() for e in errors), errors
