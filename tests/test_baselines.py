@@ -15,6 +15,15 @@ from weightsync.transport.group import free_port, new_group
 from weightsync.transport.p2p import JobRanks
 
 
+def _ctx():
+    """Members fork from a server that has imported torch and weightsync once (spawned ones imported them each:
+    35 processes of this file's 7 cases, most of its CPU time on CI's two cores)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "weightsync.bench.baselines", "weightsync.engines", "weightsync.transport.p2p",
+                                "weightsync.meta.client", "weightsync.meta.server", "test_baselines"])
+    return ctx
+
+
 def _member(rank: int, port: int, case: tuple, failures) -> None:
     model, train, infer, instances, kind = case
     torch.set_num_threads(1)
@@ -55,7 +64,7 @@ CASES = [
 def test_baseline_moves_the_right_bits(case):
     spec = load_spec(case[0])
     world = make_layout(spec, case[1]).world_size + make_layout(spec, case[2]).world_size * case[3]
-    ctx = mp.get_context("spawn")
+    ctx = _ctx()
     failures = ctx.Queue()
     port = free_port()
     _run_all(ctx, _member, [(r, port, case, failures) for r in range(world)], failures)
@@ -68,7 +77,12 @@ def _run_all(ctx, target, arg_lists: list[tuple], failures) -> None:
         p.start()
     for p in procs:
         p.join(120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    codes = [p.exitcode for p in procs]  # None: still running past its time
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert all(c == 0 for c in codes), codes
     assert failures.empty(), failures.get()
 
 
@@ -133,7 +147,7 @@ def test_colocated_baseline_moves_the_right_bits(kind, train):
 
     case = ("tiny-qwen3", train, "vllm:tp=2", kind)
     spec = load_spec(case[0])
-    ctx = mp.get_context("spawn")
+    ctx = _ctx()
     failures = ctx.Queue()
     port, group_port = free_port(), free_port()
     with MetaServer(port=0) as meta:
