@@ -308,13 +308,18 @@ def checksum(parts: Sequence[torch.Tensor], w: int = 1) -> int:
     the per-step integrity checks use), chained over the parts with each part's word offset, so a
     sender's one buffer and a receiver's in-place views agree. Parts that do not end on a word
     boundary are joined into one copy first. (``w``, the bucket's word size, is not needed.)"""
-    from weightsync.integrity.digest import checksum as digest, to_ints, words
+    from weightsync.integrity.digest import checksum as digest, checksums, fast, to_ints, words
 
     parts = [p.reshape(-1) for p in parts if p.numel()]
     if not parts:
         return 0
     if any(p.numel() % 8 for p in parts[:-1]):
         parts = [torch.cat(parts)]
+    if parts[0].is_cuda and fast():  # one Triton launch over all parts, each word read once
+        bases = [0]
+        for p in parts[:-1]:
+            bases.append(bases[-1] + words(p))
+        return to_ints([checksums(parts, bases).sum()])[0]
     sums, base = [], 0
     for p in parts:
         for x in _rows(p):  # wide rows: the digest's two reductions run at memory speed on CPU

@@ -18,9 +18,15 @@ linear in the position, so the weighted sum needs only the words' row sums and c
 native int64 reductions over an int64 *view* of the region, no copy) and two dot products of those
 short vectors with their weights. A region whose rows are not whole words, or whose memory cannot be
 viewed as aligned words, is first copied contiguous (the same bytes, so the same number).
+
+On CUDA, where Triton is installed, the same number comes from one kernel that reads each word once
+(:mod:`weightsync.integrity.fastsum`, near memory speed; :func:`checksums` sums many regions in one
+launch); CPU tensors, and CUDA without Triton, keep the torch reductions.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -55,10 +61,37 @@ def checksum(region: torch.Tensor, base: int = 0) -> torch.Tensor:
     rows, cols = w.shape
     if rows * cols == 0:
         return torch.zeros((), dtype=torch.int64, device=device)
+    if w.is_cuda and fast():
+        from weightsync.integrity import fastsum
+
+        if fastsum.applies(w):
+            return fastsum.checksum(w, base)
     row_sums = w.sum(1)  # int64, wraps like everything else here
     col_sums = w.sum(0)
     row_w, col_w = weights(rows, cols, base, device)
     return (row_sums * row_w).sum() + (col_sums * col_w).sum()
+
+
+def fast() -> bool:
+    """Whether CUDA regions go through the one-pass Triton kernel (Triton there, not turned off by
+    ``WEIGHTSYNC_FAST_CHECKSUM=0``); imports Triton on the first call only."""
+    from weightsync.integrity import fastsum
+
+    return fastsum.enabled()
+
+
+def checksums(regions: Sequence[torch.Tensor], bases: Sequence[int]) -> torch.Tensor:
+    """:func:`checksum` of each region at its base, as one int64 tensor on their (one) device: one
+    kernel launch for all of them where the Triton kernel applies to every region, else one by one."""
+    if not regions:
+        return torch.zeros(0, dtype=torch.int64)
+    if regions[0].is_cuda and fast():
+        from weightsync.integrity import fastsum
+
+        ws = [words_of(r) for r in regions]
+        if all(fastsum.applies(w) for w in ws):
+            return fastsum.sums([fastsum.Region(w, b) for w, b in zip(ws, bases)])
+    return torch.stack([checksum(r, b) for r, b in zip(regions, bases)])
 
 
 def weights(rows: int, cols: int, base: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,160 @@
+"""The checksum of :mod:`weightsync.integrity.digest` as one Triton kernel on CUDA: each word read once.
+
+The torch formulation (row sums and column sums of the int64 word matrix, then two short dot
+products) reads every byte twice and runs a dozen small kernels per region: ~210-530 GB/s on an
+H200, a tenth to a quarter of a device copy. Here each program of one launch reads a tile of a
+region's words once, multiplies each word by its odd weight ``2 * (base + k) + 1`` and sums with
+int64 wrap-around; the per-program partial sums are then added per region (one ``index_add_``).
+Everything is arithmetic modulo 2**64, so the result is the same bits as the torch path and the CPU.
+
+Many regions (a bucket's parts, a step's copies) go in one launch: a table of one row per region
+(address, rows, columns, row stride, start weight and its tiling) and, per program, the region it
+works on. A region is any 2-d int64 word view whose rows are contiguous (what
+:func:`~weightsync.integrity.digest.words_of` returns); the caller falls back to the torch path for
+anything else, for CPU tensors, and where Triton is missing (it is imported lazily, only here).
+
+``WEIGHTSYNC_FAST_CHECKSUM=0`` turns the kernel off (the torch path everywhere: for A/B runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("weightsync.integrity.fastsum")
+
+_MASK = (1 << 64) - 1
+BLOCK = 1024  # words one program reads per inner step (8 KiB)
+TILE = 1 << 16  # words one program covers at most (512 KiB): a 256 MiB bucket is 512 programs
+_COLS = 9  # table columns: addr, rows, cols, stride, start, row0, rows_per_prog, cols_per_prog, col_chunks
+
+_kernel = None  # the compiled-on-first-use Triton function, or False once it proved unavailable
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _weighted_sums(tab, owner, first, partial, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        reg = tl.load(owner + pid)
+        local = pid - tl.load(first + reg)
+        row = tab + reg * 9
+        ptr = tl.load(row + 0).to(tl.pointer_type(tl.int64))
+        rows = tl.load(row + 1)
+        cols = tl.load(row + 2)
+        stride = tl.load(row + 3)
+        start = tl.load(row + 4)
+        rpp = tl.load(row + 6)
+        cpp = tl.load(row + 7)
+        ncc = tl.load(row + 8)
+        rg = local // ncc
+        cc = local - rg * ncc
+        r0 = rg * rpp
+        r1 = tl.minimum(rows, r0 + rpp)
+        c0 = cc * cpp
+        c1 = tl.minimum(cols, c0 + cpp)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for r in range(r0, r1):
+            at = ptr + r * stride
+            w_row = start + 2 * r * cols
+            for c in range(c0, c1, BLOCK):
+                offs = c + tl.arange(0, BLOCK).to(tl.int64)
+                x = tl.load(at + offs, mask=offs < c1, other=0)
+                acc += x * (w_row + 2 * offs)
+        tl.store(partial + pid, tl.sum(acc, axis=0))
+
+    return _weighted_sums
+
+
+def enabled() -> bool:
+    """Whether the kernel may be used at all (Triton importable, not turned off by the environment)."""
+    global _kernel
+    if os.environ.get("WEIGHTSYNC_FAST_CHECKSUM", "1") == "0":
+        return False
+    if _kernel is None:
+        try:
+            _kernel = _build()
+        except Exception as e:  # no Triton, or one that cannot build here: the torch path stays
+            log.info("checksum: no Triton kernel (%s); using the torch reductions", e)
+            _kernel = False
+    return _kernel is not False
+
+
+def applies(w: torch.Tensor) -> bool:
+    """Whether the kernel can read ``w`` (a 2-d int64 word view): rows contiguous, on CUDA (or anywhere
+    under Triton's interpreter, for tests)."""
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    return (w.dim() == 2 and w.dtype == torch.int64 and (w.is_cuda or interp)
+            and (w.shape[1] <= 1 or w.stride(1) == 1) and enabled())
+
+
+@dataclass(frozen=True)
+class Region:
+    """One region handed to :func:`sums`: its 2-d int64 words and the word position its first word has."""
+
+    words: torch.Tensor
+    base: int
+
+
+def _signed(v: int) -> int:
+    v &= _MASK
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _tiling(rows: int, cols: int) -> tuple[int, int, int, int]:
+    """(rows a program, columns a program, column chunks a row group, programs) for a rows x cols region."""
+    if cols >= TILE:
+        cpp = TILE
+        ncc = -(-cols // cpp)
+        return 1, cpp, ncc, rows * ncc
+    rpp = max(1, TILE // max(cols, 1))
+    return rpp, cols, 1, -(-rows // rpp)
+
+
+def sums(regions: Sequence[Region]) -> torch.Tensor:
+    """Each region's checksum (``sum_k word[k] * (2 * (base + k) + 1) mod 2**64``) as an int64 tensor
+    of ``len(regions)`` on their device, from one kernel launch; queues the work without synchronising.
+    Every region must satisfy :func:`applies` and lie on one device."""
+    if not enabled():
+        raise RuntimeError("checksum: the Triton kernel is not available here (see fastsum.enabled)")
+    device = regions[0].words.device
+    tab, owner, first, nprog = [], [], [], 0
+    for k, r in enumerate(regions):
+        w = r.words
+        rows, cols = w.shape
+        first.append(nprog)
+        if rows * cols == 0:
+            continue
+        if rows > 1 and w.stride(0) == cols:  # contiguous: one long row tiles best
+            rows, cols = 1, rows * cols
+        rpp, cpp, ncc, n = _tiling(rows, cols)
+        stride = w.stride(0) if rows > 1 else cols
+        tab.append([w.data_ptr(), rows, cols, stride, _signed(2 * r.base + 1), 0, rpp, cpp, ncc])
+        owner.append((k, n))
+        nprog += n
+    out = torch.zeros(len(regions), dtype=torch.int64, device=device)
+    if nprog == 0:
+        return out
+    rows_of = torch.zeros((len(regions), _COLS), dtype=torch.int64)
+    live = torch.tensor([k for k, _ in owner], dtype=torch.int64)
+    rows_of[live] = torch.tensor(tab, dtype=torch.int64)
+    counts = torch.tensor([n for _, n in owner], dtype=torch.int64)
+    prog_owner = torch.repeat_interleave(live, counts)
+    packed = torch.cat([rows_of.reshape(-1), prog_owner, torch.tensor(first, dtype=torch.int64)])
+    dev = packed.to(device, non_blocking=True)
+    ntab = len(regions) * _COLS
+    d_tab, d_owner, d_first = dev[:ntab], dev[ntab : ntab + nprog], dev[ntab + nprog :]
+    partial = torch.empty(nprog, dtype=torch.int64, device=device)
+    _kernel[(nprog,)](d_tab, d_owner, d_first, partial, BLOCK=BLOCK, num_warps=8)
+    return out.index_add_(0, d_owner, partial)
+
+
+def checksum(w: torch.Tensor, base: int) -> torch.Tensor:
+    """One region's checksum as a 0-d int64 tensor (see :func:`sums`)."""
+    return sums([Region(w, base)])[0]
