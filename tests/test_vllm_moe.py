@@ -36,27 +36,18 @@ def moe1(tmp_path_factory, meta, prefetch):
 @pytest.fixture(scope="class")
 def moe2(tmp_path_factory, meta, prefetch):
     e = prefetch.take("moe2", engines(MOE, 2, tmp_path_factory, meta))
-    prefetch.start("llama", engines(LLAMA, 1, tmp_path_factory, meta))
+    prefetch.start("llama", engines(LLAMA, 1, tmp_path_factory, meta, server=True))
     yield e
     e.close()
 
 
 @pytest.fixture(scope="class")
 def llama(tmp_path_factory, meta, prefetch):
-    e = prefetch.take("llama", engines(LLAMA, 1, tmp_path_factory, meta))
+    """X: an offline ``LLM`` on seed 1 (both entry points); Y: vLLM's OpenAI server, fresh on seed 2 (the
+    seed-2 reference, by digest and tokens over HTTP), then synced over HTTP itself."""
+    e = prefetch.take("llama", engines(LLAMA, 1, tmp_path_factory, meta, server=True))
     yield e
     e.close()
-
-
-@pytest.fixture(scope="class")
-def server(llama, tmp_path_factory):
-    """vLLM's OpenAI server, fresh on the llama checkpoint of seed 1 (started while the llama tests run)."""
-    from vllm_harness import Server, checkpoint
-
-    root = tmp_path_factory.mktemp("serve")
-    s = Server(checkpoint(llama.spec, 1, root / "seed1"), root / "server.log")
-    yield s
-    s.close()
 
 
 def offline(e, name: str, train: str, job: str, steps: int = 2, **reader_kw) -> None:
@@ -142,24 +133,26 @@ class TestQwen3MoeTP2:
 
 
 class TestLlama3:
-    def test_offline_megatron_pp2(self, llama, server):
+    def test_offline_megatron_pp2(self, llama):
         offline(llama, "X", "megatron:pp=2", "llama-offline")
 
     def test_plugin_fsdp_staged_reader(self, llama):
-        plugin(llama, "Y", "fsdp:dp=2", "llama-plugin", staged=True)
+        plugin(llama, "X", "fsdp:dp=2", "llama-plugin", staged=True)  # the engine the offline reader synced
 
-    def test_openai_server_routes(self, llama, server, tmp_path):
-        """The plug-in driven over HTTP: ``/init_weight_transfer_engine``, ``/start_weight_update``,
-        ``/update_weights``, ``/finish_weight_update``, ``/update_weight_version`` on loopback; each call's outcome
-        read from the MetaServer; then what the server's worker computes with (digests through the dev
-        ``/collective_rpc`` route and weightsync's extension) and its greedy tokens against the fresh engines'."""
+    def test_openai_server_routes(self, llama, tmp_path):
+        """The plug-in driven over HTTP (engine Y, the server, fresh on seed 2; synced to seed 1 and back):
+        ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
+        ``/update_weight_version`` on loopback; each call's outcome read from the MetaServer; then what the
+        server's worker computes with (digests through the dev ``/collective_rpc`` route and weightsync's
+        extension) and its greedy tokens against the fresh engines' (seed 1: the offline X's start; seed 2: the
+        server's own)."""
         from weightsync.meta.client import MetaClient
         from weightsync.vllm.status import wait_status
-        from weightsync.vllm.verify import digests
         from vllm_harness import TrainJob, Trainers, checkpoint
 
-        server.wait()
-        job = TrainJob(LLAMA, "hf", llama.meta.url, "llama-http", [(1, 2), (2, 1)])
+        server = llama.llms["Y"]
+        assert llama.holds["Y"] == 2
+        job = TrainJob(LLAMA, "hf", llama.meta.url, "llama-http", [(1, 1), (2, 2)])
         client = MetaClient(llama.meta.url, job.job)
         with Trainers(job) as trainers:
             server.post("/init_weight_transfer_engine",
@@ -173,7 +166,7 @@ class TestLlama3:
                 client.wait_held(step, [0], timeout=30)
                 server.post("/update_weight_version", {"new_version": str(step)})
                 (got,) = server.post("/collective_rpc", {"method": "weightsync_digests"})["results"]
-                assert got == digests(llama.refs[seed].computed[0])
+                assert got == llama.refs[seed].worker_digests()[0]
                 assert server.generate() == llama.refs[seed].tokens
             trainers.assert_ok()
             # weightsync.validate over HTTP (extension weightsync_validate): against vLLM's own load of the last step

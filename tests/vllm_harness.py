@@ -101,21 +101,35 @@ class Reference:
     """What a fresh engine on a checkpoint computes with, per worker, and its greedy tokens."""
 
     seed: int
-    computed: list[dict[str, torch.Tensor]]
+    computed: list[dict[str, torch.Tensor]] | None  # None: an engine behind HTTP, known by its digests only
     tokens: list[list[int]]
+    digests: list[dict[str, str]] | None = None  # weightsync.vllm.verify.digests of ``computed``, per worker
+
+    def worker_digests(self) -> list[dict[str, str]]:
+        from weightsync.vllm.verify import digests
+
+        return self.digests if self.digests is not None else [digests(c) for c in self.computed]
 
 
 def reference(inst, llm, seed: int) -> Reference:
     from weightsync.vllm.verify import computed
 
-    return Reference(seed, inst.call(computed), generate(llm))
+    return Reference(seed, inst.call(computed), generate_any(llm))
+
+
+def generate_any(engine) -> list[list[int]]:
+    """Greedy tokens of an offline ``LLM`` or an :class:`AsyncEngine`."""
+    return engine.generate() if isinstance(engine, AsyncEngine) else generate(engine)
 
 
 @dataclass
 class Engines:
     """Engines X (fresh on seed 1) and Y (fresh on seed 2) of one model and TP size, both with weightsync's
     extension and backend; ``refs[seed]`` is the fresh engine's :class:`Reference`, ``holds[name]`` the
-    seed an engine was last verified to hold (None once broken)."""
+    seed an engine was last verified to hold (None once broken). With ``asyncllm`` (TP=1) Y is a real
+    ``AsyncLLM`` (:class:`AsyncEngine`, extension only): one engine start fewer than an offline Y plus
+    an AsyncLLM, and X (offline ``LLM``) then carries both entry points. With ``server`` (TP=1) Y is vLLM's
+    OpenAI server (:class:`Server`), known by digests (``/collective_rpc``) and tokens over HTTP."""
 
     spec: ModelSpec
     tp: int
@@ -127,27 +141,43 @@ class Engines:
     meta: Any = None
 
     @staticmethod
-    def start(model: str | ModelSpec, tp: int, root: Path, meta: Any, **llm_kw: Any) -> "Engines":
+    def start(model: str | ModelSpec, tp: int, root: Path, meta: Any, asyncllm: bool = False,
+              server: bool = False, **llm_kw: Any) -> "Engines":
         """Start X and Y (``llm_kw``: more or other ``LLM(...)`` arguments, e.g. a GPU run's)."""
         from weightsync.instances.vllm import VLLMInstance
 
+        assert not (asyncllm or server) or tp == 1, "the AsyncLLM engine and the server are TP=1"
         spec = model if isinstance(model, ModelSpec) else load_spec(model)
         paths = {s: checkpoint(spec, s, root / f"seed{s}") for s in SEEDS}
+
+        def start_one(name: str, seed: int) -> Any:
+            if name == "Y" and asyncllm:
+                return AsyncEngine(paths[seed])
+            if name == "Y" and server:
+                s = Server(paths[seed], root / "server.log")
+                try:
+                    return s.wait(600)
+                except BaseException:
+                    s.close()
+                    raise
+            return start_llm(paths[seed], tp, backend=True, **llm_kw)
+
         t0 = time.perf_counter()
         with environ(TP2_ENV if tp > 1 else {}), ThreadPoolExecutor(2) as pool:  # two starts overlap on 2 cores
-            futures = {name: pool.submit(start_llm, paths[s], tp, backend=True, **llm_kw)
-                       for name, s in zip("XY", SEEDS)}
+            futures = {name: pool.submit(start_one, name, s) for name, s in zip("XY", SEEDS)}
             llms = {}
             for name, f in futures.items():
                 try:
                     llms[name] = f.result()
                 except BaseException:
                     for other in llms.values():
-                        stop_llm(other)
+                        _stop_any(other)
                     raise
         startup = time.perf_counter() - t0
-        insts = {name: VLLMInstance(llm) for name, llm in llms.items()}
-        refs = {s: reference(insts[n], llms[n], s) for n, s in zip("XY", SEEDS)}
+        insts = {name: VLLMInstance(llm.llm, loop=llm.loop) if isinstance(llm, AsyncEngine) else VLLMInstance(llm)
+                 for name, llm in llms.items() if not isinstance(llm, Server)}
+        refs = {s: llms[n].reference(s) if isinstance(llms[n], Server) else reference(insts[n], llms[n], s)
+                for n, s in zip("XY", SEEDS)}
         assert refs[1].tokens != refs[2].tokens, "the two checkpoints must decode differently"
         return Engines(spec, tp, llms, insts, refs, dict(zip("XY", SEEDS)), startup, meta)
 
@@ -168,17 +198,23 @@ class Engines:
     def check(self, name: str, seed: int) -> None:
         """Engine ``name`` holds checkpoint ``seed``: every loaded-form tensor bit-exact to it, every tensor
         the engine computes with bit-exact to the fresh engine's, and the same greedy tokens."""
-        from weightsync.vllm.verify import computed, differences, loaded_problems
+        from weightsync.vllm.verify import computed, differences, digests, loaded_problems
 
         inst, llm, ref = self.insts[name], self.llms[name], self.refs[seed]
         self.holds[name] = None
         problems = [p for ps in inst.call(loaded_problems, weights(self.spec, seed)) for p in ps]
         assert not problems, problems[:10]
-        for rank, (mine, fresh) in enumerate(zip(inst.call(computed), ref.computed)):
-            diff = differences(mine, fresh)
+        mine_all = inst.call(computed)
+        assert len(mine_all) == self.tp
+        for rank, mine in enumerate(mine_all):
+            if ref.computed is not None:
+                diff = differences(mine, ref.computed[rank])
+            else:  # the fresh engine is a server: compare by digest
+                got, want = digests(mine), ref.digests[rank]
+                diff = [f"{n}: differs" for n in sorted(set(got) | set(want)) if got.get(n) != want.get(n)]
             assert not diff, f"engine {name} rank {rank} vs a fresh engine on seed {seed}: {diff[:10]}"
             assert any(k.startswith("gemm:") for k in mine) and any(k.startswith("param:") for k in mine)
-        assert generate(llm) == ref.tokens
+        assert generate_any(llm) == ref.tokens
         self.holds[name] = seed
 
     def close(self) -> None:
@@ -186,7 +222,14 @@ class Engines:
             with contextlib.suppress(Exception):
                 inst.close()
         with ThreadPoolExecutor(2) as pool:  # each shutdown waits seconds for its engine core
-            list(pool.map(stop_llm, self.llms.values()))
+            list(pool.map(_stop_any, self.llms.values()))
+
+
+def _stop_any(engine) -> None:
+    if isinstance(engine, (AsyncEngine, Server)):
+        engine.close()
+    else:
+        stop_llm(engine)
 
 
 class Prefetch:
@@ -213,7 +256,7 @@ class Prefetch:
                 if isinstance(got, Engines):
                     got.close()
                 else:
-                    stop_llm(got)
+                    _stop_any(got)
         self._futures.clear()
         self._pool.shutdown(wait=True)
 
@@ -238,11 +281,13 @@ def prefetch():
     p.close()
 
 
-def engines(model: str, tp: int, tmp_path_factory: Any, meta: Any, **llm_kw: Any):
+def engines(model: str, tp: int, tmp_path_factory: Any, meta: Any, asyncllm: bool = False, server: bool = False,
+            **llm_kw: Any):
     """A thunk that starts an :class:`Engines` pair (for :meth:`Prefetch.start` / :meth:`Prefetch.take`)."""
 
     def start() -> Engines:
-        e = Engines.start(model, tp, tmp_path_factory.mktemp(f"{model}-{tp}"), meta, **llm_kw)
+        e = Engines.start(model, tp, tmp_path_factory.mktemp(f"{model}-{tp}"), meta, asyncllm=asyncllm, server=server,
+                          **llm_kw)
         print(f"\n{model} tp={tp}: two engines started in {e.startup_s:.1f} s")
         return e
 
@@ -477,6 +522,11 @@ class Server:
         with urllib.request.urlopen(req, timeout=120) as r:
             raw = r.read()
         return json.loads(raw) if raw else None
+
+    def reference(self, seed: int) -> Reference:
+        """What this server's engine computes with (by digest, through weightsync's extension) and decodes."""
+        (got,) = self.post("/collective_rpc", {"method": "weightsync_digests"})["results"]
+        return Reference(seed, None, self.generate(), [got])
 
     def generate(self) -> list[list[int]]:
         out = self.post("/v1/completions", {"model": self.model, "prompt": PROMPTS, "max_tokens": MAX_TOKENS,
