@@ -281,27 +281,31 @@ def _world(case: str) -> int:
     return MegatronLayout(model(name), **kw).world_size
 
 
+LIVE_WORLD = max(_world(c) for c in LIVE)
+
+
 @functools.lru_cache(maxsize=None)
-def _run_world(world: int) -> tuple[int, tuple[str, ...]]:
-    """Every live case of one world size in one set of ``world`` processes (megatron-core's parallel
-    state is torn down and set up again between cases): process starts and imports are most of a case's
-    cost on CI's two cores. Returns each rank's (return code, output) per rank."""
-    cases = [c for c in LIVE if _world(c) == world]
+def _run_world() -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Every live case in one set of LIVE_WORLD processes: the cases of each world size run on that many
+    first ranks, in a torch.distributed world of their own (megatron-core's parallel state is torn down
+    and set up again between cases). Process starts and imports (4 s a process) are most of a case's cost
+    on CI's two cores; one world per size cost 2 processes more. Returns each rank's (return code, output)."""
+    batches = [(w, [c for c in LIVE if _world(c) == w]) for w in sorted({_world(c) for c in LIVE})]
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=path)
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, json.dumps(dict(cases=cases, rank=r, world=world, port=port))],
+            [sys.executable, __file__, json.dumps(dict(batches=batches, rank=r, world=LIVE_WORLD, port=port))],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
         )
-        for r in range(world)
+        for r in range(LIVE_WORLD)
     ]
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=60 + 60 * len(cases))[0])
+            outs.append(p.communicate(timeout=60 + 60 * len(LIVE))[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -311,12 +315,13 @@ def _run_world(world: int) -> tuple[int, tuple[str, ...]]:
 
 @needs_mcore
 @pytest.mark.megatron
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xdist_group(f"megatron-live-{_world(c)}"))
-                                  for c in LIVE])
+@pytest.mark.xdist_group("megatron-live")
+@pytest.mark.parametrize("case", list(LIVE))
 def test_live_megatron(case):
-    codes, outs = _run_world(_world(case))
-    for r, out in enumerate(outs):
-        assert f"OK {case} rank {r}" in out, f"rank {r} (exit {codes[r]}) did not pass {case}:\n{out[-6000:]}"
+    codes, outs = _run_world()
+    for r in range(_world(case)):
+        out = outs[r]
+        assert f"OK {case} rank {r}\n" in out, f"rank {r} (exit {codes[r]}) did not pass {case}:\n{out[-6000:]}"
 
 
 # ---- worker side ---------------------------------------------------------------------------
@@ -402,15 +407,23 @@ def _worker(args):  # pragma: no cover - runs in subprocesses
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *a, **k: self
     rank, world = args["rank"], args["world"]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args["port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    for case in args["cases"]:  # a failed case ends the process: the ranks' collectives are out of step then
-        name, kw = LIVE[case]
-        _check_case(name, kw, rank)
-        ps.destroy_model_parallel()
-        dist.barrier()
-        print(f"OK {case} rank {rank}", flush=True)
-    dist.destroy_process_group()
+    wait = datetime.timedelta(seconds=300)  # the ranks of a larger world wait while the smaller ones' cases run
+    base = dist.TCPStore("127.0.0.1", args["port"], world, is_master=rank == 0, timeout=wait, wait_for_workers=False)
+    for w, cases in args["batches"]:
+        if rank >= w:
+            continue
+        store = dist.PrefixStore(f"world{w}/", base)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=w, timeout=datetime.timedelta(seconds=60))
+        for case in cases:  # a failed case ends the process: the ranks' collectives are out of step then
+            name, kw = LIVE[case]
+            _check_case(name, kw, rank)
+            ps.destroy_model_parallel()
+            dist.barrier()
+            print(f"OK {case} rank {rank}", flush=True)
+        dist.destroy_process_group()
+    base.set(f"done{rank}", "1")
+    if rank == 0:  # it serves the store: every rank must be done with it first
+        base.wait([f"done{r}" for r in range(world)])
 
 
 def _check_case(name: str, kw: dict, rank: int) -> None:  # pragma: no cover - runs in subprocesses
