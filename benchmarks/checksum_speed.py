@@ -113,6 +113,24 @@ def main(argv=None) -> int:
     if dev.type == "cuda":
         same["bucket_256MiB"] = row.pop("_sums_True") == row.pop("_sums_False")
     cpu = codec.checksum([bufs[1].cpu()])
+    if dev.type == "cuda":  # the kernel's shape: words a step, warps, words a program
+        row["variants"] = {}
+        keep = fastsum.BLOCK, fastsum.WARPS, fastsum.TILE
+        want = to_ints([checksum(bufs[0], 3)])
+        for blk, warps, tile in ((1024, 8, 1 << 16), (2048, 8, 1 << 16), (1024, 4, 1 << 16), (512, 4, 1 << 15),
+                                 (2048, 8, 1 << 18), (4096, 16, 1 << 18)):
+            fastsum.BLOCK, fastsum.WARPS, fastsum.TILE = blk, warps, tile
+            ok = to_ints([checksum(bufs[0], 3)]) == want
+            sync()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for j in range(8):
+                checksum(bufs[j % 4], j)
+            e1.record()
+            sync()
+            row["variants"][f"{blk}x{warps}x{tile}"] = {"bytes_per_s": 8 * nbuf / (e0.elapsed_time(e1) / 1e3), "same": ok}
+        fastsum.BLOCK, fastsum.WARPS, fastsum.TILE = keep
+        print("variants", {k: f"{v['bytes_per_s'] / 1e9:.0f} GB/s {v['same']}" for k, v in row["variants"].items()})
     same["bucket_256MiB_cpu"] = agree("bucket_256MiB_codec", lambda: codec.checksum([bufs[1]])) == cpu
     print("device only", {k: f"{v / 1e9:.0f} GB/s" for k, v in row.items() if k.startswith("bucket_256MiB_device")})
     bufs = None

@@ -30,6 +30,7 @@ log = logging.getLogger("weightsync.integrity.fastsum")
 _MASK = (1 << 64) - 1
 BLOCK = 1024  # words one program reads per inner step (8 KiB)
 TILE = 1 << 16  # words one program covers at most (512 KiB): a 256 MiB bucket is 512 programs
+WARPS = 8
 _COLS = 9  # table columns: addr, rows, cols, stride, start, row0, rows_per_prog, cols_per_prog, col_chunks
 
 _kernel = None  # the compiled-on-first-use Triton function, or False once it proved unavailable
@@ -151,7 +152,7 @@ def sums(regions: Sequence[Region]) -> torch.Tensor:
     ntab = len(regions) * _COLS
     d_tab, d_owner, d_first = dev[:ntab], dev[ntab : ntab + nprog], dev[ntab + nprog :]
     partial = torch.empty(nprog, dtype=torch.int64, device=device)
-    _kernel[(nprog,)](d_tab, d_owner, d_first, partial, BLOCK=BLOCK, num_warps=8)
+    _kernel[(nprog,)](d_tab, d_owner, d_first, partial, BLOCK=BLOCK, num_warps=WARPS)
     return out.index_add_(0, d_owner, partial)
 
 
