@@ -33,7 +33,8 @@ TILE = 1 << 16  # words one program covers at most (512 KiB): a 256 MiB bucket i
 WARPS = 8
 _COLS = 9  # table columns: addr, rows, cols, stride, start, row0, rows_per_prog, cols_per_prog, col_chunks
 
-_kernel = None  # the compiled-on-first-use Triton function, or False once it proved unavailable
+_kernel = None  # the compiled-on-first-use Triton functions (table, flat), or False once unavailable
+_EMPTY = (0,) * _COLS
 
 
 def _build():
@@ -70,7 +71,19 @@ def _build():
                 acc += x * (w_row + 2 * offs)
         tl.store(partial + pid, tl.sum(acc, axis=0))
 
-    return _weighted_sums
+    @triton.jit
+    def _flat(x, n, start, partial, TILE: tl.constexpr, BLOCK: tl.constexpr):
+        # one contiguous region: no table, and the pointer's alignment is known (wide loads)
+        pid = tl.program_id(0)
+        lo = pid.to(tl.int64) * TILE
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for c in range(0, TILE, BLOCK):
+            offs = lo + c + tl.arange(0, BLOCK).to(tl.int64)
+            v = tl.load(x + offs, mask=offs < n, other=0)
+            acc += v * (start + 2 * offs)
+        tl.store(partial + pid, tl.sum(acc, axis=0))
+
+    return _weighted_sums, _flat
 
 
 def enabled() -> bool:
@@ -121,11 +134,35 @@ def _tiling(rows: int, cols: int) -> tuple[int, int, int, int]:
 def sums(regions: Sequence[Region]) -> torch.Tensor:
     """Each region's checksum (``sum_k word[k] * (2 * (base + k) + 1) mod 2**64``) as an int64 tensor
     of ``len(regions)`` on their device, from one kernel launch; queues the work without synchronising.
-    Every region must satisfy :func:`applies` and lie on one device."""
+    Every region must satisfy :func:`applies` and lie on one device. The launch's table is a function of
+    the regions' addresses, shapes, strides and bases only, so it is kept on the device for the next call
+    with the same ones (a step's regions, a bucket's parts: the same every step)."""
     if not enabled():
         raise RuntimeError("checksum: the Triton kernel is not available here (see fastsum.enabled)")
     device = regions[0].words.device
-    tab, owner, first, nprog = [], [], [], 0
+    key = (str(device), BLOCK, TILE, *((r.words.data_ptr(), *r.words.shape, *r.words.stride(), r.base) for r in regions))
+    got = _TABLES.get(key)
+    if got is None:
+        got = _table(regions, device)
+        if len(_TABLES) >= _KEEP:
+            _TABLES.pop(next(iter(_TABLES)))
+        _TABLES[key] = got
+    d_tab, d_owner, d_first, nprog = got
+    out = torch.zeros(len(regions), dtype=torch.int64, device=device)
+    if nprog == 0:
+        return out
+    partial = torch.empty(nprog, dtype=torch.int64, device=device)
+    _kernel[0][(nprog,)](d_tab, d_owner, d_first, partial, BLOCK=BLOCK, num_warps=WARPS)
+    return out.index_add_(0, d_owner, partial)
+
+
+_TABLES: dict = {}  # launch tables by their regions (see sums), oldest first
+_KEEP = 256
+
+
+def _table(regions: Sequence[Region], device: torch.device):
+    """One host->device copy of [a row per region, each program's region, each region's first program]."""
+    tab, owner, first, nprog = {}, [], [], 0
     for k, r in enumerate(regions):
         w = r.words
         rows, cols = w.shape
@@ -136,26 +173,30 @@ def sums(regions: Sequence[Region]) -> torch.Tensor:
             rows, cols = 1, rows * cols
         rpp, cpp, ncc, n = _tiling(rows, cols)
         stride = w.stride(0) if rows > 1 else cols
-        tab.append([w.data_ptr(), rows, cols, stride, _signed(2 * r.base + 1), 0, rpp, cpp, ncc])
+        tab[k] = (w.data_ptr(), rows, cols, stride, _signed(2 * r.base + 1), 0, rpp, cpp, ncc)
         owner.append((k, n))
         nprog += n
-    out = torch.zeros(len(regions), dtype=torch.int64, device=device)
     if nprog == 0:
-        return out
-    rows_of = torch.zeros((len(regions), _COLS), dtype=torch.int64)
-    live = torch.tensor([k for k, _ in owner], dtype=torch.int64)
-    rows_of[live] = torch.tensor(tab, dtype=torch.int64)
-    counts = torch.tensor([n for _, n in owner], dtype=torch.int64)
-    prog_owner = torch.repeat_interleave(live, counts)
-    packed = torch.cat([rows_of.reshape(-1), prog_owner, torch.tensor(first, dtype=torch.int64)])
-    dev = packed.to(device, non_blocking=True)
+        return None, None, None, 0
+    flat = [v for k in range(len(regions)) for v in tab.get(k, _EMPTY)]
+    for k, n in owner:
+        flat += [k] * n
+    flat += first
+    host = torch.tensor(flat, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()  # a truly asynchronous copy (pageable memory may wait for the stream)
+    dev = host.to(device, non_blocking=True)
     ntab = len(regions) * _COLS
-    d_tab, d_owner, d_first = dev[:ntab], dev[ntab : ntab + nprog], dev[ntab + nprog :]
-    partial = torch.empty(nprog, dtype=torch.int64, device=device)
-    _kernel[(nprog,)](d_tab, d_owner, d_first, partial, BLOCK=BLOCK, num_warps=WARPS)
-    return out.index_add_(0, d_owner, partial)
+    return dev[:ntab], dev[ntab : ntab + nprog], dev[ntab + nprog :], nprog
 
 
 def checksum(w: torch.Tensor, base: int) -> torch.Tensor:
-    """One region's checksum as a 0-d int64 tensor (see :func:`sums`)."""
+    """One region's checksum as a 0-d int64 tensor (see :func:`sums`): a contiguous one without a table."""
+    rows, cols = w.shape
+    if rows * cols and (rows == 1 or w.stride(0) == cols):
+        n = rows * cols
+        programs = -(-n // TILE)
+        partial = torch.empty(programs, dtype=torch.int64, device=w.device)
+        _kernel[1][(programs,)](w, n, _signed(2 * base + 1), partial, TILE=TILE, BLOCK=BLOCK, num_warps=WARPS)
+        return partial.sum()
     return sums([Region(w, base)])[0]
