@@ -58,6 +58,39 @@ def run_rank_processes(script: str, job: dict, world: int, timeout: float) -> li
     return outs
 
 
+# what the shared forkserver imports once for the test files that fork their processes from it
+FORKSERVER_PRELOAD = ["torch", "weightsync.engines", "weightsync.transport.colocated", "weightsync.transport.p2p",
+                      "weightsync.bench.baselines", "weightsync.meta.client", "weightsync.meta.server",
+                      "test_colocated", "test_baselines"]
+
+
+def forkserver():
+    """multiprocessing's forkserver context, its server started with FORKSERVER_PRELOAD imported.
+
+    Python 3.11's forkserver drops the parent's sys.path (forkserver.main takes sys_path and never sets
+    it), so a test module in the preload list failed to import there, silently, and every forked child
+    imported it again (0.2 s of CPU each, most of a co-located case's cost): the server is started here
+    with this directory on its PYTHONPATH. One server per process: the first caller's list wins, hence
+    one list for every caller."""
+    import multiprocessing as mp
+    import os
+    from multiprocessing import forkserver as server
+    from pathlib import Path
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), old]))
+    try:
+        server.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+    return ctx
+
+
 def nixl_missing() -> str | None:
     """Why NIXL cannot be loaded here (the rdma extra is not installed), or None when it can."""
     from weightsync.errors import ConfigError

@@ -4,8 +4,8 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from helpers import forkserver
 from weightsync.bench.baselines import sync_step
 from weightsync.engines import make_layout
 from weightsync.layout.materialize import scatter
@@ -18,10 +18,7 @@ from weightsync.transport.p2p import JobRanks
 def _ctx():
     """Members fork from a server that has imported torch and weightsync once (spawned ones imported them each:
     35 processes of this file's 7 cases, most of its CPU time on CI's two cores)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.bench.baselines", "weightsync.engines", "weightsync.transport.p2p",
-                                "weightsync.meta.client", "weightsync.meta.server", "test_baselines"])
-    return ctx
+    return forkserver()  # preloads this module too
 
 
 def _member(rank: int, port: int, case: tuple, failures) -> None:

@@ -12,7 +12,6 @@ its own (``gpus_per_host=1``: cross-GPU buckets go through the inference-only gl
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -21,6 +20,7 @@ import traceback
 import pytest
 import torch
 
+from helpers import forkserver
 from helpers import same as _same
 from helpers import simulate
 from weightsync.engines import make_layout
@@ -42,9 +42,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
 
 
 def _ctx():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.transport.colocated", "weightsync.engines", "test_colocated"])
-    return ctx
+    return forkserver()  # preloads this module too
 
 
 def _publish(path: str, desc: dict) -> None:
