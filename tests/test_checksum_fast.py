@@ -67,7 +67,7 @@ from weightsync.integrity import fastsum
 from weightsync.integrity.digest import reference, to_ints, words_of
 fastsum.TILE, fastsum.BLOCK = 64, 16  # small tiles: column splits, row groups and masked tails all occur
 assert fastsum.enabled(), "no Triton kernel under the interpreter"
-for seed in (1, 2, 3):
+for seed in (1, 2):
     rs = [r for r in regions(seed) if r.numel()]
     bases = [BASES[(i * 3 + seed) % len(BASES)] for i in range(len(rs))]
     ws = [words_of(r) for r in rs]
