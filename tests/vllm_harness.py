@@ -266,9 +266,11 @@ class Prefetch:
 
 @pytest.fixture(scope="module")
 def meta():
-    """One MetaServer per test module."""
+    """One MetaServer per test module. (Also starts the trainers' fork server now, before any engine start
+    puts ``CPU_TP2_ENV`` into this process's environment, which every process it forks would inherit.)"""
     from weightsync.meta.server import MetaServer
 
+    start_trainer_server()
     with MetaServer().start() as server:
         yield server
 
@@ -407,6 +409,14 @@ def trainer_context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(TRAINER_PRELOAD)
     return ctx
+
+
+def start_trainer_server() -> None:
+    """Start the fork server of :func:`trainer_context` if it is not running (a no-op where it is)."""
+    if trainer_context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 class Trainers:
