@@ -77,8 +77,13 @@ def forkserver():
     from multiprocessing import forkserver as server
     from pathlib import Path
 
+    import torch
+
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    # a test module's import asks torch.cuda.is_available() (a pytest.param's skipif), which on a CUDA build
+    # initialises the driver and poisons every fork of the server ("Cannot re-initialize CUDA in forked
+    # subprocess", seen on the GPU host): there the server imports the library only
+    ctx.set_forkserver_preload([m for m in FORKSERVER_PRELOAD if torch.version.cuda is None or not m.startswith("test_")])
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), old]))
     try:
