@@ -229,6 +229,7 @@ class WeightReader(SessionDriven):
         if self.mode != "async":
             raise ValueError("pull() is for async mode; in sync mode call update(step)")
         self.connect()
+        self._check_announced(wait=False)  # a held report that failed since the last call raises here, as in update
         check = self._pull_check()  # integrity=N: a pulled step on the cadence is verified before it is reported
         for _ in range(attempts):
             n = claim_pull(self.client, self.instance_id, self._next_pull)
@@ -284,7 +285,7 @@ class WeightReader(SessionDriven):
         whole, so the instance may serve it now; the trainers, waiting for the report before they
         overwrite their weights, see it one round trip later (on this host at once, by the bell).
         Reports go out in order, one at a time (one thread); the first that fails is kept and raises
-        at the next update (the trainers meanwhile time out waiting for it)."""
+        at the next update or pull (the trainers meanwhile time out waiting for it)."""
         if self.session.held_bell is not None:
             self.session.held_bell.ring(step)
         self._announcer.submit(self._report, step)
