@@ -6,8 +6,10 @@ replayed: stage/gather, checksum with its host read, ``codec.apply``), for the n
 
     python benchmarks/delta_phases.py --model qwen3-8b --device cuda --out phases.json
 
-Each phase over all the plan's buckets, the device synchronised around it, median of ``--repeat``.
-Bit-exactness: after each fraction's apply, the receiver's targets equal the trainer's (checksums).
+Each phase over all the plan's buckets, the device synchronised around it: the real encode and the
+apply, median of ``--steps`` steps a fraction (after one untimed warm-up step); the replayed parts,
+median of ``--repeat``. The sender's own phase split (``last_phases``) is recorded where it has one.
+Bit-exactness: after every apply, the receiver's targets equal the trainer's (checksums).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--fractions", default="0.001,0.01,0.1")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="encoded and applied steps per fraction (median)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -85,25 +88,13 @@ def main(argv=None) -> int:
             copy_pairs(gather_pairs(st.staged, targ, slot))
         return st, st.tensors(slot)
 
-    step = 0
-    for frac in (float(x) for x in args.fractions.split(",")):
-        step += 1
-        apply_step(lay_s, tens, spec, frac, step)
-        sync()
-        t = time.perf_counter()
-        sender.encode(step)  # the real encode: region + index for this step, base kept
-        sync()
-        encode_real = time.perf_counter() - t
-        # the sender's parts, replayed against the version just kept (encode of an unchanged step)
-        buf = torch.empty(max(b.nbytes for b in sbuckets), dtype=torch.uint8, device=dev)
-        t_pack = timed(lambda: [pack(b, tens, out=buf[: b.nbytes]) for b in sbuckets], args.repeat, sync)
-        t_sum = timed(lambda: [int(codec.checksum([buf[: b.nbytes]])) for b in sbuckets], args.repeat, sync)
-        # the receiver: read the slots the sender stamped, prove, fetch (a device copy here), apply
+    from weightsync.delta.nixl import HEAD, SLOT, sig_hash
+    from weightsync.delta.state import signature
+
+    def stamped_plan():
+        """The receiver's plan from the index the sender stamped."""
         slots = {}
         idx = sender.index.tolist()
-        from weightsync.delta.nixl import HEAD, SLOT, sig_hash
-        from weightsync.delta.state import signature
-
         for k in range(idx[3]):
             slots[idx[HEAD + SLOT * k]] = idx[HEAD + SLOT * k + 1: HEAD + SLOT * k + SLOT]
         plan = []
@@ -111,34 +102,64 @@ def main(argv=None) -> int:
             off, kind, count, base_sum = slots[sig_hash(signature(bk))][:4]
             w = words_of(bk).word
             plan.append((bk, off, kind, count, codec.payload_bytes(kind, count, bk.nbytes // w, w), w, base_sum))
-        t_proof = timed(lambda: [int(codec.checksum(base_parts(p[0])[1])) for p in plan], args.repeat, sync)
-        proven = all(((int(codec.checksum(base_parts(p[0])[1])) + (1 << 63)) % (1 << 64) - (1 << 63)) == p[6]
-                     for p in plan)
+        return plan
 
-        def apply_all():
-            for bk, off, kind, count, n, w, _ in plan:
-                scratch[:n].copy_(sender.region[off: off + n])  # NIXL's READ, as a device copy
-                st, parts = base_parts(bk)
-                codec.apply([codec.as_words(x, w) for x in parts], kind, count, w, scratch[:n])
-                if st.staged:
-                    copy_pairs(unpack_pairs(st.staged, slot, targ))
+    def apply_all(plan):
+        for bk, off, kind, count, n, w, _ in plan:
+            scratch[:n].copy_(sender.region[off: off + n])  # NIXL's READ, as a device copy
+            st, parts = base_parts(bk)
+            codec.apply([codec.as_words(x, w) for x in parts], kind, count, w, scratch[:n])
+            if st.staged:
+                copy_pairs(unpack_pairs(st.staged, slot, targ))
 
+    def one_step(frac: float, step: int) -> dict:
+        """Make a step, encode it (the real sender), prove the receiver's base and apply it."""
+        apply_step(lay_s, tens, spec, frac, step)
         sync()
         t = time.perf_counter()
-        apply_all()
+        sender.encode(step)  # the real encode: region + index for this step, base kept
         sync()
-        t_apply = time.perf_counter() - t
+        enc = time.perf_counter() - t
+        plan = stamped_plan()
+        proven = all(((int(codec.checksum(base_parts(p[0])[1])) + (1 << 63)) % (1 << 64) - (1 << 63)) == p[6]
+                     for p in plan)
+        sync()
+        t = time.perf_counter()
+        apply_all(plan)
+        sync()
+        app = time.perf_counter() - t
         after = [int(codec.checksum(base_parts(p[0])[1])) for p in plan]
-        want = [sender.previous.checksum_of(bk) for bk in rbuckets]
-        exact = after == want
+        exact = after == [sender.previous.checksum_of(bk) for bk in rbuckets]
+        return {"encode": enc, "apply": app, "proven": proven, "exact": exact, "plan": plan,
+                "phases": dict(getattr(sender, "last_phases", {}) or {})}
+
+    fractions = [float(x) for x in args.fractions.split(",")]
+    step = 1
+    warm = one_step(fractions[0], step)  # untimed: the first encode and apply allocate and compile
+    row["warmup"] = {"encode_s": warm["encode"], "apply_s": warm["apply"], "exact": warm["exact"]}
+    for frac in fractions:
+        runs = []
+        for _ in range(args.steps):
+            step += 1
+            runs.append(one_step(frac, step))
+        plan = runs[-1]["plan"]
+        # the sender's parts, replayed against the version just kept (encode of an unchanged step)
+        buf = torch.empty(max(b.nbytes for b in sbuckets), dtype=torch.uint8, device=dev)
+        t_pack = timed(lambda: [pack(b, tens, out=buf[: b.nbytes]) for b in sbuckets], args.repeat, sync)
+        t_sum = timed(lambda: [int(codec.checksum([buf[: b.nbytes]])) for b in sbuckets], args.repeat, sync)
+        t_proof = timed(lambda: [int(codec.checksum(base_parts(p[0])[1])) for p in plan], args.repeat, sync)
         kinds = {}
         for p in plan:
             kinds[codec.KIND_NAMES[p[2]]] = kinds.get(codec.KIND_NAMES[p[2]], 0) + 1
+        phase_names = sorted({k for r in runs for k in r["phases"]})
         row["fractions"].append({
-            "fraction": frac, "kinds": kinds, "payload_bytes": sum(p[4] for p in plan),
-            "sender_encode_s": encode_real, "sender_pack_s": t_pack, "sender_checksum_s": t_sum,
-            "receiver_proof_s": t_proof, "receiver_fetch_apply_s": t_apply,
-            "proven_before_apply": proven, "exact_after_apply": exact,
+            "fraction": frac, "kinds": kinds, "payload_bytes": sum(p[4] for p in plan), "steps": len(runs),
+            "sender_encode_s": statistics.median(r["encode"] for r in runs),
+            "sender_encode_all_s": [r["encode"] for r in runs],
+            "sender_phases_s": {k: statistics.median(r["phases"].get(k, 0.0) for r in runs) for k in phase_names},
+            "sender_pack_s": t_pack, "sender_checksum_s": t_sum,
+            "receiver_proof_s": t_proof, "receiver_fetch_apply_s": statistics.median(r["apply"] for r in runs),
+            "proven_before_apply": all(r["proven"] for r in runs), "exact_after_apply": all(r["exact"] for r in runs),
             "staged_buckets": sum(1 for p in plan if stage(p[0], targ, False).staged),
         })
         print(json.dumps(row["fractions"][-1]), flush=True)
@@ -146,7 +167,8 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f, indent=1)
-    return 0 if all(r["exact_after_apply"] and r["proven_before_apply"] for r in row["fractions"]) else 1
+    ok = warm["exact"] and all(r["exact_after_apply"] and r["proven_before_apply"] for r in row["fractions"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

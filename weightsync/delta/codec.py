@@ -23,7 +23,9 @@ every word changed.
 
 Every function is a handful of vectorised torch ops per bucket (compare, count, nonzero or bit
 packing, gather), so it runs where the tensors are, GPU included; the one host sync per bucket is
-the changed count (which sizes the payload).
+the changed count (which sizes the payload). :func:`count_changed` queues that count without
+reading it and :func:`encode_to` writes a payload whose count is known without any sync
+(``torch.nonzero_static``), so a sender can read a whole step's counts at once (delta/nixl.py).
 """
 
 from __future__ import annotations
@@ -238,6 +240,78 @@ def _block_mask(changed: torch.Tensor) -> torch.Tensor:
     return _padded(changed, BLOCK).view(-1, BLOCK).any(1)
 
 
+# -- encoding without host synchronisation (the count is known) -----------------------------------
+
+def count_changed(cur: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """How many words of ``cur`` differ from ``base``, as a 0-d int64 tensor where they are: queued,
+    not read, so a sender counts every bucket of a step before its one host sync."""
+    return torch.count_nonzero(cur != base)
+
+
+def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The ascending indices of ``mask``'s ``count`` set elements, without a host sync where torch has
+    ``nonzero_static`` (CUDA from torch 2.6); ``nonzero`` (which syncs for its size) otherwise."""
+    fn = getattr(torch, "nonzero_static", None)
+    if fn is not None:
+        try:
+            return fn(mask, size=count).view(-1)
+        except (NotImplementedError, RuntimeError):  # a device without it
+            pass
+    return mask.nonzero().view(-1)
+
+
+def encode_to(kind: int, count: int, cur: torch.Tensor, base: torch.Tensor,
+              out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Write ``cur``'s payload against ``base`` in ``kind`` (``count`` changed words, counted before:
+    :func:`count_changed`, :func:`choose`) into ``out`` (uint8, at least :func:`payload_bytes`), queuing
+    no host sync. The same bytes as :func:`encode_as`, padding zeroed. ``out`` may be ``cur``'s own
+    memory: everything read from ``cur`` is read before ``out`` is written (stream order). Returns the
+    changed word indices and their new words (so the caller can patch ``base`` into ``cur``), None for
+    SAME and FULL (FULL leaves ``cur``'s bytes in ``out``)."""
+    n, w = cur.numel(), cur.element_size()
+    if kind == SAME:
+        return None
+    if kind == FULL:
+        dst = as_words(out[: n * w], w)
+        if dst.data_ptr() != cur.data_ptr():
+            dst.copy_(cur)
+        return None
+    if kind not in (INDICES, BITMAP):
+        raise ValueError(f"encode_to writes indices, bitmap, full or same, not {KIND_NAMES.get(kind, kind)}")
+    mask = cur != base
+    idx = _nonzero(mask, count)
+    vals = cur.index_select(0, idx)
+    if kind == INDICES:
+        head = _aligned(4 * count)
+        bits = None
+    else:
+        bits = pack_bits(mask)
+        head = _aligned(bits.numel())
+    del mask
+    if kind == INDICES:
+        out[: 4 * count].view(torch.int32).copy_(idx)
+        out[4 * count : head].zero_()
+    else:
+        out[: bits.numel()].copy_(bits)
+        out[bits.numel() : head].zero_()
+    if count:
+        out[head : head + count * w].view(WORD_DTYPES[w]).copy_(vals)
+    return idx, vals
+
+
+def encode_counted(cur: torch.Tensor, base: torch.Tensor) -> Encoded:
+    """:func:`encode` without blocks in one host sync (the changed count, which sizes the payload),
+    where :func:`encode` takes two or three: the payload is written by :func:`encode_to`. A FULL
+    payload is ``cur`` itself, as :func:`encode_as` gives it."""
+    n, w = cur.numel(), cur.element_size()
+    kind, count = choose(int(count_changed(cur, base)), None, n, w)
+    if kind == FULL:
+        return Encoded(kind, count, n, w, cur.contiguous().view(torch.uint8))
+    payload = torch.empty(payload_bytes(kind, count, n, w), dtype=torch.uint8, device=cur.device)
+    encode_to(kind, count, cur, base, payload)
+    return Encoded(kind, count, n, w, payload)
+
+
 def changes(kind: int, count: int, words: int, w: int,
             payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The changed word indices (int64, ascending) and their new words a payload holds; None for SAME.
@@ -308,24 +382,32 @@ def checksum(parts: Sequence[torch.Tensor], w: int = 1) -> int:
     the per-step integrity checks use), chained over the parts with each part's word offset, so a
     sender's one buffer and a receiver's in-place views agree. Parts that do not end on a word
     boundary are joined into one copy first. (``w``, the bucket's word size, is not needed.)"""
-    from weightsync.integrity.digest import checksum as digest, checksums, fast, to_ints, words
+    from weightsync.integrity.digest import to_ints
+
+    return to_ints([checksum_queued(parts)])[0]
+
+
+def checksum_queued(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`checksum` as a 0-d int64 tensor on the parts' device, queued and not read (no host sync:
+    a sender reads a whole step's sums at once); two's complement of the unsigned sum."""
+    from weightsync.integrity.digest import checksum as digest, checksums, fast, words
 
     parts = [p.reshape(-1) for p in parts if p.numel()]
     if not parts:
-        return 0
+        return torch.zeros((), dtype=torch.int64)
     if any(p.numel() % 8 for p in parts[:-1]):
         parts = [torch.cat(parts)]
     if parts[0].is_cuda and fast():  # one Triton launch over all parts, each word read once
         bases = [0]
         for p in parts[:-1]:
             bases.append(bases[-1] + words(p))
-        return to_ints([checksums(parts, bases).sum()])[0]
+        return checksums(parts, bases).sum()
     sums, base = [], 0
     for p in parts:
         for x in _rows(p):  # wide rows: the digest's two reductions run at memory speed on CPU
             sums.append(digest(x, base))
             base += words(x)
-    return to_ints([torch.stack(sums).sum()])[0]
+    return torch.stack(sums).sum()
 
 
 def _rows(p: torch.Tensor) -> list[torch.Tensor]:

@@ -107,9 +107,13 @@ class DeltaNixlSender:
         for k, s in enumerate(self.sigs):
             self.index[HEAD + SLOT * k] = sig_hash(s)
             self.index[HEAD + SLOT * k + 2] = NONE
+        self.words = {s: words_of(self.first[s]).word for s in self.sigs}
         largest = max((b.nbytes for b in self.first.values()), default=0)
-        self._buf = torch.empty(max(largest, 1), dtype=torch.uint8, device=device)
+        # the packing buffer: only the host-memory path packs outside the region (see _encode_batched)
+        self._buf = torch.empty(max(largest, 1), dtype=torch.uint8, device=device) if host else None
         self.last_kinds: dict[str, int] = {}
+        #: seconds the last encode spent packing and counting (up to its one host sync), then encoding
+        self.last_phases: dict[str, float] = {}
 
     def encode(self, step: int) -> None:
         """Encode this step against the previous one into the region and stamp the index (the tensors
@@ -122,16 +126,85 @@ class DeltaNixlSender:
             raise
 
     def _encode(self, step: int) -> None:
+        if self.previous.host:
+            self._encode_serial(step)
+        else:
+            self._encode_batched(step)
+
+    def _encode_batched(self, step: int) -> None:
+        """The previous version beside the tensors: two passes over the buckets and one host sync.
+
+        1. Pack each bucket straight into its region slot (the region holds a full bucket per slot),
+           and queue its changed-word count against the base and its checksum.
+        2. Read all of them at once; then per bucket choose the encoding, write the payload over the
+           packed bytes in the slot (:func:`codec.encode_to` reads everything it needs first) and
+           patch the base with the changed words (or copy it whole for FULL): the base becomes this
+           step's bytes without a copy of the bucket, and its checksum is the one counted in pass 1.
+        """
+        base_step = self.previous.version
+        idx = self.index
+        idx[0] += 1  # odd while stamping
+        t0 = time.perf_counter()
+        queued: list[torch.Tensor] = []
+        todo = []
+        for k, s in enumerate(self.sigs):
+            b, word, off = self.first[s], self.words[s], self.offsets[s]
+            cur = pack(b, self.tensors, out=self.region[off : off + b.nbytes])
+            base = self.previous.base(b) if base_step is not None else None
+            base_sum = self.previous.checksum_of(b) if base is not None else None
+            delta = base_sum is not None
+            if delta:
+                queued.append(codec.count_changed(codec.as_words(cur, word), codec.as_words(base, word)))
+            queued.append(codec.checksum_queued([cur]))
+            todo.append((k, s, b, word, cur, base if delta else None, base_sum))
+        got = torch.stack([q.reshape(()).to(self.region.device) for q in queued]).tolist() if queued else []
+        t1 = time.perf_counter()
+        kinds: dict[str, int] = {}
+        at = 0
+        for k, s, b, word, cur, base, base_sum in todo:
+            w = HEAD + SLOT * k
+            if base is None:
+                step_sum = got[at]
+                at += 1
+                idx[w + 2] = NONE
+                self.previous.slot(b).copy_(cur)
+            else:
+                changed, step_sum = got[at], got[at + 1]
+                at += 2
+                words = b.nbytes // word
+                kind, count = codec.choose(changed, None, words, word)
+                cw, bw = codec.as_words(cur, word), codec.as_words(base, word)
+                patch = codec.encode_to(kind, count, cw, bw, cur)
+                if patch is not None:
+                    bw.index_copy_(0, *patch)
+                elif kind == codec.FULL:
+                    base.copy_(cur)
+                idx[w + 1], idx[w + 2], idx[w + 3], idx[w + 4] = self.offsets[s], kind, count, _signed(base_sum)
+                name = codec.KIND_NAMES[kind]
+                kinds[name] = kinds.get(name, 0) + 1
+            self.previous.rebased(b, step_sum)
+            idx[w + 5] = _signed(step_sum & ((1 << 64) - 1))  # a worker holding this step proves it
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.previous.version = step
+        idx[1], idx[2] = step, NONE if base_step is None else base_step
+        idx[0] += 1
+        self.last_kinds = kinds
+        self.last_phases = {"pack_count": t1 - t0, "encode": time.perf_counter() - t1}
+
+    def _encode_serial(self, step: int) -> None:
+        """The previous version in host memory: per bucket, pack, bring its base over, encode, keep."""
         base_step = self.previous.version
         idx = self.index
         idx[0] += 1  # odd while stamping
         kinds: dict[str, int] = {}
+        base_sums = [self.previous.checksum_of(self.first[s]) for s in self.sigs]  # read before any store
         for k, s in enumerate(self.sigs):
             b = self.first[s]
             w = HEAD + SLOT * k
             buf = pack(b, self.tensors, out=self._buf[: b.nbytes])
             base = self.previous.base(b)
-            base_sum = self.previous.checksum_of(b)
+            base_sum = base_sums[k]
             if base_step is None or base is None or base_sum is None:
                 idx[w + 2] = NONE
             else:
@@ -143,8 +216,9 @@ class DeltaNixlSender:
                 idx[w + 1], idx[w + 2], idx[w + 3], idx[w + 4] = off, enc.kind, enc.count, _signed(base_sum)
                 name = codec.KIND_NAMES[enc.kind]
                 kinds[name] = kinds.get(name, 0) + 1
-            self.previous.store(b, buf)
-            idx[w + 5] = _signed(self.previous.checksum_of(b))  # a worker holding this step proves it
+            self.previous.store(b, buf)  # its checksum queued
+        for k, s in enumerate(self.sigs):  # a worker holding this step proves it (one read for all)
+            idx[HEAD + SLOT * k + 5] = _signed(self.previous.checksum_of(self.first[s]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.previous.version = step
@@ -281,15 +355,22 @@ class DeltaNixlReceiver:
                 return None
             slots[r] = {v[HEAD + SLOT * k]: tuple(v[HEAD + SLOT * k + 1: HEAD + SLOT * k + SLOT])
                         for k in range(v[3])}
-        plan = []
+        checks = []
         for b in self.buckets:
             got = slots[b.pair[0]].get(self.hashes[(b.pair, b.index)])
             holds_step = holds[b.pair[0]]
             if got is None or (got[1] == NONE and not holds_step):
                 return None
-            off, kind, count, base_sum, step_sum = got
+            # queued, read once for all buckets: a staged bucket's gather into the one slot is
+            # stream-ordered after the previous bucket's sum of it
             _, parts = self._base(b, targets)
-            if _signed(codec.checksum(parts)) != (step_sum if holds_step else base_sum):
+            checks.append((b, got, holds_step, codec.checksum_queued(parts)))
+        from weightsync.integrity.digest import to_ints
+
+        plan = []
+        for (b, got, holds_step, _), have in zip(checks, to_ints([c[3] for c in checks])):  # one host sync
+            off, kind, count, base_sum, step_sum = got
+            if _signed(have) != (step_sum if holds_step else base_sum):
                 log.info("instance %d rank %d, step %d: bucket %d does not hold step %d; reading in full",
                          self.rx.ctx.instance, self.rx.ctx.rank, step, b.index, held)
                 return None

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from weightsync.delta.codec import checksum, word_bytes
+from weightsync.delta.codec import checksum_queued, word_bytes
 from weightsync.layout.box import slices
 from weightsync.layout.materialize import TORCH_DTYPES
 from weightsync.plan.messages import DIRECT_MIN_BYTES, Segment, segments
@@ -84,6 +84,7 @@ class PreviousVersion:
                     self._size[sig] = b.nbytes
         self._store: dict[tuple, torch.Tensor] = {}
         self._sums: dict[tuple, int] = {}
+        self._pending: dict[tuple, torch.Tensor] = {}  # checksums queued by store, not yet read
 
     @property
     def nbytes(self) -> int:
@@ -105,7 +106,18 @@ class PreviousVersion:
         return self._store.get(self._sig[(bucket.pair, bucket.index)]) if self.version is not None else None
 
     def checksum_of(self, bucket: Bucket) -> int | None:
+        if self._pending:
+            self._resolve()
         return self._sums.get(self._sig[(bucket.pair, bucket.index)])
+
+    def _resolve(self) -> None:
+        """Read every queued checksum at once (one host sync for all the buckets stored since)."""
+        from weightsync.integrity.digest import to_ints
+
+        sigs = list(self._pending)
+        for sig, v in zip(sigs, to_ints([self._pending[s] for s in sigs])):
+            self._sums[sig] = v
+        self._pending.clear()
 
     def pair_checksum(self, buckets: Sequence[Bucket]) -> int | None:
         """The pair's checksum as a receiver holding the previous version computes it, or None."""
@@ -127,7 +139,29 @@ class PreviousVersion:
             have = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device, pin_memory=self._pin)
             self._store[sig] = have
         have.copy_(cur, non_blocking=self._pin)
-        self._sums[sig] = checksum([cur])
+        self._sums.pop(sig, None)
+        self._pending[sig] = checksum_queued([cur])  # read at the next checksum_of: no sync per bucket
+
+    @property
+    def host(self) -> bool:
+        return self._host
+
+    def slot(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's stored copy, allocated on first use (its bytes are the base only while
+        :attr:`version` is set): a sender that patches it in place (:meth:`rebased`) writes here."""
+        sig = self._sig[(bucket.pair, bucket.index)]
+        have = self._store.get(sig)
+        if have is None:
+            have = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device, pin_memory=self._pin)
+            self._store[sig] = have
+        return have
+
+    def rebased(self, bucket: Bucket, checksum: int) -> None:
+        """The bucket's stored copy now holds this step's bytes (patched in place by the caller), whose
+        checksum is ``checksum``: :meth:`store` without the copy and the re-read."""
+        sig = self._sig[(bucket.pair, bucket.index)]
+        self._pending.pop(sig, None)
+        self._sums[sig] = checksum & _MASK
 
     def last_uses(self, ops: Sequence[Bucket]) -> set[int]:
         """The positions in ``ops`` after which each signature's copy may be replaced (its last use)."""
