@@ -34,10 +34,10 @@ bench() {  # $1: old or new
   echo "bench $1 rc=$?" | tee -a $LOG
   cd /tmp/hI_new
 }
-phases old 100
-phases new 100
-bench new 150
-left=$(( ${TOTAL:-330} - $(el) ))
+phases old ${PHASE_LIMIT:-80}
+phases new ${PHASE_LIMIT:-80}
+bench new ${BENCH_LIMIT:-110}
+left=$(( ${TOTAL:-260} - $(el) ))
 if [ $left -gt 75 ]; then bench old $(( left - 10 )); else echo "no time left for the old bench" | tee -a $LOG; fi
 echo "--- done $(el) s" | tee -a $LOG
 python3 - <<'PY'
