@@ -238,6 +238,38 @@ def test_other_layout_refused(meta):
         job.close()
 
 
+def _native_threads() -> set[int]:
+    """This process's threads that Python did not start (NIXL's and UCX's, among others)."""
+    import threading
+
+    return {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
+
+
+def test_close_releases_every_agent(meta, caplog):
+    """close() lets each agent go (NIXL has no destroy call: an agent goes with its last reference, every
+    prepared list and transfer handle included), and with it the UCX progress thread, which would poll on
+    (~0.15 CPU s a second each) until the process exits; none is left referenced (no warning)."""
+    import weakref
+
+    before = _native_threads()
+    job = Job(meta, model="tiny-qwen3", train="fsdp:dp=2", infer="vllm:tp=2", mode="async")
+    job.write(1)
+    for k, rx in job.receivers.items():  # programs, header handles and staged slots all made
+        assert rx.pull(job.targets[k]).steps == {1}
+    assert not job.wrong(1)
+    started = _native_threads() - before
+    assert len(started) >= len(job.senders) + len(job.receivers), "each agent runs a progress thread"
+    agents = [weakref.ref(x.agent) for x in [*job.senders.values(), *job.receivers.values()]]
+    with caplog.at_level("WARNING", logger="weightsync.transport.nixl"):
+        job.close()
+    assert not [r.message for r in caplog.records if "still referenced" in r.message]
+    assert all(a() is None for a in agents), "a closed transport's agent is still alive"
+    deadline = time.monotonic() + 5
+    while _native_threads() & started and time.monotonic() < deadline:  # joined as each agent goes
+        time.sleep(0.05)
+    assert not _native_threads() & started, f"threads left after close: {sorted(_native_threads() & started)}"
+
+
 def test_moved_weights_refused(meta):
     job = Job(meta, model="tiny-qwen3", train="hf", infer="hf")
     try:
