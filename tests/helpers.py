@@ -61,7 +61,7 @@ def run_rank_processes(script: str, job: dict, world: int, timeout: float) -> li
 # what the shared forkserver imports once for the test files that fork their processes from it
 FORKSERVER_PRELOAD = ["torch", "weightsync.engines", "weightsync.transport.colocated", "weightsync.transport.p2p",
                       "weightsync.bench.baselines", "weightsync.meta.client", "weightsync.meta.server",
-                      "test_colocated", "test_baselines"]
+                      "test_colocated", "test_baselines", "test_p2p"]
 
 
 def forkserver():

@@ -2,13 +2,12 @@
 
 Every case starts one process per training rank and per (instance, inference rank); each builds its
 own plan and local tensors, as a real job would, and reports back through a queue. Processes come
-from a forkserver that has torch and weightsync imported already, so each start costs milliseconds
-and no process inherits the test runner's threads.
+from the shared forkserver (tests/helpers.py), which has torch, weightsync and this module imported
+already, so each start costs milliseconds and no process inherits the test runner's threads.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -18,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from helpers import forkserver
 from helpers import same as _same
 from helpers import simulate
 
@@ -36,9 +36,7 @@ STALL_S = TIMEOUT_S + 3  # how long a stalled peer sits in the group without pos
 
 
 def _ctx():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.transport.p2p", "weightsync.engines", "test_p2p"])
-    return ctx
+    return forkserver()  # the shared one (tests/helpers.py): its preload imports this module too
 
 
 def _die_after(name: str, calls: int) -> None:
