@@ -1,11 +1,12 @@
-"""The nixl delta sender's batched encode (one host sync a step): the same bytes as the per-bucket path.
+"""The nixl delta sender's in-place encode: the same bytes as the per-bucket path with a packing buffer.
 
-``codec.encode_to`` (the count known beforehand, nothing read back) must write exactly the payload
-``codec.encode_as`` builds, into poisoned memory and into the packed bucket's own memory; and
-``DeltaNixlSender`` with the previous version beside the tensors (packs into the region, patches the
-base in place) must stamp the same index and region payloads, and keep the same base and checksums,
-as the host-memory path (pack, encode, copy into the base) over steps of none, sparse, dense and
-every element changed. CPU; the GPU run is benchmarks/delta_sender_gpu.sh.
+``codec.encode_to`` (the changes or their count known beforehand, nothing read back) must write
+exactly the payload ``codec.encode_as`` builds, into poisoned memory and into the packed bucket's own
+memory; and ``DeltaNixlSender`` with the previous version beside the tensors (packs into the region,
+patches the base in place, reads the checksums once) must stamp the same index and region payloads,
+and keep the same base and checksums, as the host-memory path (pack, encode, copy into the base)
+over steps of none, sparse, dense and every element changed. CPU, and CUDA where present
+(benchmarks/delta_sender_gpu.sh runs it on the H200).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def test_encode_to_writes_encode_as_bytes(dtype, frac, device):
         patch = codec.encode_to(kind, k, cur, base, out)
         assert torch.equal(out[:size], want), codec.KIND_NAMES[kind]
         assert torch.equal(out[size:], tail)  # nothing written past the payload
+        given = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
+        codec.encode_to(kind, k, cur, base, given, idx=codec.changed_words(cur, base))  # the changes known
+        assert torch.equal(given, want), codec.KIND_NAMES[kind]
         if kind in (codec.INDICES, codec.BITMAP):
             fixed = base.clone()
             fixed.index_copy_(0, *patch)
@@ -71,7 +75,7 @@ def test_encode_to_over_the_packed_bytes_themselves(dtype, frac, device):
     expect_base = cur.clone()
     buf = cur.clone().view(torch.uint8)  # the region slot holding the packed bucket
     held = base.clone()
-    patch = codec.encode_to(kind, count, codec.as_words(buf, w), held, buf)
+    patch = codec.encode_to(kind, count, codec.as_words(buf, w), held, buf, idx=codec.changed_words(cur, base))
     assert torch.equal(buf[: want.numel()], want)
     if patch is not None:
         held.index_copy_(0, *patch)
@@ -92,7 +96,7 @@ def _plans():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_batched_sender_matches_the_serial_path(device):
+def test_in_place_sender_matches_the_serial_path(device):
     from weightsync.bench.delta import apply_step
     from weightsync.bench.scenarios import init_weights
     from weightsync.delta.nixl import HEAD, SLOT, DeltaNixlSender, _buckets
@@ -106,7 +110,7 @@ def test_batched_sender_matches_the_serial_path(device):
     tens = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in lay.tensors.items()}
     init_weights(lay, tens, spec)
     fast, slow = DeltaNixlSender(plans, tens, dev), DeltaNixlSender(plans, tens, dev, host=True)
-    assert fast._buf is None and slow._buf is not None  # the batched path packs into the region
+    assert fast._buf is None and slow._buf is not None  # the in-place path packs into the region
     fast.region.random_(0, 256)  # poison
     buckets = {b.index: b for b in _buckets(plans)}
     before = {i: pack(b, tens).clone() for i, b in buckets.items()}
@@ -123,7 +127,7 @@ def test_batched_sender_matches_the_serial_path(device):
             b = fast.first[s]
             now = pack(b, tens)
             got = fast.previous.base(b)
-            assert torch.equal(got, now) and torch.equal(slow.previous.base(b), now)  # the base is this step
+            assert torch.equal(got, now) and torch.equal(slow.previous.base(b).to(dev), now)  # the base is this step
             assert fast.previous.checksum_of(b) == slow.previous.checksum_of(b) == codec.checksum([now])
             off, kind, count = (int(x) for x in fast.index[HEAD + SLOT * k + 1: HEAD + SLOT * k + 4])
             if kind == -1:
@@ -140,4 +144,3 @@ def test_batched_sender_matches_the_serial_path(device):
             for b in buckets.values():
                 before[b.index] = pack(b, tens).clone()
     assert {"same", "indices", "bitmap", "full"} <= set(seen), seen
-    assert set(fast.last_phases) == {"pack_count", "encode"}

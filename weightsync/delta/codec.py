@@ -23,9 +23,9 @@ every word changed.
 
 Every function is a handful of vectorised torch ops per bucket (compare, count, nonzero or bit
 packing, gather), so it runs where the tensors are, GPU included; the one host sync per bucket is
-the changed count (which sizes the payload). :func:`count_changed` queues that count without
-reading it and :func:`encode_to` writes a payload whose count is known without any sync
-(``torch.nonzero_static``), so a sender can read a whole step's counts at once (delta/nixl.py).
+the changed count (which sizes the payload). :func:`encode_to` writes a payload whose changes are
+known (or only counted: :func:`count_changed` queues the count, ``torch.nonzero_static`` finds them)
+without a further sync, over the packed bucket itself if need be (delta/nixl.py).
 """
 
 from __future__ import annotations
@@ -179,6 +179,13 @@ def encode(cur: torch.Tensor, base: torch.Tensor, *, blocks: bool = True) -> Enc
     return encode_as(kind, cur, changed, count, base)
 
 
+def changed_words(cur: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The changed word indices of ``cur`` against ``base``, ascending (int64), through the changed
+    8-byte words where the memory allows (two host syncs: the sizes), else one ``nonzero``."""
+    fine = _changed_fine(cur, base)
+    return (cur != base).nonzero().view(-1) if fine is None else fine
+
+
 def _changed_fine(cur: torch.Tensor, base: torch.Tensor) -> torch.Tensor | None:
     """The changed word indices, ascending, found through the changed 8-byte words (a quarter of the
     bf16 words compared as a mask, then only the changed ones' words); None when the memory is not
@@ -260,14 +267,16 @@ def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
     return mask.nonzero().view(-1)
 
 
-def encode_to(kind: int, count: int, cur: torch.Tensor, base: torch.Tensor,
-              out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def encode_to(kind: int, count: int, cur: torch.Tensor, base: torch.Tensor, out: torch.Tensor,
+              idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Write ``cur``'s payload against ``base`` in ``kind`` (``count`` changed words, counted before:
-    :func:`count_changed`, :func:`choose`) into ``out`` (uint8, at least :func:`payload_bytes`), queuing
-    no host sync. The same bytes as :func:`encode_as`, padding zeroed. ``out`` may be ``cur``'s own
-    memory: everything read from ``cur`` is read before ``out`` is written (stream order). Returns the
-    changed word indices and their new words (so the caller can patch ``base`` into ``cur``), None for
-    SAME and FULL (FULL leaves ``cur``'s bytes in ``out``)."""
+    :func:`count_changed` or :func:`changed_words`, then :func:`choose`) into ``out`` (uint8, at least
+    :func:`payload_bytes`), queuing no host sync. ``idx``: the changed word indices where the caller
+    has them (no word-sized compare then), else found with ``nonzero_static``. The same bytes as
+    :func:`encode_as`, padding zeroed. ``out`` may be ``cur``'s own memory: everything read from
+    ``cur`` is read before ``out`` is written (stream order). Returns the changed word indices and
+    their new words (so the caller can patch ``base`` into ``cur``), None for SAME and FULL (FULL
+    leaves ``cur``'s bytes in ``out``)."""
     n, w = cur.numel(), cur.element_size()
     if kind == SAME:
         return None
@@ -278,13 +287,18 @@ def encode_to(kind: int, count: int, cur: torch.Tensor, base: torch.Tensor,
         return None
     if kind not in (INDICES, BITMAP):
         raise ValueError(f"encode_to writes indices, bitmap, full or same, not {KIND_NAMES.get(kind, kind)}")
-    mask = cur != base
-    idx = _nonzero(mask, count)
+    mask = None
+    if idx is None:
+        mask = cur != base
+        idx = _nonzero(mask, count)
     vals = cur.index_select(0, idx)
     if kind == INDICES:
         head = _aligned(4 * count)
         bits = None
     else:
+        if mask is None:
+            mask = torch.zeros(n, dtype=torch.bool, device=cur.device)
+            mask[idx] = True
         bits = pack_bits(mask)
         head = _aligned(bits.numel())
     del mask
@@ -297,19 +311,6 @@ def encode_to(kind: int, count: int, cur: torch.Tensor, base: torch.Tensor,
     if count:
         out[head : head + count * w].view(WORD_DTYPES[w]).copy_(vals)
     return idx, vals
-
-
-def encode_counted(cur: torch.Tensor, base: torch.Tensor) -> Encoded:
-    """:func:`encode` without blocks in one host sync (the changed count, which sizes the payload),
-    where :func:`encode` takes two or three: the payload is written by :func:`encode_to`. A FULL
-    payload is ``cur`` itself, as :func:`encode_as` gives it."""
-    n, w = cur.numel(), cur.element_size()
-    kind, count = choose(int(count_changed(cur, base)), None, n, w)
-    if kind == FULL:
-        return Encoded(kind, count, n, w, cur.contiguous().view(torch.uint8))
-    payload = torch.empty(payload_bytes(kind, count, n, w), dtype=torch.uint8, device=cur.device)
-    encode_to(kind, count, cur, base, payload)
-    return Encoded(kind, count, n, w, payload)
 
 
 def changes(kind: int, count: int, words: int, w: int,

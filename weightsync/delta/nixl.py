@@ -109,11 +109,9 @@ class DeltaNixlSender:
             self.index[HEAD + SLOT * k + 2] = NONE
         self.words = {s: words_of(self.first[s]).word for s in self.sigs}
         largest = max((b.nbytes for b in self.first.values()), default=0)
-        # the packing buffer: only the host-memory path packs outside the region (see _encode_batched)
+        # the packing buffer: only the host-memory path packs outside the region (see _encode_in_place)
         self._buf = torch.empty(max(largest, 1), dtype=torch.uint8, device=device) if host else None
         self.last_kinds: dict[str, int] = {}
-        #: seconds the last encode spent packing and counting (up to its one host sync), then encoding
-        self.last_phases: dict[str, float] = {}
 
     def encode(self, step: int) -> None:
         """Encode this step against the previous one into the region and stamp the index (the tensors
@@ -129,68 +127,56 @@ class DeltaNixlSender:
         if self.previous.host:
             self._encode_serial(step)
         else:
-            self._encode_batched(step)
+            self._encode_in_place(step)
 
-    def _encode_batched(self, step: int) -> None:
-        """The previous version beside the tensors: two passes over the buckets and one host sync.
+    def _encode_in_place(self, step: int) -> None:
+        """The previous version beside the tensors: per bucket, pack straight into its region slot (the
+        region holds a full bucket per slot), queue its checksum, find the changed words against the
+        base (:func:`codec.changed_words`), write the payload over the packed bytes
+        (:func:`codec.encode_to` reads everything it needs first) and patch the base with the changed
+        words (FULL: copy the bucket): the base becomes this step's bytes without a copy of the
+        bucket, and all the checksums are read once, at the end.
 
-        1. Pack each bucket straight into its region slot (the region holds a full bucket per slot),
-           and queue its changed-word count against the base and its checksum.
-        2. Read all of them at once; then per bucket choose the encoding, write the payload over the
-           packed bytes in the slot (:func:`codec.encode_to` reads everything it needs first) and
-           patch the base with the changed words (or copy it whole for FULL): the base becomes this
-           step's bytes without a copy of the bucket, and its checksum is the one counted in pass 1.
-        """
+        (A batched variant -- every bucket's count queued, one sync, then ``nonzero_static`` -- read
+        each bucket twice and measured slower at 0.1-1% on an H200: BENCHMARKS.md.)"""
         base_step = self.previous.version
         idx = self.index
         idx[0] += 1  # odd while stamping
-        t0 = time.perf_counter()
-        queued: list[torch.Tensor] = []
-        todo = []
+        kinds: dict[str, int] = {}
+        sums: list[torch.Tensor] = []
         for k, s in enumerate(self.sigs):
             b, word, off = self.first[s], self.words[s], self.offsets[s]
+            w = HEAD + SLOT * k
             cur = pack(b, self.tensors, out=self.region[off : off + b.nbytes])
+            sums.append(codec.checksum_queued([cur]))  # queued before the payload overwrites the slot
             base = self.previous.base(b) if base_step is not None else None
             base_sum = self.previous.checksum_of(b) if base is not None else None
-            delta = base_sum is not None
-            if delta:
-                queued.append(codec.count_changed(codec.as_words(cur, word), codec.as_words(base, word)))
-            queued.append(codec.checksum_queued([cur]))
-            todo.append((k, s, b, word, cur, base if delta else None, base_sum))
-        got = torch.stack([q.reshape(()).to(self.region.device) for q in queued]).tolist() if queued else []
-        t1 = time.perf_counter()
-        kinds: dict[str, int] = {}
-        at = 0
-        for k, s, b, word, cur, base, base_sum in todo:
-            w = HEAD + SLOT * k
-            if base is None:
-                step_sum = got[at]
-                at += 1
+            if base_sum is None:
                 idx[w + 2] = NONE
                 self.previous.slot(b).copy_(cur)
-            else:
-                changed, step_sum = got[at], got[at + 1]
-                at += 2
-                words = b.nbytes // word
-                kind, count = codec.choose(changed, None, words, word)
-                cw, bw = codec.as_words(cur, word), codec.as_words(base, word)
-                patch = codec.encode_to(kind, count, cw, bw, cur)
-                if patch is not None:
-                    bw.index_copy_(0, *patch)
-                elif kind == codec.FULL:
-                    base.copy_(cur)
-                idx[w + 1], idx[w + 2], idx[w + 3], idx[w + 4] = self.offsets[s], kind, count, _signed(base_sum)
-                name = codec.KIND_NAMES[kind]
-                kinds[name] = kinds.get(name, 0) + 1
-            self.previous.rebased(b, step_sum)
-            idx[w + 5] = _signed(step_sum & ((1 << 64) - 1))  # a worker holding this step proves it
+                continue
+            cw, bw = codec.as_words(cur, word), codec.as_words(base, word)
+            changed = codec.changed_words(cw, bw)
+            kind, count = codec.choose(changed.numel(), None, b.nbytes // word, word)
+            patch = codec.encode_to(kind, count, cw, bw, cur, idx=changed)
+            if patch is not None:
+                bw.index_copy_(0, *patch)
+            elif kind == codec.FULL:
+                base.copy_(cur)
+            idx[w + 1], idx[w + 2], idx[w + 3], idx[w + 4] = off, kind, count, _signed(base_sum)
+            name = codec.KIND_NAMES[kind]
+            kinds[name] = kinds.get(name, 0) + 1
+        from weightsync.integrity.digest import to_ints
+
+        for k, (s, got) in enumerate(zip(self.sigs, to_ints(sums))):  # one read for all
+            self.previous.rebased(self.first[s], got)
+            idx[HEAD + SLOT * k + 5] = _signed(got)  # a worker holding this step proves it
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.previous.version = step
         idx[1], idx[2] = step, NONE if base_step is None else base_step
         idx[0] += 1
         self.last_kinds = kinds
-        self.last_phases = {"pack_count": t1 - t0, "encode": time.perf_counter() - t1}
 
     def _encode_serial(self, step: int) -> None:
         """The previous version in host memory: per bucket, pack, bring its base over, encode, keep."""

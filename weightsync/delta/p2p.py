@@ -20,9 +20,9 @@ Deadlock freedom is the transport's argument unchanged: a header and its payload
 in the global order; the sender keeps at most ``window`` transfers outstanding, the receiver one,
 and a receiver waits only on its earliest incomplete transfer. Proofs all move before any bucket.
 
-Costs: one host sync per bucket on each end (the changed count sizes the payload: ``encode_counted``;
-the receiver reads the header; the kept base's checksum is read once a step), and the receiver reads
-its targets once more per step for the proof.
+Costs: host syncs per bucket on each end (the changed words' sizes size the payload; the receiver
+reads the header; the kept base's checksum is read once a step), and the receiver reads its targets
+once more per step for the proof.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class DeltaSender:
                 if base.device != cur.device:
                     base = base.to(cur.device, non_blocking=True)
                 # blocks lose on scattered changes (docs/delta.md) and cost a pass: not tried
-                enc = codec.encode_counted(codec.as_words(cur, words.word), codec.as_words(base, words.word))
+                enc = codec.encode(codec.as_words(cur, words.word), codec.as_words(base, words.word), blocks=False)
                 if enc.kind != codec.FULL:  # a FULL payload is the slot itself
                     cache[sig] = enc
             elif enc is None:
