@@ -1,5 +1,5 @@
 #!/bin/bash
-# The batched delta sender on the 1-GPU host, before and after, in one device call: the sender tests on the GPU,
+# The delta sender on the 1-GPU host, before and after, in one device call: the sender tests on the GPU,
 # benchmarks/delta_phases.py (this tree's script) over the old code and the new, then the nixl-1gpu delta bench
 # (previous version on the GPU) on the new code and, time left, on the old. Carry .nixlwhl/nixl_cu13_cp312_ucx.tar.xz
 # and a folder $SRC (default .nixlwhl/hI) with old.tar.gz and new.tar.gz (git archive of each commit), so nobody's
