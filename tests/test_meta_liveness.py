@@ -222,3 +222,25 @@ def test_a_killed_async_instance_is_marked_gone():
     # (its last word, the step's held report, came a moment before the kill; a beat at most 1/4 deadline)
     assert KILLED_LIVENESS * 3 / 4 - 0.1 <= seen.after_s < KILLED_LIVENESS + 2.5, seen.after_s
     assert final[0].state == "gone" and final[1].state == "left" and final[1].held == 2
+
+
+def test_a_heartbeat_whose_owner_is_gone_stops(server):
+    """A reader dropped without close() must not leave a thread claiming it alive for the process's life: the
+    heartbeat holds its owner (the reader's session) weakly and stops once it is garbage."""
+    import gc
+
+    class Owner:
+        pass
+
+    c = MetaClient(server.url, "liveness-owner", timeout=5.0)
+    c.join(0, liveness_s=LIVENESS)
+    owner = Owner()
+    beat = Heartbeat(c, 0, LIVENESS, owner=owner).start()
+    time.sleep(LIVENESS / 2)
+    assert beat._thread.is_alive() and c.members()[0].state == "joined"
+    del owner
+    gc.collect()
+    beat._thread.join(timeout=LIVENESS)
+    assert not beat._thread.is_alive(), "the heartbeat outlived its owner"
+    assert wait_state(c, 0, "gone", within=LIVENESS + 1.5).state == "gone"
+    beat.stop()

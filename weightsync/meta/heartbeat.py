@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
+from typing import Any
 
 from weightsync.meta.client import MetaAborted, MetaClient, MetaError, MetaUnavailable
 
@@ -22,10 +24,15 @@ BEATS_PER_DEADLINE = 4  # so two lost or late beats in a row still keep a member
 
 
 class Heartbeat:
-    """Posts ``alive`` for ``instance`` every ``liveness_s / 4`` from a daemon thread, until :meth:`stop`."""
+    """Posts ``alive`` for ``instance`` every ``liveness_s / 4`` from a daemon thread, until :meth:`stop` or
+    until ``owner`` (held weakly) is garbage."""
 
-    def __init__(self, client: MetaClient, instance: int, liveness_s: float, incarnation: str | None = None):
+    def __init__(self, client: MetaClient, instance: int, liveness_s: float, incarnation: str | None = None,
+                 owner: Any = None):
         self.client, self.instance, self.liveness_s, self.incarnation = client, instance, liveness_s, incarnation
+        # the reader's session, held weakly: a reader dropped without close() stops beating (and is marked
+        # gone after liveness_s) instead of leaving a thread that claims it alive for the process's life
+        self._owner = weakref.ref(owner) if owner is not None else None
         self.every_s = liveness_s / BEATS_PER_DEADLINE
         self.error: MetaError | None = None  # the refusal that stopped it
         self._stop = threading.Event()
@@ -37,6 +44,9 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
+            if self._owner is not None and self._owner() is None:
+                log.info("instance %d: its reader is gone without close(); heartbeat stopped", self.instance)
+                return
             try:
                 self.client.alive(self.instance, self.incarnation, timeout=self.every_s)
             except MetaUnavailable as e:  # down or restarting: the next beat tries again

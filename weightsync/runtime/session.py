@@ -400,7 +400,8 @@ class InstanceSession(JobSession):
     def _beat(self) -> None:
         """Async, once joined: start the heartbeat (a joined member that stops it is marked gone)."""
         if self.liveness_s is not None and self.heartbeat is None:
-            self.heartbeat = Heartbeat(self.client, self.instance_id, self.liveness_s, self.incarnation).start()
+            self.heartbeat = Heartbeat(self.client, self.instance_id, self.liveness_s, self.incarnation,
+                                       owner=self).start()
 
     def check_alive(self) -> None:
         if self.heartbeat is not None:
