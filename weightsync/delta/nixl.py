@@ -171,12 +171,7 @@ class DeltaNixlSender:
         for k, (s, got) in enumerate(zip(self.sigs, to_ints(sums))):  # one read for all
             self.previous.rebased(self.first[s], got)
             idx[HEAD + SLOT * k + 5] = _signed(got)  # a worker holding this step proves it
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.previous.version = step
-        idx[1], idx[2] = step, NONE if base_step is None else base_step
-        idx[0] += 1
-        self.last_kinds = kinds
+        self._stamped(step, base_step, kinds)
 
     def _encode_serial(self, step: int) -> None:
         """The previous version in host memory: per bucket, pack, bring its base over, encode, keep."""
@@ -205,11 +200,15 @@ class DeltaNixlSender:
             self.previous.store(b, buf)  # its checksum queued
         for k, s in enumerate(self.sigs):  # a worker holding this step proves it (one read for all)
             idx[HEAD + SLOT * k + 5] = _signed(self.previous.checksum_of(self.first[s]))
+        self._stamped(step, base_step, kinds)
+
+    def _stamped(self, step: int, base_step: int | None, kinds: dict[str, int]) -> None:
+        """Close the index's odd window once every slot is written (the region's bytes landed first)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.previous.version = step
-        idx[1], idx[2] = step, NONE if base_step is None else base_step
-        idx[0] += 1
+        self.index[1], self.index[2] = step, NONE if base_step is None else base_step
+        self.index[0] += 1
         self.last_kinds = kinds
 
 
