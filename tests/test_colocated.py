@@ -656,3 +656,22 @@ def test_merged_order_never_deadlocks(model, train, infer, instances):
     for window in (1, 2, 3):
         assert simulate(_colocated_ops(planner, ranks, merged=True), window)
     assert not simulate(_colocated_ops(planner, ranks, merged=False), 1)
+
+
+def test_share_tries_again_when_the_shm_manager_is_slow(monkeypatch):
+    """libshm's manager daemon not answering in time (a loaded host) is tried again, not a failed job."""
+    real = torch.UntypedStorage._share_filename_cpu_
+    calls = []
+
+    def slow_once(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("Shared memory manager connection has timed out")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", slow_once)
+    t = {"w": torch.randn(8, 4)}
+    want = t["w"].clone()
+    desc = share.export_tensors(t)
+    assert len(calls) == 2 and desc["storages"][0]["kind"] == "cpu_shm"
+    assert torch.equal(t["w"], want) and t["w"].untyped_storage().is_shared()

@@ -57,6 +57,7 @@ import atexit
 import base64
 import contextlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -74,6 +75,7 @@ FORMAT = "weightsync.share/1"
 _EXPORTED: dict[tuple[str, bytes], torch.UntypedStorage] = {}  # exporter side: keep-alive
 _OPENED: dict[tuple[str, bytes, int], StorageWeakRef] = {}  # importer side: one mapping per storage
 _COUNTED: set[tuple[bytes, int]] = set()  # importer side: CUDA ref-counter slots already accounted for
+log = logging.getLogger("weightsync.transport.share")
 _LOCK = threading.Lock()
 
 
@@ -92,13 +94,31 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+SHM_MANAGER_ATTEMPTS = 3
+
+
+def _share_filename(storage: torch.UntypedStorage):
+    """``storage._share_filename_cpu_()``, tried again when torch's ``torch_shm_manager`` did not answer
+    in time: libshm starts that daemon on a process's first share and waits about a second for it, which a
+    loaded host's process start can exceed (seen in CI-like runs at load ~35). A failed call leaves the
+    storage where it was (its pointer moves only on success), and the daemon is up by the next try."""
+    for attempt in range(1, SHM_MANAGER_ATTEMPTS + 1):
+        try:
+            return storage._share_filename_cpu_()
+        except RuntimeError as e:
+            if "Shared memory manager connection has timed out" not in str(e) or attempt == SHM_MANAGER_ATTEMPTS:
+                raise
+            log.warning("torch's shared memory manager did not answer in time (attempt %d of %d); trying again",
+                        attempt, SHM_MANAGER_ATTEMPTS)
+
+
 def _share_storage(storage: torch.UntypedStorage) -> dict[str, Any]:
     """Make one storage shareable (in place) and describe how to open it."""
     dev = storage.device
     if storage.nbytes() == 0:  # cannot be mapped; rebuilt as a fresh empty storage
         return {"kind": "empty", "device": str(dev)}
     if dev.type == "cpu":
-        manager, handle, nbytes = storage._share_filename_cpu_()  # moves it to /dev/shm in place
+        manager, handle, nbytes = _share_filename(storage)  # moves it to /dev/shm in place
         with _LOCK:
             _EXPORTED[("cpu", bytes(handle))] = storage
         return {"kind": "cpu_shm", "manager": _b64(manager), "handle": _b64(handle), "nbytes": int(nbytes)}
