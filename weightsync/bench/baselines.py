@@ -33,7 +33,7 @@ from weightsync.errors import ConfigError
 from weightsync.layout.box import slices
 from weightsync.layout.layout import EngineLayout
 from weightsync.layout.materialize import TORCH_DTYPES, local_view
-from weightsync.transport.p2p import JobRanks
+from weightsync.plan.job import JobRanks
 
 BUCKET_BYTES = 512 << 20
 GATHER_TAG = 11

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from weightsync import __version__
@@ -19,12 +18,12 @@ from weightsync.engines import make_layout
 from weightsync.errors import ConfigError, JobMismatch, PlanError
 from weightsync.layout.layout import EngineLayout, Layout, layout_digest
 from weightsync.meta.client import MetaAborted, MetaClient, MetaError
-from weightsync.plan.planner import Bucket, Pair, Planner, pair_hash
-from weightsync.plan.topology import Placement, Topology
+from weightsync.plan.job import JobShape  # noqa: F401 - re-exported: the runtime's callers name it here
+from weightsync.plan.planner import Bucket, Pair, pair_hash
+from weightsync.plan.topology import Placement
 from weightsync.spec.compare import first_difference
 from weightsync.spec.model import ModelSpec, spec_from_config
 from weightsync.transport.base import Buffers
-from weightsync.transport.colocated import ColocatedRanks
 
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes a transport may keep on a GPU beyond the weights
 
@@ -50,54 +49,6 @@ def enforce_memory_budget(client: MetaClient, budget: int | None, buffers: Buffe
         client.abort(reason)
         raise ConfigError(reason)
     return need
-
-
-@dataclass(frozen=True)
-class JobShape:
-    """What both sides must agree on to compute the same plan."""
-
-    train: str  # training engine layout, e.g. "megatron:tp=2,pp=2"
-    infer: str  # inference engine layout, e.g. "vllm:tp=2"
-    train_world: int
-    infer_world: int
-    instances: int
-    colocate: bool
-    bucket_bytes: int
-    transport: str = "p2p"
-    mode: str = "sync"
-    peer_copies: bool = True  # co-located: workers read other GPUs' trainers directly (every participant can)
-    #: where the ranks registered (hosts, GPUs); None when some rank has no GPU and all are on one host
-    #: (CPU jobs): then the arithmetic rules of :class:`Topology` place them
-    placement: Placement | None = None
-    #: instances may join, leave and die while the job runs (the transport's sender does not depend on
-    #: them): the trainers plan one instance slot, ``instances`` is one past the highest id registered,
-    #: and the topology is the arithmetic one, so no joiner changes anybody else's plan
-    elastic: bool = False
-
-    def topology(self) -> Topology:
-        if self.placement is not None:
-            return Topology.placed(self.placement, self.infer_world, self.instances, self.colocate)
-        make = Topology.colocated if self.colocate else Topology.separated
-        return make(self.train_world, self.infer_world, self.instances)
-
-    def planner(self, spec: ModelSpec, src: EngineLayout | None = None, dst: EngineLayout | None = None,
-                instances: int | None = None) -> Planner:
-        """The job's planner (``instances``: plan only that many instance slots, as elastic trainers do:
-        an instance's plan does not depend on how many others there are)."""
-        src = src or make_layout(spec, self.train)
-        dst = dst or make_layout(spec, self.infer)
-        n = self.instances if instances is None else instances
-        if n == self.instances:
-            topology = self.topology()
-        else:  # the arithmetic rules (a placement lists exactly the registered instances)
-            make = Topology.colocated if self.colocate else Topology.separated
-            topology = make(self.train_world, self.infer_world, n)
-        return Planner(src, dst, n, topology, bucket_bytes=self.bucket_bytes)
-
-    def colocated_ranks(self) -> ColocatedRanks:
-        """Who opens, reads, sends and receives what in a co-located job (the planner's topology)."""
-        return ColocatedRanks(self.train_world, self.infer_world, self.instances, peer=self.peer_copies,
-                              placement=self.placement)
 
 
 def register(

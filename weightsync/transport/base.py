@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # annotations only: a transport needs no runtime module to ru
 
     from weightsync.meta.client import MetaClient
     from weightsync.plan.planner import Bucket, Pair, Planner
-    from weightsync.runtime.job import JobShape
+    from weightsync.plan.job import JobShape
 
     Plans = Mapping[Pair, list[Bucket]]
 

@@ -47,14 +47,14 @@ from functools import cached_property
 import torch
 from torch.distributed import ProcessGroup
 
-from weightsync.errors import ConfigError
+from weightsync.errors import ConfigError, TransportError
+from weightsync.plan.job import JobShape
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Placement, Topology
 from weightsync.transport.base import Buffers, Receiver, ReceiverContext, Sender, SenderContext, StepStats
 from weightsync.transport.graphs import CopyGraphs
-from weightsync.transport.p2p import (
+from weightsync.transport.nccl import (
     DEFAULT_WINDOW,
-    TransportError,
     coalescing,
     describe,
     ensure_buffers,
@@ -116,6 +116,12 @@ class ColocatedRanks:
     push: bool = False
     #: where the ranks registered (None: the arithmetic rule of :meth:`Topology.colocated`)
     placement: Placement | None = None
+
+    @classmethod
+    def of(cls, shape: JobShape) -> ColocatedRanks:
+        """Who opens, reads, sends and receives what in a co-located job (the planner's topology)."""
+        return cls(shape.train_world, shape.infer_world, shape.instances, peer=shape.peer_copies,
+                   placement=shape.placement)
 
     @property
     def world_size(self) -> int:
@@ -680,7 +686,7 @@ class ColocatedSender(Sender):
 
         # one export per worker that opens them (CUDA IPC counts one opening process per export)
         self.files = []
-        for g in ctx.shape.colocated_ranks().importers(ctx.rank, ctx.plans):
+        for g in ColocatedRanks.of(ctx.shape).importers(ctx.rank, ctx.plans):
             path = share_tensors(ctx.tensors, ctx.link.job, f"train{ctx.rank}-for{g}")
             ctx.client.publish(f"share.{ctx.rank}.{g}", path)
             self.files.append(path)
@@ -717,7 +723,7 @@ class ColocatedReceiver(Receiver):
         """Plan what else this worker moves -- the send plans of the rank it proxies and of those on its
         GPU it pushes for -- and return the buffers of the buckets that go through the workers' group
         (direct copies need none)."""
-        ranks = dataclasses.replace(ctx.shape.colocated_ranks(), push=ctx.push)
+        ranks = dataclasses.replace(ColocatedRanks.of(ctx.shape), push=ctx.push)
         self.ranks, self.me = ranks, ranks.infer(ctx.instance, ctx.rank)
         self.send_plans = {t: ctx.planner.send_plan(t) for t in ranks.send_plan_ranks(self.me)}
         buckets = [b for bs in ctx.plans.values() for b in bs]

@@ -17,16 +17,30 @@ step that every byte of the instance came from.
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from datetime import timedelta
+from typing import Any, Mapping, Protocol
 
 import torch
+from torch.distributed import ProcessGroup
 
 from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
-from weightsync.plan.planner import Bucket, Pair
 from weightsync.errors import TransportError
-from weightsync.transport.p2p import JobRanks, P2PTransport
+from weightsync.plan.job import JobRanks
+from weightsync.plan.planner import Bucket, Pair
 
 HEADER_TAG = 1 << 24  # distinct from bucket tags (bucket indices)
+
+
+class Mover(Protocol):
+    """What a pull needs of the point-to-point transport (:class:`weightsync.transport.p2p.P2PTransport`)."""
+
+    group: ProcessGroup
+    ranks: JobRanks
+    timeout: timedelta
+
+    def send(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> Any: ...
+
+    def recv(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> Any: ...
 
 
 def claim_pull(client: MetaClient, instance: int, start: int) -> int:
@@ -45,7 +59,7 @@ def claim_pull(client: MetaClient, instance: int, start: int) -> int:
 class PullServer:
     """The writer's serving thread (see the module docstring)."""
 
-    def __init__(self, client: MetaClient, transport: P2PTransport, plans: Mapping[Pair, list[Bucket]],
+    def __init__(self, client: MetaClient, transport: Mover, plans: Mapping[Pair, list[Bucket]],
                  tensors: Mapping[str, torch.Tensor], timeout_s: float):
         self.client, self.transport, self.timeout_s = client, transport, timeout_s
         self.plans = plans
@@ -102,7 +116,7 @@ class PullServer:
         self.transport.send(mine, self.snapshot)
 
 
-def receive_pull(transport: P2PTransport, plans: Mapping[Pair, list[Bucket]],
+def receive_pull(transport: Mover, plans: Mapping[Pair, list[Bucket]],
                  targets: Mapping[str, torch.Tensor]) -> tuple[set[int], Any]:
     """Worker side of one pull: the steps the training ranks served, and the transfer stats."""
     device = next(iter(targets.values())).device
