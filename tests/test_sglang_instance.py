@@ -18,7 +18,9 @@ import asyncio
 import io
 import json
 import multiprocessing as mp
+import os
 import pickle
+import shutil
 import sys
 import threading
 import types
@@ -67,12 +69,12 @@ def _receive(blob: bytes, q) -> None:
     try:
         named = RestrictedUnpickler(io.BytesIO(blob)).load()
         msg = S.read_payload([(n, t.to("cpu")) for n, t in named])
-        q.put(("ok", msg.instance, msg.seq, msg.args))
+        q.put(("ok", msg.instance, msg.seq, msg.args[:2], msg.args[2]))
     except BaseException as e:  # noqa: BLE001
         q.put(("err", repr(e)))
 
 
-def rank_and_count(ctx: WorkerContext, extra):
+def rank_and_count(ctx: WorkerContext, extra=None, *more):
     return ctx.rank, len(ctx.tensors), extra
 
 
@@ -91,19 +93,107 @@ def write_canonical(ctx: WorkerContext, canonical, cfg, engine):
     return ctx.rank
 
 
-def test_payload_passes_sglang_unpickler_in_a_spawned_process():
-    msg = S.RpcMessage("inst", "/tmp/x", 3, rank_and_count, ("a", (1, 2)))
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(S.rpc_payload(msg))  # SGLang's MultiprocessingSerializer.serialize
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_receive, args=(buf.getvalue(), q))
-    p.start()
+def test_payload_passes_sglang_unpickler_in_a_spawned_process(tmp_path):
+    from weightsync.sglang import wire
+
+    d, key = wire.new_key_dir()
     try:
-        got = q.get(timeout=120)
+        msg = S.RpcMessage("inst", d, 3, rank_and_count, ("a", (1, 2), torch.arange(3, dtype=torch.bfloat16)))
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(S.rpc_payload(msg, key))  # SGLang's MultiprocessingSerializer.serialize
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_receive, args=(buf.getvalue(), q))
+        p.start()
+        try:
+            got = q.get(timeout=120)
+        finally:
+            p.join(30)
     finally:
-        p.join(30)
-    assert got == ("ok", "inst", 3, ("a", (1, 2)))
+        shutil.rmtree(d)
+    assert got[:4] == ("ok", "inst", 3, ("a", (1, 2))) and torch.equal(got[4], torch.arange(3, dtype=torch.bfloat16))
+
+
+def _marker_payload(marker: str) -> bytes:
+    """A pickle that creates ``marker`` when unpickled (what anyone reaching /update_weights_from_tensor could send)."""
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    return pickle.dumps(Evil())
+
+
+def _sglang_delivery(named: list) -> list:
+    """What a TP worker gets from SGLang: the list through ForkingPickler and SGLang's unpickler, tensors as is."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return RestrictedUnpickler(io.BytesIO(buf.getvalue())).load()
+
+
+def test_a_payload_that_would_run_code_is_refused_and_runs_nothing(tmp_path, monkeypatch, caplog):
+    """Issue 25: the old read_payload pickle.loads-ed the request; a payload creating a marker file must not run."""
+    from weightsync.sglang import wire
+
+    monkeypatch.setattr(S, "_tp_rank", lambda: 0)
+    model = Model({"a.weight": torch.randn(3, 2)})
+    marker = tmp_path / "pwned"
+    evil = _marker_payload(str(marker))
+    as_tensor = lambda b: [(S.RPC_NAME, torch.frombuffer(bytearray(b), dtype=torch.uint8))]  # noqa: E731
+    # 1. the raw pickle where our message goes (what the old code unpickled first)
+    assert S.rpc_loader(model, _sglang_delivery(as_tensor(evil))) is None
+    # 2. a well-formed header naming a real weightsync directory, without the key: refused on the MAC
+    d, key = wire.new_key_dir()
+    try:
+        forged = wire.encode(b"x" * 32, "i", d, 1, rank_and_count, ())
+        header_len = int.from_bytes(forged[len(wire.MAGIC):len(wire.MAGIC) + 4], "big")
+        forged = forged[:len(wire.MAGIC) + 4 + header_len] + evil
+        assert S.rpc_loader(model, _sglang_delivery(as_tensor(forged))) is None
+        # 3. even signed with the right key, the body's unpickler admits no os.system
+        with pytest.raises(wire.WireError, match="refused global"):
+            wire.loads_args(evil)
+        signed = bytearray(wire.encode(key, "i", d, 2, rank_and_count, ()))
+        body_at = len(wire.MAGIC) + 4 + int.from_bytes(signed[len(wire.MAGIC):len(wire.MAGIC) + 4], "big")
+        header = json.loads(bytes(signed[len(wire.MAGIC) + 4:body_at]))
+        header["mac"] = wire._mac(key, header, evil)
+        hb = json.dumps(header).encode()
+        resigned = wire.MAGIC + len(hb).to_bytes(4, "big") + hb + evil
+        assert S.rpc_loader(model, _sglang_delivery(as_tensor(resigned))) is None
+        assert sorted(os.listdir(d)) == ["key"]  # only the key: no answer was written for any of them
+    finally:
+        shutil.rmtree(d)
+    assert not marker.exists()
+    text = caplog.text
+    assert "bad magic" in text and "bad MAC" in text and "refused global posix.system" in text.replace("os.system", "posix.system")
+
+
+def test_the_key_is_read_only_from_a_private_weightsync_directory(tmp_path):
+    from weightsync.sglang import wire
+
+    with pytest.raises(wire.WireError, match="not a weightsync-sglang directory"):
+        wire.read_key(str(tmp_path))
+    loose = tmp_path / "weightsync-sglang-loose"
+    loose.mkdir(mode=0o755)
+    (loose / "key").write_bytes(b"k" * 32)
+    os.chmod(loose, 0o755)
+    with pytest.raises(wire.WireError, match="not a private directory"):
+        wire.read_key(str(loose))
+    d, key = wire.new_key_dir()
+    try:
+        assert wire.read_key(d) == key and oct(os.stat(d).st_mode & 0o777) == "0o700"
+        # arguments: values, weightsync records and tensors round-trip; a lambda or a foreign class does not travel
+        from weightsync.engines.config import SGLangConfig
+
+        args = (1, "s", {"k": [1.5, None]}, SGLangConfig(tp=2), torch.float32, torch.device("cpu"), torch.Size([2]),
+                torch.ones(2, 3, dtype=torch.float16), rank_and_count)
+        back = wire.loads_args(wire.dumps_args(args))
+        assert back[:7] == args[:7] and torch.equal(back[7], args[7]) and back[8] is rank_and_count
+        with pytest.raises(TypeError, match="module-level function"):
+            wire.dumps_args((lambda: 0,))
+        with pytest.raises(wire.WireError, match="refused global"):
+            wire.loads_args(pickle.dumps((types.SimpleNamespace(a=1),)))
+    finally:
+        shutil.rmtree(d)
 
 
 def test_a_function_in_the_tensor_list_would_be_refused_by_sglang():
@@ -137,28 +227,35 @@ class Model(torch.nn.Module):
         self.post_loads += 1
 
 
-def run_loader(model, msg, rank=0, monkeypatch=None):
+def run_loader(model, msg, key, rank=0, monkeypatch=None):
     monkeypatch.setattr(S, "_tp_rank", lambda: rank)
-    named = pickle.loads(pickle.dumps(S.rpc_payload(msg)))
+    named = _sglang_delivery(S.rpc_payload(msg, key))
     assert S.rpc_loader(model, named) is None
-    with open(f"{msg.dir}/{msg.seq}.{rank}", "rb") as f:
-        return pickle.load(f)
+    from weightsync.sglang import wire
+
+    return wire.read_answer(f"{msg.dir}/{msg.seq}.{rank}")
 
 
-def test_rpc_loader_answers_values_errors_and_never_raises(tmp_path, monkeypatch):
+def test_rpc_loader_answers_values_errors_and_never_raises(monkeypatch):
+    from weightsync.sglang import wire
+
+    d, key = wire.new_key_dir()
     model = Model({"a.weight": torch.randn(3, 2), "b.weight": torch.randn(2)})
-    ok = run_loader(model, S.RpcMessage("i1", str(tmp_path), 1, rank_and_count, ("x",)), 1, monkeypatch)
-    assert ok == S.RpcAnswer(True, (1, 2, "x"))
-    bad = run_loader(model, S.RpcMessage("i1", str(tmp_path), 2, fail_on, (1, "boom")), 1, monkeypatch)
-    assert not bad.ok and bad.error[1] == "ValueError" and bad.error[2] == "boom"
-    odd = run_loader(model, S.RpcMessage("i1", str(tmp_path), 3, unpicklable, ()), 1, monkeypatch)
-    assert not odd.ok and "pickle" in odd.error[2].lower()
-    # SGLang replacing a parameter (what AMX packing does) is found, not written into
-    model._p["a.weight"] = torch.nn.Parameter(torch.randn(3, 2), requires_grad=False)
-    moved = run_loader(model, S.RpcMessage("i1", str(tmp_path), 4, rank_and_count, (0,)), 1, monkeypatch)
-    assert not moved.ok and moved.error[1] == WeightsMoved.__name__ and "a.weight" in moved.error[2]
-    # a stray tensor list (someone else's load through our load_format): logged, no answer, no raise
-    assert S.rpc_loader(model, [("model.x", torch.zeros(1))]) is None
+    try:
+        ok = run_loader(model, S.RpcMessage("i1", d, 1, rank_and_count, ("x",)), key, 1, monkeypatch)
+        assert ok == S.RpcAnswer(True, (1, 2, "x"))
+        bad = run_loader(model, S.RpcMessage("i1", d, 2, fail_on, (1, "boom")), key, 1, monkeypatch)
+        assert not bad.ok and bad.error[1] == "ValueError" and bad.error[2] == "boom"
+        odd = run_loader(model, S.RpcMessage("i1", d, 3, unpicklable, ()), key, 1, monkeypatch)
+        assert not odd.ok and "pickle" in odd.error[2].lower()
+        # SGLang replacing a parameter (what AMX packing does) is found, not written into
+        model._p["a.weight"] = torch.nn.Parameter(torch.randn(3, 2), requires_grad=False)
+        moved = run_loader(model, S.RpcMessage("i1", d, 4, rank_and_count, (0,)), key, 1, monkeypatch)
+        assert not moved.ok and moved.error[1] == WeightsMoved.__name__ and "a.weight" in moved.error[2]
+        # a stray tensor list (someone else's load through our load_format): logged, no answer, no raise
+        assert S.rpc_loader(model, [("model.x", torch.zeros(1))]) is None
+    finally:
+        shutil.rmtree(d)
 
 
 def test_transform_refusals_name_the_layers():

@@ -1,44 +1,48 @@
 """An SGLang offline engine (``sglang.Engine``) as an inference instance.
 
-Read against SGLang 0.5.23's source, cited in docs/sglang.md (section numbers below); SGLang 0.5.23
-pins torch 2.14.1 and CUDA kernels, so this adapter has **not run against a real engine**. What can
-run here is tested with stand-ins (tests/test_sglang_instance.py).
+Ran against a real SGLang **0.5.14** engine on one H200 (benchmarks/sglang_gpu.py, docs/sglang.md §0);
+written first against 0.5.23's source (docs/sglang.md §1-§5) and version-gated where the two differ:
+0.5.23 requires a ``begin_weight_update()``/``end_weight_update()`` session around
+``update_weights_from_tensor`` and has ``Engine.get_model_info`` / ``TokenizerManager.update_weight_version``;
+0.5.14 has none of these (its ``update_weights_from_tensor`` runs at once, and the weight version is
+``tokenizer_manager.server_args.weight_version``, which is what 0.5.14's own HTTP route
+``http_server.py:update_weight_version`` sets). :func:`api_of` decides by what the engine has.
 
-How a call reaches the workers (docs/sglang.md §1). ``Engine.collective_rpc`` only calls Scheduler
-methods by name with flat scalar kwargs and returns nothing, so ``call`` rides on SGLang's *custom
-weight loader* hook, the one place that runs our code in every TP worker with the live model. Start
-the engine with ``custom_weight_loader=[weightsync.instances.sglang.RPC_LOADER]``. ``call`` sends
-``update_weights_from_tensor([(RPC_NAME, uint8 tensor of our pickled message)], load_format=RPC_LOADER,
-flush_cache=False)``: the list is ForkingPickled per TP rank by the engine, crosses the tokenizer ->
-scheduler ZMQ hop (pickle by default, msgpack ``bytes`` otherwise) and the rank-0 -> TP broadcast
-(pickle), and is unpickled in each worker by SGLang's restricted ``SafeUnpickler``, which admits
-containers, str and tensors only: hence our function and arguments travel as opaque bytes inside a
-uint8 tensor and are unpickled by :func:`rpc_loader` itself. SGLang does not catch an exception from
-a custom loader (it would take the scheduler down), so :func:`rpc_loader` never raises: each rank
-writes its result or error to a per-call file in a directory of this instance (one host), read back
-in rank order. A call that times out leaves SGLang busy; later calls are refused until it returns, so
-a late answer is never taken for a later call's.
+How a call reaches the workers (docs/sglang.md §1). ``call`` rides on SGLang's *custom weight loader*
+hook, the one place that runs our code in every TP worker with the live model (0.5.14:
+``model_executor/model_runner.py:ModelRunner.update_weights_from_tensor`` ->
+``dynamic_import(load_format)(self.model, named_tensors)`` when ``load_format`` is in
+``server_args.custom_weight_loader``). Start the engine with
+``custom_weight_loader=[weightsync.instances.sglang.RPC_LOADER]``. ``call`` sends
+``update_weights_from_tensor([(RPC_NAME, uint8 tensor)], load_format=RPC_LOADER, flush_cache=False)``;
+the tensor holds a :mod:`weightsync.sglang.wire` message: a JSON header signed with an HMAC under a key
+in this instance's private directory, and the arguments in a restricted pickle that admits weightsync's
+own record types only. A worker refuses a message it cannot authenticate before decoding anything, so
+a caller of the engine's ``/update_weights_from_tensor`` cannot run code through our loader.
+SGLang does not catch an exception from a custom loader (0.5.14:
+``managers/scheduler_components/weight_updater.py:SchedulerWeightUpdaterManager.update_weights_from_tensor``
+calls the worker outside any ``try``, and the scheduler process dies), so :func:`rpc_loader` never
+raises: each rank writes its result or error to ``<dir>/<seq>.<rank>``, read back in rank order. A call
+that times out leaves SGLang busy; later calls are refused until it returns, so a late answer is never
+taken for a later call's.
 
-- SGLang 0.5.23 accepts ``update_weights_from_tensor`` only inside a ``begin_weight_update()`` /
-  ``end_weight_update()`` session; begin undoes in-place re-layouts (flashinfer TRT-LLM experts), end
-  re-runs every layer's ``process_weights_after_loading`` (§2). ``pause`` opens the session for the
-  whole update; a ``call`` outside one opens and closes its own. Their answers are checked.
-- Post-load transforms (§2): SGLang skips ``post_load_weights`` at the end of a session in which
-  something was loaded, and our calls count as loads, so ``after_update`` runs the model's
-  ``post_load_weights()`` (MLA ``w_kc``/``w_vc``, copies of ``kv_b_proj``) as SGLang's own
-  ``post_load_weights(model)`` does for loaders that bypass ``load_weights``. Layers whose live form
-  weightsync does not produce (quantized methods, AMX-packed CPU weights, ``[up; gate]`` or
-  transposed or interleaved experts, AITER-shuffled experts) are refused at construction, by name.
-- ``pause``/``resume``/``set_version`` (§4): ``sglang.Engine`` has no ``pause_generation``,
-  ``continue_generation`` or ``update_weight_version`` methods; they are the tokenizer manager's,
-  run on the engine's event loop. ``pause_mode`` is ``"retract"`` (running requests go back to the
-  queue and are recomputed with the new weights; the cache can be flushed) or ``"abort"``;
-  ``"in_place"`` keeps KV computed with the old weights and makes the flush fail, so it is refused.
-  ``resume`` closes the session, flushes the cache (its answer checked) and continues generation.
-- The layout (§3, §5) comes from the *resolved* server args (0.5.23 resolves the deprecated
-  ``dp_size`` + ``enable_dp_attention`` into ``attn_dp_size``) and the live model (shared-expert
-  fusion), its dtype must equal the engine's ``model_config.dtype``, and every rank's
-  ``named_parameters()`` is checked against it (:class:`~weightsync.errors.LayoutMismatch`).
+- ``pause``/``resume``/``set_version``: ``sglang.Engine`` has no ``pause_generation`` or
+  ``continue_generation``; they are the tokenizer manager's (0.5.14:
+  ``managers/tokenizer_manager.py:TokenizerManager.pause_generation`` / ``continue_generation``), run on
+  the engine's event loop. ``pause_mode`` is ``"retract"`` (running requests go back to the queue and
+  are recomputed with the new weights) or ``"abort"``; ``"in_place"`` keeps KV computed with the old
+  weights, so it is refused. ``resume`` flushes the cache (its answer checked) and continues. On 0.5.14
+  ``flush_cache`` succeeds only when the scheduler is fully idle (``scheduler.py:Scheduler.flush_cache``
+  checks ``is_fully_idle()``, which counts retracted requests in the waiting queue): with requests
+  retracted the flush is refused and ``resume`` raises after continuing, naming the cause; use
+  ``pause_mode="abort"`` there if requests may be in flight.
+- Post-load transforms (§2): the model's ``post_load_weights()`` (MLA ``w_kc``/``w_vc``) is re-run by
+  ``after_update`` where the model has one; Llama/Qwen2/Qwen3/Qwen3-MoE have none, and no call is made.
+  Layers whose live form weightsync does not produce (quantized methods, AMX-packed CPU weights,
+  ``[up; gate]``, transposed or interleaved experts, AITER-shuffled experts) are refused at construction.
+- The layout comes from the server args and the live model (shared-expert fusion), its dtype must equal
+  the engine's ``model_config.dtype``, and every rank's ``named_parameters()`` is checked against it
+  (:class:`~weightsync.errors.LayoutMismatch`).
 """
 
 from __future__ import annotations
@@ -47,7 +51,6 @@ import logging
 import os
 import pickle
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -64,6 +67,7 @@ from weightsync.errors import ConfigError, WeightsMoved
 from weightsync.instances import InstanceError, WorkerTimeout, error_record, rebuild_error
 from weightsync.layout.layout import check_live
 from weightsync.runtime.instance import WorkerContext
+from weightsync.sglang import wire
 from weightsync.spec.model import spec_from_config
 
 log = logging.getLogger("weightsync.instances.sglang")
@@ -82,7 +86,7 @@ _CURRENT: dict[str, Any] = {}
 
 @dataclass(frozen=True)
 class RpcMessage:
-    """One call, pickled by the control process and unpickled by :func:`rpc_loader` (never by SGLang)."""
+    """One call, as the control process builds it; :func:`rpc_payload` signs and encodes it (never pickled whole)."""
 
     instance: str
     dir: str
@@ -100,23 +104,26 @@ class RpcAnswer:
     error: tuple | None = None
 
 
-def rpc_payload(msg: RpcMessage) -> list[tuple[str, torch.Tensor]]:
-    """The ``named_tensors`` argument of ``update_weights_from_tensor``: one (str, uint8 CPU tensor) pair.
-
-    Only a list, a tuple, a str and a plain tensor: what SGLang's SafeUnpickler admits (docs/sglang.md §1).
-    """
-    return [(RPC_NAME, torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8))]
+def rpc_payload(msg: RpcMessage, key: bytes) -> list[tuple[str, torch.Tensor]]:
+    """The ``named_tensors`` argument of ``update_weights_from_tensor``: one (str, uint8 CPU tensor) pair holding
+    a signed :mod:`weightsync.sglang.wire` message (only a list, a tuple, a str and a plain tensor cross SGLang's
+    own unpickler)."""
+    blob = wire.encode(key, msg.instance, msg.dir, msg.seq, msg.fn, msg.args)
+    return [(RPC_NAME, torch.frombuffer(bytearray(blob), dtype=torch.uint8))]
 
 
 def read_payload(named_tensors: list) -> RpcMessage:
+    """Authenticate and decode a payload (worker side): :class:`~weightsync.sglang.wire.WireError` for anything
+    not signed by this instance's control process, raised before any of it is unpickled."""
     tensors = dict(named_tensors)
     if RPC_NAME not in tensors:
         raise InstanceError(f"rpc_loader got tensors {sorted(tensors)[:4]} without {RPC_NAME!r}: "
                             f"load_format={RPC_LOADER!r} is weightsync's call channel, not a weight loader")
-    msg = pickle.loads(tensors[RPC_NAME].detach().cpu().numpy().tobytes())
-    if not isinstance(msg, RpcMessage):
-        raise InstanceError(f"rpc_loader: payload is a {type(msg).__name__}, not an RpcMessage")
-    return msg
+    t = tensors[RPC_NAME]
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+        raise wire.WireError(f"{RPC_NAME} is not a 1-D uint8 tensor")
+    call = wire.decode(t.detach().cpu().numpy().tobytes())
+    return RpcMessage(call.instance, call.dir, call.seq, call.fn, call.args)
 
 
 # -- worker side (runs inside each SGLang TP worker) ---------------------------------------------
@@ -125,9 +132,9 @@ def read_payload(named_tensors: list) -> RpcMessage:
 def _tp_rank() -> int:
     """This worker's TP rank (the layout rank; with DP attention too, since tp is the whole world).
 
-    SGLang 0.5.23 reads it from ``get_parallel().tp_rank``: ``get_tensor_model_parallel_rank`` is a
-    deprecated getter that ``sglang.srt.distributed`` no longer re-exports (parallel_state.py:3489-3558),
-    so importing it from there raises ImportError inside the worker.
+    Both 0.5.14 and 0.5.23 have ``runtime_context.get_parallel().tp_rank`` (0.5.14: ``runtime_context.py:
+    ParallelContext.tp_rank``); 0.5.23 no longer re-exports ``get_tensor_model_parallel_rank`` from
+    ``sglang.srt.distributed`` (parallel_state.py:3489-3558), so that getter is only the fallback.
     """
     try:
         from sglang.srt.runtime_context import get_parallel
@@ -144,7 +151,8 @@ def _worker_context(model: torch.nn.Module, instance: str, rank: int) -> WorkerC
     ctx = _CONTEXTS.get((instance, rank))
     if ctx is None:
         first = next(iter(params.values()))
-        ctx = _CONTEXTS[instance, rank] = WorkerContext(rank=rank, device=first.device, tensors=params)
+        ctx = _CONTEXTS[instance, rank] = WorkerContext(rank=rank, device=first.device, tensors=params,
+                                                        state={"model": model})
         return ctx
     moved = [n for n, t in ctx.tensors.items() if n not in params or params[n] is not t
              or params[n].data_ptr() != t.data_ptr() or params[n].shape != t.shape]
@@ -153,16 +161,36 @@ def _worker_context(model: torch.nn.Module, instance: str, rank: int) -> WorkerC
             f"rank {rank}: SGLang replaced {len(moved)} parameters since weightsync bound them "
             f"(first: {moved[:3]}); a post-load transform re-allocates them, so writes would land in dead memory"
         )
+    ctx.state["model"] = model
     return ctx
 
 
+def _forget(ctx: WorkerContext) -> None:
+    """Drop this instance's context on a worker (``close``): its transports and staging memory go with it."""
+    from weightsync.runtime import worker
+
+    try:
+        if ctx.reader is not None:
+            worker.disconnect(ctx)
+    finally:
+        for key in [k for k, v in _CONTEXTS.items() if v is ctx]:
+            del _CONTEXTS[key]
+
+
 def rpc_loader(model: torch.nn.Module, named_tensors: list) -> None:
-    """SGLang custom weight loader (runs in each TP worker): execute one weightsync call; never raises."""
+    """SGLang custom weight loader (runs in each TP worker): execute one weightsync call; never raises.
+
+    A payload that is not weightsync's, or not signed by this instance's control process, is logged and
+    not answered (there is no trusted place to answer to); nothing of it is unpickled."""
     msg: RpcMessage | None = None
     rank = -1
     try:
         rank = _tp_rank()
         msg = read_payload(named_tensors)
+    except BaseException as e:  # noqa: BLE001 -- never raised into SGLang: its scheduler would die
+        log.error("weightsync rpc_loader on rank %s refused a payload: %s: %s", rank, type(e).__name__, e)
+        return
+    try:
         ctx = _worker_context(model, msg.instance, rank)
         _CURRENT["model"] = model
         try:
@@ -173,12 +201,10 @@ def rpc_loader(model: torch.nn.Module, named_tensors: list) -> None:
         blob = pickle.dumps(answer)
     except BaseException as e:  # noqa: BLE001 -- reported to the control process; the engine stays up
         blob = pickle.dumps(RpcAnswer(False, error=error_record(e)))
-    if msg is None:
-        log.error("weightsync rpc_loader on rank %s got no readable message; nothing to answer", rank)
-        return
     path = os.path.join(msg.dir, f"{msg.seq}.{rank}")
     try:
-        with open(path + ".tmp", "wb") as f:
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(path + ".tmp", path)
     except OSError:  # the control process times out naming this rank
@@ -208,6 +234,9 @@ def transform_refusals(model: torch.nn.Module, aiter: bool = False) -> list[str]
             out.append(f"{name}: triton_kernels MoE backend stores w13/w2 transposed")
         if getattr(qm, "load_up_proj_weight_first", False):
             out.append(f"{name}: flashinfer_cutlass MoE backend loads w13 as [up; gate]")
+        if getattr(qm, "use_flashinfer_trtllm_moe", False):
+            out.append(f"{name}: flashinfer TRT-LLM MoE backend re-lays w13/w2 into blocks after loading (0.5.14 has no "
+                       f"session that undoes it)")
         if getattr(qm, "w13_swiglu_interleaved", False):
             out.append(f"{name}: SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED interleaves w13 rows, which no session undoes")
         if aiter:
@@ -223,6 +252,7 @@ class WorkerProbe:
     live: dict[str, tuple[tuple[int, ...], str]]
     fused_shared: int | None
     refusals: tuple[str, ...]
+    post_load: bool = False  # the model has post_load_weights() (MLA w_kc/w_vc): after_update must re-run it
 
 
 def _aiter() -> bool:
@@ -237,7 +267,8 @@ def _probe(ctx: WorkerContext) -> WorkerProbe:
     model = _find_model(ctx)
     live = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in ctx.tensors.items()}
     n = getattr(model, "num_fused_shared_experts", None)
-    return WorkerProbe(ctx.rank, live, None if n is None else int(n), tuple(transform_refusals(model, _aiter())))
+    return WorkerProbe(ctx.rank, live, None if n is None else int(n), tuple(transform_refusals(model, _aiter())),
+                       callable(getattr(model, "post_load_weights", None)))
 
 
 def _post_load_weights(ctx: WorkerContext) -> bool:
@@ -314,7 +345,7 @@ def engine_config(args: Mapping[str, Any]) -> SGLangConfig:
     if (args.get("offload_group_size", -1) or -1) > 0:
         refuse("offload_group_size", "offloaded layers are moved between devices")
     if problems:
-        raise ConfigError("sglang engine not supported by SGLangInstance:\n  " + "\n  ".join(problems))
+        raise ConfigError("sglang engine not supported by SGLangInstance: " + "; ".join(problems))
     dp_attention = int(attn_dp > 1)
     return SGLangConfig(tp=tp, dp=attn_dp if dp_attention else 1, ep=int(args.get("ep_size", 1) or 1),
                         dp_attention=dp_attention, dp_lm_head=int(bool(dp_attention and args.get("enable_dp_lm_head"))))
@@ -334,6 +365,15 @@ def _success(answer: Any, what: str) -> None:
 
 # -- the control process -------------------------------------------------------------------------
 
+#: which weight-update API an engine has (see :func:`api_of`)
+API_SESSION = "0.5.23"  # begin_weight_update()/end_weight_update() around update_weights_from_tensor
+API_PLAIN = "0.5.14"  # update_weights_from_tensor alone; weight version in tokenizer_manager.server_args
+
+
+def api_of(engine: Any) -> str:
+    """:data:`API_SESSION` where the engine has 0.5.23's weight-update session, else :data:`API_PLAIN` (0.5.14)."""
+    return API_SESSION if callable(getattr(engine, "begin_weight_update", None)) else API_PLAIN
+
 
 class SGLangInstance:
     """``sglang.Engine`` as an :class:`~weightsync.runtime.instance.InferenceInstance` (see the module docstring)."""
@@ -349,6 +389,8 @@ class SGLangInstance:
         self.sgl = engine
         self.timeout_s = timeout_s
         self.pause_mode = pause_mode
+        self.api = api_of(engine)
+        self.version = getattr(sglang, "__version__", "?")
         args = resolved_args(engine.server_args)
         config = engine_config(args)
         from transformers import AutoConfig
@@ -359,21 +401,22 @@ class SGLangInstance:
         engine_dtype = self._engine_dtype()
         if engine_dtype is not None and engine_dtype != self.spec.dtype:
             raise ConfigError(
-                f"sglang: the engine computes in {engine_dtype} (model_config.dtype; dtype={args.get('dtype', 'auto')!r}, "
-                f"and 'auto' turns a float32 config into float16), the checkpoint config says {self.spec.dtype}: "
-                f"start the engine with dtype={self.spec.dtype!r}"
+                f"sglang: dtype mismatch: the engine computes in {engine_dtype} (model_config.dtype; dtype="
+                f"{args.get('dtype', 'auto')!r}), the checkpoint config says {self.spec.dtype}: start the engine with "
+                f"dtype={self.spec.dtype!r} (nothing was sent to it)"
             )
         self._id = uuid.uuid4().hex
-        self._dir = tempfile.mkdtemp(prefix="weightsync-sglang-")
+        self._dir, self._key = wire.new_key_dir()
         self._seq = 0
         self._session = False
         self._paused = False
+        self._post_load = False
         self._inflight: threading.Thread | None = None
         self._world = config.tp
         try:
             self._check(config, timeout_s)
         except BaseException:
-            self.close()
+            self._drop_dir()
             raise
 
     def _check(self, config: SGLangConfig, timeout_s: float) -> None:
@@ -389,6 +432,7 @@ class SGLangInstance:
         (n_fused,) = fused
         if n_fused is not None:
             config = replace(config, fuse_shared=int(n_fused > 0))
+        self._post_load = any(p.post_load for p in probes)
         self.engine = str(config)
         self.engine_layout = make_layout(self.spec, config)
         for p in probes:
@@ -402,12 +446,12 @@ class SGLangInstance:
         return self._call(fn, timeout_s or self.timeout_s, *args)
 
     def pause(self) -> None:
-        """Stop generating (``pause_generation(mode=pause_mode)``) and open the weight-update session."""
+        """Stop generating (``pause_generation(mode=pause_mode)``); on 0.5.23 also open the weight-update session."""
         self._not_busy()
         if not self._paused:
             self._tokenizer(lambda tm, io: tm.pause_generation(io.PauseGenerationReqInput(mode=self.pause_mode)))
             self._paused = True
-        if not self._session:
+        if self.api == API_SESSION and not self._session:
             try:
                 _success(self.sgl.begin_weight_update(), "begin_weight_update")
             except BaseException:
@@ -416,17 +460,19 @@ class SGLangInstance:
             self._session = True
 
     def after_update(self) -> None:
-        self._call(_post_load_weights, self.timeout_s)
+        """Re-run the model's ``post_load_weights()`` where it has one (MLA); nothing to do otherwise."""
+        if self._post_load:
+            self._call(_post_load_weights, self.timeout_s)
 
     def resume(self) -> None:
-        """Close the session, flush the cache, continue generating; the first failure is raised after all three.
+        """Close the session (0.5.23), flush the cache, continue generating; the first failure is raised after all.
 
-        While a timed-out call still runs inside SGLang nothing can be sent: the session stays open and
-        generation paused, and a later ``resume()`` (after the call returned) finishes them.
+        While a timed-out call still runs inside SGLang nothing can be sent: generation stays paused, and a
+        later ``resume()`` (after the call returned) finishes.
         """
         if self._busy():
-            log.warning("%r: a timed-out call still runs in SGLang; the weight-update session stays open and "
-                        "generation paused until resume() is called again after it returns", self)
+            log.warning("%r: a timed-out call still runs in SGLang; generation stays paused until resume() is called "
+                        "again after it returns", self)
             return
         errors: list[BaseException] = []
         for step in (self._end_session, self._flush, self._continue):
@@ -438,23 +484,42 @@ class SGLangInstance:
             raise errors[0]
 
     def set_version(self, step: int) -> None:
-        """Report the weight version (tokenizer manager's ``update_weight_version``; read back by ``served_version``)."""
+        """Report the weight version: 0.5.23 ``TokenizerManager.update_weight_version``; 0.5.14 has no such call and
+        its own HTTP route (``http_server.py:update_weight_version``) sets ``tokenizer_manager.server_args.
+        weight_version``, which is what this does there."""
         self._not_busy()
-        self._tokenizer(lambda tm, io: tm.update_weight_version(
-            io.UpdateWeightVersionReqInput(new_version=str(step), abort_all_requests=False)))
+        tm = self.sgl.tokenizer_manager
+        if callable(getattr(tm, "update_weight_version", None)):
+            self._tokenizer(lambda tm, io: tm.update_weight_version(
+                io.UpdateWeightVersionReqInput(new_version=str(step), abort_all_requests=False)))
+        else:
+            tm.server_args.weight_version = str(step)
 
     @property
     def served_version(self) -> str | None:
-        """The weight version the engine reports (``Engine.get_model_info()['weight_version']``)."""
-        return self.sgl.get_model_info().get("weight_version")
+        """The weight version the engine reports (0.5.23 ``get_model_info()``; 0.5.14 the tokenizer manager's
+        ``server_args.weight_version``, what its ``/model_info`` route answers)."""
+        info = getattr(self.sgl, "get_model_info", None)
+        if callable(info):
+            return info().get("weight_version")
+        return getattr(self.sgl.tokenizer_manager.server_args, "weight_version", None)
 
     def close(self) -> None:
-        shutil.rmtree(self._dir, ignore_errors=True)
+        """Drop the workers' contexts (their transports and staging memory), then the answer directory."""
+        if not self._busy() and os.path.isdir(self._dir):
+            try:
+                self._call(_forget, min(self.timeout_s, 60.0))
+            except Exception as e:  # noqa: BLE001 -- closing: say it, go on
+                log.warning("%r: the workers did not drop their weightsync state: %s", self, e)
+        self._drop_dir()
 
     def __repr__(self) -> str:
         return f"SGLangInstance({self.spec.name}, {getattr(self, 'engine', '?')!r})"
 
     # -- internals ------------------------------------------------------------------------------
+    def _drop_dir(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
     def _engine_dtype(self) -> str | None:
         mc = getattr(getattr(self.sgl, "tokenizer_manager", None), "model_config", None)
         dtype = getattr(mc, "dtype", None)
@@ -472,7 +537,8 @@ class SGLangInstance:
             _success(self.sgl.end_weight_update(), "end_weight_update")
 
     def _flush(self) -> None:
-        _success(self.sgl.flush_cache(), "flush_cache (KV computed with the old weights stays cached)")
+        _success(self.sgl.flush_cache(), "flush_cache (KV computed with the old weights stays cached; SGLang 0.5.14 "
+                                         "flushes only when no request is queued: pause_mode='abort' drops them)")
 
     def _continue(self) -> None:
         if self._paused:
@@ -491,8 +557,8 @@ class SGLangInstance:
         self._not_busy()
         self._seq += 1
         seq = self._seq
-        payload = rpc_payload(RpcMessage(self._id, self._dir, seq, fn, args))
-        own_session = not self._session
+        payload = rpc_payload(RpcMessage(self._id, self._dir, seq, fn, args), self._key)
+        own_session = self.api == API_SESSION and not self._session
 
         def send():
             if own_session:
@@ -523,14 +589,17 @@ class SGLangInstance:
         _success(box.get("ret"), f"weightsync's call {getattr(fn, '__name__', fn)}")
         results: list[Any] = [None] * self._world
         errors = {}
+        # every rank writes its answer before SGLang's call returns (the scheduler's TP barrier follows the
+        # loader): one still missing shortly after is a payload the worker refused (it logs why)
+        late = min(deadline, time.monotonic() + 5.0)
         for rank in range(self._world):
             path = os.path.join(self._dir, f"{seq}.{rank}")
             while not os.path.exists(path):
-                if time.monotonic() > deadline:
-                    raise WorkerTimeout(f"{self!r}: rank {rank} wrote no answer within {timeout_s}s")
-                time.sleep(0.01)
-            with open(path, "rb") as f:
-                answer: RpcAnswer = pickle.load(f)
+                if time.monotonic() > late:
+                    raise InstanceError(f"{self!r}: rank {rank} wrote no answer to call {seq}: it refused the payload "
+                                        f"(the engine's log says why: 'weightsync rpc_loader on rank {rank} refused')")
+                time.sleep(0.001)
+            answer: RpcAnswer = wire.read_answer(path)
             os.remove(path)
             if answer.ok:
                 results[rank] = answer.value
@@ -543,4 +612,5 @@ class SGLangInstance:
 
 
 __all__ = ["SGLangInstance", "rpc_loader", "RPC_LOADER", "RPC_NAME", "RpcMessage", "RpcAnswer", "WorkerProbe",
-           "engine_config", "resolved_args", "transform_refusals", "rpc_payload", "read_payload"]
+           "engine_config", "resolved_args", "transform_refusals", "rpc_payload", "read_payload", "api_of",
+           "API_SESSION", "API_PLAIN"]
