@@ -34,7 +34,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
 
-from weightsync.local.demo_job import DEFAULT_INFER, DemoConfig, Joined, Killed, add_participants, check, holders
+from weightsync.local.demo_job import DEFAULT_INFER, DemoConfig, Joined, Killed, check, holders
+from weightsync.local.demo_participants import add_participants
 from weightsync.local.events import Event, StepDone, StepStarted
 from weightsync.local.runner import LocalJob
 

@@ -2,8 +2,8 @@
 they make.
 
 :class:`DemoConfig` is what ``weightsync demo`` takes; :func:`check` refuses what cannot run before any process
-starts; :func:`add_participants` adds one process per training rank and per inference instance (their code:
-:mod:`weightsync.local.demo_participants`). Instances of different layouts are separate weight-sync jobs
+starts; :func:`weightsync.local.demo_participants.add_participants` adds one process per training rank and per
+inference instance (the processes' code lives there too, so it imports this module, never the reverse). Instances of different layouts are separate weight-sync jobs
 (one plan per layout); the trainer runs one WeightWriter per job.
 """
 
@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.errors import ConfigError
-from weightsync.local.events import Done, Event, Participant
-from weightsync.local.runner import LocalJob
+from weightsync.local.events import Done, Event
 
 DEFAULT_INFER = ("hf", "vllm:tp=2")
 
@@ -158,28 +157,5 @@ def check(cfg: DemoConfig) -> None:
             raise ConfigError(f"demo: this set-up needs {need} GPUs, {torch.cuda.device_count()} visible")
 
 
-def add_participants(job: LocalJob, cfg: DemoConfig, refdir: str) -> int:
-    """Add every training rank and inference instance of ``cfg`` to ``job`` (entered: its MetaServer is up);
-    ``refdir`` is where the trainers leave each step's reference weights. Returns the training world size."""
-    from weightsync.engines import make_layout
-    from weightsync.local.demo_participants import reader_main, trainer_main
-    from weightsync.spec import load_spec
-    from weightsync.transport.group import free_port
-
-    spec = load_spec(cfg.model)
-    world = make_layout(spec, cfg.train).world_size
-    port = free_port()
-    for r in range(world):
-        job.add(Participant.trainer(r), trainer_main, r, world, port, job.meta_url, cfg, refdir)
-    gpu = 0 if cfg.colocate else world  # separated: instances on the GPUs after the trainers'
-    for name, engine in jobs(cfg):
-        per = make_layout(spec, engine).world_size
-        for i in range(cfg.instances + (cfg.join_at is not None)):  # the last one joins later (--join-at)
-            job.add(Participant.instance(i, name), reader_main, name, engine, i, cfg.instances, job.meta_url, cfg,
-                    refdir, gpu)
-            gpu = (gpu + per) % world if cfg.colocate else gpu + per
-    return world
-
-
-__all__ = ["DEFAULT_INFER", "DemoConfig", "Joined", "Killed", "add_participants", "check", "holders", "jobs",
+__all__ = ["DEFAULT_INFER", "DemoConfig", "Joined", "Killed", "check", "holders", "jobs",
            "transport_args"]

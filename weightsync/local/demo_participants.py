@@ -6,7 +6,7 @@ them together into the step's full weights (checking that replicas agree); each 
 compares every tensor with them (and, for transformers instances, its logits with the trainer's where the trainer
 computes them as one transformers model would; ``--engines real``: what a real vLLM engine computes with and its
 greedy tokens against a fresh engine started on the step's weights). Both run under
-:class:`~weightsync.local.runner.LocalJob`, added by :func:`weightsync.local.demo_job.add_participants`.
+:class:`~weightsync.local.runner.LocalJob`, added by :func:`add_participants`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,34 @@ import torch
 
 from weightsync.errors import WeightSyncError
 from weightsync.local.demo_job import DemoConfig, Joined, Killed, jobs, transport_args
-from weightsync.local.events import Ready, StepDone, StepStarted
-from weightsync.local.runner import Emit
+from weightsync.local.events import Participant, Ready, StepDone, StepStarted
+from weightsync.local.runner import Emit, LocalJob
 
 
 class VerificationError(WeightSyncError):
     """An instance's tensors (or logits) differ from the trainers' after an update that returned."""
+
+
+def add_participants(job: LocalJob, cfg: DemoConfig, refdir: str) -> int:
+    """Add every training rank and inference instance of ``cfg`` to ``job`` (entered: its MetaServer is up);
+    ``refdir`` is where the trainers leave each step's reference weights. Returns the training world size."""
+    from weightsync.engines import make_layout
+    from weightsync.spec import load_spec
+    from weightsync.transport.group import free_port
+
+    spec = load_spec(cfg.model)
+    world = make_layout(spec, cfg.train).world_size
+    port = free_port()
+    for r in range(world):
+        job.add(Participant.trainer(r), trainer_main, r, world, port, job.meta_url, cfg, refdir)
+    gpu = 0 if cfg.colocate else world  # separated: instances on the GPUs after the trainers'
+    for name, engine in jobs(cfg):
+        per = make_layout(spec, engine).world_size
+        for i in range(cfg.instances + (cfg.join_at is not None)):  # the last one joins later (--join-at)
+            job.add(Participant.instance(i, name), reader_main, name, engine, i, cfg.instances, job.meta_url, cfg,
+                    refdir, gpu)
+            gpu = (gpu + per) % world if cfg.colocate else gpu + per
+    return world
 
 
 # -- training processes -----------------------------------------------------------------------------

@@ -95,7 +95,7 @@ from aiohttp import web
 
 from weightsync import __version__
 from weightsync.errors import WeightSyncError
-from weightsync.meta.state import SWEEP_S, Coordinator, Encoded, last_mutation
+from weightsync.meta.state import SWEEP_S, Coordinator, Encoded, last_mutation, restore
 from weightsync.meta.store import Store
 from weightsync.meta.validate import MAX_BODY, HTTPError, Query, parse_body, path_params, short
 
@@ -155,7 +155,7 @@ class _Persister:
                     log.error("MetaServer state not saved (%s: %s); %d requests answer 500", type(e).__name__, e,
                               upto - self.settled)
                     try:
-                        self.coord.reload(self.store.load())
+                        self.coord.reload(restore(self.store.load()))
                     except Exception as e2:  # noqa: BLE001
                         self.broken = f"the state cannot be reloaded after a failed save: {e2}"
                         log.error("MetaServer: %s", self.broken)
@@ -429,7 +429,7 @@ class MetaServer:
     async def _main(self, ready: concurrent.futures.Future) -> None:
         store = Store(self.state_path) if self.state_path else None
         try:
-            coord = Coordinator(store.load() if store else None)
+            coord = Coordinator(restore(store.load()) if store else None)
             persist = _Persister(coord, store, asyncio.get_running_loop())
             app = web.Application(client_max_size=MAX_BODY)
             handler = _App(coord, persist, self.token)

@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
+from weightsync.errors import WeightSyncError
 from weightsync.meta.mismatch import refusal
-from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten
+from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten, StoredJob
 from weightsync.meta.validate import (
     MAX_JOBS, MAX_LIVENESS_S, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, MIN_LIVENESS_S, ROLES,
     STEP_STRIDE, STEPS_KEPT, HEX_RE, Aborted, HTTPError, Query, bad, boolean, engine_config, fields, identity,
@@ -95,25 +96,6 @@ class Job:
             got = self.listing[role] = json.dumps(ps).encode()
         return got
 
-    @classmethod
-    def from_json(cls, d: dict) -> "Job":
-        """A job of a format-1 state file."""
-        j = cls(
-            participants=dict(d["participants"]),
-            plan_hashes=dict(d["plan_hashes"]),
-            instances=set(d["instances"]),
-            members={int(i): member("joined", 0, int(d["topology_version"])) for i in d["instances"]},
-            topology_version=int(d["topology_version"]),
-            written={int(s): set(r) for s, r in d["written"].items()},
-            written_floor=int(d["written_floor"]),
-            held={int(i): int(s) for i, s in d["held"].items()},
-            rendezvous=dict(d["rendezvous"]),
-            aborted=d["aborted"],
-        )
-        j.written_max = max(j.written, default=j.written_floor - 1)
-        j.rebuild_counts()
-        return j
-
 
 MEMBER_STATES = ("joined", "left", "gone")
 
@@ -133,6 +115,47 @@ def member(state: str, since: int, version: int, reason: str | None = None, inca
     if liveness_s is not None:
         rec["liveness_s"] = liveness_s
     return rec
+
+
+def restore(stored: dict[str, StoredJob]) -> dict[str, Job]:
+    """The jobs the store last committed (:meth:`weightsync.meta.store.Store.load`), rebuilt from their rows."""
+    jobs: dict[str, Job] = {}
+    try:
+        for name, rows in stored.items():
+            j = jobs[name] = Job()
+            for kind, key, value in rows.rows:
+                _load_row(j, kind, key, value)
+            for step, rank in rows.written:
+                j.written.setdefault(step, set()).add(rank)
+            j.rebuild_counts()
+    except (ValueError, KeyError, TypeError) as e:
+        raise WeightSyncError(f"the MetaServer's stored state is not valid: {e}") from None
+    return jobs
+
+
+def _load_row(j: Job, kind: str, key: str, v: object) -> None:
+    if kind == "participant":
+        j.participants[key] = v
+    elif kind == "plan":
+        j.plan_hashes[key] = v
+    elif kind == "instance":  # a membership record (format 1 stored ``true`` for a joined instance)
+        rec = v if isinstance(v, dict) else (member("joined", 0, 0) if v else None)
+        if rec is not None:
+            j.members[int(key)] = rec
+            if rec["state"] == "joined":
+                j.instances.add(int(key))
+    elif kind == "held":
+        if v is not None:
+            j.held[int(key)] = int(v)
+    elif kind == "rendezvous":
+        j.rendezvous[key] = v
+    elif kind == "job":
+        if key == "aborted":
+            j.aborted = v
+        elif key in ("topology_version", "written_floor", "written_max"):
+            setattr(j, key, int(v))
+    else:
+        raise ValueError(f"unknown row kind {kind!r}")
 
 
 def live_for(j: Job, step: int) -> list[int]:

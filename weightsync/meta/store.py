@@ -8,6 +8,9 @@ transaction (SQLite's WAL is recovered at the next open); a failed commit is rol
 
 Tables: ``rows(job, kind, key) -> value`` (JSON text) for participants, plan hashes, instances,
 held steps, rendezvous names and per-job counters; ``written(job, step, rank)`` for the steps.
+
+This module knows rows, not what they mean: :meth:`Store.load` hands back each job's rows
+(:class:`StoredJob`) and :mod:`.state` rebuilds its jobs from them, so the two do not import each other.
 """
 
 from __future__ import annotations
@@ -17,13 +20,10 @@ import json
 import logging
 import os
 import sqlite3
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 from weightsync.errors import WeightSyncError
-
-if TYPE_CHECKING:
-    from weightsync.meta.state import Job
 
 log = logging.getLogger("weightsync.meta.store")
 
@@ -72,6 +72,14 @@ class DropJob:
 
 Op = Put | Delete | AddWritten | PruneWritten | DropJob
 
+
+@dataclass
+class StoredJob:
+    """One job as last committed: its rows, their values parsed from JSON, and its written steps."""
+
+    rows: list[tuple[str, str, Any]] = field(default_factory=list)  # (kind, key, value)
+    written: list[tuple[int, int]] = field(default_factory=list)  # (step, training rank)
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS format(version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS rows(job TEXT NOT NULL, kind TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL,
@@ -101,8 +109,7 @@ class Store:
         except sqlite3.Error as e:
             raise WeightSyncError(f"cannot read MetaServer state {path}: {e}") from None
         if legacy is not None:
-            self.apply([op for name, job in legacy.items() for op in job_ops(name, job)])
-            log.info("imported %d jobs from the format-1 state file (kept as %s.v1.json)", len(legacy), path)
+            self.apply(legacy)
 
     def apply(self, ops: Iterable[Op]) -> None:
         """All of ``ops`` in one durable transaction, or none of them (raises)."""
@@ -129,20 +136,16 @@ class Store:
                 pass
             raise
 
-    def load(self) -> dict[str, Job]:
-        """Every job as last committed."""
-        from weightsync.meta.state import Job
-
-        jobs: dict[str, Job] = {}
+    def load(self) -> dict[str, StoredJob]:
+        """Every job's rows as last committed (:func:`weightsync.meta.state.restore` makes jobs of them)."""
+        jobs: dict[str, StoredJob] = {}
         try:
             for job, kind, key, value in self.db.execute("SELECT job, kind, key, value FROM rows"):
-                _load_row(jobs.setdefault(job, Job()), kind, key, json.loads(value))
+                jobs.setdefault(job, StoredJob()).rows.append((kind, key, json.loads(value)))
             for job, step, rank in self.db.execute("SELECT job, step, rank FROM written"):
-                jobs.setdefault(job, Job()).written.setdefault(step, set()).add(rank)
-        except (sqlite3.Error, ValueError, KeyError, TypeError) as e:
+                jobs.setdefault(job, StoredJob()).written.append((int(step), int(rank)))
+        except (sqlite3.Error, ValueError) as e:
             raise WeightSyncError(f"MetaServer state {self.path} is not valid: {e}") from None
-        for j in jobs.values():
-            j.rebuild_counts()
         return jobs
 
     def close(self) -> None:
@@ -152,45 +155,23 @@ class Store:
             log.warning("closing the MetaServer state %s: %s", self.path, e)
 
 
-def _load_row(j: Job, kind: str, key: str, v: object) -> None:
-    if kind == "participant":
-        j.participants[key] = v
-    elif kind == "plan":
-        j.plan_hashes[key] = v
-    elif kind == "instance":  # a membership record (format 1 stored ``true`` for a joined instance)
-        from weightsync.meta.state import member
-
-        rec = v if isinstance(v, dict) else (member("joined", 0, 0) if v else None)
-        if rec is not None:
-            j.members[int(key)] = rec
-            if rec["state"] == "joined":
-                j.instances.add(int(key))
-    elif kind == "held":
-        if v is not None:
-            j.held[int(key)] = int(v)
-    elif kind == "rendezvous":
-        j.rendezvous[key] = v
-    elif kind == "job":
-        if key == "aborted":
-            j.aborted = v
-        elif key in ("topology_version", "written_floor", "written_max"):
-            setattr(j, key, int(v))
-    else:
-        raise ValueError(f"unknown row kind {kind!r}")
-
-
-def job_ops(name: str, j: Job) -> list[Op]:
-    """The ops that store one whole job (importing a format-1 state)."""
-    ops: list[Op] = [Put(name, "job", "topology_version", str(j.topology_version)),
-                     Put(name, "job", "written_floor", str(j.written_floor)),
-                     Put(name, "job", "written_max", str(j.written_max)),
-                     Put(name, "job", "aborted", json.dumps(j.aborted))]
-    ops += [Put(name, "participant", k, json.dumps(p)) for k, p in j.participants.items()]
-    ops += [Put(name, "plan", k, json.dumps(p)) for k, p in j.plan_hashes.items()]
-    ops += [Put(name, "instance", str(i), json.dumps(m)) for i, m in j.members.items()]
-    ops += [Put(name, "held", str(i), str(s)) for i, s in j.held.items()]
-    ops += [Put(name, "rendezvous", k, json.dumps(a)) for k, a in j.rendezvous.items()]
-    ops += [AddWritten(name, s, r) for s, rs in j.written.items() for r in rs]
+def legacy_ops(name: str, d: dict) -> list[Op]:
+    """The ops that store one job of a format-1 state file (the whole state as one JSON object)."""
+    version = int(d["topology_version"])
+    written = {int(s): [int(r) for r in rs] for s, rs in d["written"].items()}
+    floor = int(d["written_floor"])
+    ops: list[Op] = [Put(name, "job", "topology_version", str(version)),
+                     Put(name, "job", "written_floor", str(floor)),
+                     Put(name, "job", "written_max", str(max(written, default=floor - 1))),
+                     Put(name, "job", "aborted", json.dumps(d["aborted"]))]
+    ops += [Put(name, "participant", k, json.dumps(p)) for k, p in dict(d["participants"]).items()]
+    ops += [Put(name, "plan", k, json.dumps(p)) for k, p in dict(d["plan_hashes"]).items()]
+    # format 1 kept only the joined instances: each a member since step 0, at the version it had
+    ops += [Put(name, "instance", str(int(i)), json.dumps({"state": "joined", "since": 0, "version": version}))
+            for i in d["instances"]]
+    ops += [Put(name, "held", str(int(i)), str(int(s))) for i, s in d["held"].items()]
+    ops += [Put(name, "rendezvous", k, json.dumps(str(a))) for k, a in dict(d["rendezvous"]).items()]
+    ops += [AddWritten(name, s, r) for s, rs in written.items() for r in rs]
     return ops
 
 
@@ -204,8 +185,8 @@ def _reclaim_temp_files(path: str) -> None:
             pass
 
 
-def _read_legacy(path: str) -> dict[str, "Job"] | None:
-    """A format-1 JSON state at ``path``: moved aside to ``path.v1.json``, its jobs returned for import."""
+def _read_legacy(path: str) -> list[Op] | None:
+    """A format-1 JSON state at ``path``: moved aside to ``path.v1.json``, its jobs returned as ops to import."""
     try:
         with open(path, "rb") as f:
             head = f.read(16)
@@ -215,8 +196,6 @@ def _read_legacy(path: str) -> dict[str, "Job"] | None:
         raise WeightSyncError(f"cannot read MetaServer state {path}: {e}") from None
     if not head.lstrip().startswith(b"{"):
         return None
-    from weightsync.meta.state import Job
-
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -225,8 +204,9 @@ def _read_legacy(path: str) -> dict[str, "Job"] | None:
     try:
         if data.get("format") != LEGACY_FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {LEGACY_FORMAT}")
-        jobs = {job: Job.from_json(d) for job, d in data["jobs"].items()}
+        ops = [op for job, d in data["jobs"].items() for op in legacy_ops(job, d)]
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise WeightSyncError(f"MetaServer state {path} is not valid: {e}") from None
     os.replace(path, path + ".v1.json")
-    return jobs
+    log.info("importing %d jobs from the format-1 state file (kept as %s.v1.json)", len(data["jobs"]), path)
+    return ops

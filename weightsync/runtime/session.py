@@ -55,6 +55,7 @@ from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.meta.heartbeat import Heartbeat
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES, Bucket, Pair
+from weightsync.runtime.device import device_uuid
 from weightsync.runtime.doorbell import Doorbell, open_bells
 from weightsync.runtime.job import (
     DEFAULT_MEMORY_BUDGET,
@@ -487,13 +488,3 @@ def wait_joined(client: MetaClient, count: int, timeout_s: float) -> list[int]:
         except MetaTimeout:
             got = client.instances()
     return got["instances"]
-
-
-def device_uuid(device) -> str | None:
-    """A GPU's stable identity (its UUID), or None for the CPU."""
-    if device.type != "cuda":
-        return None
-    import torch
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return str(torch.cuda.get_device_properties(index).uuid)

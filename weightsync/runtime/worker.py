@@ -108,7 +108,7 @@ class WorkerReader:
 def probe(ctx: WorkerContext, peers: bool) -> WorkerProbe:
     """``peers``: whether to find out if this worker reads every other GPU it sees (co-located jobs);
     a worker that sees only its own GPU cannot reach the others' memory at all."""
-    from weightsync.runtime.session import device_uuid
+    from weightsync.runtime.device import device_uuid
 
     reach = True
     if peers and ctx.device.type == "cuda":
