@@ -269,6 +269,8 @@ def run_job(job: dict, meta_server=None, on_restart=None, on_event=None) -> JobR
     with LocalJob(deadline_s=job["timeout"] * (job["steps"] + 4), stop_on_failure=False, meta=meta_server,
                   meta_token=job.get("server_token"), exit_grace_s=5.0) as local:
         port = free_port()
+        if "token" not in job:  # participants get their job's token, never the server's (admin) one
+            job["token"] = local.job_token(job["job"])
         for r in range(world):
             local.add(Participant.trainer(r), trainer, r, world, port, local.meta_url, job)
         for i in range(job["instances"]):

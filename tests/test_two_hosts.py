@@ -176,6 +176,8 @@ def _nixl_missing() -> str | None:
 def jobs(hosts, tmp_path_factory):
     """Both jobs at once through the two namespaces: {transport: {"train": [reports], "infer": report}},
     plus the veth's bytes sent meanwhile under ``"tx_bytes"``."""
+    from weightsync.meta.auth import job_token
+
     out = tmp_path_factory.mktemp("two-hosts-jobs")
     transports = [t for t in JOBS if t != "nixl" or _nixl_missing() is None]
     before = hosts.tx_bytes()
@@ -183,7 +185,8 @@ def jobs(hosts, tmp_path_factory):
     files: dict[tuple[str, str], str] = {}
     try:
         for transport in transports:
-            base = dict(meta=hosts.meta, token=hosts.token, job=f"two-hosts-{transport}", model="tiny-qwen3",
+            base = dict(meta=hosts.meta, token=job_token(hosts.token, f"two-hosts-{transport}"),  # never the admin's
+                        job=f"two-hosts-{transport}", model="tiny-qwen3",
                         transport=transport, host=TRAIN_ADDR, bucket_bytes=64 << 10, timeout=TIMEOUT_S, steps=STEPS,
                         **JOBS[transport])
             ranks = [("train", r) for r in range(2)] + [("infer", 0)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from weightsync.errors import WeightSyncError
@@ -12,6 +13,7 @@ from weightsync.errors import WeightSyncError
 def _plan(args: argparse.Namespace) -> int:
     from weightsync.engines import make_layout
     from weightsync.plan.planner import Planner
+    from weightsync.plan.simulate import Deployment
     from weightsync.plan.stats import format_stats, job_stats, rank_stats
     from weightsync.plan.topology import Topology
     from weightsync.spec import load_spec
@@ -23,13 +25,19 @@ def _plan(args: argparse.Namespace) -> int:
     make_topo = Topology.colocated if args.colocate else Topology.separated
     topo = make_topo(src.world_size, dst.world_size, args.instances, args.gpus_per_host)
     planner = Planner(src, dst, args.instances, topo, bucket_bytes=args.budget)
+    transport = args.transport or ("colocated" if args.colocate else "p2p")
+    if transport == "colocated" and not args.colocate:
+        raise WeightSyncError("--transport colocated needs --colocate (the inference ranks on the training GPUs)")
+    # the simulator's deployment (weightsync.plan.simulate): the colocated transport's sync jobs ring doorbells,
+    # p2p and nixl jobs signal through the MetaServer
+    deployment = Deployment(transport, args.receiver, args.codec, args.changed, doorbells=transport == "colocated")
     if args.rank:
         try:
-            stats = rank_stats(planner, args.rank)
+            stats = rank_stats(planner, args.rank, deployment)
         except ValueError as e:
             raise WeightSyncError(str(e)) from None
     else:
-        stats = job_stats(planner)
+        stats = job_stats(planner, deployment)
     if args.json:
         print(json.dumps(stats.to_json()))
     else:
@@ -41,6 +49,25 @@ def _meta_server(args: argparse.Namespace) -> int:
     from weightsync.meta.server import run_from_args
 
     return run_from_args(args)
+
+
+def _job_token(args: argparse.Namespace) -> int:
+    from weightsync.meta.auth import job_token
+
+    if not args.token:
+        raise WeightSyncError("give the MetaServer's admin token: --token ADMIN (or $WEIGHTSYNC_META_TOKEN)")
+    try:
+        print(job_token(args.token, args.job))
+    except ValueError as e:
+        raise WeightSyncError(f"--job: {e}") from None
+    return 0
+
+
+def _add_job_token_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", default=os.environ.get("WEIGHTSYNC_META_TOKEN"),
+                   help="the MetaServer's (admin) token (default: $WEIGHTSYNC_META_TOKEN)")
+    p.add_argument("--job", required=True, help="the job id the token opens")
+    p.set_defaults(func=_job_token)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -68,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rank", help="plan one rank only: train:R or infer:I:R")
     plan.add_argument("--budget", type=int, default=256 << 20, help="bucket byte budget (default 256 MiB)")
     plan.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host for locality (default 8)")
+    plan.add_argument("--transport", choices=["colocated", "p2p", "nixl"],
+                      help="for the predicted step: colocated (default with --colocate), p2p (NCCL, default), nixl")
+    plan.add_argument("--receiver", choices=["faithful", "vllm"], default="faithful",
+                      help="for the predicted step: layout-faithful workers (default) or a real vLLM engine")
+    plan.add_argument("--codec", choices=["full", "fp8", "delta"], default="full",
+                      help="for the predicted step: bytes on the wire (fp8: an estimate; delta: at --changed)")
+    plan.add_argument("--changed", type=float, default=0.01, help="delta: fraction changed a step (default 0.01)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_plan)
 
@@ -76,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     meta = sub.add_parser("meta-server", help="run the MetaServer, the job-level coordinator")
     add_meta_arguments(meta)  # --host 127.0.0.1, --port 0, --token (default $WEIGHTSYNC_META_TOKEN), --state PATH
     meta.set_defaults(func=_meta_server)
+
+    token = sub.add_parser("job-token", help="print the token that opens one job only (give it to that job's "
+                                            "participants, never the MetaServer's own token)")
+    _add_job_token_arguments(token)
 
     from weightsync.demo import add_arguments as add_demo_arguments
 
@@ -97,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         from weightsync.meta.server import main as meta_server_main
 
         return meta_server_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    if argv[:1] == ["job-token"]:  # likewise: a launcher calls it before any participant starts
+        p = argparse.ArgumentParser(prog="weightsync job-token", description="Print one job's MetaServer token.")
+        _add_job_token_arguments(p)
+        args = p.parse_args(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except WeightSyncError as e:

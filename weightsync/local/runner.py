@@ -194,6 +194,15 @@ class LocalJob:
     def meta(self) -> Any:
         return self._meta
 
+    def job_token(self, job: str) -> str | None:
+        """The token to hand job ``job``'s participants: derived from ``meta_token`` (the MetaServer's admin
+        token, which never leaves the driver) and opening that job only; None without a token."""
+        if self._meta_token is None:
+            return None
+        from weightsync.meta.auth import job_token
+
+        return job_token(self._meta_token, job)
+
     @property
     def meta_url(self) -> str:
         if self._meta is None:

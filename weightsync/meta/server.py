@@ -9,8 +9,8 @@ Routes (ids in paths: job and rendezvous names match ``[A-Za-z0-9_.-]{1,128}``; 
 are non-negative integers). ``timeout`` is in seconds (0 = answer now, at most 300); a long-poll
 answers ``"ready": false`` when it runs out, and the client decides whether to poll again.
 
-    GET  /health                                   200 {"status": "ok", ...}; never needs the token
-    GET  /metrics                                  Prometheus text
+    GET  /health                                   200 {"status": "ok", ...}; never needs a token
+    GET  /metrics                                  Prometheus text (the admin token's only)
     GET  /v1/jobs/{job}                            summary: participants, topology, steps, who holds what
     DELETE /v1/jobs/{job}                          forget a job (to reuse its id)
     POST /v1/jobs/{job}/abort                      {"reason"}: every waiter of the job wakes with 409
@@ -58,7 +58,11 @@ fail at once with the same reason, which names the first tensor that differs and
 side (:mod:`.mismatch`). Once a job is aborted its waits and mutations answer 409 (with
 ``"aborted"``) until it is deleted; a plain participants listing still answers.
 
-Errors are JSON ``{"error": "..."}`` and change nothing: 400 malformed, 401 token, 404 unknown route
+Tokens (:mod:`.auth`): the server's ``token`` is the admin's and opens every route; a job's token
+(``weightsync job-token``, :func:`weightsync.meta.auth.job_token`) opens ``/v1/jobs/{that job}/...`` only.
+
+Errors are JSON ``{"error": "..."}`` and change nothing: 400 malformed, 401 token missing or wrong,
+403 another job's token, 404 unknown route
 or job, 405 method, 408 body too slow, 409 conflict, 410 step older than the window, 411/413 body
 framing and size, 429 too many jobs, 500 the state could not be saved (nothing of the request is
 kept, nobody was woken; a retry is saved again or refused again), 503 the server is stopping (the
@@ -79,7 +83,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import hmac
 import ipaddress
 import json
 import logging
@@ -95,6 +98,7 @@ from aiohttp import web
 
 from weightsync import __version__
 from weightsync.errors import WeightSyncError
+from weightsync.meta import auth
 from weightsync.meta.state import SWEEP_S, Coordinator, Encoded, last_mutation, restore
 from weightsync.meta.store import Store
 from weightsync.meta.validate import MAX_BODY, HTTPError, Query, parse_body, path_params, short
@@ -254,7 +258,6 @@ class _App:
         for route in _routes(coord):
             self.routes.setdefault(len(route[1]), []).append(route)
         self.requests: dict[tuple[str, int], int] = {}
-        self._expected = f"Bearer {token}".encode() if token is not None else b""
 
     def _answer(self, route: str, status: int, payload: Any, close: bool = False) -> web.Response:
         if isinstance(payload, Encoded):
@@ -301,10 +304,12 @@ class _App:
             if method == "GET" and parts == ["health"]:
                 route = "GET /health"
                 return self._answer(route, 200, {"status": "ok", "version": __version__})
-            if self.token is not None and not hmac.compare_digest(
-                    request.headers.get("Authorization", "").encode("utf-8", "replace"), self._expected):
-                route = "unauthorized"
-                raise HTTPError(401, "missing or wrong bearer token")
+            if self.token is not None:
+                path_job = parts[2] if len(parts) >= 3 and parts[:2] == ["v1", "jobs"] else None
+                verdict = auth.check(self.token, request.headers.get("Authorization", ""), path_job)
+                if verdict.status != 200:
+                    route = "unauthorized" if verdict.status == 401 else "forbidden"
+                    raise HTTPError(verdict.status, verdict.message)
             if method == "GET" and parts == ["metrics"]:
                 route = "GET /metrics"
                 return self._answer(route, 200, self.coord.metrics(self.requests))
@@ -385,7 +390,8 @@ def _is_loopback(host: str) -> bool:
 class MetaServer:
     """An embeddable MetaServer: ``with MetaServer().start() as s: MetaClient(s.url, "job")...``.
 
-    Serves on its own thread's event loop. ``token``: require ``Authorization: Bearer TOKEN`` (an
+    Serves on its own thread's event loop. ``token``: the admin token; every request but ``/health``
+    needs ``Authorization: Bearer TOKEN`` or, for a job's routes, that job's token (:mod:`.auth`; an
     empty token is refused). Listening beyond loopback without a token is refused unless
     ``allow_no_token``: anyone who reaches the port could otherwise abort or rewrite a job."""
 
@@ -512,7 +518,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: any free port, printed at start)")
     p.add_argument("--token", default=os.environ.get("WEIGHTSYNC_META_TOKEN"),
-                   help="require 'Authorization: Bearer TOKEN' (default: $WEIGHTSYNC_META_TOKEN)")
+                   help="the admin token: require 'Authorization: Bearer TOKEN', or a job's own token "
+                        "(weightsync job-token) for that job's routes (default: $WEIGHTSYNC_META_TOKEN)")
     p.add_argument("--allow-no-token", action="store_true",
                    help="serve beyond loopback without a token (refused otherwise)")
     p.add_argument("--state", help="persist state to this SQLite file and reload it at start")

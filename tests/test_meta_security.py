@@ -1,0 +1,94 @@
+"""The MetaServer's security model over real HTTP on loopback: per-job tokens (the server's token is the
+admin's), doorbell addresses, bounded specs and steps, a refused participant told to its job, and the
+refusal's words."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from weightsync.meta import MetaClient, MetaError, MetaServer
+
+ADMIN = "adm1n-s3cret"
+
+
+def http(url: str, method: str, path: str, token: str | None = None, body: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of one request, errors included."""
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            status, raw, ctype = r.status, r.read(), r.headers["Content-Type"]
+    except urllib.error.HTTPError as e:
+        status, raw, ctype = e.code, e.read(), e.headers["Content-Type"]
+    return status, json.loads(raw) if ctype == "application/json" else {"text": raw.decode()}
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Per-job tokens
+
+
+def test_a_job_token_opens_its_own_job_only():
+    """Before: one token opened every job -- a participant of job A read job B, dropped its instance,
+    registered as its rank 1, aborted and deleted it (all 200)."""
+    from weightsync.meta.auth import job_token
+
+    a, b = job_token(ADMIN, "job-a"), job_token(ADMIN, "job-b")
+    assert a != b and ADMIN not in a and a == job_token(ADMIN, "job-a")
+    assert job_token("another-admin", "job-a") != a
+    with MetaServer(token=ADMIN).start() as s:
+        owner = MetaClient(s.url, "job-b", token=b, timeout=5)
+        owner.register("train", 0)
+        owner.join(0)
+        attacks = [("GET", "/v1/jobs/job-b", None), ("POST", "/v1/jobs/job-b/instances/0/leave", {}),
+                   ("POST", "/v1/jobs/job-b/participants", {"role": "train", "rank": 1}),
+                   ("POST", "/v1/jobs/job-b/abort", {"reason": "x"}), ("DELETE", "/v1/jobs/job-b", None),
+                   ("GET", "/v1/jobs/job-b/participants", None)]
+        for method, path, body in attacks:
+            status, got = http(s.url, method, path, a, body)
+            assert status == 403, (method, path, status, got)
+            assert "job-a" in got["error"] and "job-b" in got["error"], got
+            for wrong in (None, "nope", a[:-1] + ("0" if a[-1] != "0" else "1"), ADMIN + "x"):
+                assert http(s.url, method, path, wrong, body)[0] == 401, (method, path, wrong)
+        assert http(s.url, "GET", "/metrics", a)[0] == 403  # every job's figures: the admin's only
+        assert http(s.url, "GET", "/health")[0] == 200  # never needs a token
+        summary = owner.summary()  # nothing of the above changed job B
+        assert summary["aborted"] is None and summary["instances"] == [0] and summary["train_ranks"] == [0]
+        # its own token opens job A's routes; the admin token opens every job's and /metrics
+        assert MetaClient(s.url, "job-a", token=a, timeout=5).register("train", 0)["created"] is True
+        admin = MetaClient(s.url, "job-b", token=ADMIN, timeout=5)
+        assert admin.summary()["instances"] == [0]
+        assert "weightsync_meta_jobs 2" in admin.metrics()
+        assert admin.delete_job()["deleted"] is True
+
+
+def test_job_token_command_prints_the_library_token():
+    from weightsync.meta.auth import job_token
+
+    out = subprocess.run([sys.executable, "-m", "weightsync", "job-token", "--token", ADMIN, "--job", "j1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == job_token(ADMIN, "j1")
+    bad = subprocess.run([sys.executable, "-m", "weightsync", "job-token", "--token", ADMIN, "--job", "a/b"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "job" in bad.stderr
+
+
+def test_local_job_hands_participants_the_job_token():
+    from weightsync.local.runner import LocalJob
+    from weightsync.meta.auth import job_token
+
+    with LocalJob(deadline_s=5, meta_token=ADMIN) as job:
+        assert job.job_token("j") == job_token(ADMIN, "j")
+    with LocalJob(deadline_s=5) as job:
+        assert job.job_token("j") is None  # a server without a token: participants send none
