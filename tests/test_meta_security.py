@@ -92,3 +92,75 @@ def test_local_job_hands_participants_the_job_token():
         assert job.job_token("j") == job_token(ADMIN, "j")
     with LocalJob(deadline_s=5) as job:
         assert job.job_token("j") is None  # a server without a token: participants send none
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Doorbell addresses: weightsync's own shared-memory files only
+
+
+def test_a_doorbell_address_that_is_not_a_bell_is_refused_by_the_server():
+    """Before: a participant pointed job B's doorbell at /etc/passwd, and every peer opened and mapped it."""
+    import socket
+
+    from weightsync.runtime.doorbell import Doorbell
+
+    host = socket.gethostname()
+    with MetaServer().start() as s:
+        c = MetaClient(s.url, "j", timeout=5)
+        bell = Doorbell()
+        try:
+            assert c.publish("bell.written.0", bell.address)["changed"] is True  # a real bell is accepted
+        finally:
+            bell.close()
+        for address in (f"{host}:/etc/passwd", f"{host}:/dev/shm/../etc/weightsync-bell-1-{'a' * 32}",
+                        f"{host}:/dev/shm/weightsync-bell-1-{'a' * 32}/../../etc/passwd", "/etc/passwd",
+                        f"{host}:relative/weightsync-bell-1-{'a' * 32}", f"{host}:/dev/shm/weightsync-bell-x-abc"):
+            with pytest.raises(MetaError, match="doorbell") as e:
+                c.publish("bell.held.1", address, replace=True)
+            assert e.value.status == 400, address
+        assert "bell.held.1" not in c.summary()["rendezvous"]
+
+
+def test_a_doorbell_is_opened_only_when_it_is_a_bell_file(tmp_path):
+    import os
+    import socket
+
+    from weightsync.errors import TransportError
+    from weightsync.runtime.doorbell import Doorbell, _directory
+
+    host = socket.gethostname()
+    made = []
+
+    def shm(name: str) -> str:
+        made.append(os.path.join(_directory(), name))
+        return made[-1]
+
+    try:
+        link = shm(f"weightsync-bell-{os.getpid()}-{'b' * 32}")
+        os.symlink("/etc/passwd", link)
+        big = shm(f"weightsync-bell-{os.getpid()}-{'c' * 32}")
+        with open(big, "wb") as f:
+            f.write(b"\0" * 4096)
+        folder = shm(f"weightsync-bell-{os.getpid()}-{'d' * 32}")
+        os.mkdir(folder)
+        for path, why in (("/etc/passwd", "not a weightsync doorbell"), (link, "symbolic link"),
+                          (big, "4096 bytes"), (folder, "not a regular file"),
+                          (shm(f"weightsync-bell-{os.getpid()}-{'e' * 32}"), "no such")):
+            with pytest.raises(TransportError, match=why):
+                Doorbell.open(f"{host}:{path}")
+            with pytest.raises(TransportError):
+                Doorbell(path)
+        real = Doorbell()
+        try:
+            opened = Doorbell.open(real.address)
+            real.ring(5)
+            assert opened.step == 5
+            assert os.stat(real.path).st_mode & 0o777 == 0o600  # only its owner's processes open it
+        finally:
+            real.close()
+    finally:
+        for p in made:
+            if os.path.islink(p) or os.path.isfile(p):
+                os.unlink(p)
+            elif os.path.isdir(p):
+                os.rmdir(p)

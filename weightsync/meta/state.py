@@ -22,8 +22,8 @@ from weightsync.meta.mismatch import refusal
 from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten, StoredJob
 from weightsync.meta.validate import (
     MAX_JOBS, MAX_LIVENESS_S, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, MIN_LIVENESS_S, ROLES,
-    STEP_STRIDE, STEPS_KEPT, HEX_RE, Aborted, HTTPError, Query, bad, boolean, engine_config, fields, identity,
-    integer, model_config, participant_name, seconds, short, string,
+    STEP_STRIDE, STEPS_KEPT, BELL_NAME_PREFIX, HEX_RE, Aborted, HTTPError, Query, bad, bell_address, boolean,
+    engine_config, fields, identity, integer, model_config, participant_name, seconds, short, string,
 )
 
 #: how long a ``held`` post for a step no training rank has written yet waits for that ``written``
@@ -668,6 +668,8 @@ class Coordinator:
     def publish(self, job: str, name: str, body: dict) -> dict:
         fields(body, {"address"}, {"replace"})
         address = string(body["address"], "address", 512)
+        if name.startswith(BELL_NAME_PREFIX):  # its peers open and map the file it names
+            bell_address(address)
         replace = boolean(body.get("replace", False), "replace")
         self._refuse_if_closing()
         j = self._job(job)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import posixpath
 import re
 from typing import Any
 from urllib.parse import parse_qsl
@@ -26,6 +27,12 @@ STEPS_KEPT = 64  # written-step sets kept per job; older steps answer 410
 #: a member's heartbeat deadline (``liveness_s``): from half a second (the server looks every 0.25 s) to a day
 MIN_LIVENESS_S, MAX_LIVENESS_S = 0.5, 86400.0
 STEP_STRIDE = 1 << 32  # a new step is at most this far past the latest one written (the first: below it)
+
+#: rendezvous names under which a participant publishes a doorbell (:mod:`weightsync.runtime.doorbell`):
+#: its peers on that host open and map the file the address names, so it must name a bell file
+BELL_NAME_PREFIX = "bell."
+#: a bell file's name: ``weightsync-bell-<pid>-<uuid4 hex>`` in the host's shared-memory directory
+BELL_FILE_RE = re.compile(r"weightsync-bell-([0-9]{1,10})-([0-9a-f]{32})")
 
 ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 INT_RE = re.compile(r"[0-9]{1,19}")
@@ -125,6 +132,20 @@ def engine_config(v: Any) -> dict:
         if isinstance(x, str) and len(x) > 256:
             raise bad(f"engine_config[{k!r}] is longer than 256 characters")
     return dict(v)
+
+
+def bell_address(address: str) -> str:
+    """A doorbell's address, ``host:/absolute/dir/weightsync-bell-PID-HEX``: a normalized absolute path
+    (no ``..``, no doubled slashes) to a file named as weightsync names its bells; anything else (a
+    participant pointing its peers at ``/etc/passwd``) is refused. Where it is opened, the doorbell code
+    checks again that it is a regular 8-byte file in the shared-memory directory, not a link."""
+    host, sep, path = address.partition(":")
+    directory, _, name = path.rpartition("/")
+    if (not sep or not host or "/" in host or not path.startswith("/") or posixpath.normpath(path) != path
+            or "\0" in path or not BELL_FILE_RE.fullmatch(name) or not directory):
+        raise bad(f"a doorbell's address must be host:/dir/weightsync-bell-PID-HEX (a bell file weightsync made), "
+                  f"got {short(address)}")
+    return address
 
 
 def identity(body: dict) -> tuple[str, int, int | None]:

@@ -7,14 +7,20 @@ doorbell stores the step in a small file mapped in shared memory; a waiter on th
 microseconds (spinning) or ~65 us (sleeping between looks). The MetaServer stays the record: every bell
 rung is also posted, waiters ask the MetaServer every ``CHECK_S`` (so an aborted job or a bell that never
 rings still ends the wait), and at the deadline its own wait raises the timeout that names who is missing.
+
+A bell is a file only its owner's uid may open (0600); a peer opens one by the address the MetaServer
+holds, which any participant of the job may publish, so both the server (``bell.*`` names) and
+:func:`_open_existing` refuse anything but a weightsync bell file: no ``/etc/passwd``, no symbolic link.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -23,7 +29,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from weightsync.errors import TransportError
 from weightsync.meta.client import MetaClient, MetaTimeout, MetaUnavailable
+from weightsync.meta.validate import BELL_FILE_RE
 from weightsync.transport.share import remove_files_of_dead_processes
 
 #: waiters spin this long, then look every SLEEP_S (a sleeping look costs ~65 us of latency, a spin a core)
@@ -43,6 +51,48 @@ def _directory() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def _create(path: str) -> int:
+    """A new bell file, readable and writable by its owner only, holding NONE: step 0 is a step like any other."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, NONE.to_bytes(_SIZE, sys.byteorder, signed=True))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_existing(path: str) -> int:
+    """Open a peer's bell, refusing anything but weightsync's own bell file: its name in the shared-memory
+    directory, a regular file (not a link: ``O_NOFOLLOW``), of ``_SIZE`` bytes, ours. The address came from
+    the MetaServer, where any participant of the job may publish: a bell pointing at ``/etc/passwd`` must
+    not be mapped (and written)."""
+    directory, name = os.path.split(path)
+    if os.path.normpath(path) != path or directory != _directory() or not BELL_FILE_RE.fullmatch(name):
+        raise TransportError(f"{path!r} is not a weightsync doorbell (a weightsync-bell-PID-HEX file in "
+                             f"{_directory()}): refusing to open it; a participant of this job published it")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise TransportError(f"no such doorbell {path}: its owner closed it or died") from None
+    except OSError as e:
+        why = {errno.ELOOP: "is a symbolic link", errno.EISDIR: "is not a regular file"}.get(e.errno, e.strerror)
+        raise TransportError(f"doorbell {path} {why}: refusing to open it") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TransportError(f"doorbell {path} is not a regular file: refusing to map it")
+        if st.st_size != _SIZE:
+            raise TransportError(f"doorbell {path} holds {st.st_size} bytes, not a bell's {_SIZE}: refusing to map it")
+        if st.st_uid != os.geteuid():
+            raise TransportError(f"doorbell {path} belongs to uid {st.st_uid}, not to this process's "
+                                 f"({os.geteuid()}): refusing to map it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class Doorbell:
     """One step counter shared by the processes of a host: the owner rings it, others open it by address."""
 
@@ -51,11 +101,9 @@ class Doorbell:
         if self.owner:  # bells are named by pid: those of processes killed before closing them go now
             remove_files_of_dead_processes(_directory(), _BELL)
         self.path = path or os.path.join(_directory(), f"weightsync-bell-{os.getpid()}-{uuid.uuid4().hex}")
-        if self.owner:  # a fresh bell holds NONE: step 0 is a step like any other
-            with open(self.path, "wb") as f:
-                f.write(NONE.to_bytes(_SIZE, sys.byteorder, signed=True))
+        fd = _create(self.path) if self.owner else _open_existing(self.path)
+        if self.owner:
             self._unlink = weakref.finalize(self, _remove, self.path)
-        fd = os.open(self.path, os.O_RDWR)
         try:
             self._map = mmap.mmap(fd, _SIZE)
         finally:
@@ -69,8 +117,11 @@ class Doorbell:
 
     @classmethod
     def open(cls, address: str) -> Doorbell | None:
-        """The bell at ``address``, or None when it lives on another host."""
-        host, path = address.split(":", 1)
+        """The bell at ``address``, or None when it lives on another host; TransportError when the address
+        names anything but a weightsync bell file."""
+        host, sep, path = address.partition(":")
+        if not sep:
+            raise TransportError(f"a doorbell's address is host:path, got {address!r}")
         return cls(path) if host == socket.gethostname() else None
 
     def ring(self, step: int) -> None:
