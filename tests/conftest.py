@@ -15,7 +15,8 @@ torch.set_num_threads(1)
 KINDS = {
     "unit": ["test_spec", "test_arch", "test_engine_config", "test_roundtrip", "test_planner",
              "test_inference_rules", "test_batch_copy", "test_sglang_layout", "test_transport_interface",
-             "test_cli", "test_checksum_fast", "test_delta_sender", "test_import_cycles"],
+             "test_cli", "test_checksum_fast", "test_delta_sender", "test_import_cycles",
+             "test_fp8_quant", "test_fp8_config"],
     "multiprocess": ["test_p2p", "test_colocated", "test_file_transport", "test_fsdp_layout",
                      "test_megatron_layout", "test_engine_live", "test_hf_live", "test_bind", "test_instances",
                      "test_meta", "test_meta_faults", "test_meta_liveness", "test_meta_security", "test_sglang_instance", "test_baselines", "test_doorbell", "test_delta",
@@ -23,8 +24,8 @@ KINDS = {
                      "test_reader_reports"],
     "e2e": ["test_runtime", "test_elastic", "test_trainer_group", "test_nixl", "test_delta_nixl", "test_demo", "test_local", "test_bench", "test_ckpt_engine", "test_sglang_probe",
             "test_two_hosts",
-            "test_vllm*", "test_validate"],
-    "gpu": ["test_gpu", "test_gpu_checksum"],
+            "test_vllm*", "test_fp8_vllm", "test_validate"],
+    "gpu": ["test_gpu", "test_gpu_checksum", "test_fp8_gpu"],
 }
 
 

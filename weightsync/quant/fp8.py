@@ -1,0 +1,222 @@
+"""Block FP8: a weight quantized per 128 x 128 block to e4m3 with an fp32 inverse scale per block.
+
+This is the format of the block-FP8 checkpoints of DeepSeek-V3, Kimi-K2 and Qwen3-FP8: ``weight``
+``float8_e4m3fn [N, K]`` beside ``weight_scale_inv`` ``float32 [ceil(N/128), ceil(K/128)]``, the weight
+being ``fp8 * scale_inv`` per block (the name says the scale is the *inverse* of the factor applied when
+quantizing). Those checkpoints do not say which code made them (DeepSeek-V3's came out of its FP8
+training, which is not public; its ``inference/kernel.py`` quantizes activations only), so the bits are
+matched to the block quantizer the engines ship:
+
+**The definition** is vLLM's ``per_block_cast_to_fp8`` (``vllm/utils/deep_gemm.py``, "taken from
+DeepGEMM ``deep_gemm/utils/math.py``"; ``use_ue8m0=False``, ``block_size=[128, 128]``) *as PyTorch runs
+it on CUDA*, where vLLM and DeepGEMM run it. Per block of a 2-d weight ``x`` (any leading dims are a
+batch of 2-d weights, e.g. stacked experts; a block never crosses one):
+
+1. ``amax = max |x|`` over the block, in fp32 (bf16 -> fp32 is exact). Partial edge blocks (N or K not
+   a multiple of 128) are the upstream's zero padding: the missing elements count as 0, which cannot
+   raise a maximum of absolute values; nothing outside ``[N, K]`` is written.
+2. ``amax = max(amax, fp32(1e-4))`` (``.clamp(1e-4)``): an all-zero block gets
+   ``scale_inv = 1e-4 / 448`` and all-zero fp8, not a division by zero.
+3. ``scale_inv = amax * fp32(1/448)``: the upstream line is ``x_amax / 448.0``, a division by a Python
+   scalar, which torch's CUDA kernel computes as a multiplication by the scalar's fp32 reciprocal
+   (``div_true_kernel_cuda``: "compute a * reciprocal(b)"); torch's CPU kernel divides. The two differ in
+   the last bit of about half the scales (measured: 53 % of random fp32 values), so the same Python line
+   gives a CPU checkpoint other scales than a GPU one. Here the multiplication is written out, and CPU
+   and GPU give the same bits.
+4. ``inv = 1 / scale_inv``, an IEEE fp32 division rounded to nearest (upstream ``1.0 / sf``, which torch
+   evaluates as ``reciprocal(sf) * 1.0``; torch's reciprocal divides on both devices).
+5. ``fp8 = e4m3fn(fp32(x) * inv)``: one fp32 multiplication rounded to nearest, then the cast, rounded
+   to nearest-even with e4m3's subnormals (torch's ``.to(torch.float8_e4m3fn)``; ``|x * inv| <= 448``
+   up to a few ulp, far below 464 where a cast would round up to NaN, so saturation never differs).
+
+A block holding a NaN or an infinity gets a NaN or infinite ``scale_inv`` (what the definition gives:
+``amax`` is NaN or inf); its fp8 values are not specified. :func:`nonfinite_blocks` finds such blocks.
+
+:func:`quantize` runs the definition as one Triton kernel on CUDA (one read of the weight, one write of
+the fp8 and the scales: a copy's traffic at 3/4 of its bytes for bf16), bit-identical to
+:func:`quantize_reference` (the same steps, with ``tl.math.div_rn`` for step 4 because Triton's ``/`` on
+fp32 is an approximate division); elsewhere, or with ``WEIGHTSYNC_FP8_KERNEL=0``, the torch definition.
+:func:`dequantize` gives back ``fp8 * scale_inv`` per block (for verification).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("weightsync.quant.fp8")
+
+
+def _fp32(v: float) -> float:
+    """``v`` rounded to the nearest fp32 (as a Python float, exactly that fp32 value)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+BLOCK = 128  # the block edge: 128 x 128 (weight_block_size = [128, 128])
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+AMAX_FLOOR = _fp32(1e-4)  # the upstream ``.clamp(1e-4)`` on an fp32 tensor compares with fp32(1e-4)
+INV_FP8_MAX = _fp32(1 / 448)  # torch's CUDA ``x / 448.0`` multiplies by fp32(1/448) (= 1.0f / 448.0f)
+INPUT_DTYPES = (torch.bfloat16, torch.float32)  # what a trainer holds (fp16 trainers are refused)
+WARPS = 8
+
+_kernel = None  # the compiled-on-first-use Triton function, or False once unavailable
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A block-FP8 weight: ``weight`` e4m3 ``[..., N, K]`` and ``scale_inv`` fp32 ``[..., ceil(N/128), ceil(K/128)]``."""
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def scale_shape(shape: tuple[int, ...] | torch.Size, block: int = BLOCK) -> tuple[int, ...]:
+    """The shape of the ``scale_inv`` of a weight of ``shape``: the last two dims counted in blocks."""
+    if len(shape) < 2:
+        raise ValueError(f"block FP8 needs a weight of at least 2 dims, got shape {tuple(shape)}")
+    *lead, n, k = shape
+    return (*lead, cdiv(n, block), cdiv(k, block))
+
+
+def _check(x: torch.Tensor, what: str) -> None:
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"fp8: {what} is {x.dtype}; block FP8 quantizes bf16 or fp32 weights only")
+    scale_shape(x.shape)
+
+
+# -- the definition ----------------------------------------------------------------------------------
+
+
+def quantize_reference(x: torch.Tensor, name: str = "weight") -> Quantized:
+    """The definition (see the module docstring), in torch, on ``x``'s device; ``x`` is not changed."""
+    _check(x, name)
+    *lead, n, k = x.shape
+    bn, bk = cdiv(n, BLOCK), cdiv(k, BLOCK)
+    padded = torch.zeros((*lead, bn * BLOCK, bk * BLOCK), dtype=torch.float32, device=x.device)
+    padded[..., :n, :k] = x  # exact: bf16 -> fp32
+    blocks = padded.view(*lead, bn, BLOCK, bk, BLOCK)
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=AMAX_FLOOR)  # NaN stays NaN
+    scale_inv = amax * torch.tensor(INV_FP8_MAX, dtype=torch.float32, device=x.device)
+    inv = torch.ones((), dtype=torch.float32, device=x.device) / scale_inv  # IEEE division (tensor / tensor)
+    q = (blocks * inv[..., :, None, :, None]).to(torch.float8_e4m3fn)
+    return Quantized(q.view(*lead, bn * BLOCK, bk * BLOCK)[..., :n, :k].contiguous(), scale_inv)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``fp8 * scale_inv`` per block, in fp32, then cast to ``dtype`` (what a block-FP8 GEMM's weight stands for)."""
+    *lead, n, k = q.weight.shape
+    if tuple(q.scale_inv.shape) != scale_shape(q.weight.shape):
+        raise ValueError(f"fp8: scale_inv {tuple(q.scale_inv.shape)} does not fit weight {tuple(q.weight.shape)} "
+                         f"(expected {scale_shape(q.weight.shape)})")
+    s = q.scale_inv.float().repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[..., :n, :k]
+    return (q.weight.float() * s).to(dtype)
+
+
+def nonfinite_blocks(scale_inv: torch.Tensor, limit: int = 8) -> list[tuple[int, ...]]:
+    """The block indices (up to ``limit``) whose scale is NaN or infinite: blocks that held a NaN or an infinity."""
+    bad = (~torch.isfinite(scale_inv)).nonzero()
+    return [tuple(int(i) for i in row) for row in bad[:limit].tolist()] if bad.numel() else []
+
+
+# -- the kernel ----------------------------------------------------------------------------------------
+
+
+def _build():
+    from weightsync.quant import fp8_triton  # imports Triton: only here, on first use
+
+    return fp8_triton.block_fp8
+
+
+def enabled() -> bool:
+    """Whether the kernel may be used at all (Triton importable, not turned off by ``WEIGHTSYNC_FP8_KERNEL=0``)."""
+    global _kernel
+    if os.environ.get("WEIGHTSYNC_FP8_KERNEL", "1") == "0":
+        return False
+    if _kernel is None:
+        try:
+            _kernel = _build()
+        except Exception as e:  # no Triton, or one that cannot build here: the torch definition stays
+            log.info("fp8: no Triton kernel (%s); using the torch definition", e)
+            _kernel = False
+    return _kernel is not False
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the kernel can read ``x``: on CUDA (or anywhere under ``TRITON_INTERPRET=1``, for tests), last dim
+    contiguous, and the dims before the last two collapsible into one batch stride."""
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if not ((x.is_cuda or interp) and x.dim() >= 2 and x.dtype in INPUT_DTYPES):
+        return False
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        return False
+    return _batch_stride(x) is not None and enabled()
+
+
+def _batch_stride(x: torch.Tensor) -> int | None:
+    """The one stride between the 2-d weights of ``x``'s leading dims, or None when they are not evenly spaced."""
+    lead = x.shape[:-2]
+    if not lead or all(d == 1 for d in lead):
+        return 0
+    try:
+        return x.view(-1, *x.shape[-2:]).stride(0)
+    except RuntimeError:
+        return None
+
+
+def soft_cast() -> bool:
+    """Whether the kernel casts to e4m3 in integer arithmetic instead of the hardware's conversion: under Triton's
+    interpreter, whose float8 cast drops the carry when rounding reaches the next power of two (Triton 3.9:
+    31.6 -> 16 instead of 32), and where ``WEIGHTSYNC_FP8_SOFT_CAST=1`` asks for it (to test it on a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("WEIGHTSYNC_FP8_SOFT_CAST") == "1"
+
+
+def quantize(x: torch.Tensor, out: Quantized | None = None, name: str = "weight") -> Quantized:
+    """``x`` in block FP8 (the definition of :func:`quantize_reference`), by the Triton kernel where it
+    :func:`applies`, else by the torch definition; into ``out`` (contiguous, of the right shapes and dtypes)
+    when given. Queues the work on CUDA without synchronising."""
+    _check(x, name)
+    sshape = scale_shape(x.shape)
+    if out is not None:
+        if (tuple(out.weight.shape) != tuple(x.shape) or out.weight.dtype != torch.float8_e4m3fn
+                or tuple(out.scale_inv.shape) != sshape or out.scale_inv.dtype != torch.float32
+                or not out.weight.is_contiguous() or not out.scale_inv.is_contiguous()):
+            raise ValueError(f"fp8: {name}: out must be contiguous float8_e4m3fn {tuple(x.shape)} and float32 "
+                             f"{sshape}, got {out.weight.dtype} {tuple(out.weight.shape)} and "
+                             f"{out.scale_inv.dtype} {tuple(out.scale_inv.shape)}")
+    if not applies(x):
+        got = quantize_reference(x, name)
+        if out is None:
+            return got
+        out.weight.copy_(got.weight)
+        out.scale_inv.copy_(got.scale_inv)
+        return out
+    if out is None:
+        out = Quantized(torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+                        torch.empty(sshape, dtype=torch.float32, device=x.device))
+    *lead, n, k = x.shape
+    batch = 1
+    for d in lead:
+        batch *= d
+    if batch * n * k == 0:
+        return out
+    bn, bk = cdiv(n, BLOCK), cdiv(k, BLOCK)
+    sxb = _batch_stride(x)
+    soft = soft_cast()
+    q = out.weight.view(torch.uint8) if soft else out.weight
+    _kernel[(bn, bk, batch)](x, q, out.scale_inv, n, k, sxb, x.stride(-2), n * k, k, bn * bk, bk,
+                             AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK, SOFT_CAST=soft, num_warps=WARPS)
+    return out
+
+
+__all__ = [
+    "AMAX_FLOOR", "BLOCK", "FP8_MAX", "INV_FP8_MAX", "Quantized", "applies", "dequantize", "enabled",
+    "nonfinite_blocks", "quantize", "quantize_reference", "scale_shape",
+]
