@@ -10,7 +10,7 @@ import torch
 from weightsync.engines.hf import HFLayout
 from weightsync.layout.materialize import fill_from
 from weightsync.spec import ModelSpec
-from weightsync.testing import build_hf_model  # noqa: F401  (re-exported for tests)
+from weightsync.checkpoint.hf import build_hf_model  # noqa: F401  (re-exported for tests)
 
 
 def live_tensors(model) -> dict[str, torch.Tensor]:

@@ -48,7 +48,7 @@ def check_loaded(directory: Path, spec, seed: int, fp32: bool = False) -> None:
     from transformers import AutoModelForCausalLM
 
     from weightsync.checkpoint.format import INDEX_NAME
-    from weightsync.testing import hf_canonical
+    from weightsync.checkpoint.hf import hf_canonical
 
     index = json.loads((directory / INDEX_NAME).read_text())
     assert set(index["weight_map"]) == {t.name for t in spec.tensors}
@@ -118,7 +118,7 @@ def test_plan_of_a_large_model_is_balanced_and_zero_redundant():
 def hf_trainer(name: str, seed: int, fp32: bool = False):
     from weightsync.bind.train import HFTrainEngine
     from weightsync.layout.materialize import fill_from
-    from weightsync.testing import build_hf_model
+    from weightsync.checkpoint.hf import build_hf_model
 
     spec = load_spec(name)
     model = build_hf_model(spec, seed=0)

@@ -222,3 +222,17 @@ def test_the_graph_sees_lazy_and_type_checking_imports(tmp_path):
     assert cycles(tmp_path) == ["weightsync.a -> weightsync.b -> weightsync.a"]
     (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n")
     assert cycles(tmp_path) == []
+
+
+#: the tooling that may use the test aids of ``weightsync.testing``: the demo and its local job, the
+#: benchmarks, the soak. Nothing that runs in a user's trainer or engine imports it.
+TEST_AID_USERS = ("weightsync.testing", "weightsync.demo", "weightsync.local.", "weightsync.bench.",
+                  "weightsync.soak.", "weightsync.delta.bench")
+
+
+def test_production_code_does_not_import_the_test_module():
+    graph = import_graph()
+    users = sorted(m for m, deps in graph.items() if "weightsync.testing" in deps
+                   and not any(m == u or (u.endswith(".") and m.startswith(u)) for u in TEST_AID_USERS))
+    assert not users, (f"{users} import weightsync.testing (test aids); what production code needs from it belongs "
+                       "in a production module (the transformers model of a spec: weightsync.checkpoint.hf)")

@@ -66,8 +66,7 @@ def hf_qwen3(tmp_path_factory):
     from hf_models import load_canonical_into
 
     from weightsync.instances.hf import HFInstance
-    from weightsync.testing import build_hf_model
-    from weightsync.validate.checkpoint import save_hf_checkpoint
+    from weightsync.checkpoint.hf import build_hf_model, save_hf_checkpoint
 
     spec = load_spec("tiny-qwen3")
     seeds = {s: random_canonical(spec, seed=s) for s in (1, 2)}
@@ -229,7 +228,7 @@ def test_synced_steps_validate_clean(meta, tmp_path, model, train, infer):
     from weightsync.layout.materialize import fill_from
     from weightsync.runtime.reader import WeightReader
     from weightsync.runtime.writer import WeightWriter
-    from weightsync.validate.checkpoint import save_hf_checkpoint
+    from weightsync.checkpoint.hf import save_hf_checkpoint
 
     spec = load_spec(model)
     engine = make_layout(spec, train)

@@ -35,8 +35,8 @@ from weightsync.spec import load_spec
 from weightsync.spec.model import ModelSpec
 from weightsync.vllm.engine import CPU_TP2_ENV as TP2_ENV
 from weightsync.vllm.engine import environ
+from weightsync.vllm.extension import EXTENSION
 
-EXTENSION = "weightsync.vllm.extension.WeightSyncExtension"
 PROMPTS = [[3, 17, 42, 99, 7, 128], [200, 5, 61, 11]]
 MAX_TOKENS = 8
 SEEDS = (1, 2)

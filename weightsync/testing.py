@@ -1,4 +1,8 @@
-"""Random canonical weights and layout-wide checks, shared by the tests, the demo and the benchmarks."""
+"""Random canonical weights and layout-wide checks, shared by the tests, the demo and the benchmarks.
+
+Test aids only: production code never imports this module (the transformers model of a spec and HF
+checkpoints of canonical tensors, which production code uses, are in :mod:`weightsync.checkpoint.hf`).
+"""
 
 from __future__ import annotations
 
@@ -59,32 +63,6 @@ def coverage_problems(engine: EngineLayout) -> list[str]:
     return problems
 
 
-def build_hf_model(spec: ModelSpec, seed: int | None = None):
-    """The real transformers module for a spec, in its dtype, on CPU (random init), in the form
-    ``from_pretrained`` gives it, as a trainer loading a checkpoint has it: what the installed
-    transformers keeps in fp32 beside a bf16 model (``_keep_in_fp32_modules_strict``, the hf
-    layout's auto ``fp32_*`` keys) is made fp32. ``from_config`` applies no such list (under
-    transformers 5.19-5.23 it leaves DeepSeek-V3's ``e_score_correction_bias`` bf16)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from weightsync.bind import module_tensors
-    from weightsync.engines.hf import HFLayout
-
-    cfg = dict(spec.config)
-    model_type = cfg.pop("model_type")
-    cfg.pop("architectures", None)
-    config = AutoConfig.for_model(model_type, **cfg)
-    config.architectures = [spec.architecture]
-    if seed is not None:
-        torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[spec.dtype])
-    local = HFLayout(spec).layout(0).tensors
-    for name, t in module_tensors(model).items():
-        if name in local and (want := TORCH_DTYPES[local[name].dtype]) != t.dtype:
-            t.data = t.data.to(want)
-    return model
-
-
 def holds(layout: Layout, tensors: dict[str, torch.Tensor], expected: Callable[[Piece], torch.Tensor]) -> bool:
     """Whether every piece of a rank's live tensors equals ``expected(piece)`` (its canonical region),
     bit for bit, after the cast to the local tensor's dtype that a checkpoint load would do."""
@@ -104,15 +82,3 @@ def differences(layout: Layout, tensors: dict[str, torch.Tensor], expected: Call
                 if first_only:
                     return out
     return out
-
-
-def hf_canonical(model, spec: ModelSpec | None = None) -> dict[str, torch.Tensor]:
-    """A transformers model's weights as canonical (checkpoint) tensors, copied, through the ``hf``
-    layout's pieces (which unstack transformers 5's fused experts)."""
-    from weightsync.bind import hf_module_spec, module_tensors
-    from weightsync.engines.hf import HFLayout
-
-    spec = spec or hf_module_spec(model)
-    live = module_tensors(model)
-    with torch.no_grad():
-        return {p.canonical: local_view(live[p.tensor], p).detach().clone() for p in HFLayout(spec).layout(0).pieces()}

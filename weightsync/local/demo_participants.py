@@ -242,9 +242,10 @@ def _against_fresh(owned, spec, engine: str, cfg: DemoConfig, ref_path: str, ckp
     tokens are equal."""
     from safetensors.torch import load_file
 
-    from weightsync.vllm.engine import EngineOptions, save_hf_checkpoint, start
+    from weightsync.checkpoint.hf import save_hf_checkpoint
+    from weightsync.vllm.engine import EngineOptions, start
 
-    save_hf_checkpoint(dict(spec.config), load_file(ref_path), ckpt_dir)
+    save_hf_checkpoint(spec, load_file(ref_path), ckpt_dir)
     fresh = start(dict(spec.config), engine, EngineOptions(device=cfg.device, backend=False), checkpoint=ckpt_dir)
     try:
         want, want_tokens = fresh.digests(), fresh.tokens()

@@ -31,7 +31,7 @@ def build_instance(spec: ModelSpec, engine: str, device: str = "cpu", seed: int 
     """An instance of layout ``engine``: on ``cpu``, or from ``cuda:K`` on (rank r on ``cuda:K+r``)."""
     if engine == "hf":
         from weightsync.instances.hf import HFInstance
-        from weightsync.testing import build_hf_model
+        from weightsync.checkpoint.hf import build_hf_model
 
         model = build_hf_model(spec, seed=seed).to(device)
         with torch.no_grad():

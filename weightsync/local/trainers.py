@@ -66,7 +66,7 @@ def build_trainer(spec: ModelSpec, train: str, rank: int, world: int, *, device:
             raise ConfigError("megatron: fp32 master weights live in Megatron's optimizer; the local trainer "
                               "keeps them for hf and fsdp only")
         return _megatron(spec, engine, rank, dev, seed, lr, same_start)
-    from weightsync.testing import build_hf_model
+    from weightsync.checkpoint.hf import build_hf_model
 
     model = build_hf_model(spec, seed=seed)
     if fp32:
@@ -311,7 +311,7 @@ def _megatron(spec: ModelSpec, engine: Any, rank: int, dev: torch.device, seed: 
 
     from weightsync.bind.train import MegatronTrainEngine
     from weightsync.layout.materialize import fill_from
-    from weightsync.testing import build_hf_model, hf_canonical
+    from weightsync.checkpoint.hf import build_hf_model, hf_canonical
 
     chunks = megatron_model(spec, engine, dev, seed)
     bound = MegatronTrainEngine(chunks, dict(spec.config)).bound

@@ -1,10 +1,9 @@
-"""Reading an HF checkpoint (safetensors) for validation, and writing one for the demo.
+"""Reading an HF checkpoint (safetensors) for validation.
 
 :class:`Checkpoint` opens every ``*.safetensors`` file of a directory (through the index when there is
 one) and reads any box of a canonical tensor without loading the rest (``safe_open(...).get_slice``),
-so a layout-faithful worker reads exactly the regions it holds. :func:`save_hf_checkpoint` writes
-canonical tensors as transformers' ``save_pretrained`` does (config.json, safetensors), for the demo
-until ``WeightWriter.save_checkpoint`` is there.
+so a layout-faithful worker reads exactly the regions it holds. Writing canonical tensors as one is
+:func:`weightsync.checkpoint.hf.save_hf_checkpoint`.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import glob
 import json
 import os
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -77,19 +75,4 @@ class Checkpoint:
         return h.get_slice(name)[tuple(slice(o, o + n) for o, n in box)]
 
 
-def save_hf_checkpoint(spec, canonical: Mapping[str, torch.Tensor], directory: str | os.PathLike) -> str:
-    """Write canonical tensors as an HF checkpoint: a transformers model of ``spec`` (the form
-    ``from_pretrained`` gives it) filled through the ``hf`` layout, then ``save_pretrained``."""
-    from weightsync.bind import module_tensors
-    from weightsync.engines.hf import HFLayout
-    from weightsync.layout.materialize import fill_from
-    from weightsync.testing import build_hf_model
-
-    model = build_hf_model(spec)
-    with torch.no_grad():
-        fill_from(HFLayout(spec).layout(0), module_tensors(model), canonical)
-    model.save_pretrained(str(directory))
-    return str(directory)
-
-
-__all__ = ["Checkpoint", "checkpoint_files", "save_hf_checkpoint"]
+__all__ = ["Checkpoint", "checkpoint_files"]

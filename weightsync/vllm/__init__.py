@@ -14,10 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-EXTENSION = "weightsync.vllm.extension.WeightSyncExtension"
-BACKEND = "weightsync"
-
 _LAZY = {
+    "EXTENSION": "weightsync.vllm.extension",  # each constant defined once, where it is used
+    "BACKEND": "weightsync.vllm.plugin",
     "VLLMInstance": "weightsync.instances.vllm",
     "VLLMWeightSync": "weightsync.vllm.driver",
     "InitInfo": "weightsync.vllm.config",
@@ -25,7 +24,7 @@ _LAZY = {
     "LiveReport": "weightsync.vllm.live",
 }
 
-__all__ = ["EXTENSION", "BACKEND", *_LAZY]
+__all__ = [*_LAZY]
 
 
 def __getattr__(name: str) -> Any:

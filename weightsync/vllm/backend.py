@@ -48,9 +48,6 @@ from weightsync.vllm.status import CallStatus, abort_reason, publish
 
 log = logging.getLogger("weightsync.vllm")
 
-#: the backend name for ``weight_transfer_config={"backend": BACKEND}``
-BACKEND = "weightsync"
-
 
 @dataclass
 class WeightSyncInitInfo(InitInfo, WeightTransferInitInfo):

@@ -183,24 +183,6 @@ def _cpu_head_sizes() -> list[int]:
     return list(CPUAttentionBackend.get_supported_head_sizes())
 
 
-def save_hf_checkpoint(model_config: dict[str, Any], canonical: dict[str, Any], directory: str) -> str:
-    """``canonical`` (the spec's tensors) as a transformers ``save_pretrained`` folder, for a fresh engine."""
-    import torch
-
-    from weightsync.engines.hf import HFLayout
-    from weightsync.layout.materialize import fill_from
-    from weightsync.testing import build_hf_model
-
-    spec = spec_from_config(model_config)
-    model = build_hf_model(spec)
-    live = dict(model.named_parameters())
-    live.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
-    with torch.no_grad():
-        fill_from(HFLayout(spec).layout(0), live, canonical)
-    model.save_pretrained(directory)
-    return directory
-
-
 @contextlib.contextmanager
 def environ(env: dict[str, str]):
     """``env`` set in this process's environment for the block (vLLM reads it while it starts its
@@ -249,5 +231,5 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
         raise
 
 
-__all__ = ["EngineOptions", "OwnedEngine", "start", "stop", "check_engine", "config_dir", "save_hf_checkpoint",
-           "PROMPTS", "MAX_TOKENS"]
+__all__ = ["EngineOptions", "OwnedEngine", "start", "stop", "check_engine", "config_dir", "PROMPTS",
+           "MAX_TOKENS"]

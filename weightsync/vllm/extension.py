@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from weightsync.vllm.rpc import answer, unpack_call
 
-#: the qualname to pass as ``worker_extension_cls``
+#: the qualname to pass as ``worker_extension_cls`` (the one definition; also ``weightsync.vllm.EXTENSION``)
 EXTENSION = "weightsync.vllm.extension.WeightSyncExtension"
 
 

@@ -13,6 +13,8 @@ import logging
 
 log = logging.getLogger("weightsync.vllm")
 
+#: the backend name for ``weight_transfer_config={"backend": BACKEND}`` (the one definition; also
+#: ``weightsync.vllm.BACKEND``)
 BACKEND = "weightsync"
 
 
