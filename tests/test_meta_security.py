@@ -164,3 +164,58 @@ def test_a_doorbell_is_opened_only_when_it_is_a_bell_file(tmp_path):
                 os.unlink(p)
             elif os.path.isdir(p):
                 os.rmdir(p)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. A model config's spec is bounded before it is built
+
+
+def _moe_config(layers: int, experts: int) -> dict:
+    from weightsync.spec import load_spec
+
+    cfg = dict(load_spec("tiny-qwen3-moe").config)
+    cfg.update(num_hidden_layers=layers, num_experts=experts)
+    return cfg
+
+
+def test_a_registration_describing_a_giant_spec_is_refused_in_milliseconds():
+    """Before: 4,096 layers x 65,536 experts passed each cap, was refused with 409 after 5 s, and the server
+    went on building the spec (58 s of CPU, 2.85 GB, /health up to 6.6 s)."""
+    huge = _moe_config(4096, 65536)
+    assert len(json.dumps(huge)) < 2048
+    with MetaServer().start() as s:
+        c = MetaClient(s.url, "j", timeout=10)
+        c.register("train", 0, spec_digest="aaaa", model_config=_moe_config(2, 4))
+        t0 = time.monotonic()
+        with pytest.raises(MetaError, match="tensors") as e:
+            c.register("infer", 0, instance=0, spec_digest="bbbb", model_config=huge)
+        took = time.monotonic() - t0
+        assert e.value.status == 400 and took < 1.0, (took, str(e.value))
+        # 4,096 x (65,536 experts x 3 + 9 others) + 3 outside the layers, counted without building one
+        assert "805,343,235 tensors" in str(e.value), str(e.value)
+        slowest = 0.0
+        for _ in range(10):  # nothing is left building on the server
+            t0 = time.monotonic()
+            c.health()
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.05)
+        assert slowest < 0.5, slowest
+        assert c.summary()["aborted"] is None  # the refused registration changed nothing
+
+
+def test_the_spec_size_is_the_built_spec_s_for_every_preset():
+    """The bound is computed from the config's arithmetic, exactly what building the spec gives."""
+    from weightsync.meta.mismatch import spec_size
+    from weightsync.spec import load_spec, preset_names
+
+    for name in preset_names():
+        if name in ("deepseek-v3", "kimi-k2"):
+            continue  # ~50k tensors each: seconds to build on the CI machine; their size is checked below
+        spec = load_spec(name)
+        got = spec_size(dict(spec.config))
+        assert (got.tensors, got.nbytes) == (len(spec.tensors), spec.nbytes), name
+    for name in ("deepseek-v3", "kimi-k2"):  # the largest real models stay well inside the bound
+        from weightsync.meta.mismatch import MAX_SPEC_BYTES, MAX_SPEC_TENSORS
+
+        got = spec_size(dict(load_spec(name).config))
+        assert got.tensors * 3 < MAX_SPEC_TENSORS and got.nbytes * 8 < MAX_SPEC_BYTES, (name, got)

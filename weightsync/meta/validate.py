@@ -118,6 +118,12 @@ def model_config(v: Any) -> dict:
         raise bad(f"model_config nests deeper than {MAX_JSON_DEPTH} levels")
     if len(json.dumps(v)) > MAX_MODEL_CONFIG:
         raise bad(f"model_config is over {MAX_MODEL_CONFIG} bytes as JSON")
+    from weightsync.meta.mismatch import check_spec_size  # lazily: it imports the spec module on first use
+
+    try:  # bounded before any spec is built from it (a peer's refusal rebuilds it)
+        check_spec_size(v)
+    except ValueError as e:
+        raise bad(str(e)) from None
     return v
 
 
