@@ -1,18 +1,41 @@
-"""Predict a plan's transfer time from a link model: the busiest link's bytes over its bandwidth.
+"""Predict a step of a plan: the busiest link, plus what the CPU posts and the step's signals cost.
 
-Links per GPU: NVLink egress/ingress (peers on the same host), NIC egress/ingress (other hosts) and
-HBM (same-GPU copies, read + write). Each bucket also pays a fixed per-message latency on both ends.
-Used for the thousand-GPU cases that cannot be run here.
+Two layers. :func:`predict_seconds` is the link model alone: the busiest link's bytes over its bandwidth,
+each bucket paying a fixed latency on both ends (links per GPU: NVLink egress/ingress to peers on the
+host, NIC egress/ingress to other hosts, HBM for same-GPU copies). :func:`predict_step` adds what the
+runs on the H200 showed the link model leaves out (issue 26), as one :class:`CostModel` whose every
+number was measured here and says where:
+
+- per transport, how the bytes move and what the receiving worker's CPU posts each step -- the co-located
+  copy kernel (a fixed set-up, then one graph of copies at a fraction of the device-copy rate); p2p NCCL
+  (a CPU cost per message, posted while earlier buckets move); NIXL READ (a CPU cost per descriptor,
+  counted exactly as ``transport/nixl.py`` builds them, :mod:`weightsync.plan.descriptors`; on the
+  H200 the copies did not overlap the posting, so the two add);
+- per step, the signals: ``written`` by a doorbell in host shared memory (co-located sync jobs) or
+  through the MetaServer (whose CPU per request bounds a large job's round);
+- per receiver, the trips into the engine: a layout-faithful worker answers one pipe call; a real vLLM
+  engine takes two ``collective_rpc`` trips through its engine core;
+- per codec, the bytes on the wire: full; block FP8 (an estimate: the codec is not built yet); delta at a
+  measured change fraction, with the encode, the receiver's proof and the apply at their measured rates.
+
+Used by ``weightsync plan`` for the cases that cannot be run here (thousands of GPUs), and checked
+against every recorded run that one or two H200s could make (tests/test_simulate.py, BENCHMARKS.md
+"Simulator with per-descriptor and signalling costs").
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
+from weightsync.errors import ConfigError
+from weightsync.plan.descriptors import WorkerCounts
 from weightsync.plan.planner import Bucket
 from weightsync.plan.topology import Topology
+
+QWEN3_8B_BYTES = 16_381_470_720  # the bytes of the qwen3-8b runs the per-byte rates below divide by
 
 
 @dataclass(frozen=True)
@@ -26,6 +49,7 @@ class LinkModel:
 
 
 def predict_seconds(buckets: Iterable[Bucket], topology: Topology, links: LinkModel = LinkModel()) -> float:
+    """The busiest link's time: its bytes over its bandwidth, plus ``latency_s`` per bucket on each end."""
     load: dict[tuple[str, int], float] = defaultdict(float)
     for b in buckets:
         s = topology.train_gpu(b.src_rank)
@@ -41,3 +65,215 @@ def predict_seconds(buckets: Iterable[Bucket], topology: Topology, links: LinkMo
         load[out_link, s] += n / bw + links.latency_s
         load[in_link, d] += n / bw + links.latency_s
     return max(load.values(), default=0.0)
+
+
+# -- the cost model -------------------------------------------------------------------------------------
+
+TRANSPORTS = ("colocated", "p2p", "nixl")
+RECEIVERS = ("faithful", "vllm")
+CODECS = ("full", "fp8", "delta")
+
+
+@dataclass(frozen=True)
+class DeltaRates:
+    """A delta step's work at one change fraction, as bytes of the full step handled per second (one H200,
+    qwen3-8b's 16.38 GB in 82 buckets, previous version on the GPU, median of 3 steps):
+    ``benchmarks/results/2026-12-01-h200x1-qwen3-8b-delta-sender-call2-phases-inplace.json``."""
+
+    fraction: float
+    encode_bytes_per_s: float  # the sender: pack, compare, encode, keep as base (sender_encode_s)
+    proof_bytes_per_s: float  # the receiver's checksum of what it holds (receiver_proof_s)
+    apply_bytes_per_s: float  # the receiver's payload fetch and apply (receiver_fetch_apply_s)
+
+
+def _rates(fraction: float, encode_s: float, proof_s: float, apply_s: float) -> DeltaRates:
+    return DeltaRates(fraction, QWEN3_8B_BYTES / encode_s, QWEN3_8B_BYTES / proof_s, QWEN3_8B_BYTES / apply_s)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Every cost the step prediction charges, each measured on the H200 hosts (source beside it).
+
+    "s10-final colo" is ``benchmarks/results/2026-12-01-h200x1-s10-final-colo-1gpu.json``, "s10-final
+    nixl" ``...-s10-final-nixl-1gpu.json`` (line 5: the JSON after NIXL's log lines), "real vLLM"
+    ``...-real-vllm026-colo-1gpu.json``, "sep-1to1 8B" ``2026-11-30-h200x2-qwen3-8b-sep-1to1.json``,
+    "signals" ``2026-11-30-h200x2-signals.txt``, all under ``benchmarks/results/``.
+    """
+
+    links: LinkModel = field(default_factory=LinkModel)
+    # co-located: the copy kernel's rate against the device copy, on 8B's 40 MB runs (BENCHMARKS.md session
+    # 3, "Copy kernel tuned": microbenchmark 0.93)
+    colocated_copy_efficiency: float = 0.93
+    # co-located: the worker's work before its first copy (address look-ups, the graph launch): s10-final
+    # colo reader.started 0.15 ms
+    colocated_setup_s: float = 0.15e-3
+    # p2p: CPU per NCCL message posted, overlapped with the transfers: sep-1to1 8B reader.posting 6.51 ms
+    # for the worker's 371 messages (weightsync.plan.descriptors counts them)
+    nccl_message_s: float = 6.51e-3 / 371
+    # nixl: CPU per descriptor posted, before the copies (they added on the H200: reader.transport -
+    # reader.posting was 6.7-9.2 ms in every nixl-1gpu run, the copy floor 8.0 ms): s10-final nixl
+    # reader.posting 7.795 ms for the worker's 399 descriptors
+    nixl_descriptor_s: float = 7.795e-3 / 399
+    nixl_posting_overlaps: bool = False  # what the H200's cuda_ipc showed; a NIC may overlap (not measured)
+    # signals: a step's fixed cost outside the workers' call with a doorbell (writer.send, the ring, the
+    # reader's bookkeeping, held): s10-final colo median_seconds - reader.workers = 9.23 - 8.99 ms
+    step_round_s: float = 0.24e-3
+    doorbell_s: float = 8.5e-6  # signals: shm-spin median (part of step_round_s)
+    metaserver_signal_s: float = 886.6e-6  # signals: http (POST -> long poll returns) median, one way
+    # the MetaServer's CPU per request with a large job's steps (BENCHMARKS.md "MetaServer", 1,024 trainers
+    # + 128 instances: 0.37 s of server CPU a step, 2,304 requests, 160 us each); a step's round takes at
+    # least its requests' CPU, one after another
+    metaserver_request_s: float = 160e-6
+    # receivers: the reader's call into a layout-faithful worker and back (a pickled call over a pipe plus
+    # the worker's bookkeeping): BENCHMARKS.md "What bounds the results now", ~0.5 ms (reader.workers -
+    # reader.transport: 0.40 ms s10-final colo, 0.51 ms real vLLM's faithful row, 0.58 ms s10-final nixl)
+    faithful_call_s: float = 0.5e-3
+    # a real vLLM 0.26 engine (worker extension): two collective_rpc trips a step; real vLLM: (reader.workers
+    # - reader.transport) 3.14 ms + its transport's extra set-up before the first copy over the faithful
+    # row of the same run (9.21 - 8.73 = 0.48 ms), over two trips
+    vllm_trips: int = 2
+    vllm_trip_s: float = (3.14e-3 + 0.48e-3) / 2
+    # codecs: block FP8 keeps 1 byte per element plus an fp32 scale per 128 x 128 block (weightsync.quant.fp8)
+    fp8_block: int = 128
+    delta_rates: tuple[DeltaRates, ...] = (
+        _rates(0.001, 53.253e-3, 23.283e-3, 19.886e-3),
+        _rates(0.01, 59.539e-3, 25.809e-3, 24.004e-3),
+        _rates(0.1, 155.702e-3, 22.850e-3, 73.365e-3),
+    )
+
+    def delta_at(self, fraction: float) -> DeltaRates:
+        """The measured rates at ``fraction`` (the nearest measured fraction, by ratio)."""
+        import math
+
+        return min(self.delta_rates, key=lambda r: abs(math.log(r.fraction / fraction)))
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How a planned job moves its bytes: the transport, the receivers, the codec, the signals."""
+
+    transport: str = "p2p"  # "colocated", "p2p" (NCCL) or "nixl" (READ)
+    receiver: str = "faithful"  # "faithful" (layout-faithful workers) or "vllm" (a real engine)
+    codec: str = "full"  # "full", "fp8" (estimate) or "delta"
+    changed: float = 0.01  # delta: the fraction of elements changed a step
+    doorbells: bool = False  # `written` through host shared memory (co-located sync jobs), else the MetaServer
+
+    def __post_init__(self) -> None:
+        for what, value, known in (("transport", self.transport, TRANSPORTS), ("receiver", self.receiver, RECEIVERS),
+                                   ("codec", self.codec, CODECS)):
+            if value not in known:
+                raise ConfigError(f"unknown {what} {value!r}; known: {', '.join(known)}")
+        if self.codec == "delta" and not 0 < self.changed <= 1:
+            raise ConfigError(f"delta: the changed fraction must be in (0, 1], got {self.changed}")
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """One step, split into what the model charges (seconds); ``seconds`` is the step."""
+
+    seconds: float
+    data_s: float  # the busiest link with the bytes on the wire
+    post_s: float  # the busiest worker's CPU posting (descriptors, messages, set-up)
+    codec_s: float  # delta: encode + proof + apply (0 otherwise)
+    signal_s: float  # written/held and the step's fixed round
+    receiver_s: float  # the trips into the engine
+    wire_bytes: int  # every bucket's bytes on the wire, summed
+    descriptors: int  # nixl: the busiest worker's descriptors a step (data + header reads)
+    messages: int  # p2p: the busiest worker's messages a step
+
+
+_FP8 = re.compile(r"(^|\.)[a-z0-9_]*proj(_with_mqa)?\.weight$")
+
+
+def fp8_target(canonical: str, shape: Sequence[int]) -> bool:
+    """Whether a block-FP8 checkpoint (DeepSeek-V3, Kimi-K2, Qwen3-FP8) holds this tensor in FP8: the
+    linear projections; embeddings, lm_head, norms, routers and biases stay as they are."""
+    return len(shape) == 2 and bool(_FP8.search(canonical))
+
+
+def wire_bytes(b: Bucket, deployment: Deployment, cost: CostModel, spec=None) -> int:
+    """A bucket's bytes on the wire under ``deployment.codec``."""
+    if deployment.codec == "full":
+        return b.nbytes
+    if deployment.codec == "fp8":  # 1 byte an element + 4 bytes a block for FP8 targets, the rest as is
+        block = cost.fp8_block * cost.fp8_block
+        n = 0
+        for c in b.copies:
+            shape = spec.by_name[c.canonical].shape
+            n += c.numel + -(-4 * c.numel // block) if fp8_target(c.canonical, shape) else c.nbytes
+        return n
+    from weightsync.delta import codec  # lazily: it imports torch
+
+    # as weightsync.delta.bench.encoded_bytes: the codec's choice and exact size for that many changed
+    # 2-byte words at random, plus the 24-byte header
+    words = b.nbytes // 2
+    kind, count = codec.choose(int(round(words * deployment.changed)), None, words, 2)
+    return codec.payload_bytes(kind, count, words, 2) + 24
+
+
+def predict_step(
+    buckets: Sequence[Bucket],
+    topology: Topology,
+    counts: Sequence[WorkerCounts],
+    deployment: Deployment,
+    cost: CostModel = CostModel(),
+    spec=None,
+) -> StepPrediction:
+    """One step of a job whose receivers hold ``buckets`` (``counts``: each receiving worker's posts)."""
+    links = cost.links
+    d = deployment
+    load: dict[tuple[str, int], float] = defaultdict(float)
+    recv: dict[tuple[int, int], int] = defaultdict(int)  # full bytes each worker holds (proof, apply)
+    send: dict[int, int] = defaultdict(int)
+    total_wire = 0
+    per_bucket = links.latency_s if d.transport == "p2p" else 0.0  # NCCL: a group per bucket
+    for b in buckets:
+        n = wire_bytes(b, d, cost, spec)
+        total_wire += n
+        recv[b.dst_instance, b.dst_rank] += b.nbytes
+        send[b.src_rank] += b.nbytes
+        s = topology.train_gpu(b.src_rank)
+        g = topology.infer_gpu(b.dst_instance, b.dst_rank)
+        if s == g:
+            rate = links.hbm_copy_bytes_per_s
+            if d.transport == "colocated":
+                rate *= cost.colocated_copy_efficiency
+            load["hbm", s] += n / rate + per_bucket
+            continue
+        if topology.host(s) == topology.host(g):
+            bw, out_link, in_link = links.nvlink_bytes_per_s, "nvl_out", "nvl_in"
+        else:
+            bw, out_link, in_link = links.nic_bytes_per_s, "nic_out", "nic_in"
+        load[out_link, s] += n / bw + per_bucket
+        load[in_link, g] += n / bw + per_bucket
+    data_s = max(load.values(), default=0.0)
+
+    descriptors = max((c.nixl_descriptors + c.peers for c in counts), default=0)  # + one header read a peer
+    msgs = max((c.messages for c in counts), default=0)
+    if d.transport == "nixl":
+        post_s = descriptors * cost.nixl_descriptor_s
+        move_s = max(post_s, data_s) if cost.nixl_posting_overlaps else post_s + data_s
+    elif d.transport == "p2p":
+        post_s = msgs * cost.nccl_message_s
+        move_s = max(post_s, data_s)  # the CPU posts the whole step at once; the GPU pipelines
+    else:
+        post_s = cost.colocated_setup_s
+        move_s = post_s + data_s
+
+    codec_s = 0.0
+    if d.codec == "delta" and buckets:
+        r = cost.delta_at(d.changed)
+        instances = max(1, topology.instances)
+        # the sender encodes each distinct bucket once (instances alike share it); the receiver proves what
+        # it holds, then applies; the worker starts after the step is announced, so they add
+        codec_s = (max(send.values()) / instances / r.encode_bytes_per_s
+                   + max(recv.values()) / r.proof_bytes_per_s + max(recv.values()) / r.apply_bytes_per_s)
+
+    if d.doorbells:
+        signal_s = cost.step_round_s
+    else:  # the MetaServer: every trainer posts written and waits held, every instance the reverse
+        requests = 2 * (topology.train_world + topology.instances)
+        signal_s = cost.step_round_s - cost.doorbell_s + max(cost.metaserver_signal_s, requests * cost.metaserver_request_s)
+    receiver_s = cost.faithful_call_s if d.receiver == "faithful" else cost.vllm_trips * cost.vllm_trip_s
+    seconds = signal_s + receiver_s + move_s + codec_s
+    return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, total_wire, descriptors, msgs)

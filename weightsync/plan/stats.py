@@ -7,9 +7,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 from weightsync.dtypes import DTYPE_SIZES
-from weightsync.plan.messages import messages
+from weightsync.plan.descriptors import count_workers
 from weightsync.plan.planner import Bucket, Pair, Planner, combine_hashes, pair_hash
-from weightsync.plan.simulate import LinkModel, predict_seconds
+from weightsync.plan.simulate import CostModel, Deployment, StepPrediction, predict_seconds, predict_step
 
 
 @dataclass
@@ -30,12 +30,20 @@ class PlanStats:
     buckets: int
     plan_hash: str
     plan_seconds: float
-    predicted_seconds: float
+    predicted_seconds: float  # the step: the busiest link plus posting, signals and receiver trips (simulate)
+    link_seconds: float  # the busiest link alone (full bytes, 20 us a bucket), what the plan predicted before
+    nixl_descriptors: int  # every worker's NIXL data descriptors a step, summed (plan.descriptors)
+    nixl_transfers: int  # every worker's prepared NIXL transfers posted a step, summed
+    max_worker_descriptors: int  # the busiest worker's NIXL descriptors a step, its header reads included
+    max_worker_messages: int  # the busiest worker's p2p messages a step
+    deployment: Deployment
+    prediction: StepPrediction
+    count_seconds: float  # counting descriptors and messages and predicting (not in plan_seconds)
     send_bytes: dict[int, int] = field(default_factory=dict, repr=False)
     recv_bytes: dict[str, int] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        d = asdict(self)  # deployment and prediction become objects of their own
         d["send_bytes"] = {str(k): v for k, v in self.send_bytes.items()}
         return d
 
@@ -46,9 +54,17 @@ def canonical_bytes(planner: Planner, copies) -> int:
     return sum(c.numel * DTYPE_SIZES[spec.by_name[c.canonical].dtype] for c in copies)
 
 
+def default_deployment(planner: Planner) -> Deployment:
+    """What a job of this topology runs by default: co-located copies with doorbells, else p2p NCCL."""
+    colocate = planner.topology.colocate
+    return Deployment(transport="colocated" if colocate else "p2p", doorbells=colocate)
+
+
 def _summarize(
-    planner: Planner, scope: str, plans: dict[Pair, list[Bucket]], bytes_needed: int, seconds: float, links: LinkModel
+    planner: Planner, scope: str, plans: dict[Pair, list[Bucket]], bytes_needed: int, seconds: float,
+    deployment: Deployment | None, cost: CostModel,
 ) -> PlanStats:
+    deployment = deployment or default_deployment(planner)
     send: dict[int, int] = defaultdict(int)
     recv: dict[str, int] = defaultdict(int)
     all_buckets = [b for bs in plans.values() for b in bs]
@@ -58,6 +74,11 @@ def _summarize(
         recv[f"{b.dst_instance}:{b.dst_rank}"] += n
     sent = sum(send.values())
     senders = [v for v in send.values() if v]
+    t0 = time.perf_counter()
+    counts = count_workers(planner, plans)
+    prediction = predict_step(all_buckets, planner.topology, counts, deployment, cost, planner.spec)
+    link_s = predict_seconds(all_buckets, planner.topology, cost.links)
+    counted = time.perf_counter() - t0
     return PlanStats(
         model=planner.spec.name,
         train=planner.src.describe(),
@@ -71,17 +92,25 @@ def _summarize(
         max_rank_send_bytes=max(senders, default=0),
         max_rank_recv_bytes=max(recv.values(), default=0),
         send_balance=max(senders) / (sum(senders) / len(senders)) if senders else 0.0,
-        messages=sum(len(messages(b)) for b in all_buckets),
+        messages=sum(c.messages for c in counts),
         buckets=len(all_buckets),
         plan_hash=combine_hashes({p: pair_hash(bs) for p, bs in plans.items()}),
         plan_seconds=seconds,
-        predicted_seconds=predict_seconds(all_buckets, planner.topology, links),
+        predicted_seconds=prediction.seconds,
+        link_seconds=link_s,
+        nixl_descriptors=sum(c.nixl_descriptors for c in counts),
+        nixl_transfers=sum(c.nixl_transfers for c in counts),
+        max_worker_descriptors=prediction.descriptors,
+        max_worker_messages=prediction.messages,
+        deployment=deployment,
+        prediction=prediction,
+        count_seconds=counted,
         send_bytes=dict(send),
         recv_bytes=dict(recv),
     )
 
 
-def job_stats(planner: Planner, links: LinkModel = LinkModel()) -> PlanStats:
+def job_stats(planner: Planner, deployment: Deployment | None = None, cost: CostModel = CostModel()) -> PlanStats:
     """Plan every destination rank of every instance (the receivers' view covers every copy once)."""
     t0 = time.perf_counter()
     plans: dict[Pair, list[Bucket]] = {}
@@ -91,10 +120,11 @@ def job_stats(planner: Planner, links: LinkModel = LinkModel()) -> PlanStats:
         needed += planner.dst_layout(rank).bytes_held(spec) * planner.instances
         for inst in range(planner.instances):
             plans.update(planner.recv_plan(inst, rank))
-    return _summarize(planner, "job", plans, needed, time.perf_counter() - t0, links)
+    return _summarize(planner, "job", plans, needed, time.perf_counter() - t0, deployment, cost)
 
 
-def rank_stats(planner: Planner, scope: str, links: LinkModel = LinkModel()) -> PlanStats:
+def rank_stats(planner: Planner, scope: str, deployment: Deployment | None = None,
+               cost: CostModel = CostModel()) -> PlanStats:
     """Plan one rank only: ``train:R`` (what it sends) or ``infer:I:R`` (what it receives)."""
     parts = scope.split(":")
     t0 = time.perf_counter()
@@ -107,7 +137,7 @@ def rank_stats(planner: Planner, scope: str, links: LinkModel = LinkModel()) -> 
         needed = planner.dst_layout(rank).bytes_held(planner.spec)
     else:
         raise ValueError(f"--rank must be train:R or infer:I:R, got {scope!r}")
-    return _summarize(planner, scope, plans, needed, time.perf_counter() - t0, links)
+    return _summarize(planner, scope, plans, needed, time.perf_counter() - t0, deployment, cost)
 
 
 def format_stats(s: PlanStats) -> str:
@@ -127,7 +157,19 @@ def format_stats(s: PlanStats) -> str:
         f"  buckets           {s.buckets}",
         f"  plan hash         {s.plan_hash}",
         f"  planned in        {s.plan_seconds:.3f} s",
-        f"  predicted time    {s.predicted_seconds * 1e3:.2f} ms (busiest link)",
+        f"  busiest link      {s.link_seconds * 1e3:.2f} ms (the link model alone: full bytes, a latency a bucket)",
+    ]
+    p, d = s.prediction, s.deployment
+    codec = f"delta at {d.changed:g} changed" if d.codec == "delta" else d.codec
+    lines += [
+        f"  predicted time    {s.predicted_seconds * 1e3:.2f} ms a step ({d.transport}, {d.receiver} receivers, {codec}, "
+        f"{'doorbells' if d.doorbells else 'MetaServer'})",
+        f"    data            {p.data_s * 1e3:.2f} ms (busiest link, {b(p.wire_bytes)} on the wire)",
+        f"    posting         {p.post_s * 1e3:.2f} ms (busiest worker: {p.descriptors} NIXL descriptors, "
+        f"{p.messages} messages)",
+        f"    signals         {p.signal_s * 1e3:.2f} ms    receiver trips {p.receiver_s * 1e3:.2f} ms"
+        + (f"    delta work {p.codec_s * 1e3:.2f} ms" if d.codec == "delta" else ""),
+        f"  NIXL a step       {s.nixl_descriptors} descriptors in {s.nixl_transfers} transfers (all workers)",
     ]
     if 0 < len(s.send_bytes) <= 64:
         lines.append("  per training rank sends:")

@@ -1,0 +1,271 @@
+"""The step simulator (weightsync.plan.simulate) against the runs recorded on the H200 hosts, and its NIXL
+descriptor count (weightsync.plan.descriptors) against what weightsync/transport/nixl.py builds.
+
+The recorded step medians are read from their results files under benchmarks/results/ (each named below);
+the plan of the same scenario is computed here on CPU; the model's constants (CostModel) are its inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightsync.engines import make_layout
+from weightsync.plan.descriptors import count_workers, span
+from weightsync.plan.planner import Planner
+from weightsync.plan.simulate import CostModel, Deployment, predict_step
+from weightsync.plan.topology import Topology
+from weightsync.spec import load_spec
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+#: weightsync/bench/scenarios.py SCENARIOS, as the simulator sees them: (train, infer, one GPU / co-located
+#: topology, transport)
+SCENARIOS = {
+    "colo-1gpu": ("hf", "vllm:tp=1", True, "colocated"),
+    "nixl-1gpu": ("hf", "vllm:tp=1", True, "nixl"),  # two processes on one GPU: the same-GPU topology
+    "sep-1to1": ("hf", "vllm:tp=1", False, "p2p"),
+    "colo-pp2-tp2": ("megatron:pp=2", "vllm:tp=2", True, "colocated"),
+}
+
+
+def load_runs(name: str) -> list[dict]:
+    """The bench records in one results file (a record, a list, ``{"runs": [...]}``, or NIXL's log lines
+    before the record)."""
+    text = (RESULTS / name).read_text()
+    start = 0 if text.startswith(("{", "[")) else text.index('\n{"scenario"') + 1
+    got = json.JSONDecoder().raw_decode(text[start:])[0]
+    runs = got if isinstance(got, list) else got.get("runs", [got])
+    return [r for r in runs if r.get("median_seconds")]
+
+
+@lru_cache(maxsize=None)
+def planned(model: str, scenario: str):
+    train, infer, one_gpu, _ = SCENARIOS[scenario]
+    spec = load_spec(model)
+    src, dst = make_layout(spec, train), make_layout(spec, infer)
+    topo = (Topology.colocated if one_gpu else Topology.separated)(src.world_size, dst.world_size, 1)
+    planner = Planner(src, dst, 1, topo)
+    plans = {}
+    for rank in range(dst.world_size):
+        plans.update(planner.recv_plan(0, rank))
+    return planner, plans, count_workers(planner, plans)
+
+
+def predicted(model: str, scenario: str, receiver: str, cost: CostModel = CostModel()) -> float:
+    planner, plans, counts = planned(model, scenario)
+    transport = SCENARIOS[scenario][3]
+    deployment = Deployment(transport, receiver, doorbells=transport == "colocated")
+    buckets = [b for bs in plans.values() for b in bs]
+    return predict_step(buckets, planner.topology, counts, deployment, cost, planner.spec).seconds
+
+
+#: every recorded full step of qwen3-8b the scenarios above express, with the run's receiver. The nixl-1gpu
+#: runs left out here are in test_nixl_runs_outside_follow_their_own_posting.
+RECORDED = [
+    ("2026-12-01-h200x1-s10-final-colo-1gpu.json", "faithful"),
+    ("2026-12-01-h200x1-s9-final-colo-1gpu.json", "faithful"),
+    ("2026-12-01-h200x1-real-vllm026-colo-1gpu.json", "vllm"),
+    ("2026-12-01-h200x1-real-vllm026-colo-1gpu.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-colo-1gpu-issue14-before1.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-colo-1gpu-issue14-before3.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-colo-1gpu-issue14-after2.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-colo-1gpu-issue14-after4.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-colo-1gpu-integrity-0.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-colo-1gpu.json", "faithful"),  # its colo-1gpu row (nixl: below)
+    ("2026-12-01-h200x1-s10-final-nixl-1gpu.json", "faithful"),
+    ("2026-12-01-h200x1-s9-final-nixl-1gpu.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-run1.json", "faithful"),  # the full steps of the delta runs
+    ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-run2.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-triton-run1.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-triton-run2.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-sender-call1-old.json", "faithful"),
+    ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-sender-call2-inplace.json", "faithful"),
+    ("2026-11-30-h200x2-qwen3-8b-colo-1gpu.json", "faithful"),
+    ("2026-11-30-h200x2-qwen3-8b-colo-pp2-tp2.json", "faithful"),
+    ("2026-11-30-h200x2-qwen3-8b-sep-1to1.json", "faithful"),
+]
+
+#: nixl-1gpu runs whose medians lie outside 10% of the model with its one per-descriptor cost: their CPU
+#: posted the same 399 descriptors in 10.5, 14.2 and 4.2 ms (26, 36 and 10 us each) against 7.8 ms
+OUTSIDE = [
+    ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-colo-1gpu.json", 21.53e-3),
+    ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-sender-call1-batched.json", 25.03e-3),
+    ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-sender-call2-old.json", 15.04e-3),
+]
+
+
+def _rows(name: str, receiver: str, scenarios=SCENARIOS) -> list[dict]:
+    skip = {m for f, m in OUTSIDE if f == name}
+    return [r for r in load_runs(name) if r["scenario"] in scenarios and r.get("receiver", "faithful") == receiver
+            and r["model"] == "qwen3-8b" and round(r["median_seconds"], 5) not in {round(m, 5) for m in skip}]
+
+
+@pytest.mark.parametrize("name,receiver", RECORDED)
+def test_recorded_runs_within_ten_percent(name, receiver):
+    rows = _rows(name, receiver)
+    assert rows, f"{name} holds no {receiver} qwen3-8b run of a known scenario"
+    for r in rows:
+        want = r["median_seconds"]
+        got = predicted("qwen3-8b", r["scenario"], receiver)
+        assert abs(got - want) <= 0.10 * want, f"{name} {r['scenario']}: predicted {got * 1e3:.2f} ms, ran {want * 1e3:.2f}"
+
+
+@pytest.mark.parametrize("scenario,receiver,want", [
+    ("colo-1gpu", "faithful", 9.35e-3),  # /work/shared/DESIGN.md section 3 and issue 26, at 68e3746
+    ("colo-1gpu", "vllm", 12.30e-3),
+    ("nixl-1gpu", "faithful", 17.3e-3),
+])
+def test_issue_figures_within_ten_percent(scenario, receiver, want):
+    got = predicted("qwen3-8b", scenario, receiver)
+    assert abs(got - want) <= 0.10 * want, f"{scenario} {receiver}: predicted {got * 1e3:.2f} ms, issue {want * 1e3:.2f}"
+
+
+@pytest.mark.parametrize("name,median", OUTSIDE)
+def test_nixl_runs_outside_follow_their_own_posting(name, median):
+    """The three nixl-1gpu runs outside 10% are each within 10% once the model takes that run's own
+    per-descriptor cost (its reader.posting over the 399 descriptors): the structure holds, the host's
+    per-descriptor cost varied."""
+    (run,) = [r for r in load_runs(name) if r["scenario"] == "nixl-1gpu"]
+    assert abs(run["median_seconds"] - median) < 1e-4
+    _, _, (worker,) = planned("qwen3-8b", "nixl-1gpu")
+    own = CostModel(nixl_descriptor_s=run["phase_median_seconds"]["reader.posting"] / worker.nixl_descriptors)
+    assert abs(predicted("qwen3-8b", "nixl-1gpu", "faithful") - median) > 0.10 * median
+    got = predicted("qwen3-8b", "nixl-1gpu", "faithful", own)
+    assert abs(got - median) <= 0.10 * median, f"{name}: {got * 1e3:.2f} ms against {median * 1e3:.2f}"
+
+
+def test_qwen3_8b_posts_399_descriptors():
+    """BENCHMARKS.md's "~400 descriptors" of nixl-1gpu: every tensor one in-place read (q, k, v into the
+    fused qkv_proj stay apart: separate registrations), all in one transfer."""
+    _, _, (worker,) = planned("qwen3-8b", "nixl-1gpu")
+    assert (worker.nixl_descriptors, worker.nixl_transfers, worker.staged_bytes) == (399, 1, 0)
+
+
+# -- descriptor counts against nixl.py --------------------------------------------------------------------
+
+
+class RecordingAgent:
+    """Stands in for a NIXL agent where nixl.py builds a program: records the descriptor lists it prepares."""
+
+    def __init__(self):
+        self.lists: list[tuple[str, list]] = []
+        self.transfers: list[tuple[int, list[int]]] = []
+
+    def register_memory(self, regions, mem):
+        return object()
+
+    def prep_xfer_dlist(self, agent, descs, mem):
+        self.lists.append((agent, list(descs)))
+        return len(self.lists) - 1
+
+    def make_prepped_xfer(self, op, local, local_idx, remote, remote_idx):
+        self.transfers.append((remote, list(remote_idx)))
+        return len(self.transfers) - 1
+
+
+def _tensors(layout) -> dict[str, torch.Tensor]:
+    from weightsync.layout.materialize import TORCH_DTYPES
+
+    return {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype]) for n, t in layout.tensors.items()}
+
+
+def nixl_program_counts(planner: Planner, instance: int, rank: int) -> tuple[int, int]:
+    """(descriptors, transfers) nixl.py's NixlReceiver prepares for one worker: its own _check_and_plan and
+    _program, run on real CPU tensors (each its own allocation, as in the bench) against trainer documents
+    that describe real CPU tensors too."""
+    from weightsync.dtypes import dtype_name
+    from weightsync.layout.layout import layout_digest
+    from weightsync.transport.base import ReceiverContext, TransportOptions
+    from weightsync.transport.nixl import NixlReceiver, _storages
+    from weightsync.transport.nixl_wire import RemoteTensor, TrainerDoc
+
+    plans = planner.recv_plan(instance, rank)
+    peers = sorted({p[0] for p in plans})
+    trainers = {r: _tensors(planner.src.layout(r)) for r in peers}
+    docs = {r: TrainerDoc(r, f"t{r}", b"", "DRAM", 0, tuple(_storages(t.values())),
+                          {n: RemoteTensor(x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype_name(x.dtype),
+                                           x.element_size()) for n, x in t.items()},
+                          0, layout_digest(planner.src.layout(r)), "sync") for r, t in trainers.items()}
+    live = _tensors(planner.dst.layout(rank))
+    rx = NixlReceiver(TransportOptions("nixl"))
+    rx.ctx = ReceiverContext(None, None, instance, rank, planner, plans, live, torch.device("cpu"))
+    rx.agent, rx.peer_ranks, rx.slots, rx.slot_regs, rx.programs = RecordingAgent(), peers, [], [], {}
+    rx.peers = {r: rx._check_and_plan(r, docs[r]) for r in peers}
+    rx.remote = {r: f"t{r}" for r in peers}
+    rx._program(live)
+    remote_lists = [d for agent, d in rx.agent.lists if agent != "NIXL_INIT_AGENT"]
+    return sum(len(d) for d in remote_lists), len(rx.agent.transfers)
+
+
+@pytest.mark.parametrize("model,train,infer,instances,bucket", [
+    ("tiny-qwen3", "hf", "vllm:tp=2", 2, 4096),  # fused qkv / gate_up in place
+    ("tiny-llama3", "megatron:tp=2", "hf", 1, 4096),  # TP halves joined: staged, many small buckets
+    ("tiny-qwen3", "fsdp:dp=2,fp32=1", "vllm:tp=2", 1, 1 << 20),  # fp32 on the wire into bf16: staged
+    ("tiny-qwen3-moe", "megatron:ep=2,dp=2", "vllm:tp=2", 1, 4096),  # experts' column halves: a run a row
+    ("tiny-qwen3", "megatron:tp=2,pp=2", "vllm:tp=1", 1, 1 << 20),
+])
+def test_descriptor_count_is_what_nixl_prepares(model, train, infer, instances, bucket):
+    spec = load_spec(model)
+    planner = Planner(make_layout(spec, train), make_layout(spec, infer), instances, bucket_bytes=bucket)
+    plans = {}
+    for i in range(instances):
+        for r in range(planner.dst.world_size):
+            plans.update(planner.recv_plan(i, r))
+    counts = {(c.instance, c.rank): c for c in count_workers(planner, plans)}
+    for (i, r), c in counts.items():
+        assert (c.nixl_descriptors, c.nixl_transfers) == nixl_program_counts(planner, i, r), (i, r)
+
+
+def test_span_counts_box_runs():
+    """:func:`span` gives nixl_wire.box_runs's run count, first start and last end on contiguous tensors."""
+    from weightsync.transport.nixl_wire import box_runs
+
+    rng = random.Random(26)
+    for _ in range(400):
+        shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 4)))
+        box = []
+        for n in shape:
+            o = rng.randrange(n)
+            box.append((o, rng.randint(1, n - o)))
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        runs = box_runs(0, shape, strides, 1, box)
+        s = span(shape, tuple(box))
+        assert (s.runs, s.first, s.last_end) == (len(runs), int(runs[0, 0]), int(runs[-1, 0] + runs[-1, 1])), (shape, box)
+
+
+# -- the model's parts ---------------------------------------------------------------------------------------
+
+
+def test_codecs_scale_the_bytes_on_the_wire():
+    planner, plans, counts = planned("qwen3-8b", "sep-1to1")
+    buckets = [b for bs in plans.values() for b in bs]
+    full = predict_step(buckets, planner.topology, counts, Deployment("p2p"), spec=planner.spec)
+    fp8 = predict_step(buckets, planner.topology, counts, Deployment("p2p", codec="fp8"), spec=planner.spec)
+    delta = predict_step(buckets, planner.topology, counts, Deployment("p2p", codec="delta", changed=0.01),
+                         spec=planner.spec)
+    assert full.wire_bytes == 16_381_470_720
+    # the projections halve (plus a scale a block); embeddings, lm_head and norms stay bf16
+    assert 0.5 * full.wire_bytes < fp8.wire_bytes < 0.6 * full.wire_bytes
+    assert 0.029 * full.wire_bytes < delta.wire_bytes < 0.031 * full.wire_bytes  # indices at 1%: 3 bytes a change
+    assert delta.codec_s > 0 and delta.data_s < 0.1 * full.data_s
+
+
+def test_job_stats_reports_the_prediction(capsys):
+    from weightsync.cli import main
+
+    assert main(["plan", "--model", "qwen3-8b", "--train", "hf", "--infer", "vllm:tp=1", "--colocate",
+                 "--transport", "nixl", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["nixl_descriptors"] == 399 and out["max_worker_descriptors"] == 400  # + the header read
+    assert out["deployment"]["transport"] == "nixl" and not out["deployment"]["doorbells"]
+    p = out["prediction"]
+    assert out["predicted_seconds"] == pytest.approx(p["signal_s"] + p["receiver_s"] + p["post_s"] + p["data_s"])
+    assert predicted("qwen3-8b", "nixl-1gpu", "faithful") == pytest.approx(out["predicted_seconds"])

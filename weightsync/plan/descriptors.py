@@ -1,0 +1,181 @@
+"""What one step of a plan posts, per receiving worker: NIXL descriptors and transfers, NCCL messages.
+
+The simulator (:mod:`weightsync.plan.simulate`) charges CPU time per descriptor and per message, so it
+needs the counts the transports really post. They are re-derived here from the plan alone (no tensors,
+no addresses, no NIXL), in time linear in the plan's segments, because the transports build them inside
+their set-up methods, not in a reusable function.
+
+NIXL, as ``weightsync/transport/nixl.py`` builds a worker's program today (``NixlReceiver._check_and_plan``
+and ``NixlReceiver._program``):
+
+1. Per peer training rank, its buckets in pair order (empty buckets skipped); each bucket's copies merged
+   into :func:`weightsync.plan.messages.segments`.
+2. A segment's remote byte runs are ``nixl_wire.box_runs`` of its source box in the trainer's tensor: one
+   run per index of the dimensions before the last one the box does not cover whole (a column half of a
+   matrix: one run per row). The trainer's tensors are contiguous, so runs never continue each other.
+3. A segment lands *in place* (``_in_place``) when its destination box is contiguous in the worker's tensor
+   and that tensor has the wire dtype; else it is *staged* through a slot.
+4. All in-place segments of one peer go into ONE descriptor list and one prepared transfer; each staged
+   bucket (its staged segments back to back in a slot) is a list and a transfer of its own.
+5. ``nixl_wire.merge_pairs`` joins consecutive descriptors that continue each other on both sides and lie
+   in one registered region. Every tensor is its own registration (``_storages``: the bench's and the
+   engines' parameters are separate allocations), so only runs of the same source tensor (and, in place,
+   the same destination tensor) can join: inside a segment none do (its runs do not continue remotely),
+   so a join happens only where one segment's last run meets the next one's first.
+6. Every step also reads each peer's small header: one more transfer of one descriptor per peer (sync
+   ``receive`` reads it once; an async ``pull`` twice).
+
+p2p (NCCL/gloo): each bucket travels as :func:`weightsync.plan.messages.messages`, one send/recv each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from weightsync.layout.box import Box
+from weightsync.plan.messages import messages, segments
+from weightsync.plan.planner import Bucket, Pair, Planner
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a box of a contiguous tensor lies in it, in elements: its contiguous runs."""
+
+    runs: int  # how many contiguous runs (nixl_wire.box_runs's rows)
+    first: int  # element offset where the first run starts
+    last_end: int  # element offset where the last run ends
+    start: int  # element offset of the box's first element (== first)
+    numel: int
+
+
+def span(shape: tuple[int, ...], box: Box) -> Span:
+    """The runs of ``box`` in a contiguous (row-major) tensor of ``shape``, as ``nixl_wire.box_runs``
+    counts them for such a tensor, without listing them (O(dims))."""
+    n = len(shape)
+    numel = math.prod(e for _, e in box)
+    strides = [1] * n
+    for d in range(n - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    d = n - 1
+    while d >= 0 and tuple(box[d]) == (0, shape[d]):  # trailing dims covered whole fold into one block
+        d -= 1
+    if d < 0:  # the whole tensor
+        return Span(1 if numel else 0, 0, numel, 0, numel)
+    block = box[d][1] * strides[d]
+    first = box[d][0] * strides[d] + sum(box[j][0] * strides[j] for j in range(d))
+    last = box[d][0] * strides[d] + sum((box[j][0] + box[j][1] - 1) * strides[j] for j in range(d))
+    runs = math.prod(box[j][1] for j in range(d)) if numel else 0
+    return Span(runs, first, last + block, first, numel)
+
+
+@dataclass(frozen=True)
+class WorkerCounts:
+    """What one receiving worker posts in one step (see the module docstring for how each is counted)."""
+
+    instance: int
+    rank: int
+    peers: int  # training ranks it receives from
+    buckets: int  # non-empty buckets
+    segments: int
+    messages: int  # p2p: send/recv operations (plan.messages)
+    nixl_direct_descriptors: int  # in-place reads, after merging
+    nixl_staged_descriptors: int  # reads into the staging slots, after merging
+    nixl_transfers: int  # prepared transfers posted (one per peer with in-place reads + one per staged bucket)
+    staged_bytes: int  # bytes that go through a slot (unpacked after the read)
+    nbytes: int
+
+    @property
+    def nixl_descriptors(self) -> int:
+        """Data descriptors posted a step (the peers' header reads not included)."""
+        return self.nixl_direct_descriptors + self.nixl_staged_descriptors
+
+
+class _Chain:
+    """Consecutive descriptors of one list: counts those that stay separate after ``merge_pairs``."""
+
+    __slots__ = ("count", "src", "src_end", "dst", "dst_end")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.src = self.dst = None
+        self.src_end = self.dst_end = -1
+
+    def add(self, src: str, s: Span, dst: object, d_start: int, d_end: int) -> None:
+        """A segment of ``s.runs`` runs; ``dst`` its local region, ``d_start``/``d_end`` its local extent
+        (staged: the slot, always continuing)."""
+        if not s.runs:
+            return
+        joins = src == self.src and s.first == self.src_end and dst == self.dst and d_start == self.dst_end
+        self.count += s.runs - (1 if joins else 0)
+        self.src, self.src_end, self.dst, self.dst_end = src, s.last_end, dst, d_end
+
+
+class Counter:
+    """Counts a worker's step from its plan; caches the tensor shapes of each rank's layout."""
+
+    def __init__(self, planner: Planner):
+        self.planner = planner
+        self._src: dict[int, Mapping] = {}
+        self._spans: dict[tuple, Span] = {}
+
+    def _src_tensors(self, rank: int) -> Mapping:
+        got = self._src.get(rank)
+        if got is None:
+            got = self._src[rank] = self.planner.src.layout(rank).tensors
+        return got
+
+    def _span(self, shape: tuple[int, ...], box: Box) -> Span:
+        key = (shape, box)
+        got = self._spans.get(key)
+        if got is None:
+            if len(self._spans) > 1_000_000:
+                self._spans.clear()
+            got = self._spans[key] = span(shape, box)
+        return got
+
+    def worker(self, instance: int, rank: int, plans: Mapping[Pair, list[Bucket]]) -> WorkerCounts:
+        """The counts of worker ``(instance, rank)`` whose plan is ``plans`` (its pairs only)."""
+        dst = self.planner.dst_layout(rank).tensors
+        pairs = sorted(p for p in plans if p[1:] == (instance, rank))  # one pair per peer training rank
+        buckets = nsegs = nmsgs = direct = staged = transfers = staged_bytes = nbytes = 0
+        for pair in pairs:
+            src = self._src_tensors(pair[0])
+            chain = _Chain()  # one descriptor list for every in-place read from this peer (nixl.py _program)
+            for b in plans[pair]:
+                if b.nbytes == 0:
+                    continue
+                buckets += 1
+                nbytes += b.nbytes
+                nmsgs += len(messages(b))
+                batch = _Chain()  # a staged bucket is a list of its own
+                at = 0
+                for seg in segments(b):
+                    nsegs += 1
+                    s = self._span(src[seg.src_tensor].shape, seg.src_box)
+                    t = dst[seg.dst_tensor]
+                    d = self._span(t.shape, seg.dst_box)
+                    if t.dtype == seg.dtype and d.runs <= 1:  # nixl.py _in_place: contiguous, in the wire dtype
+                        chain.add(seg.src_tensor, s, seg.dst_tensor, d.start, d.start + d.numel)
+                    else:
+                        batch.add(seg.src_tensor, s, "slot", at, at + seg.nbytes)
+                        at += seg.nbytes
+                if at:
+                    staged += batch.count
+                    staged_bytes += at
+                    transfers += 1
+            direct += chain.count
+            transfers += 1 if chain.count else 0
+        return WorkerCounts(instance, rank, len(pairs), buckets, nsegs, nmsgs, direct, staged, transfers,
+                            staged_bytes, nbytes)
+
+
+def count_workers(planner: Planner, plans: Mapping[Pair, list[Bucket]]) -> list[WorkerCounts]:
+    """Every receiving worker's counts in ``plans`` (a job's or one rank's pairs)."""
+    by_worker: dict[tuple[int, int], dict[Pair, list[Bucket]]] = {}
+    for pair, bs in plans.items():
+        by_worker.setdefault(pair[1:], {})[pair] = bs
+    counter = Counter(planner)
+    return [counter.worker(i, r, ps) for (i, r), ps in sorted(by_worker.items())]
+
