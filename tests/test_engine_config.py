@@ -18,6 +18,7 @@ from weightsync.engines.config import (
     AUTO_FLAG,
     COUNT,
     FLAG,
+    QUANT,
     SIZE,
     EngineConfig,
     FSDPConfig,
@@ -61,9 +62,11 @@ EVERY_KEY = [
     ("tiny-qwen3-moe", MegatronConfig(ep=2, dp=2, te=1, grouped=1)),
     ("tiny-deepseek-v3", MegatronConfig(tp=4, vocab_multiple=32)),
     ("tiny-qwen3", VLLMConfig(tp=2)),
+    ("tiny-qwen3", VLLMConfig(tp=2, quant=1)),  # vllm:tp=2,quant=fp8 (the FP8 tensors: weightsync/quant/config.py)
     ("tiny-qwen3", VLLMConfig(dp=2)),
     ("tiny-qwen3-moe", VLLMConfig(tp=2, ep=2)),
     ("tiny-qwen3", SGLangConfig(tp=2)),
+    ("tiny-qwen3-moe", SGLangConfig(tp=2, quant=1)),
     ("tiny-qwen3", SGLangConfig(tp=2, dp=2)),
     ("tiny-qwen3-moe", SGLangConfig(tp=2, ep=2)),
     ("tiny-qwen3", SGLangConfig(tp=4, dp=2, dp_attention=1)),
@@ -110,6 +113,8 @@ def _value(domain):
         return st.sampled_from([-1, 0, 1])
     if domain is COUNT:
         return st.integers(0, 9)
+    if domain is QUANT:
+        return st.sampled_from([0, 1])
     assert domain is SIZE
     return st.sampled_from([1, 2, 3, 4, 8, 16, 128])
 

@@ -6,8 +6,9 @@ description and the string the MetaServer carries between participants are all `
 (``parse(str(c)) == c`` for every config). Checks that need only the config run once, in
 ``__post_init__``; checks against a model stay with the layout, which has the spec.
 
-Every value is an int. A field's :class:`Domain` says which ints it takes; defaults are omitted
-when printing, and the keys print in field order.
+Every value is an int. A field's :class:`Domain` says which ints it takes (a domain with ``names``
+reads and prints each int as its word: ``quant=fp8`` is 1); defaults are omitted when printing, and
+the keys print in field order.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Domain:
     lo: int
     hi: int | None = None
     words: str = ""
+    names: tuple[str, ...] = ()  # the word of each int from lo on, read and printed instead of the int
 
     def __contains__(self, v: int) -> bool:
         return v >= self.lo and (self.hi is None or v <= self.hi)
@@ -34,11 +36,26 @@ class Domain:
             return self.words
         return f"at least {self.lo}" if self.hi is None else f"from {self.lo} to {self.hi}"
 
+    def text(self, v: int) -> str:
+        """How a value prints: its word where the domain has names, else the int."""
+        return self.names[v - self.lo] if self.names and v in self else str(v)
+
+    def read(self, v: str) -> int:
+        """A value from its text: one of the names where the domain has them, else an int (ValueError otherwise)."""
+        if self.names:
+            if v in self.names:
+                return self.lo + self.names.index(v)
+            raise ValueError(v)
+        return int(v)
+
 
 SIZE = Domain(1)  # a parallel size
 COUNT = Domain(0)  # a number that may be 0 (0: unset)
 FLAG = Domain(0, 1, "0 or 1")
 AUTO_FLAG = Domain(-1, 1, "-1 (auto), 0 or 1")
+QUANT = Domain(0, 1, "none or fp8", names=("none", "fp8"))  # how an inference engine holds its linear weights
+QUANT_DOC = ("linear weights as the engine holds them: none (the model dtype) or fp8 (128 x 128 block FP8, e4m3 "
+             "with fp32 weight_scale_inv; weightsync/quant)")
 
 
 def key(default: int, domain: Domain, doc: str) -> Any:
@@ -57,9 +74,11 @@ class EngineConfig:
             v = getattr(self, f.name)
             if isinstance(v, bool):  # True/False as 1/0, so equal configs compare and print equal
                 object.__setattr__(self, f.name, v := int(v))
+            dom: Domain = f.metadata["domain"]
+            if isinstance(v, str) and v in dom.names:  # quant="fp8" as quant=1
+                object.__setattr__(self, f.name, v := dom.read(v))
             if type(v) is not int:
                 raise self._refusal(f"{f.name} must be an integer, got {v!r}")
-            dom: Domain = f.metadata["domain"]
             if v not in dom:
                 raise self._refusal(f"{f.name} must be {dom.describe()}, got {v}")
         self._check()
@@ -81,7 +100,8 @@ class EngineConfig:
     def help(cls) -> str:
         """One line per key: ``tp=1  tensor-parallel size (at least 1)``."""
         return "\n".join(
-            f"{f.name}={f.default}  {f.metadata['doc']} ({f.metadata['domain'].describe()})" for f in fields(cls)
+            f"{f.name}={f.metadata['domain'].text(f.default)}  {f.metadata['doc']} ({f.metadata['domain'].describe()})"
+            for f in fields(cls)
         )
 
     @classmethod
@@ -107,10 +127,12 @@ class EngineConfig:
                 raise cls._refusal(f"unknown key {k!r}")
             if k in values:
                 raise cls._refusal(f"key {k!r} given twice")
+            dom: Domain = next(f.metadata["domain"] for f in fields(cls) if f.name == k)
             try:
-                values[k] = int(v)
+                values[k] = dom.read(v)
             except ValueError:
-                raise cls._refusal(f"{k}={v!r} is not an integer") from None
+                want = f"one of {', '.join(dom.names)}" if dom.names else "an integer"
+                raise cls._refusal(f"{k}={v!r} is not {want}") from None
         return cls(**values)
 
     @classmethod
@@ -133,7 +155,8 @@ class EngineConfig:
         return {k: v for k, v in asdict(self).items() if v != d.get(k)}
 
     def __str__(self) -> str:
-        kv = ",".join(f"{k}={v}" for k, v in self.items().items())
+        doms = {f.name: f.metadata["domain"] for f in fields(self)}
+        kv = ",".join(f"{k}={doms[k].text(v)}" for k, v in self.items().items())
         return f"{self.engine}:{kv}" if kv else self.engine
 
     def describe(self) -> str:
@@ -230,6 +253,7 @@ class VLLMConfig(EngineConfig):
     tp: int = key(1, SIZE, "tensor-parallel size")
     dp: int = key(1, SIZE, "data-parallel size")
     ep: int = key(1, SIZE, "expert parallelism: 1 (off) or tp*dp (enable_expert_parallel)")
+    quant: int = key(0, QUANT, QUANT_DOC)
 
     def _check(self) -> None:
         world = self.tp * self.dp
@@ -250,6 +274,7 @@ class SGLangConfig(EngineConfig):
     dp_attention: int = key(0, FLAG, "--enable-dp-attention")
     dp_lm_head: int = key(0, FLAG, "--enable-dp-lm-head (needs dp_attention=1)")
     fuse_shared: int = key(-1, AUTO_FLAG, "shared expert fused into the routed ones (-1: SGLang's default for the model)")
+    quant: int = key(0, QUANT, QUANT_DOC)
 
     def _check(self) -> None:
         if self.dp_lm_head and not self.dp_attention:
