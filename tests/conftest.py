@@ -16,7 +16,7 @@ KINDS = {
     "unit": ["test_spec", "test_arch", "test_engine_config", "test_roundtrip", "test_planner",
              "test_inference_rules", "test_batch_copy", "test_sglang_layout", "test_transport_interface",
              "test_cli", "test_simulate", "test_checksum_fast", "test_delta_sender", "test_import_cycles",
-             "test_fp8_quant", "test_fp8_config"],
+             "test_fp8_quant", "test_fp8_config", "test_fp8_checkpoint"],
     "multiprocess": ["test_p2p", "test_colocated", "test_file_transport", "test_fsdp_layout",
                      "test_megatron_layout", "test_engine_live", "test_hf_live", "test_bind", "test_instances",
                      "test_meta", "test_meta_faults", "test_meta_liveness", "test_meta_security", "test_sglang_instance", "test_baselines", "test_doorbell", "test_delta",

@@ -54,6 +54,8 @@ class SaveResult:
     bound_bytes: int  # what the plan promises peak_buffer_bytes stays under
     total_bytes: int  # the checkpoint's tensor data, over all ranks
     seconds: float
+    quant: str = ""  # "fp8": the files were then rewritten in block FP8 (weightsync/quant/checkpoint.py)
+    quant_bytes: int = 0  # the block-FP8 checkpoint's tensor data, over all ranks (0 without quant)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class _Buffers:
 
 def save_checkpoint(train: Any, directory: str | os.PathLike, group: Any = None, *,
                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    overwrite: bool = False) -> SaveResult:
+                    overwrite: bool = False, quant: str | None = None) -> SaveResult:
     """Write ``train``'s live weights (a :class:`weightsync.bind.Bound` or any ``TrainSide``) to ``directory``
     as a Hugging Face checkpoint: ``model-0000i-of-0000n.safetensors`` files with canonical names,
     shapes and dtypes, ``model.safetensors.index.json`` and ``config.json`` (the spec's model config).
@@ -101,12 +103,19 @@ def save_checkpoint(train: Any, directory: str | os.PathLike, group: Any = None,
     tensors it owns; memory per rank stays under ``2 * chunk_bytes`` (see the module docstring);
     files hold at most ``shard_bytes`` each (a larger tensor alone). An existing checkpoint in
     ``directory`` is refused unless ``overwrite``. Returns what this rank did.
+
+    ``quant="fp8"``: the checkpoint an FP8-served engine loads -- every linear weight
+    (:func:`weightsync.quant.config.fp8_tensors`) as 128 x 128 block FP8 (e4m3 + fp32 ``weight_scale_inv``, the
+    recipe of :mod:`weightsync.quant.fp8`) and ``quantization_config`` in ``config.json``; each owner rewrites its
+    files after the save, ``chunk_bytes`` at a time. The trainer's FP8 tensors must be bf16 (fp32 masters would be
+    quantized from their bf16 rounding here, not from fp32 as a sync would: refused).
     """
     t0 = time.perf_counter()
     engine, rank = train.engine, train.rank
     world = _Group.of(group, engine.world_size, rank)
     directory = os.path.abspath(os.fspath(directory))
     problems = _local_problems(train, directory, overwrite if world.rank == 0 else True)
+    fp8 = _fp8_problems(train, quant, problems)
     try:  # a rank that cannot plan says so to the others instead of leaving them waiting
         plan = make_plan(engine, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
     except WeightSyncError as e:
@@ -122,15 +131,65 @@ def save_checkpoint(train: Any, directory: str | os.PathLike, group: Any = None,
              len(plan.files), len(plan.windows))
     stats = _run(train, plan, world, Path(directory))
     world.barrier()  # every file is in place
+    weight_map, total = plan.weight_map(), plan.total_bytes
+    if fp8 is not None:
+        weight_map, total = _quantize_files(plan, fp8, Path(directory), rank, chunk_bytes)
+        world.barrier()  # every file is in block FP8
     if world.rank == 0:
-        index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(Path(directory) / INDEX_NAME, index)
-        _write_json(Path(directory) / "config.json", hf_config(train.spec))
+        cfg = hf_config(train.spec)
+        if fp8 is not None:
+            cfg["quantization_config"] = fp8[0].hf_config()
+        _write_json(Path(directory) / "config.json", cfg)
     world.barrier()  # the checkpoint is complete when any rank returns
     mine = tuple(f.name for f in plan.files if f.owner == rank)
     return SaveResult(directory, rank, mine, stats["written"], stats["sent"], stats["received"], stats["local"],
                       stats["messages"], stats["largest"], stats["peak"], plan.bound_bytes, plan.total_bytes,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, quant or "", total if fp8 is not None else 0)
+
+
+def _fp8_problems(train: Any, quant: str | None, problems: list[str]) -> Any:
+    """``quant``'s FP8 tensors (as ``(BlockFP8, {name: FP8Tensor})``), or None; what refuses it goes to ``problems``."""
+    if quant is None:
+        return None
+    if quant != "fp8":
+        problems.append(f"quant={quant!r} is not supported; use quant='fp8' (128 x 128 block FP8) or none")
+        return None
+    from weightsync.quant.config import BlockFP8, check_trainer_dtypes, fp8_tensors
+
+    q = BlockFP8()
+    try:
+        fp8 = fp8_tensors(train.spec, q)
+        dtypes = {p.canonical: t.dtype for t in train.layout.tensors.values() for p in t.pieces}
+        check_trainer_dtypes(dtypes, fp8)
+        bad = [f.weight.name for f in fp8 if dtypes.get(f.weight.name, f.source_dtype) != "bfloat16"]
+        if bad:
+            problems.append(f"rank {train.rank}: quant='fp8' of {bad[0]} held in {dtypes.get(bad[0])}: a checkpoint "
+                            "is written in the model dtype first, so fp32 masters would be quantized from their bf16 "
+                            "rounding, not as a sync quantizes them; save fp32 masters without quant")
+    except WeightSyncError as e:
+        problems.append(f"rank {train.rank}: {e}")
+        return None
+    return q, {f.weight.name: f for f in fp8}
+
+
+def _quantize_files(plan: CheckpointPlan, fp8: Any, directory: Path, rank: int,
+                    chunk_bytes: int) -> tuple[dict[str, str], int]:
+    """Rewrite this rank's files in block FP8; the whole checkpoint's weight map and data bytes (every rank computes
+    them, from the plan alone)."""
+    from weightsync.quant.checkpoint import fp8_entries, quantize_file
+
+    _, tensors = fp8
+    weight_map: dict[str, str] = {}
+    total = 0
+    for f in plan.files:
+        entries = fp8_entries([(t.name, t.dtype, t.shape) for t in f.tensors], tensors)
+        weight_map.update((t.name, f.name) for t in entries)
+        total += entries[-1].end if entries else 0
+        if f.owner == rank:
+            quantize_file(directory / f.name, tensors, chunk_bytes)
+    return weight_map, total
 
 
 def hf_config(spec: Any) -> dict[str, Any]:
