@@ -26,7 +26,7 @@ KINDS = {
     "e2e": ["test_runtime", "test_elastic", "test_trainer_group", "test_nixl", "test_delta_nixl", "test_demo", "test_local", "test_bench", "test_ckpt_engine", "test_sglang_probe",
             "test_two_hosts",
             "test_vllm*", "test_fp8_vllm", "test_validate"],
-    "gpu": ["test_gpu", "test_gpu_checksum", "test_fp8_gpu"],
+    "gpu": ["test_gpu", "test_gpu_checksum", "test_fp8_gpu", "test_gpu_sglang"],
 }
 
 

@@ -536,3 +536,12 @@ def test_shared_expert_fusion_comes_from_the_live_model(tmp_path, fake_sglang, f
     inst.after_update()
     inst.resume()
     assert all(m.post_loads == 1 for m in eng.models)  # MLA w_kc/w_vc recomputed by the model's own hook
+
+
+def test_bench_receiver_sglang_takes_one_gpu_one_instance_scenarios_only():
+    from weightsync.bench.run import run
+
+    with pytest.raises(ConfigError, match="receiver sglang runs one-GPU one-instance scenarios"):
+        run("sep-1to1", "tiny-qwen3", steps=1, device="cpu", receiver="sglang", baselines=())
+    with pytest.raises(ConfigError, match="faithful, vllm or sglang"):
+        run("colo-1gpu", "tiny-qwen3", steps=1, device="cpu", receiver="tgi", baselines=())

@@ -26,7 +26,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -204,6 +204,12 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
 
         owned = start(dict(spec.config), scen.infer, EngineOptions(device=device, backend=False))
         instance = owned.instance
+    elif receiver == "sglang":  # a real SGLang engine on dummy weights (weightsync.sglang.engine), decode CUDA graphs
+        from weightsync.sglang.engine import EngineOptions as SGLangOptions
+        from weightsync.sglang.engine import start as start_sglang
+
+        owned = start_sglang(dict(spec.config), scen.infer, SGLangOptions(), timeout_s=timeout)
+        instance = owned.instance
     else:
         instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}" if device == "cuda" else "cpu",
                                     fill=float("nan"))
@@ -334,8 +340,13 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         raise ConfigError(f"unknown baselines {sorted(unknown)}; known: naive, bucketed, {CHECKPOINT_ENGINE}")
     if device == "cpu" and CHECKPOINT_ENGINE in baselines:
         raise ConfigError(f"{CHECKPOINT_ENGINE} runs on GPUs only")
-    if receiver not in ("faithful", "vllm"):
-        raise ConfigError(f"receiver must be faithful or vllm, not {receiver!r}")
+    if receiver not in ("faithful", "vllm", "sglang"):
+        raise ConfigError(f"receiver must be faithful, vllm or sglang, not {receiver!r}")
+    if receiver == "sglang":  # SGLang's layout; its engine takes GPU 0, which one-GPU scenarios share (nixl-1gpu too)
+        if not (scen.one_gpu and scen.instances == 1):
+            raise ConfigError(f"--receiver sglang runs one-GPU one-instance scenarios (colo-1gpu, nixl-1gpu); "
+                              f"{scenario} is not one")
+        scen = replace(scen, infer=scen.infer.replace("vllm:", "sglang:", 1))
     if receiver == "vllm" and not (scen.colocate and scen.instances == 1):
         raise ConfigError(f"--receiver vllm runs co-located one-instance scenarios (its engine takes GPUs from 0); "
                           f"{scenario} is not one")
@@ -575,9 +586,10 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peer-copies", action="store_true",
                    help="co-located: take other GPUs' pieces through the workers' NCCL group instead of copying them "
                         "out of the trainers' memory (as on GPUs without peer access)")
-    p.add_argument("--receiver", choices=["faithful", "vllm"], default="faithful",
+    p.add_argument("--receiver", choices=["faithful", "vllm", "sglang"], default="faithful",
                    help="vllm: the inference instance is a real vLLM engine (dummy weights, eager) instead of "
-                        "layout-faithful workers (co-located one-instance scenarios)")
+                        "layout-faithful workers (co-located one-instance scenarios); sglang: a real SGLang engine "
+                        "(dummy weights, decode CUDA graphs; colo-1gpu, nixl-1gpu; the SGLang GPU kit on the path)")
     p.add_argument("--integrity", type=int, default=None,
                    help="check every Nth step's checksums (weightsync.integrity; 1: every step, 0: never); "
                         "default: the library's")

@@ -378,7 +378,8 @@ def api_of(engine: Any) -> str:
 class SGLangInstance:
     """``sglang.Engine`` as an :class:`~weightsync.runtime.instance.InferenceInstance` (see the module docstring)."""
 
-    def __init__(self, engine: Any, *, timeout_s: float = 600.0, pause_mode: str = "retract"):
+    def __init__(self, engine: Any, *, timeout_s: float = 600.0, pause_mode: str = "retract",
+                 empty_cache_on_resume: bool = True):
         import sglang  # noqa: F401 -- fail here, clearly, where SGLang is missing
 
         if pause_mode not in PAUSE_MODES:
@@ -389,22 +390,32 @@ class SGLangInstance:
         self.sgl = engine
         self.timeout_s = timeout_s
         self.pause_mode = pause_mode
+        #: ``continue_generation(torch_empty_cache=...)`` (0.5.14 ``ContinueGenerationReqInput``; SGLang's default
+        #: True returns the allocator's cached blocks to the driver before generation resumes)
+        self.empty_cache_on_resume = empty_cache_on_resume
+        #: seconds spent in each part of the last update (pause, calls, after_update, end_session, flush, continue)
+        self.last_timing: dict[str, float] = {}
         self.api = api_of(engine)
         self.version = getattr(sglang, "__version__", "?")
         args = resolved_args(engine.server_args)
-        config = engine_config(args)
         from transformers import AutoConfig
 
         cfg = hf_config_dict(AutoConfig.from_pretrained(args["model_path"], trust_remote_code=bool(args.get("trust_remote_code"))))
         self.model_config: dict = cfg
         self.spec = spec_from_config(cfg)
+        problems = []  # everything refused, in one line, before anything is sent to the engine
+        try:
+            config = engine_config(args)
+        except ConfigError as e:
+            problems.append(str(e).removeprefix("sglang engine not supported by SGLangInstance: "))
         engine_dtype = self._engine_dtype()
         if engine_dtype is not None and engine_dtype != self.spec.dtype:
-            raise ConfigError(
-                f"sglang: dtype mismatch: the engine computes in {engine_dtype} (model_config.dtype; dtype="
-                f"{args.get('dtype', 'auto')!r}), the checkpoint config says {self.spec.dtype}: start the engine with "
-                f"dtype={self.spec.dtype!r} (nothing was sent to it)"
-            )
+            problems.append(f"dtype mismatch: the engine computes in {engine_dtype} (model_config.dtype; dtype="
+                            f"{args.get('dtype', 'auto')!r}), the checkpoint config says {self.spec.dtype}: start the "
+                            f"engine with dtype={self.spec.dtype!r}")
+        if problems:
+            raise ConfigError("sglang engine not supported by SGLangInstance (nothing was sent to it): "
+                              + "; ".join(problems))
         self._id = uuid.uuid4().hex
         self._dir, self._key = wire.new_key_dir()
         self._seq = 0
@@ -448,9 +459,12 @@ class SGLangInstance:
     def pause(self) -> None:
         """Stop generating (``pause_generation(mode=pause_mode)``); on 0.5.23 also open the weight-update session."""
         self._not_busy()
+        t0 = time.perf_counter()
+        self.last_timing = {}
         if not self._paused:
             self._tokenizer(lambda tm, io: tm.pause_generation(io.PauseGenerationReqInput(mode=self.pause_mode)))
             self._paused = True
+        self.last_timing["pause"] = time.perf_counter() - t0
         if self.api == API_SESSION and not self._session:
             try:
                 _success(self.sgl.begin_weight_update(), "begin_weight_update")
@@ -462,7 +476,9 @@ class SGLangInstance:
     def after_update(self) -> None:
         """Re-run the model's ``post_load_weights()`` where it has one (MLA); nothing to do otherwise."""
         if self._post_load:
+            t0 = time.perf_counter()
             self._call(_post_load_weights, self.timeout_s)
+            self.last_timing["after_update"] = time.perf_counter() - t0
 
     def resume(self) -> None:
         """Close the session (0.5.23), flush the cache, continue generating; the first failure is raised after all.
@@ -475,11 +491,13 @@ class SGLangInstance:
                         "again after it returns", self)
             return
         errors: list[BaseException] = []
-        for step in (self._end_session, self._flush, self._continue):
+        for name, step in (("end_session", self._end_session), ("flush", self._flush), ("continue", self._continue)):
+            t0 = time.perf_counter()
             try:
                 step()
             except BaseException as e:  # noqa: BLE001 -- every step runs; the first error is raised
                 errors.append(e)
+            self.last_timing[name] = time.perf_counter() - t0
         if errors:
             raise errors[0]
 
@@ -543,7 +561,15 @@ class SGLangInstance:
     def _continue(self) -> None:
         if self._paused:
             self._paused = False
-            self._tokenizer(lambda tm, io: tm.continue_generation(io.ContinueGenerationReqInput()))
+            self._tokenizer(lambda tm, io: tm.continue_generation(self._continue_request(io)))
+
+    def _continue_request(self, io: Any) -> Any:
+        import dataclasses
+
+        cls = io.ContinueGenerationReqInput
+        if any(f.name == "torch_empty_cache" for f in dataclasses.fields(cls)):
+            return cls(torch_empty_cache=self.empty_cache_on_resume)
+        return cls()
 
     def _busy(self) -> bool:
         return self._inflight is not None and self._inflight.is_alive()
@@ -555,6 +581,7 @@ class SGLangInstance:
 
     def _call(self, fn: Callable[..., Any], timeout_s: float, *args: Any) -> list[Any]:
         self._not_busy()
+        started = time.perf_counter()
         self._seq += 1
         seq = self._seq
         payload = rpc_payload(RpcMessage(self._id, self._dir, seq, fn, args), self._key)
@@ -605,6 +632,7 @@ class SGLangInstance:
                 results[rank] = answer.value
             else:
                 errors[rank] = answer.error
+        self.last_timing["calls"] = self.last_timing.get("calls", 0.0) + time.perf_counter() - started
         if errors:
             first = min(errors)
             raise rebuild_error(errors[first], first, repr(self))

@@ -1,0 +1,505 @@
+"""weightsync into a REAL SGLang engine on one GPU (the SGLang GPU kit, 0.5.14): correctness, faults, the bench.
+
+    . .sgkit/go.sh && python benchmarks/sglang_gpu.py colo  --out DIR [--models llama,qwen3,qwen3moe]
+    . .sgkit/go.sh && python benchmarks/sglang_gpu.py bench --out DIR [--model qwen3-8b] [--scenarios colo-1gpu,nixl-1gpu]
+
+``colo``, per model (a small random config of each architecture, bf16, saved with transformers'
+``save_pretrained`` at seeds 0, 1, 2): FRESH reference engines on seeds 1 and 2 start in their own processes
+(``ref``: every tensor they compute with, as digests, and greedy tokens; decode CUDA graphs on), while this
+process starts the engine under test on seed 0 with weightsync's loader. Then:
+
+1. co-located: a trainer process on the same GPU (transformers, ``WeightWriter(colocate=True)``) writes seeds
+   1, 2, 1 as steps 1-3; ``WeightReader(SGLangInstance(engine), colocate=True)`` takes each by CUDA IPC into
+   SGLang's live parameters; after every step: every written tensor bit-exact to the checkpoint, every tensor
+   the engine computes with bit-exact to the fresh engine's (digests), the same greedy tokens (CUDA graphs
+   replay the same parameter storage), the weight version the engine reports;
+2. separated (first model only): a second job, trainer process -> this engine over NIXL (``transport="nixl"``),
+   steps 4-5 (seeds 2, 1), checked the same way;
+3. bad input (first model only): a trainer of another model against this engine (refused at set-up; the
+   engine still serves the previous step's weights, tokens checked), and in its own process an engine
+   started without weightsync's loader and in float16 (``bad``: ``SGLangInstance`` refuses in one line; the
+   engine keeps generating).
+
+``bench``: ``weightsync.bench.run.run(scenario, model, receiver="sglang")`` then ``receiver="faithful"``,
+each with its device-copy ceiling measured in the same run. Every stage records what failed instead of
+stopping; exit status 0 only when everything held. JSON: ``DIR/colo.json``, ``DIR/bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+ENGINE = "sglang:tp=1"
+SEEDS = (0, 1, 2)
+_BASE = dict(hidden_act="silu", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=64, num_hidden_layers=2, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
+             tie_word_embeddings=False, torch_dtype="bfloat16", vocab_size=512, attention_bias=False,
+             bos_token_id=1, eos_token_id=2)
+#: the kit's prebuilt JIT kernels cover head_dim 64 with 2 KV heads (its smoke models): these configs match them
+MODELS = {
+    "llama": dict(_BASE, architectures=["LlamaForCausalLM"], model_type="llama", mlp_bias=False),
+    "qwen3": dict(_BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
+    "qwen2": dict(_BASE, architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_bias=True, head_dim=64),
+    "qwen3moe": dict(_BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", decoder_sparse_step=1,
+                     moe_intermediate_size=128, mlp_only_layers=[], norm_topk_prob=True, num_experts=8,
+                     num_experts_per_tok=2),
+}
+OTHER = dict(MODELS["llama"], hidden_size=128, intermediate_size=256, num_attention_heads=2)  # the mismatched trainer
+
+
+def log(*a) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def weights(spec, seed: int) -> dict:
+    """Random canonical weights: norms near 1, the rest N(0, 0.3) (greedy tokens then depend on them)."""
+    import torch
+
+    from weightsync.layout.materialize import TORCH_DTYPES
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for t in spec.tensors:
+        x = torch.randn(t.shape, generator=g, dtype=torch.float32)
+        x = 1.0 + 0.1 * x if "norm" in t.name else 0.3 * x
+        out[t.name] = x.to(TORCH_DTYPES[t.dtype])
+    return out
+
+
+def save(cfg: dict, seed: int, directory: Path) -> Path:
+    """The trainer's checkpoint of a seed: transformers' ``save_pretrained`` of the model holding those weights."""
+    import torch
+
+    from weightsync.engines.hf import HFLayout
+    from weightsync.layout.materialize import fill_from
+    from weightsync.spec.model import spec_from_config
+
+    try:
+        from weightsync.testing import build_hf_model
+    except ImportError:  # moved by a later refactor
+        from weightsync.checkpoint.hf import build_hf_model
+
+    spec = spec_from_config(cfg)
+    model = build_hf_model(spec)
+    with torch.no_grad():
+        fill_from(HFLayout(spec).layout(0), dict(model.named_parameters()), weights(spec, seed))
+    model.save_pretrained(str(directory))
+    return directory
+
+
+# -- in their own processes: a fresh engine, a bad engine ---------------------------------------------
+
+
+def ref_main(path: str, out: str) -> int:
+    """A FRESH engine on checkpoint ``path``: digests of every tensor it computes with, greedy tokens."""
+    from weightsync.sglang.engine import EngineOptions, generate, start
+
+    rec: dict = {"path": path}
+    try:
+        cfg = json.loads(Path(path, "config.json").read_text())
+        t0 = time.perf_counter()
+        own = start(cfg, ENGINE, EngineOptions(), checkpoint=path)
+        rec["startup_s"] = time.perf_counter() - t0
+        try:
+            rec["digests"] = own.digests()
+            rec["tokens"] = generate(own.engine)
+            rec["cuda_graph"] = not bool(own.engine.server_args.disable_cuda_graph)
+        finally:
+            own.close()
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    Path(out).write_text(json.dumps(rec))
+    return 0 if "error" not in rec else 1
+
+
+def bad_main(path: str, out: str) -> int:
+    """An engine started without weightsync's loader and in float16 on a bf16 checkpoint: SGLangInstance refuses
+    in one line; the engine keeps generating."""
+    import sglang
+
+    from weightsync.instances.sglang import SGLangInstance
+    from weightsync.sglang.engine import EngineOptions, generate, stop
+
+    rec: dict = {}
+    try:
+        eng = sglang.Engine(**EngineOptions(loader=False).engine_args(path, 1, dummy=False, dtype="float16"))
+        try:
+            before = generate(eng)
+            t0 = time.perf_counter()
+            try:
+                SGLangInstance(eng, timeout_s=30)
+                rec["refused"] = None
+            except Exception as e:  # noqa: BLE001
+                rec["refused"] = f"{type(e).__name__}: {e}"
+            rec["refuse_seconds"] = time.perf_counter() - t0
+            rec["serves_after"] = generate(eng) == before
+        finally:
+            stop(eng)
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    Path(out).write_text(json.dumps(rec))
+    return 0
+
+
+def trainer_main(cfg_path: str, meta: str, job: str, steps: list, colocate: bool, transport: str, timeout: float,
+                 port: int, q) -> None:
+    """A training process on cuda:0: transformers weights filled per step with a seed's, written by a WeightWriter."""
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from weightsync.layout.materialize import fill_from
+        from weightsync.local.trainers import build_trainer
+        from weightsync.runtime.writer import WeightWriter
+        from weightsync.spec import load_spec
+
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout))
+        spec = load_spec(cfg_path)
+        bound = build_trainer(spec, "hf", 0, 1, same_start=False, device="cuda").bound
+        writer = WeightWriter(bound, meta=meta, job=job, timeout_s=timeout, colocate=colocate,
+                              transport=transport).connect()
+        for step, seed in steps:
+            with torch.no_grad():
+                fill_from(bound.layout, bound.tensors, weights(spec, seed))
+            writer.write(step)
+        writer.close()
+        q.put(("ok", ""))
+    except BaseException as e:  # noqa: BLE001
+        q.put(("err", f"{type(e).__name__}: {e}"))
+
+
+# -- the driver -----------------------------------------------------------------------------------------
+
+
+def _spawn_script(stage: str, *args: str, log_path: Path) -> subprocess.Popen:
+    f = open(log_path, "w")
+    return subprocess.Popen([sys.executable, __file__, stage, *args], stdout=f, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait_json(p: subprocess.Popen, out: Path, log_path: Path, timeout: float) -> dict:
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        return {"error": f"timed out after {timeout}s; log tail: {log_path.read_text()[-2000:]}"}
+    if not out.exists():
+        return {"error": f"exit {p.returncode}, no result; log tail: {log_path.read_text()[-3000:]}"}
+    return json.loads(out.read_text())
+
+
+class Trainer:
+    def __init__(self, cfg_path: Path, meta: str, job: str, steps: list, colocate: bool, transport: str = "p2p",
+                 timeout: float = 120.0):
+        import multiprocessing as mp
+
+        from weightsync.transport.group import free_port
+
+        ctx = mp.get_context("spawn")
+        self.q = ctx.Queue()
+        self.p = ctx.Process(target=trainer_main, args=(str(cfg_path), meta, job, steps, colocate, transport, timeout,
+                                                       free_port(), self.q), daemon=True)
+        self.p.start()
+
+    def result(self, timeout: float = 60.0):
+        import queue
+
+        try:
+            return self.q.get(timeout=timeout)
+        except queue.Empty:
+            return ("died" if self.p.exitcode is not None else "silent", str(self.p.exitcode))
+        finally:
+            self.p.join(5)
+            if self.p.is_alive():
+                self.p.kill()
+
+
+def _check(own, spec, cfg: dict, ref: dict, seed: int, step: int) -> dict:
+    from weightsync.sglang.verify import computed_digests, differences, loaded_problems
+
+    inst = own.instance
+    problems = [p for ps in inst.call(loaded_problems, weights(spec, seed), cfg, inst.engine) for p in ps]
+    mine = inst.call(computed_digests)[0]
+    diff = differences(mine, ref["digests"][0])
+    tokens = own.tokens()
+    return {"loaded_exact": not problems, "loaded_problems": problems[:5], "computed_equal": not diff,
+            "computed_diff": diff[:10], "tensors_compared": len(mine), "tokens": tokens,
+            "tokens_equal": tokens == ref["tokens"], "served_version": inst.served_version,
+            "version_ok": inst.served_version == str(step)}
+
+
+def _sync_steps(own, spec, cfg, cfg_path: Path, refs: dict, meta, job: str, steps: list, colocate: bool,
+                transport: str, result: dict) -> None:
+    from weightsync.runtime.reader import WeightReader
+
+    trainer = Trainer(cfg_path, meta.url, job, steps, colocate, transport)
+    reader = None
+    try:
+        reader = WeightReader(own.instance, meta=meta.url, job=job, instance_id=0, instances=1, timeout_s=120,
+                              colocate=colocate, transport=transport).connect()
+        for step, seed in steps:
+            t0 = time.perf_counter()
+            reader.update(step)
+            seconds = time.perf_counter() - t0
+            rec = {"job": job, "transport": "cuda-ipc" if colocate else transport, "step": step, "seed": seed,
+                   "update_seconds": seconds, "bytes": sum(s.bytes for s in reader.last_stats)}
+            rec["instance_ms"] = {k: v * 1e3 for k, v in own.instance.last_timing.items()}
+            rec.update(_check(own, spec, cfg, refs[seed], seed, step))
+            rec["ok"] = rec["loaded_exact"] and rec["computed_equal"] and rec["tokens_equal"] and rec["version_ok"]
+            log(f"[{job}] step {step} <- seed {seed}: {seconds * 1e3:.1f} ms, loaded exact {rec['loaded_exact']}, "
+                f"{rec['tensors_compared']} computed tensors equal {rec['computed_equal']}, tokens equal "
+                f"{rec['tokens_equal']}, version {rec['served_version']}")
+            if not rec["ok"]:
+                log(f"[{job}] problems: {rec['loaded_problems']} {rec['computed_diff']}")
+            result["steps"].append(rec)
+    except Exception as e:  # noqa: BLE001
+        result["errors"].append(f"{job}: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+        log(f"[{job}] FAILED: {type(e).__name__}: {e}")
+    finally:
+        if reader is not None:
+            try:
+                reader.close()
+            except Exception as e:  # noqa: BLE001
+                result["errors"].append(f"{job}: close: {type(e).__name__}: {e}")
+        result.setdefault("trainers", {})[job] = trainer.result()
+
+
+def _mismatch(own, spec, cfg, refs, held_seed: int, root: Path, meta, result: dict) -> None:
+    """A trainer of another model against this engine: refused at set-up; the engine serves its weights still."""
+    from weightsync.runtime.reader import WeightReader
+
+    other = root / "other"
+    other.mkdir(exist_ok=True)
+    (other / "config.json").write_text(json.dumps(OTHER))
+    trainer = Trainer(other, meta.url, "mismatch", [(1, 1)], colocate=True, timeout=30.0)
+    rec: dict = {}
+    t0 = time.perf_counter()
+    try:
+        WeightReader(own.instance, meta=meta.url, job="mismatch", instance_id=0, instances=1, timeout_s=30,
+                     colocate=True).connect()
+        rec["refused"] = None
+    except Exception as e:  # noqa: BLE001
+        rec["refused"] = f"{type(e).__name__}: {e}"
+    rec["refuse_seconds"] = time.perf_counter() - t0
+    rec["trainer"] = trainer.result(40)
+    rec.update({k: v for k, v in _check(own, spec, cfg, refs[held_seed], held_seed, result["steps"][-1]["step"]).items()
+                if k in ("computed_equal", "tokens_equal", "loaded_exact")})
+    rec["ok"] = bool(rec["refused"]) and rec["computed_equal"] and rec["tokens_equal"]
+    log(f"[mismatch] refused in {rec['refuse_seconds']:.1f} s: {str(rec['refused'])[:300]}; engine still holds seed "
+        f"{held_seed} exactly: {rec['computed_equal']}, tokens {rec['tokens_equal']}")
+    result["mismatch"] = rec
+
+
+def colo(out: Path, models: list[str], first_extras: bool = True) -> dict:
+    from weightsync.meta.server import MetaServer
+    from weightsync.sglang.engine import EngineOptions, start
+    from weightsync.spec.model import spec_from_config
+
+    import sglang
+    import torch
+
+    result: dict = {"stage": "colo", "sglang": sglang.__version__, "torch": torch.__version__, "models": {}}
+    root = Path(tempfile.mkdtemp(prefix="sglang-gpu-"))
+    with MetaServer().start() as meta:
+        for k, name in enumerate(models):
+            cfg = MODELS[name]
+            spec = spec_from_config(cfg)
+            res: dict = {"model": name, "architecture": cfg["architectures"][0], "steps": [], "errors": []}
+            result["models"][name] = res
+            d = root / name
+            try:
+                paths = {s: save(cfg, s, d / f"seed{s}") for s in SEEDS}
+                cfg_path = paths[0]
+                procs = {}
+                for s in (1, 2):
+                    procs[s] = _spawn_script("ref", str(paths[s]), str(d / f"ref{s}.json"), log_path=d / f"ref{s}.log")
+                bad = None
+                if k == 0 and first_extras:
+                    bad = _spawn_script("bad", str(paths[1]), str(d / "bad.json"), log_path=d / "bad.log")
+                t0 = time.perf_counter()
+                own = start(cfg, ENGINE, EngineOptions(), checkpoint=str(paths[0]))
+                res["startup_s"] = time.perf_counter() - t0
+                res["cuda_graph"] = not bool(own.engine.server_args.disable_cuda_graph)
+                res["api"] = own.instance.api
+                res["engine"] = own.instance.engine
+                log(f"[{name}] engine up in {res['startup_s']:.1f} s (decode CUDA graphs {res['cuda_graph']}, "
+                    f"API {res['api']}, layout {res['engine']})")
+                try:
+                    refs = {s: _wait_json(procs[s], d / f"ref{s}.json", d / f"ref{s}.log", 400) for s in (1, 2)}
+                    for s, r in refs.items():
+                        if "error" in r:
+                            raise RuntimeError(f"reference engine seed {s}: {r['error']}")
+                        log(f"[{name}] fresh engine seed {s}: up in {r['startup_s']:.1f} s, {len(r['digests'][0])} "
+                            f"tensors, tokens {r['tokens']}")
+                    res["ref_tokens"] = {s: refs[s]["tokens"] for s in refs}
+                    res["ref_tokens_differ"] = refs[1]["tokens"] != refs[2]["tokens"]
+                    _sync_steps(own, spec, cfg, cfg_path, refs, meta, f"{name}-colo", [(1, 1), (2, 2), (3, 1)],
+                                True, "p2p", res)
+                    if k == 0 and first_extras:
+                        _sync_steps(own, spec, cfg, cfg_path, refs, meta, f"{name}-nixl", [(4, 2), (5, 1)], False,
+                                    "nixl", res)
+                        _mismatch(own, spec, cfg, refs, res["steps"][-1]["seed"], d, meta, res)
+                finally:
+                    own.close()
+                if bad is not None:
+                    res["bad_engine"] = _wait_json(bad, d / "bad.json", d / "bad.log", 300)
+                    log(f"[{name}] engine without the loader, float16: {res['bad_engine']}")
+            except Exception as e:  # noqa: BLE001
+                res["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+                log(f"[{name}] FAILED: {type(e).__name__}: {e}")
+            res["verified"] = (not res["errors"] and len(res["steps"]) >= 3 and all(r["ok"] for r in res["steps"])
+                               and res.get("ref_tokens_differ", False))
+            with open(out / "colo.json", "w") as f:  # after each model: a later hang keeps what ran
+                json.dump(result, f, indent=1, default=str)
+    result["verified"] = all(r["verified"] for r in result["models"].values())
+    return result
+
+
+def bench(out: Path, model: str, scenarios: list[str], steps: int) -> dict:
+    from weightsync.bench.run import run
+
+    result: dict = {"stage": "bench", "model": model, "runs": []}
+    for scenario in scenarios:
+        for receiver in ("sglang", "faithful"):
+            t0 = time.perf_counter()
+            try:
+                r = run(scenario, model, steps=steps, timeout=300.0, baselines=(), device="cuda", receiver=receiver)
+            except Exception as err:  # noqa: BLE001
+                r = {"scenario": scenario, "receiver": receiver,
+                     "errors": [f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"]}
+            r["wall_seconds"] = time.perf_counter() - t0
+            result["runs"].append(r)
+            med = r.get("median_seconds")
+            log(f"[bench] {scenario} {receiver}: median {med * 1e3 if med else float('nan'):.2f} ms, efficiency "
+                f"{r.get('efficiency')}, verified {r.get('verified')}, errors {str(r.get('errors'))[:1500]}")
+            with open(out / "bench.json", "w") as f:
+                json.dump(result, f, indent=1, default=str)
+    result["verified"] = all(not r.get("errors") and r.get("verified") for r in result["runs"])
+    return result
+
+
+def overhead(out: Path, steps: int = 12) -> dict:
+    """Where an update's time goes in SGLang's call path (tiny Llama, co-located trainer): per step the reader's
+    phases and ``SGLangInstance.last_timing`` (half the steps with ``continue_generation(torch_empty_cache=True)``,
+    SGLang's default, half with False), then bare calls: a ping there and back, ``Engine.flush_cache()``, and
+    ``torch.cuda.empty_cache()`` inside the scheduler."""
+    from weightsync.meta.server import MetaServer
+    from weightsync.runtime.reader import WeightReader
+    from weightsync.sglang.engine import EngineOptions, start
+    from weightsync.sglang.verify import empty_cache_seconds, ping
+
+    res: dict = {"stage": "overhead", "steps": [], "errors": []}
+    root = Path(tempfile.mkdtemp(prefix="sglang-overhead-"))
+    cfg = MODELS["llama"]
+    path = save(cfg, 0, root / "seed0")
+    own = start(cfg, ENGINE, EngineOptions(), checkpoint=str(path))
+    inst = own.instance
+    try:
+        with MetaServer().start() as meta:
+            plan = [(k, 1 + k % 2) for k in range(1, steps + 1)]
+            trainer = Trainer(path, meta.url, "overhead", plan, colocate=True)
+            reader = WeightReader(inst, meta=meta.url, job="overhead", instance_id=0, instances=1, timeout_s=120,
+                                  colocate=True).connect()
+            for step, _ in plan:
+                inst.empty_cache_on_resume = step <= steps // 2
+                t0 = time.perf_counter()
+                reader.update(step)
+                rec = {"step": step, "empty_cache_on_resume": inst.empty_cache_on_resume,
+                       "update_ms": (time.perf_counter() - t0) * 1e3,
+                       "reader_ms": {k: v * 1e3 for k, v in reader.last_timing.items()},
+                       "instance_ms": {k: v * 1e3 for k, v in inst.last_timing.items()}}
+                res["steps"].append(rec)
+                log(f"[overhead] {rec}")
+            reader.close()
+            res["trainer"] = trainer.result()
+        pings = []
+        for _ in range(20):
+            t0 = time.time()
+            (t1,) = inst.call(ping)
+            t2 = time.time()
+            pings.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
+        res["ping_ms_there_back"] = pings
+        flushes = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            own.engine.flush_cache()
+            flushes.append((time.perf_counter() - t0) * 1e3)
+        res["flush_ms"] = flushes
+        res["empty_cache_ms"] = [inst.call(empty_cache_seconds)[0] * 1e3 for _ in range(5)]
+        log(f"[overhead] ping there/back ms {pings[-5:]}; flush ms {flushes}; empty_cache ms {res['empty_cache_ms']}")
+    except Exception as e:  # noqa: BLE001
+        res["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+        log(f"[overhead] FAILED {e}")
+    finally:
+        own.close()
+    res["verified"] = not res["errors"]
+    return res
+
+
+def warm(model: str) -> int:
+    """Start and stop an engine of preset ``model`` on dummy weights: SGLang's JIT kernels for its shapes (nvcc,
+    10-30 s each) and Triton's land in the caches, so a measured run started after it does not compile."""
+    from weightsync.sglang.engine import EngineOptions, generate, start
+    from weightsync.spec import load_spec
+
+    t0 = time.perf_counter()
+    own = start(dict(load_spec(model).config), ENGINE, EngineOptions())
+    try:
+        log(f"[warm] {model} up in {time.perf_counter() - t0:.1f} s; tokens {generate(own.engine)[0]}")
+    finally:
+        own.close()
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "warm":
+        return warm(sys.argv[2])
+    if len(sys.argv) > 1 and sys.argv[1] in ("ref", "bad"):
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        return (ref_main if sys.argv[1] == "ref" else bad_main)(sys.argv[2], sys.argv[3])
+    p = argparse.ArgumentParser()
+    p.add_argument("stage", choices=["colo", "bench", "overhead"])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--models", default="llama,qwen3", help="colo: of " + ",".join(MODELS))
+    p.add_argument("--no-extras", action="store_true", help="colo: skip the NIXL job and the bad-input checks")
+    p.add_argument("--model", default="qwen3-8b", help="bench: the preset")
+    p.add_argument("--scenarios", default="colo-1gpu,nixl-1gpu")
+    p.add_argument("--steps", type=int, default=5)
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("sglang").setLevel(logging.WARNING)
+    if a.stage == "colo":
+        r = colo(out, a.models.split(","), not a.no_extras)
+    elif a.stage == "overhead":
+        r = overhead(out)
+    else:
+        r = bench(out, a.model, a.scenarios.split(","), a.steps)
+    with open(out / f"{a.stage}.json", "w") as f:
+        json.dump(r, f, indent=1, default=str)
+    log(f"[{a.stage}] verified {r['verified']}")
+    return 0 if r["verified"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
