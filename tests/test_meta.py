@@ -263,7 +263,8 @@ def test_held_long_poll(server, pool):
     c.join(0)
     c.join(1)
     c.register("train", 0)
-    c.written(4, 0)  # held needs the step written
+    for step in (2, 3, 4):  # held needs the step written (a step nobody wrote is refused)
+        c.written(step, 0)
     c.held(0, 3)
     t0 = time.monotonic()
     with pytest.raises(MetaTimeout):
@@ -595,7 +596,8 @@ def test_a_connection_closed_underneath_is_replaced_at_once(monkeypatch):
         c = MetaClient(server.url, "job", timeout=5)
         c.join(0)
         c.register("train", 0)
-        c.written(4, 0)
+        for step in (3, 4):  # held needs the step written
+            c.written(step, 0)
         time.sleep(0.6)  # the server has closed our kept-alive connection by now
         t0 = time.monotonic()
         c.held(0, 3)

@@ -219,3 +219,53 @@ def test_the_spec_size_is_the_built_spec_s_for_every_preset():
 
         got = spec_size(dict(load_spec(name).config))
         assert got.tensors * 3 < MAX_SPEC_TENSORS and got.nbytes * 8 < MAX_SPEC_BYTES, (name, got)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. held only for written steps; no rank pushes a slower rank's steps out of the window
+
+
+def test_held_is_accepted_only_for_a_step_written():
+    """Before: after written 10, held 7 (never written) answered 200."""
+    with MetaServer().start() as s:
+        c = MetaClient(s.url, "j", timeout=5)
+        c.register("train", 0)
+        c.join(0)
+        c.written(5, 0)
+        c.written(10, 0)
+        t0 = time.monotonic()
+        with pytest.raises(MetaError, match="step 7") as e:
+            c.held(0, 7)
+        assert e.value.status == 409 and "written" in str(e.value) and time.monotonic() - t0 < 2
+        assert c.summary()["held"] == {}
+        assert c.held(0, 5)["step"] == 5  # written steps are accepted, in order
+        assert c.held(0, 10)["previous"] == 5
+
+
+def test_one_rank_cannot_push_a_slower_rank_s_step_out_of_the_window():
+    """Before: 70 `written` posts each 2^32 ahead moved the window so that the slower rank's next step,
+    11, answered 410."""
+    from weightsync.meta.validate import STEP_STRIDE, STEPS_KEPT
+
+    with MetaServer().start() as s:
+        c = MetaClient(s.url, "j", timeout=5)
+        c.register("train", 0)
+        c.register("train", 1)
+        for step in range(11):
+            c.written(step, [0, 1])
+        step, refused = 10, None
+        for _ in range(70):
+            step += STEP_STRIDE
+            try:
+                c.written(step, 0)
+            except MetaError as e:
+                refused = e
+                break
+        assert refused is not None and refused.status == 409, "the window moved past train:1's step 10"
+        text = str(refused)
+        assert f"step {step}" in text and "train:1" in text and f"{STEPS_KEPT} steps" in text, text
+        assert c.written(11, 1)["ranks"] == 1  # before: 410
+        assert c.wait_written(11, 1, timeout=1) == [1]
+        with pytest.raises(MetaError, match="jumps more than") as e:
+            c.written(step + 2 * STEP_STRIDE, 0)  # one post may jump at most STEP_STRIDE past the latest
+        assert e.value.status == 409 and str(STEP_STRIDE) in str(e.value)

@@ -40,10 +40,12 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
 
 Rules: plan hashes and ``written`` need the participant registered first, ``held`` needs the instance
 joined (a member that left or is gone is told so, and may join again) and the step written by some
-training rank (a ``held`` that races its ``written`` waits up to 10 s for it); ``held`` is monotonic
+training rank (a ``held`` past the latest step written, which races its ``written``, waits up to 10 s
+for it; one for a step within the window that nobody wrote is refused at once); ``held`` is monotonic
 per instance unless ``reset``; ``written`` keeps the last 64
-steps, and a new step is at most 2^32 past the latest (no jump to 2^63 that would evict the window);
-a step that would be dropped at once answers 410, never 200. Membership: each instance that ever
+steps, and a new step is at most 2^32 past the latest (no jump to 2^63 that would evict the window)
+and never pushes out of the window the latest step of a rank that is not posting it (no rank runs
+more than 64 steps ahead of the slowest: 409); a step that would be dropped at once answers 410, never 200. Membership: each instance that ever
 joined has a record (``members`` in the summary: state joined/left/gone, ``since``, ``version``); a
 joiner counts for the default ``held`` wait from the first step no training rank had written when it
 joined. An ``incarnation`` (a reader's own hex id) makes a join under a joined id replace the member

@@ -577,6 +577,8 @@ class Coordinator:
             if len(j.written) >= STEPS_KEPT and step < min(j.written):
                 raise HTTPError(410, f"step {step} is older than every one of the {STEPS_KEPT} steps kept "
                                      f"(from {min(j.written)}); it would be dropped at once")
+            if len(j.written) >= STEPS_KEPT:
+                self._refuse_pushing_out(job, j, step, ranks)
         got = j.written.get(step, set())
         new = [r for r in ranks if r not in got]
         if new:
@@ -593,6 +595,21 @@ class Coordinator:
                 ops += [PruneWritten(job, j.written_floor), Put(job, "job", "written_floor", str(j.written_floor))]
             self._save(job, j, ("written",), ops)
         return {"step": step, "ranks": len(j.written[step])}
+
+    def _refuse_pushing_out(self, job: str, j: Job, step: int, ranks: list[int]) -> None:
+        """409 when a new ``step`` would push out of the window the latest step of a rank that is not
+        posting it: no rank runs more than STEPS_KEPT steps ahead of the slowest, so the slower one's next
+        step is never 410 (before, 70 posts each STEP_STRIDE ahead did that). A rank that wrote nothing
+        still kept (a late joiner) holds nobody back."""
+        oldest = min(j.written)
+        later: set[int] = set().union(*(got for s, got in j.written.items() if s != oldest))
+        behind = sorted(j.written[oldest] - later - set(ranks))
+        if behind:
+            raise HTTPError(409, f"step {step} would push step {oldest} out of the {STEPS_KEPT} steps kept, but "
+                                 f"train:{behind[0]}{f' (and {len(behind) - 1} more)' if len(behind) > 1 else ''} "
+                                 f"has written only up to step {oldest}: a training rank may run at most "
+                                 f"{STEPS_KEPT} steps ahead of the slowest, and one post at most {STEP_STRIDE} "
+                                 f"past the latest step ({j.written_max}); wait for the slower ranks")
 
     async def wait_written(self, job: str, step: int, q: Query) -> dict:
         wait_for = q.int("wait_for", None, 1, MAX_PARTICIPANTS)
@@ -632,6 +649,9 @@ class Coordinator:
         if prev is not None and step < prev and not reset:
             raise HTTPError(409, f"instance {instance} already holds step {prev}; "
                                  f"step {step} goes back (send reset to allow it)")
+        if j.written_floor <= step and step not in j.written:  # below the floor: its record is gone, accepted
+            raise HTTPError(409, f"instance {instance} reports step {step} held, but no training rank of job {job} "
+                                 f"wrote step {step} (steps written: {_steps(j)}); report only a step received")
         if prev != step:
             j.held[instance] = step
             j.held_answers.clear()
@@ -728,6 +748,17 @@ class Coordinator:
             out += [f"# HELP weightsync_meta_{name} {help_}", f"# TYPE weightsync_meta_{name} gauge"]
             out += [f"weightsync_meta_{name}{line}" for line in lines]
         return "\n".join(out) + "\n"
+
+
+def _steps(j: Job) -> str:
+    """The steps a job keeps, in words (a range when they run without gaps)."""
+    if not j.written:
+        return "none"
+    lo, hi = min(j.written), max(j.written)
+    if hi - lo + 1 == len(j.written):
+        return f"{lo}..{hi}" if hi > lo else str(lo)
+    kept = sorted(j.written)
+    return ", ".join(map(str, kept[:3])) + (f", ... {kept[-1]}" if len(kept) > 3 else "")
 
 
 def _not_member(job: str, j: Job, instance: int) -> str:
