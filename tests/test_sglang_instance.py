@@ -254,6 +254,11 @@ def test_rpc_loader_answers_values_errors_and_never_raises(monkeypatch):
         assert not moved.ok and moved.error[1] == WeightsMoved.__name__ and "a.weight" in moved.error[2]
         # a stray tensor list (someone else's load through our load_format): logged, no answer, no raise
         assert S.rpc_loader(model, [("model.x", torch.zeros(1))]) is None
+        # a replayed (signed) message is not run twice
+        os.remove(f"{d}/1.1")
+        monkeypatch.setattr(S, "_tp_rank", lambda: 1)
+        assert S.rpc_loader(model, _sglang_delivery(S.rpc_payload(S.RpcMessage("i1", d, 1, rank_and_count, ("x",)), key))) is None
+        assert not os.path.exists(f"{d}/1.1")
     finally:
         shutil.rmtree(d)
 

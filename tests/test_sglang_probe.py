@@ -179,22 +179,21 @@ def rank_main(mode: str, cfg_dir: str, tp: int, rank: int, port: int, engine: st
         Path(out).write_text(json.dumps({"rank": tp_rank, "params": params}))
         return
 
-    import pickle
-
     from sglang.srt.model_executor.model_runner_components.weight_updater import _unwrap_tensor
     from sglang.srt.utils.common import MultiprocessingSerializer
 
-    answers = tempfile.mkdtemp(prefix="sglang-probe-")
+    from weightsync.sglang import wire
+
+    answers, key = wire.new_key_dir()  # the signed call channel (docs/sglang.md §0.1)
     seq = [0]
 
     def rpc(model, fn, *args):
         """weightsync's call as SGLang delivers it (weight_updater.py:343-376)."""
         seq[0] += 1
-        payload = S.rpc_payload(S.RpcMessage(f"probe-{id(model)}", answers, seq[0], fn, args))
+        payload = S.rpc_payload(S.RpcMessage(f"probe-{id(model)}", answers, seq[0], fn, args), key)
         named = MultiprocessingSerializer.deserialize(MultiprocessingSerializer.serialize(payload))
         S.rpc_loader(model, [(n, _unwrap_tensor(t, tp_rank=tp_rank, device="cpu")) for n, t in named])
-        with open(f"{answers}/{seq[0]}.{tp_rank}", "rb") as f:
-            return pickle.load(f)
+        return wire.read_answer(f"{answers}/{seq[0]}.{tp_rank}")
 
     a, b = _checkpoint(spec, 1), _checkpoint(spec, 2)
     want = state(fresh(b))

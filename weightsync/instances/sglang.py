@@ -79,6 +79,7 @@ PAUSE_MODES = ("retract", "abort")
 # per worker process: one context per (instance id, TP rank), and the model of the call being run
 _CONTEXTS: dict[tuple[str, int], WorkerContext] = {}
 _CURRENT: dict[str, Any] = {}
+_LAST_SEQ: dict[tuple[str, int], int] = {}  # per (instance id, TP rank): the last call sequence number run
 
 
 # -- what crosses the hop ----------------------------------------------------------------------
@@ -187,6 +188,10 @@ def rpc_loader(model: torch.nn.Module, named_tensors: list) -> None:
     try:
         rank = _tp_rank()
         msg = read_payload(named_tensors)
+        last = _LAST_SEQ.get((msg.instance, rank), 0)
+        if msg.seq <= last:  # signed, but already run: a replayed message is not run twice
+            raise wire.WireError(f"call {msg.seq} of instance {msg.instance} replayed (last run: {last})")
+        _LAST_SEQ[msg.instance, rank] = msg.seq
     except BaseException as e:  # noqa: BLE001 -- never raised into SGLang: its scheduler would die
         log.error("weightsync rpc_loader on rank %s refused a payload: %s: %s", rank, type(e).__name__, e)
         return
