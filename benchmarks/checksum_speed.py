@@ -11,7 +11,7 @@ around each timed call, median of ``--repeat``:
   all regions in one ``checksums`` call;
 - many small regions (2,000 of 64 KiB) in one call;
 - a model's nixl-1gpu bucket lists: the receiver's proof over every bucket's in-place targets (as
-  ``DeltaNixlReceiver._plan`` reads them) and the sender's checksum of every packed bucket;
+  the nixl frame reads prove them) and the sender's checksum of every packed bucket;
 - the colo-1gpu integrity sums of one step (``step_sums``) on the trainer's and the worker's side;
 - a device copy of 1 GiB (bytes copied a second) as the ceiling.
 
@@ -160,7 +160,11 @@ def main(argv=None) -> int:
 
     # a model's bucket lists (nixl-1gpu: hf -> vllm:tp=1) and one step's integrity sums (colo-1gpu plan)
     from weightsync.bench.scenarios import init_weights
-    from weightsync.delta.nixl import _buckets
+    from weightsync.codec.delta import active
+
+    def _buckets(plans):
+        return [b for bs in active(plans).values() for b in bs]
+
     from weightsync.delta.state import gather_pairs
     from weightsync.engines import make_layout
     from weightsync.integrity.sums import destination_dtypes, step_sums, sum_plan

@@ -1,6 +1,6 @@
 """Where a nixl delta step's time goes, in one process on one GPU (no NIXL): the sender's encode
-(``DeltaNixlSender.encode``, the real code, and its parts replayed: pack, encode, keep as base,
-the checksum alone) and the receiver's proof and apply (``DeltaNixlReceiver``'s per-bucket work
+(the delta codec's encoder over kept slots, the real code, and its parts replayed: pack, encode, keep as base,
+the checksum alone) and the receiver's proof and apply (the nixl frame reads' per-bucket work
 replayed: stage/gather, checksum with its host read, ``codec.apply``), for the nixl-1gpu plan
 (hf -> vllm:tp=1) of a model, at given change fractions (``weightsync.bench.delta.toggle``).
 
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from weightsync.bench.delta import apply_step
     from weightsync.bench.scenarios import init_weights
     from weightsync.delta import codec
-    from weightsync.delta.nixl import DeltaNixlSender, _buckets
+    from weightsync.codec.delta import DeltaCodec, active, sig_hash
     from weightsync.delta.state import gather_pairs, words_of
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import TORCH_DTYPES
@@ -66,13 +66,27 @@ def main(argv=None) -> int:
     targ = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in lay_r.tensors.items()}
     init_weights(lay_s, tens, spec)
     init_weights(lay_r, targ, spec)
-    sbuckets, rbuckets = _buckets(send), _buckets(recv)
+    def _buckets(plans):
+        return [b for bs in active(plans).values() for b in bs]
+
+    rbuckets = _buckets(recv)
     total = sum(b.nbytes for b in rbuckets)
     largest = max(b.nbytes for b in rbuckets)
     slot = torch.empty(largest, dtype=torch.uint8, device=dev)
     scratch = torch.empty(largest + 64, dtype=torch.uint8, device=dev)
-    sender = DeltaNixlSender(send, tens, dev)
-    sender.encode(0)
+    sender = DeltaCodec().encoder(send, dev)  # the real encoder, over kept slots (nixl's registered region)
+    sbuckets = sender.distinct(_buckets(send))
+    region = {sender.key(b): torch.empty(b.nbytes, dtype=torch.uint8, device=dev) for b in sbuckets}
+    headers = {}
+
+    def encode(step: int) -> None:
+        sender.begin(step, None)
+        for b in sbuckets:
+            sender.encode(b, tens, region[sender.key(b)], kept=True)
+        headers.update(sender.end(step))
+        sync()
+
+    encode(0)
     row = {"model": args.model, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "buckets_sent": len(sbuckets), "buckets_received": len(rbuckets), "bytes": total, "fractions": []}
 
@@ -88,25 +102,23 @@ def main(argv=None) -> int:
             copy_pairs(gather_pairs(st.staged, targ, slot))
         return st, st.tensors(slot)
 
-    from weightsync.delta.nixl import HEAD, SLOT, sig_hash
     from weightsync.delta.state import signature
 
     def stamped_plan():
-        """The receiver's plan from the index the sender stamped."""
-        slots = {}
-        idx = sender.index.tolist()
-        for k in range(idx[3]):
-            slots[idx[HEAD + SLOT * k]] = idx[HEAD + SLOT * k + 1: HEAD + SLOT * k + SLOT]
+        """The receiver's plan from the headers the sender stamped."""
         plan = []
         for bk in rbuckets:
-            off, kind, count, base_sum = slots[sig_hash(signature(bk))][:4]
+            key = sig_hash(signature(bk))
+            h = headers[key]
             w = words_of(bk).word
-            plan.append((bk, off, kind, count, codec.payload_bytes(kind, count, bk.nbytes // w, w), w, base_sum))
+            plan.append((bk, key, h.kind, h.count, h.nbytes, w, h.base_sum))
         return plan
 
     def apply_all(plan):
-        for bk, off, kind, count, n, w, _ in plan:
-            scratch[:n].copy_(sender.region[off: off + n])  # NIXL's READ, as a device copy
+        for bk, key, kind, count, n, w, _ in plan:
+            if kind < 0:  # no encoding this step (whole)
+                continue
+            scratch[:n].copy_(region[key][:n])  # NIXL's READ, as a device copy
             st, parts = base_parts(bk)
             codec.apply([codec.as_words(x, w) for x in parts], kind, count, w, scratch[:n])
             if st.staged:
@@ -117,12 +129,10 @@ def main(argv=None) -> int:
         apply_step(lay_s, tens, spec, frac, step)
         sync()
         t = time.perf_counter()
-        sender.encode(step)  # the real encode: region + index for this step, base kept
-        sync()
+        encode(step)  # the real encode: region slots + headers for this step, base kept
         enc = time.perf_counter() - t
         plan = stamped_plan()
-        proven = all(((int(codec.checksum(base_parts(p[0])[1])) + (1 << 63)) % (1 << 64) - (1 << 63)) == p[6]
-                     for p in plan)
+        proven = all(int(codec.checksum(base_parts(p[0])[1])) == p[6] for p in plan)
         sync()
         t = time.perf_counter()
         apply_all(plan)
@@ -150,7 +160,8 @@ def main(argv=None) -> int:
         t_proof = timed(lambda: [int(codec.checksum(base_parts(p[0])[1])) for p in plan], args.repeat, sync)
         kinds = {}
         for p in plan:
-            kinds[codec.KIND_NAMES[p[2]]] = kinds.get(codec.KIND_NAMES[p[2]], 0) + 1
+            name = codec.KIND_NAMES.get(p[2], "whole")
+            kinds[name] = kinds.get(name, 0) + 1
         phase_names = sorted({k for r in runs for k in r["phases"]})
         row["fractions"].append({
             "fraction": frac, "kinds": kinds, "payload_bytes": sum(p[4] for p in plan), "steps": len(runs),

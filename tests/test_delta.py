@@ -134,7 +134,7 @@ LR = 1e-4  # about 3% of the tiny model's bf16 elements change a step
 
 def _ctx():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "weightsync.delta.p2p", "weightsync.engines", "test_delta"])
+    ctx.set_forkserver_preload(["torch", "weightsync.codec.delta", "weightsync.engines", "test_delta"])
     return ctx
 
 
@@ -161,7 +161,7 @@ STEPS = 10
 
 
 def _p2p_member(role: str, who: tuple, port: int, results) -> None:
-    from weightsync.delta.p2p import DeltaReceiver, DeltaSender
+    from weightsync.codec.delta import DeltaCodec
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
     from weightsync.plan.planner import Planner
@@ -184,14 +184,15 @@ def _p2p_member(role: str, who: tuple, port: int, results) -> None:
         if role == "train":
             layout, plans = src.layout(who[0]), planner.send_plan(who[0])
             tensors = scatter(layout, traj[0])
-            sender = DeltaSender(transport, plans, tensors)
+            codec = DeltaCodec()
+            sender = codec.encoder(plans, torch.device("cpu"))
             for step in range(STEPS):
                 fill_from(layout, tensors, traj[step])
                 if step == SENDER_FORGETS:
-                    sender.previous.invalidate()
-                stats = sender.send(step)
-                report.append((step, sorted(sender.last_full_pairs), stats.bytes, stats.full_bytes,
-                               dict(sender.last_kinds)))
+                    sender.fail()
+                stats = transport.send_frames(step, plans, tensors, sender, codec, proofs=True)
+                report.append((step, sorted(sender.stats.whole_pairs), stats.bytes, stats.full_bytes,
+                               dict(sender.stats.kinds)))
         else:
             layout, plans = dst.layout(who[1]), planner.recv_plan(*who)
 
@@ -200,12 +201,13 @@ def _p2p_member(role: str, who: tuple, port: int, results) -> None:
                         for n, t in layout.tensors.items()}
 
             tensors = poisoned()
-            receiver = DeltaReceiver(transport, plans)
+            codec = DeltaCodec()
+            receiver = codec.decoder(plans)
             history = {}
             for step in range(STEPS):
                 gap = GAPS.get(step, {}).get(tuple(who))
                 if gap == "new instance":  # a fresh reader: nothing held, nothing provable
-                    receiver, tensors = DeltaReceiver(transport, plans), poisoned()
+                    receiver, tensors = codec.decoder(plans), poisoned()
                 elif gap == "skipped step":  # holds step - 2 whole, as if it missed step - 1
                     fill_from(layout, tensors, traj[step - 2])
                     receiver.version = step - 2
@@ -218,12 +220,12 @@ def _p2p_member(role: str, who: tuple, port: int, results) -> None:
                 elif gap == "touched":  # one element changed behind the reader's back
                     t = next(iter(tensors.values()))
                     t.view(-1)[0] = t.view(-1)[0] + 1
-                stats = receiver.receive(step, tensors)
+                stats = transport.recv_frames(step, plans, tensors, receiver, codec, proofs=True)
                 want = scatter(layout, traj[step])
                 bad = [n for n in want if not same(tensors[n], want[n])]
                 assert not bad, f"step {step}: wrong values in {bad[:4]}"
                 history[step] = stats.bytes
-                report.append((step, stats.bytes, stats.full_bytes, dict(receiver.last_kinds)))
+                report.append((step, stats.bytes, stats.full_bytes, dict(receiver.stats.kinds)))
         results.put((g_rank, "ok", report))
     except BaseException:  # noqa: BLE001 - the parent asserts
         results.put((g_rank, "error", traceback.format_exc()))
@@ -304,7 +306,7 @@ def test_p2p_gaps_fall_back_to_whole_pairs(p2p_job):
 def test_file_bit_exact_and_gaps_read_the_full_file(tmp_path):
     """Two trainers write full and delta files each step; four receivers (2 instances x tp=2) read the
     delta when they prove its base, else the full file -- each gap exactly where it happens."""
-    from weightsync.delta.file import DeltaFileReceiver, DeltaFileSender
+    from weightsync.codec.delta import DeltaCodec
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
     from weightsync.plan.planner import Planner
@@ -315,31 +317,31 @@ def test_file_bit_exact_and_gaps_read_the_full_file(tmp_path):
     src, dst = make_layout(spec, "fsdp:dp=2"), make_layout(spec, "vllm:tp=2")
     planner = Planner(src, dst, 1, bucket_bytes=24 << 10)  # elastic file: every instance reads slot 0's files
     traj = _trajectory(spec, STEPS)
+    codec = DeltaCodec()
     senders = []
     for r in range(2):
         tensors = scatter(src.layout(r), traj[0])
-        senders.append((r, tensors, DeltaFileSender(FileTransport(tmp_path), planner.send_plan(r), tensors)))
+        senders.append((r, tensors, codec.encoder(planner.send_plan(r), torch.device("cpu"))))
 
     def poisoned(j):
         return {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype])
                 for n, t in dst.layout(j).tensors.items()}
 
     plans = {j: planner.recv_plan(0, j) for j in range(2)}
-    receivers = {(i, j): [DeltaFileReceiver(FileTransport(tmp_path, consume=False), plans[j]), poisoned(j)]
-                 for i in range(2) for j in range(2)}
+    receivers = {(i, j): [codec.decoder(plans[j]), poisoned(j)] for i in range(2) for j in range(2)}
     for step in range(STEPS):
         for r, tensors, sender in senders:
             fill_from(src.layout(r), tensors, traj[step])
             if step == SENDER_FORGETS:
-                sender.previous.invalidate()
-            stats = sender.send(step)
+                sender.fail()
+            stats = FileTransport(tmp_path).send_frames(step, planner.send_plan(r), tensors, sender, codec)
             assert stats.bytes >= stats.full_bytes
         for (i, j), held in receivers.items():
             receiver, tensors = held
             layout = dst.layout(j)
             gap = GAPS.get(step, {}).get((i, j))
             if gap == "new instance":
-                receiver = held[0] = DeltaFileReceiver(FileTransport(tmp_path, consume=False), plans[j])
+                receiver = held[0] = codec.decoder(plans[j])
                 tensors = held[1] = poisoned(j)
             elif gap == "skipped step":
                 fill_from(layout, tensors, traj[step - 2])
@@ -353,17 +355,17 @@ def test_file_bit_exact_and_gaps_read_the_full_file(tmp_path):
             elif gap == "touched":
                 t = next(iter(tensors.values()))
                 t.view(-1)[0] = t.view(-1)[0] + 1
-            stats = receiver.receive(step, tensors)
+            stats = FileTransport(tmp_path, consume=False).recv_frames(step, plans[j], tensors, receiver, codec)
             want = scatter(layout, traj[step])
             bad = [n for n in want if not same(tensors[n], want[n])]
             assert not bad, f"step {step} instance {i} rank {j}: wrong values in {bad[:4]}"
             whole = step in (0, SENDER_FORGETS) or (gap is not None and gap != "touched")
             if whole:
-                assert len(receiver.last_full_pairs) == 2 and stats.bytes == stats.full_bytes, (step, i, j, gap)
+                assert len(receiver.stats.whole_pairs) == 2 and stats.bytes == stats.full_bytes, (step, i, j, gap)
             elif gap == "touched":
-                assert len(receiver.last_full_pairs) == 1, (step, i, j, receiver.last_full_pairs)
+                assert len(receiver.stats.whole_pairs) == 1, (step, i, j, receiver.stats.whole_pairs)
             else:
-                assert not receiver.last_full_pairs and stats.bytes < stats.full_bytes / 10, (step, i, j, stats)
+                assert not receiver.stats.whole_pairs and stats.bytes < stats.full_bytes / 10, (step, i, j, stats)
         for r, _, sender in senders:
             FileTransport(tmp_path).sweep(step + 1, pairs=planner.send_plan(r))
     assert not [n for n in __import__("os").listdir(tmp_path) if "step" in n and int(n.split(".")[0][4:]) < STEPS - 1]
@@ -542,8 +544,7 @@ def test_delta_is_refused_where_it_does_not_run():
     assert SessionOptions(transport="nixl", delta=True).delta  # sync over nixl runs deltas (tests/test_delta_nixl.py)
     assert SessionOptions(transport="nixl", mode="async", delta=True).delta  # tests/test_delta_nixl.py
     opts = SessionOptions(delta=True, delta_host=True).transport_options("gloo")
-    assert opts.delta and opts.delta_host
-    assert SessionOptions(delta=True).registered()["delta"] is True
+    assert opts.framed and opts.codec.name == "delta" and opts.codec.host
 
 
 def test_the_previous_version_counts_against_the_budget():
@@ -571,7 +572,7 @@ def test_the_previous_version_counts_against_the_budget():
         def abort(self, reason):
             Client.aborted = reason
 
-    b = Buffers(2, 24 << 10, previous=n)
+    b = Buffers(2, 24 << 10, codec=n)
     assert b.bytes == 2 * (24 << 10) + n
     with pytest.raises(ConfigError, match="previous version for delta updates"):
         enforce_memory_budget(Client(), n, b, "training rank 0")

@@ -1,4 +1,4 @@
-"""Delta updates over the nixl transport (weightsync.delta.nixl): real NIXL agents (UCX on loopback),
+"""Delta updates over the nixl transport (its frame reads, weightsync.codec.delta): real NIXL agents (UCX on loopback),
 a real MetaServer, random sparse changes per step, poisoned destinations, ``torch.equal``.
 
 One job is shared by the module's cases (set-up is the cost): two instances, so a gap in one shows
@@ -12,6 +12,7 @@ import uuid
 import pytest
 import torch
 
+from weightsync.codec.delta import DeltaCodec
 from weightsync.engines import make_layout
 from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
 from weightsync.meta.client import MetaClient
@@ -49,7 +50,7 @@ class Job:
         job = f"dnixl-{uuid.uuid4().hex[:8]}"
         self.link = MetaLink(url, job)
         self.client = MetaClient(url, job, timeout=TIMEOUT_S)
-        self.options = TransportOptions("nixl", mode, timeout_s=TIMEOUT_S, delta=True)
+        self.options = TransportOptions("nixl", mode, timeout_s=TIMEOUT_S, codec=DeltaCodec())
         self.canon = {0: random_canonical(self.spec, seed=7)}
         self.gen = torch.Generator().manual_seed(11)
         self.train = {r: scatter(self.src.layout(r), self.canon[0]) for r in range(self.src.world_size)}
@@ -117,14 +118,14 @@ def test_deltas_bit_exact_gap_falls_back_alone(job):
     job.write(1)
     for k, rx in job.receivers.items():
         st = rx.receive(1, job.targets[k])
-        assert rx.delta.last_full and st.bytes == full_of(rx) == st.full_bytes
+        assert bool(rx.decoder.stats.whole_pairs) and st.bytes == full_of(rx) == st.full_bytes
         assert not job.wrong(k, 1), job.wrong(k, 1)
     # steps 2, 3: every worker proves its base -> only the changes move, bit-exact
     for step in (2, 3):
         job.write(step)
         for k, rx in job.receivers.items():
             st = rx.receive(step, job.targets[k])
-            assert not rx.delta.last_full, k
+            assert not bool(rx.decoder.stats.whole_pairs), k
             assert 0 < st.bytes < 0.2 * full_of(rx) and st.full_bytes == full_of(rx), (k, st)
             assert not job.wrong(k, step), (k, job.wrong(k, step))
     # step 4: instance 1 misses it (a failed or skipped update); step 5: instance 1 reads in full, alone
@@ -135,7 +136,7 @@ def test_deltas_bit_exact_gap_falls_back_alone(job):
     job.write(5)
     for k, rx in job.receivers.items():
         st = rx.receive(5, job.targets[k])
-        assert rx.delta.last_full == (k[0] == 1), k
+        assert bool(rx.decoder.stats.whole_pairs) == (k[0] == 1), k
         assert st.bytes == (full_of(rx) if k[0] == 1 else st.bytes) and (k[0] == 1 or st.bytes < 0.2 * full_of(rx))
         assert not job.wrong(k, 5), (k, job.wrong(k, 5))
     # step 6: something touched one of instance 0's tensors -> its proof fails -> a full read heals it
@@ -145,7 +146,7 @@ def test_deltas_bit_exact_gap_falls_back_alone(job):
     job.write(6)
     for k, rx in job.receivers.items():
         rx.receive(6, job.targets[k])
-        assert rx.delta.last_full == (k == k0), k
+        assert bool(rx.decoder.stats.whole_pairs) == (k == k0), k
         assert not job.wrong(k, 6), (k, job.wrong(k, 6))
     # step 7: a staged copy (other tensors, poisoned) proves nothing -> full; the live ones stay at 6
     job.write(7)
@@ -153,14 +154,14 @@ def test_deltas_bit_exact_gap_falls_back_alone(job):
     staged = poisoned(job.dst.layout(1))
     rx = job.receivers[k1]
     rx.receive(7, staged)
-    assert rx.delta.last_full and not job.wrong(k1, 7, staged) and not job.wrong(k1, 6)
+    assert bool(rx.decoder.stats.whole_pairs) and not job.wrong(k1, 7, staged) and not job.wrong(k1, 6)
 
 
 def test_sync_payloads_re_encoded_under_the_read_raise_and_heal(job):
     """A trainer encoding its next step while a worker reads this one's payloads (an elastic trainer
     that dropped the slow worker and went on): nothing torn is applied, the receive raises naming the
     trainer, and that worker's next receive reads in full, bit-exact."""
-    from weightsync.delta.nixl import Restaged
+    from weightsync.transport.nixl import Restaged
 
     step = max(job.canon) + 1
     job.write(step)
@@ -169,34 +170,33 @@ def test_sync_payloads_re_encoded_under_the_read_raise_and_heal(job):
     k = (1, 0)
     rx = job.receivers[k]
     job.write(step + 1)
-    real = rx.delta._apply
+    real = rx.frames._apply
 
     def racing(plan, targets):
         job.write(step + 2)
         return real(plan, targets)
 
-    rx.delta._apply = racing
+    rx.frames._apply = racing
     try:
-        with pytest.raises(Restaged, match=r"training rank \d -> instance 1 rank 0: the trainer encoded a new delta"):
+        with pytest.raises(Restaged, match=r"training rank \d -> instance 1 rank 0: the trainer encoded new frames"):
             rx.receive(step + 1, job.targets[k])
     finally:
-        del rx.delta._apply
-    assert rx.delta.version is None
+        del rx.frames._apply
+    assert rx.decoder.version is None
     rx.receive(step + 2, job.targets[k])
-    assert rx.delta.last_full and not job.wrong(k, step + 2), job.wrong(k, step + 2)
+    assert bool(rx.decoder.stats.whole_pairs) and not job.wrong(k, step + 2), job.wrong(k, step + 2)
 
 
 def test_memory_counts_the_previous_version_and_the_region(job):
-    from weightsync.delta.nixl import region_bytes
     from weightsync.delta.state import previous_bytes
 
     for r, s in job.senders.items():
         plans = job.planner.send_plan(r)
-        buf = s.memory(s.delta and SenderContext(job.link, job.client, None, r, job.planner, plans, job.train[r]))
-        assert buf.previous == previous_bytes(plans) + region_bytes(plans) == s.delta.previous.nbytes + \
-            s.delta.region.numel()
+        buf = s.memory(SenderContext(job.link, job.client, None, r, job.planner, plans, job.train[r]))
+        assert buf.codec == previous_bytes(plans) + s.region.numel() == s.encoder.previous.nbytes + s.region.numel()
+        assert s.region.numel() == sum(-(-b.nbytes // 8) * 8 for b in s.distinct)  # each slot its worst case
     rx = job.receivers[0, 0]
-    assert rx.memory(rx.ctx).previous == 2 * max(b.nbytes for bs in rx.ctx.plans.values() for b in bs)
+    assert rx.memory(rx.ctx).codec == 2 * max(b.nbytes for bs in rx.ctx.plans.values() for b in bs)
 
 
 def test_a_bucket_the_trainer_did_not_plan_reads_in_full(meta):
@@ -210,7 +210,7 @@ def test_a_bucket_the_trainer_did_not_plan_reads_in_full(meta):
             for k, rx in j.receivers.items():
                 rx.receive(step, j.targets[k])
                 assert not j.wrong(k, step), (k, j.wrong(k, step))
-        covered = {k: not rx.delta.last_full for k, rx in j.receivers.items()}
+        covered = {k: not bool(rx.decoder.stats.whole_pairs) for k, rx in j.receivers.items()}
         assert covered[0, 0] and covered[0, 1] and not all(covered.values()), covered
     finally:
         j.close()
@@ -234,12 +234,12 @@ def pulled(job, k, step: int, read: str, targets=None) -> None:
     rx = job.receivers[k]
     p = rx.pull(job.targets[k] if targets is None else targets)
     assert p.steps == {step}, (k, p.steps)
-    assert rx.delta.last_full == (read == "full"), (k, step)
+    assert bool(rx.decoder.stats.whole_pairs) == (read == "full"), (k, step)
     assert p.stats.full_bytes == full_of(rx), (k, p.stats)
     moved = {"full": lambda n: n == full_of(rx), "delta": lambda n: 0 < n < 0.2 * full_of(rx),
              "none": lambda n: n == 0}[read]
     assert moved(p.stats.bytes), (k, read, p.stats)
-    assert rx.delta.version == step
+    assert rx.decoder.version == step
     assert not job.wrong(k, step, targets), (k, job.wrong(k, step, targets))
 
 
@@ -285,7 +285,7 @@ def test_async_pull_torn_by_a_restage_is_a_mix_then_reads_in_full(async_job, whe
     job.write(step)
     rx.pull(job.targets[k])  # whole: the base of the next snapshot
     job.write(step + 1)
-    real = rx.delta._apply
+    real = rx.frames._apply
 
     def racing(plan, targets):
         if when == "after applying":
@@ -295,12 +295,12 @@ def test_async_pull_torn_by_a_restage_is_a_mix_then_reads_in_full(async_job, whe
         job.write(step + 2)  # staged between reading the index and reading the payloads
         return real(plan, targets)
 
-    rx.delta._apply = racing
+    rx.frames._apply = racing
     try:
         p = rx.pull(job.targets[k])
     finally:
-        del rx.delta._apply
-    assert p.steps == {step + 1, -1} and not rx.delta.last_full and rx.delta.version is None, p.steps
+        del rx.frames._apply
+    assert p.steps == {step + 1, -1} and not bool(rx.decoder.stats.whole_pairs) and rx.decoder.version is None, p.steps
     if when == "after applying":
         assert not job.wrong(k, step + 1)  # whole, yet not reported: the header moved
     pulled(job, k, step + 2, "full")

@@ -97,9 +97,13 @@ def _plans():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_in_place_sender_matches_the_serial_path(device):
+    """The delta encoder over a kept slot (nixl's registered region): with the base on the device it
+    writes the payload over the packed bytes and patches the base; with it in host memory it encodes
+    beside them. Both give the same headers and payloads, and a receiver holding last step applies them."""
     from weightsync.bench.delta import apply_step
     from weightsync.bench.scenarios import init_weights
-    from weightsync.delta.nixl import HEAD, SLOT, DeltaNixlSender, _buckets
+    from weightsync.codec.base import WHOLE
+    from weightsync.codec.delta import KIND_NAMES, DeltaCodec
     from weightsync.delta.state import words_of
     from weightsync.layout.materialize import TORCH_DTYPES
     from weightsync.transport.pack import pack
@@ -109,38 +113,38 @@ def test_in_place_sender_matches_the_serial_path(device):
     dev = torch.device(device)
     tens = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in lay.tensors.items()}
     init_weights(lay, tens, spec)
-    fast, slow = DeltaNixlSender(plans, tens, dev), DeltaNixlSender(plans, tens, dev, host=True)
-    assert fast._buf is None and slow._buf is not None  # the in-place path packs into the region
-    fast.region.random_(0, 256)  # poison
-    buckets = {b.index: b for b in _buckets(plans)}
-    before = {i: pack(b, tens).clone() for i, b in buckets.items()}
+    fast, slow = DeltaCodec().encoder(plans, dev), DeltaCodec(host=True).encoder(plans, dev)
+    live = [b for p in sorted(plans) for b in sorted(plans[p], key=lambda b: b.index) if b.nbytes]
+    buckets = fast.distinct(live)
+    regions = {id(e): {b.index: torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8, device=dev) for b in buckets}
+               for e in (fast, slow)}  # poisoned
+    before = {b.index: pack(b, tens).clone() for b in buckets}
     seen: dict[str, int] = {}
     for step, frac in enumerate([None, 0.003, 0.05, 0.0, 0.4, 1.0, 0.01]):
         if frac is not None:
             apply_step(lay, tens, spec, frac, step)
-        fast.encode(step)
-        slow.encode(step)
-        assert torch.equal(fast.index, slow.index), (step, frac)
-        assert fast.index[1] == step and fast.index[0] % 2 == 0
-        assert fast.last_kinds == slow.last_kinds
-        for k, s in enumerate(fast.sigs):
-            b = fast.first[s]
+        heads = {}
+        for e in (fast, slow):
+            e.begin(step, None)
+            for b in buckets:
+                e.encode(b, tens, regions[id(e)][b.index], kept=True)
+            heads[id(e)] = e.end(step)
+        assert heads[id(fast)] == heads[id(slow)], (step, frac)
+        assert fast.stats.kinds == slow.stats.kinds
+        for b in buckets:
             now = pack(b, tens)
-            got = fast.previous.base(b)
-            assert torch.equal(got, now) and torch.equal(slow.previous.base(b).to(dev), now)  # the base is this step
-            assert fast.previous.checksum_of(b) == slow.previous.checksum_of(b) == codec.checksum([now])
-            off, kind, count = (int(x) for x in fast.index[HEAD + SLOT * k + 1: HEAD + SLOT * k + 4])
-            if kind == -1:
+            h = heads[id(fast)][fast.key(b)]
+            assert torch.equal(fast.previous.base(b), now) and torch.equal(slow.previous.base(b).to(dev), now)
+            assert fast.previous.checksum_of(b) == slow.previous.checksum_of(b) == codec.checksum([now]) == h.sum
+            if h.kind == WHOLE:
                 continue
-            seen[codec.KIND_NAMES[kind]] = seen.get(codec.KIND_NAMES[kind], 0) + 1
+            seen[KIND_NAMES[h.kind]] = seen.get(KIND_NAMES[h.kind], 0) + 1
+            got = regions[id(fast)][b.index][: h.nbytes]
+            assert torch.equal(got, regions[id(slow)][b.index][: h.nbytes]), (step, b.index)
+            assert h.base == step - 1 and h.base_sum == codec.checksum([before[b.index]])
             w = words_of(b).word
-            n = codec.payload_bytes(kind, count, b.nbytes // w, w)
-            assert torch.equal(fast.region[off: off + n], slow.region[off: off + n]), (step, b.index)
             held = before[b.index].clone()  # a receiver holding last step applies the payload
-            codec.apply([codec.as_words(held, w)], kind, count, w, fast.region[off: off + n].clone())
+            codec.apply([codec.as_words(held, w)], h.kind, h.count, w, got.clone())
             assert torch.equal(held, now)
-            before[b.index] = now.clone()
-        if step == 0:
-            for b in buckets.values():
-                before[b.index] = pack(b, tens).clone()
+        before = {b.index: pack(b, tens).clone() for b in buckets}
     assert {"same", "indices", "bitmap", "full"} <= set(seen), seen

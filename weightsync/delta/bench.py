@@ -126,7 +126,7 @@ def _mutate(tensors: dict, frac: float, g: torch.Generator) -> None:
 
 
 def _member(role: str, port: int, model: str, fractions, steps: int, results) -> None:
-    from weightsync.delta.p2p import DeltaReceiver, DeltaSender
+    from weightsync.codec.delta import DeltaCodec
     from weightsync.engines import make_layout
     from weightsync.integrity.digest import checksum, to_ints
     from weightsync.layout.materialize import scatter
@@ -134,7 +134,8 @@ def _member(role: str, port: int, model: str, fractions, steps: int, results) ->
     from weightsync.spec import load_spec
     from weightsync.testing import random_canonical
     from weightsync.transport.group import new_group
-    from weightsync.transport.p2p import JobRanks, P2PTransport
+    from weightsync.plan.job import JobRanks
+    from weightsync.transport.p2p import P2PTransport
 
     torch.set_num_threads(1)  # two processes on a shared machine: OpenMP threads would spin against each other
     try:
@@ -145,14 +146,15 @@ def _member(role: str, port: int, model: str, fractions, steps: int, results) ->
         pg = new_group("127.0.0.1", port, 0 if role == "train" else 1, 2, timeout_s=120)
         t = P2PTransport(pg, ranks, timeout_s=300)
         g = torch.Generator().manual_seed(1)
+        codec = DeltaCodec()
         if role == "train":
             plans = planner.send_plan(0)
             tensors = scatter(lay.layout(0), random_canonical(spec, 0))
-            delta = DeltaSender(t, plans, tensors)
+            delta = codec.encoder(plans, torch.device("cpu"))
         else:
             plans = planner.recv_plan(0, 0)
             tensors = {n: torch.empty_like(x) for n, x in scatter(lay.layout(0), random_canonical(spec, 1)).items()}
-            delta = DeltaReceiver(t, plans)
+            delta = codec.decoder(plans)
         rows = []
         for frac in fractions:
             for mode in ("full", "delta"):
@@ -160,14 +162,16 @@ def _member(role: str, port: int, model: str, fractions, steps: int, results) ->
                     if role == "train":
                         if step or mode == "delta":
                             _mutate(tensors, frac, g)
-                        st = (delta.send(step) if mode == "delta" else t.send(plans, tensors))
+                        st = (t.send_frames(step, plans, tensors, delta, codec, proofs=True) if mode == "delta"
+                              else t.send(plans, tensors))
                     else:
-                        st = (delta.receive(step, tensors) if mode == "delta" else t.recv(plans, tensors))
+                        st = (t.recv_frames(step, plans, tensors, delta, codec, proofs=True) if mode == "delta"
+                              else t.recv(plans, tensors))
                     rows.append((mode, frac, step, st.bytes, st.full_bytes or st.bytes, st.seconds))
                     if mode == "delta" and step:
-                        print(role, frac, step, {k: round(v, 3) for k, v in delta.last_phases.items()}, flush=True)
+                        print(role, frac, step, dict(delta.stats.kinds), flush=True)
                 if mode == "delta":
-                    delta.previous.invalidate() if role == "train" else delta.forget()
+                    delta.fail()  # the next fraction starts whole
         sums = to_ints([checksum(tensors[n]) for n in sorted(tensors)])
         results.put((role, rows, sums))
     except BaseException:  # noqa: BLE001
@@ -281,7 +285,7 @@ def _rss() -> int:
 
 
 def memory_rows(model: str = "qwen3-0.6b") -> list[dict]:
-    """The sender's previous version: bytes the plan says (``Buffers.previous``) against the resident
+    """The sender's previous version: bytes the plan says (``Buffers.codec``) against the resident
     memory it took once stored, kept on the tensors' device and (``host=True``) in host memory (pinned
     where CUDA is present; on a CPU-only machine both are host memory)."""
     from weightsync.delta.state import PreviousVersion, previous_buffers_bytes, previous_bytes

@@ -2,7 +2,7 @@
 
 A delta applies only on top of exactly the version it was encoded against. The sender keeps that
 version (:class:`PreviousVersion`): per bucket, the wire bytes it sent last step, their checksum,
-and the step. A receiver proves what it holds (:class:`Proof`): the step it last received whole
+and the step. A receiver proves what it holds (:class:`weightsync.codec.base.Proof`): the step it last received whole
 and the checksum of what its target tensors hold *now*, read back in the bucket's wire form
 (:func:`base_parts`) -- so a failed or skipped update, a new instance, a staged copy left half
 written or rolled back, or anything else that touched the tensors, shows as a different version or
@@ -10,7 +10,7 @@ checksum, and the sender sends that pair whole (a full sync for that instance).
 
 Memory. The previous version is one copy of the wire bytes a rank sends, stored once per distinct
 source layout of a bucket (instances with equal layouts share it): :attr:`PreviousVersion.nbytes`,
-reported through :class:`~weightsync.transport.base.Buffers` ``previous`` and counted against the
+reported through :class:`~weightsync.transport.base.Buffers` ``codec`` and counted against the
 memory budget. It lives on the tensors' device, or (``host=True``) in host memory, pinned where
 CUDA is present, which costs a copy to the device per changed bucket instead of GPU memory.
 """
@@ -32,7 +32,6 @@ from weightsync.plan.planner import Bucket, Pair
 log = logging.getLogger("weightsync.delta")
 
 _MASK = (1 << 64) - 1
-NO_VERSION = -1  # a proof of nothing: the receiver holds no version it can prove
 
 
 @dataclass(frozen=True)
@@ -50,15 +49,6 @@ def words_of(bucket: Bucket, direct_min: int = DIRECT_MIN_BYTES) -> Words:
 def combine(acc: int, part: int) -> int:
     """Fold one bucket's checksum into a pair's (in the pair's bucket order, the same on both ends)."""
     return (acc * 0x100000001B3 + part) & _MASK
-
-
-@dataclass(frozen=True)
-class Proof:
-    """What a receiver holds for one pair: the step it last received whole (or :data:`NO_VERSION`)
-    and the checksum of its buckets' current bytes in wire form."""
-
-    version: int
-    checksum: int
 
 
 def signature(bucket: Bucket) -> tuple:
@@ -104,6 +94,12 @@ class PreviousVersion:
 
     def base(self, bucket: Bucket) -> torch.Tensor | None:
         return self._store.get(self._sig[(bucket.pair, bucket.index)]) if self.version is not None else None
+
+    def checksums(self) -> dict[tuple, int]:
+        """Every stored bucket's checksum by signature (the queued ones read at once)."""
+        if self._pending:
+            self._resolve()
+        return dict(self._sums)
 
     def checksum_of(self, bucket: Bucket) -> int | None:
         if self._pending:

@@ -113,10 +113,10 @@ def check(cfg: DemoConfig) -> None:
     if cfg.lr is not None and not cfg.lr > 0:
         raise ConfigError(f"demo: --lr must be positive, got {cfg.lr}")
     if cfg.delta:  # co-located, async or a transport without deltas: the one-line refusal
-        from weightsync.delta import check_options
+        from weightsync.codec.registry import check
         from weightsync.transport.base import resolve
 
-        check_options(resolve(cfg.transport, colocate=cfg.colocate, mode="sync", directory="-"), "sync", True)
+        check("delta", resolve(cfg.transport, colocate=cfg.colocate, mode="sync", directory="-"), "sync")
     if cfg.engines not in ("faithful", "real"):
         raise ConfigError(f"demo: --engines must be faithful or real, not {cfg.engines!r}")
     spec = load_spec(cfg.model)

@@ -41,8 +41,8 @@ def enforce_memory_budget(client: MetaClient, budget: int | None, buffers: Buffe
     if budget is not None and need > budget:
         reason = (
             f"{who}: the transport would keep {slots} buffers of {largest} bytes (its largest bucket)"
-            + (f" and the previous version for delta updates ({buffers.previous} bytes; delta_host=True keeps it "
-               f"in host memory instead)" if buffers.previous else "")
+            + (f" and what its codec keeps ({buffers.codec} bytes: delta keeps the previous version for delta "
+               f"updates; delta_host=True keeps it in host memory instead)" if buffers.codec else "")
             + f" = {need} bytes beyond the weights, over the memory budget of {budget} bytes; plan smaller buckets "
             f"(bucket_bytes <= {budget // max(slots, 1)}) or raise memory_budget"
         )

@@ -112,18 +112,26 @@ class SessionOptions:
             raise ConfigError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         object.__setattr__(self, "transport_name", resolve(self.transport, colocate=self.colocate, mode=self.mode,
                                                            directory=self.directory))
-        from weightsync.delta import check_options
+        from weightsync.codec.registry import check
 
-        check_options(self.transport_name, self.mode, self.delta)
+        check(self.codec_name, self.transport_name, self.mode)  # refused by name, before any I/O
 
     @property
     def elastic(self) -> bool:
         """Whether instances may join, leave and die while the job runs (the transport says)."""
         return TRANSPORTS[self.transport_name].elastic
 
+    @property
+    def codec_name(self) -> str:
+        """What each bucket's payload holds (weightsync.codec)."""
+        return "delta" if self.delta else "full"
+
     def transport_options(self, backend: str) -> TransportOptions:
+        from weightsync.codec.registry import make_codec
+
+        codec = make_codec("delta", host=self.delta_host) if self.delta else None  # None: the plan's bytes (full)
         return TransportOptions(self.transport_name, self.mode, backend, self.timeout_s, self.host,
-                                self.directory, self.peer_copies, delta=self.delta, delta_host=self.delta_host)
+                                self.directory, self.peer_copies, codec=codec)
 
     def registered(self) -> dict[str, Any]:
         """The options every participant must agree on, as registered with the MetaServer."""

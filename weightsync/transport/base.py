@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from weightsync.errors import ConfigError
 
@@ -66,7 +66,7 @@ class StepStats:
     started: float = 0.0
     #: bytes this worker wrote into other workers' tensors (co-located push)
     pushed_bytes: int = 0
-    #: delta updates: the bytes a full sync would have moved (``bytes`` is what moved)
+    #: the bytes the full codec would have moved, where the codec moved others (``bytes``: what moved)
     full_bytes: int = 0
 
 
@@ -77,12 +77,13 @@ class Buffers:
 
     slots: int = 0
     largest: int = 0
-    #: delta updates: the sender's copy of the version it sent last (:mod:`weightsync.delta.state`)
-    previous: int = 0
+    #: what the codec keeps beyond them (delta: the sender's previous version, a staged region, a
+    #: receiver's scratch; :mod:`weightsync.codec`)
+    codec: int = 0
 
     @property
     def bytes(self) -> int:
-        return self.slots * self.largest + self.previous
+        return self.slots * self.largest + self.codec
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,26 @@ class MetaLink:
         return MetaClient(self.url, self.job, token=self.token, timeout=timeout_s)
 
 
+class Codec(Protocol):
+    """What a transport needs of a codec (:mod:`weightsync.codec.base`, whose classes implement it; a
+    transport never imports a codec): its two sides, and the wire forms of its per-bucket header and
+    of a receiver's proof, read back from int64 words."""
+
+    name: str
+    needs: frozenset[str]
+    framed: bool
+    header_words: int
+    proof_words: int
+
+    def encoder(self, plans: Plans, device: torch.device) -> Any: ...
+
+    def decoder(self, plans: Plans) -> Any: ...
+
+    def header(self, words: Sequence[int]) -> Any: ...
+
+    def proof(self, words: Sequence[int]) -> Any: ...
+
+
 @dataclass(frozen=True)
 class TransportOptions:
     """What a participant chose for its transport (the job agrees on ``name`` and ``mode``)."""
@@ -118,8 +139,13 @@ class TransportOptions:
     host: str = "127.0.0.1"  # where a group this rank hosts listens
     directory: str | None = None  # the file transport's directory
     peer_copies: bool = True  # co-located: read other GPUs' memory directly (CUDA peer access)
-    delta: bool = False  # send only what changed since the version each receiver proves (weightsync.delta)
-    delta_host: bool = False  # delta: keep the previous version in (pinned) host memory, not on the device
+    #: what each bucket's payload holds (:mod:`weightsync.codec`); None: the plan's bytes themselves (full)
+    codec: Codec | None = None
+
+    @property
+    def framed(self) -> bool:
+        """Whether the codec's payloads differ from the plan's bytes (the transport's frame path runs)."""
+        return self.codec is not None and self.codec.framed
 
 
 @dataclass
@@ -227,20 +253,31 @@ class TransportEntry:
     #: a sender's per-step work does not depend on which instances exist, so instances may join, leave
     #: or die while the trainers run (:mod:`weightsync.runtime.session`, "membership")
     elastic: bool = False
-    #: runs delta updates (``delta=True``); a new transport opts in once it does (docs/delta.md)
-    delta: bool = False
+    #: per mode, what it serves a codec (:data:`weightsync.codec.base.NEEDS`): the session refuses a
+    #: codec whose needs it lacks (:func:`weightsync.codec.registry.check`)
+    serves: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
+
+# what a transport may serve a codec (the same strings as weightsync.codec.base.NEEDS)
+SENDER_STEP = "a sender step over every bucket's bytes"
+BASE_PROOF = "the receiver's proof of its base"
+_BOTH = frozenset({SENDER_STEP, BASE_PROOF})
 
 #: every transport; a new one is one module and one line here
 TRANSPORTS: dict[str, TransportEntry] = {
+    # p2p: proofs travel back before a sync step; an async pull takes the staged snapshot as it is
     "p2p": TransportEntry("weightsync.transport.p2p:P2PSender", "weightsync.transport.p2p:P2PReceiver",
-                          modes=frozenset({"sync", "async"}), delta=True),
+                          modes=frozenset({"sync", "async"}),
+                          serves={"sync": _BOTH, "async": frozenset({SENDER_STEP})}),
+    # co-located: the workers copy the trainers' memory themselves (no sender step)
     "colocated": TransportEntry("weightsync.transport.colocated:ColocatedSender",
                                 "weightsync.transport.colocated:ColocatedReceiver", colocated=True),
+    # file: frames are written beside the full file with their headers, each reader proves its base
     "file": TransportEntry("weightsync.transport.file:FileSender", "weightsync.transport.file:FileReceiver",
-                           needs_directory=True, elastic=True, delta=True),
+                           needs_directory=True, elastic=True, serves={"sync": _BOTH}),
+    # nixl: frames are encoded into a registered region with an index of headers, read one-sided
     "nixl": TransportEntry("weightsync.transport.nixl:NixlSender", "weightsync.transport.nixl:NixlReceiver",
-                           modes=frozenset({"sync", "async"}), elastic=True, delta=True),
+                           modes=frozenset({"sync", "async"}), elastic=True, serves={"sync": _BOTH, "async": _BOTH}),
 }
 
 

@@ -40,6 +40,7 @@ exactly as after a failed P2P receive.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import struct
@@ -56,8 +57,12 @@ from weightsync.transport.base import Buffers, Receiver, ReceiverContext, Sender
 from weightsync.transport.p2p import TransferStats, describe
 from weightsync.transport.pack import pack, unpack
 
+log = logging.getLogger("weightsync.transport.file")
+
 FORMAT = "weightsync.file/1"
-_NAME = re.compile(r"^\.?step(\d+)\.t(\d+)\.i(\d+)\.r(\d+)\.safetensors(\.delta)?(\..*\.tmp)?$")  # .delta: weightsync.delta.file
+_NAME = re.compile(r"^\.?step(\d+)\.t(\d+)\.i(\d+)\.r(\d+)\.safetensors(\.frames)?(\..*\.tmp)?$")  # .frames: a codec's
+FRAMES = "weightsync.frames/1"
+FRAMES_SUFFIX = ".frames"
 
 Plans = Mapping[Pair, list[Bucket]]
 
@@ -136,7 +141,8 @@ class FileTransport:
             nbytes += sum(b.nbytes for b in bs)
         return TransferStats(buckets, nbytes, time.perf_counter() - start if plans else 0.0)
 
-    def recv(self, plans: Plans, tensors: Mapping[str, torch.Tensor], *, step: int | None = None) -> TransferStats:
+    def recv(self, plans: Plans, tensors: Mapping[str, torch.Tensor], *, step: int | None = None,
+             consume: Callable[[Pair, str], tuple[int, int]] | None = None) -> TransferStats:
         """Wait for, check and unpack every pair file of this inference rank's ``recv_plan`` in place.
 
         ``step``: the step being moved (as the senders named it); default ``step_fn()``. Each file is
@@ -154,7 +160,8 @@ class FileTransport:
         while pending:
             arrived = [pair for pair, path in pending.items() if os.path.exists(path)]
             for pair in arrived:
-                b, n = self._consume(step, pair, plans[pair], pending.pop(pair), tensors)
+                path = pending.pop(pair)
+                b, n = self._consume(step, pair, plans[pair], path, tensors) if consume is None else consume(pair, path)
                 buckets, nbytes = buckets + b, nbytes + n
             if arrived:
                 last_progress = time.monotonic()
@@ -171,6 +178,149 @@ class FileTransport:
                 )
             time.sleep(self.poll_s)
         return TransferStats(buckets, nbytes, time.perf_counter() - start)
+
+    # -- frames (a framed codec: weightsync.codec) ------------------------------------------------
+    def send_frames(self, step: int, plans: Plans, tensors: Mapping[str, torch.Tensor], encoder, codec, *,
+                    cap_bytes: int | None = None) -> TransferStats:
+        """Write, per pair, the full file as :meth:`send` does and, beside it, a *frames file*
+        ``<full name>.frames``: every bucket's payload and header (with the base it was encoded against
+        and that base's checksum, which each reader proves itself: the files are written once for every
+        instance). The frames file is written first and the full file renamed into place after it, so a
+        reader that sees the full file sees the frames file too (when there is one). A pair gets no
+        frames file when a bucket has no encoding (no base yet), or when its payloads, held in memory
+        until written, would exceed ``cap_bytes`` (default: 4 of the pair's largest bucket)."""
+        step = self._step(step)
+        self._check_pairs(plans)
+        start = time.perf_counter()
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        encoder.begin(step, None)
+        written = full = count = 0
+        try:
+            for pair in sorted(plans):
+                w, f, c = self._write_frames(step, pair, plans[pair], tensors, encoder, codec, device, cap_bytes)
+                written, full, count = written + w, full + f, count + c
+            encoder.end(step)
+        except BaseException:
+            encoder.fail()
+            raise
+        return TransferStats(count, written, time.perf_counter() - start, full_bytes=full)
+
+    def _write_frames(self, step: int, pair: Pair, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor],
+                      encoder, codec, device: torch.device, cap_bytes: int | None) -> tuple[int, int, int]:
+        final = os.path.join(self.directory, file_name(step, pair))
+        tmp = os.path.join(self.directory, f".{file_name(step, pair)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        live = [b for b in buckets if b.nbytes > 0]
+        cap = cap_bytes if cap_bytes is not None else 4 * max((b.nbytes for b in live), default=0)
+        payloads: dict[str, torch.Tensor] | None = {}
+        headers: list[list[int]] = []
+        held = 0
+        full = sum(b.nbytes for b in live)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_header(step, pair, buckets, pair_hash(buckets)))
+                for b in live:
+                    frame = encoder.encode(b, tensors, self._packing_buffer(b.nbytes, device)[: b.nbytes])
+                    f.write((frame.packed if frame.packed.device.type == "cpu" else frame.packed.cpu()).numpy())
+                    if payloads is None:
+                        continue
+                    held += frame.header.nbytes
+                    if frame.header.whole or held > cap:
+                        if not frame.header.whole:
+                            log.info("step %d, %s: the payloads exceed %d bytes; no frames file this step",
+                                     step, describe(pair), cap)
+                        payloads = None
+                        continue
+                    payloads[bucket_key(b.index)] = frame.payload[: frame.header.nbytes].cpu().clone()
+                    headers.append([b.index, *frame.header.words()])
+            if payloads is not None and live:
+                self._save_frames(step, pair, buckets, payloads, headers, codec)
+            os.replace(tmp, final)  # after the frames file: a reader seeing this sees that
+        except BaseException as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(e, OSError):
+                raise TransportError(f"step {step}: writing the files of {describe(pair)} to {self.directory} "
+                                     f"failed: {e}", pair=pair) from e
+            raise
+        framed = sum(p.numel() for p in payloads.values()) if payloads is not None else 0
+        return full + framed, full, len(live)
+
+    def _save_frames(self, step: int, pair: Pair, buckets: list[Bucket], payloads: dict[str, torch.Tensor],
+                     headers: list[list[int]], codec) -> None:
+        from safetensors.torch import save_file
+
+        final = os.path.join(self.directory, file_name(step, pair) + FRAMES_SUFFIX)
+        tmp = os.path.join(self.directory, f".{file_name(step, pair)}{FRAMES_SUFFIX}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        meta = {"format": FRAMES, "codec": codec.name, "step": str(step), "pair": ",".join(map(str, pair)),
+                "pair_hash": pair_hash(buckets), "headers": json.dumps(headers)}
+        try:
+            save_file(payloads, tmp, metadata=meta)
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def recv_frames(self, step: int, plans: Plans, targets: Mapping[str, torch.Tensor], decoder, codec) -> TransferStats:
+        """Read each pair's frames file when ``decoder`` proves every header's base (:meth:`send_frames`),
+        else its full file: the fall-back needs no round trip. Bytes moved are the bytes read."""
+        step = self._step(step)
+        held = decoder.begin()  # from here the targets may mix two steps
+        device = next(iter(targets.values())).device if targets else torch.device("cpu")
+        largest = max((b.nbytes for bs in plans.values() for b in bs), default=0)
+        if self._buffer is None or self._buffer.numel() < largest or self._buffer.device != device:
+            self._buffer = torch.empty(largest, dtype=torch.uint8, device=device)
+        slot = self._buffer
+
+        def consume(pair: Pair, path: str) -> tuple[int, int]:
+            live = [b for b in plans[pair] if b.nbytes > 0]
+            moved = self._read_frames(step, held, pair, plans[pair], live, targets, slot, decoder, codec)
+            if moved is None:
+                _, moved = self._consume(step, pair, plans[pair], path, targets)
+                decoder.whole(pair, live)
+            return len(live), moved
+
+        try:
+            stats = self.recv(plans, targets, step=step, consume=consume)
+        except BaseException:
+            decoder.fail()
+            raise
+        decoder.end(step)
+        full = sum(b.nbytes for bs in plans.values() for b in bs)
+        return TransferStats(stats.buckets, stats.bytes, stats.seconds, full_bytes=full)
+
+    def _read_frames(self, step: int, held: int | None, pair: Pair, buckets: list[Bucket], live: list[Bucket],
+                     targets: Mapping[str, torch.Tensor], slot: torch.Tensor, decoder, codec) -> int | None:
+        """Decode the pair's frames file in place and return its bytes, or None when there is none or
+        the decoder does not prove its bases (then the full file is read)."""
+        path = os.path.join(self.directory, file_name(step, pair) + FRAMES_SUFFIX)
+        if held is None or not os.path.exists(path):
+            return None
+        with safe_open(path, framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            if (meta.get("format") != FRAMES or meta.get("codec") != codec.name or meta.get("step") != str(step)
+                    or meta.get("pair_hash") != pair_hash(buckets)):
+                return None
+            got = {h[0]: codec.header(h[1:]) for h in json.loads(meta["headers"])}
+            if set(got) != {b.index for b in live}:
+                return None
+            items = [(b, got[b.index]) for b in live]
+            read = decoder.accepts(step, held, items, targets, slot)
+            if read is None:
+                log.info("step %d, %s: this reader does not hold the frames' base; reading the full file",
+                         step, describe(pair))
+                return None
+            moved = 0
+            for i in read:
+                b, h = items[i]
+                payload = f.get_tensor(bucket_key(b.index))
+                decoder.decode(b, h, payload, targets, slot)
+                moved += payload.numel()
+        return moved
 
     def sweep(self, before_step: int, pairs: Iterable[Pair] | None = None) -> int:
         """Delete files (final and temporary) of steps earlier than ``before_step``; return how many.
@@ -301,25 +451,25 @@ class FileSender(Sender):
     instance holds the step (``held``), and whatever is left of its own at ``close``."""
 
     def memory(self, ctx: SenderContext) -> Buffers:
-        if self.options.delta:  # the previous version, kept for the next step's deltas (weightsync.delta)
-            from weightsync.delta.state import previous_buffers_bytes
+        return Buffers(codec=self._encoder(ctx).memory() if self.options.framed else 0)
 
-            return Buffers(previous=previous_buffers_bytes(ctx.plans, self.options.delta_host))
-        return Buffers()
+    def _encoder(self, ctx: SenderContext):
+        """The codec's encoder for this rank (framed codecs: :mod:`weightsync.codec`), made once."""
+        if getattr(self, "encoder", None) is None:
+            self.encoder = self.options.codec.encoder(ctx.plans, next(iter(ctx.tensors.values())).device)
+        return self.encoder
 
     def connect(self, ctx: SenderContext) -> None:
         self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s)
         self.plans, self.tensors = ctx.plans, ctx.tensors
-        self.delta = None
-        if self.options.delta:  # a delta file beside each full file (weightsync.delta.file)
-            from weightsync.delta.file import DeltaFileSender
-
-            self.delta = DeltaFileSender(self.transport, ctx.plans, ctx.tensors, host=self.options.delta_host)
+        self.encoder = None
+        if self.options.framed:  # a frames file beside each full file
+            self._encoder(ctx)
 
     def send(self, step: int) -> StepStats:
         with torch.no_grad():
-            if self.delta is not None:
-                return self.delta.send(step)
+            if self.encoder is not None:
+                return self.transport.send_frames(step, self.plans, self.tensors, self.encoder, self.options.codec)
             return self.transport.send(self.plans, self.tensors, step=step)
 
     def held(self, step: int) -> None:
@@ -340,13 +490,10 @@ class FileReceiver(Receiver):
     def connect(self, ctx: ReceiverContext) -> None:
         self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s, consume=False)
         self.plans = ctx.plans if ctx.instance == 0 else ctx.planner.recv_plan(0, ctx.rank)
-        self.delta = None
-        if self.options.delta:  # the delta file when this worker proves its base, else the full file
-            from weightsync.delta.file import DeltaFileReceiver
-
-            self.delta = DeltaFileReceiver(self.transport, self.plans)
+        # the frames file when this worker proves its base, else the full file
+        self.decoder = self.options.codec.decoder(self.plans) if self.options.framed else None
 
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
-        if self.delta is not None:
-            return self.delta.receive(step, targets)
+        if self.decoder is not None:
+            return self.transport.recv_frames(step, self.plans, targets, self.decoder, self.options.codec)
         return self.transport.recv(self.plans, targets, step=step)

@@ -70,6 +70,14 @@ log = logging.getLogger("weightsync.transport.nixl")
 SLOTS = 2  # staging slots: unpacking bucket k overlaps reading bucket k+1
 POLL_S = 20e-6
 
+# a framed codec's region and index: two more entries of the descriptor document (never a model tensor's name)
+REGION = "__weightsync.frames.region"
+INDEX = "__weightsync.frames.index"
+HEAD = 3  # index words before the slots: seq (odd while stamped), step, slots
+SLOT = 8  # words per slot: key, offset, then the header's 6 words (kind WHOLE: no payload this step)
+WHOLE = -1  # weightsync.codec.base.WHOLE
+_ALIGN = 8
+
 
 def _describe(pair: Pair) -> str:
     return f"training rank {pair[0]} -> instance {pair[1]} rank {pair[2]}"
@@ -117,11 +125,22 @@ class NixlSender(Sender):
     modes = frozenset({"sync", "async"})
 
     def memory(self, ctx: SenderContext) -> Buffers:
-        if self.options.delta:  # the previous version and the registered delta region (weightsync.delta.nixl)
-            from weightsync.delta.nixl import sender_buffers_bytes
+        if not self.options.framed:
+            return Buffers()
+        encoder, _, _, size = self._frames_layout(ctx)  # what the codec keeps, and the registered region
+        return Buffers(codec=encoder.memory() + size)
 
-            return Buffers(previous=sender_buffers_bytes(ctx.plans, self.options.delta_host))
-        return Buffers()
+    def _frames_layout(self, ctx: SenderContext):
+        """A framed codec's encoder, the distinct buckets it encodes (one per source layout, ordered by
+        key), each one's offset in the region, and the region's size (each slot its worst case)."""
+        encoder = self.options.codec.encoder(ctx.plans, next(iter(ctx.tensors.values())).device)
+        live = [b for p in sorted(ctx.plans) for b in sorted(ctx.plans[p], key=lambda b: b.index) if b.nbytes > 0]
+        distinct = sorted(encoder.distinct(live), key=encoder.key)
+        offsets, at = [], 0
+        for b in distinct:
+            offsets.append(at)
+            at += -(-encoder.bound(b) // _ALIGN) * _ALIGN
+        return encoder, distinct, offsets, at
 
     def connect(self, ctx: SenderContext) -> None:
         nixl = load_nixl()
@@ -140,14 +159,18 @@ class NixlSender(Sender):
         self.regs = [_register(self.agent, regions, mem, dev),
                      _register(self.agent, [(self.header.data_ptr(), self.header.numel() * 8)], "DRAM", 0)]
         served = dict(self.served)
-        self.delta = None
-        if self.options.delta:  # encoded into a registered region: sync from the live weights, async the snapshot
-            from weightsync.delta.nixl import INDEX, REGION, DeltaNixlSender
-
-            self.delta = DeltaNixlSender(ctx.plans, self.served, self.device, host=self.options.delta_host)
-            self.regs += [_register(self.agent, _storages([self.delta.region]), mem, dev),
-                          _register(self.agent, _storages([self.delta.index]), "DRAM", 0)]
-            served[REGION], served[INDEX] = self.delta.region, self.delta.index
+        self.encoder = None
+        if self.options.framed:  # encoded into a registered region: sync from the live weights, async the snapshot
+            self.encoder, self.distinct, self.offsets, size = self._frames_layout(ctx)
+            self.region = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=self.device)
+            self.index = torch.zeros(HEAD + SLOT * len(self.distinct), dtype=torch.int64)
+            self.index[2] = len(self.distinct)
+            for k, b in enumerate(self.distinct):
+                self.index[HEAD + SLOT * k : HEAD + SLOT * k + 3] = torch.tensor([self.encoder.key(b), self.offsets[k],
+                                                                                  WHOLE])
+            self.regs += [_register(self.agent, _storages([self.region]), mem, dev),
+                          _register(self.agent, _storages([self.index]), "DRAM", 0)]
+            served[REGION], served[INDEX] = self.region, self.index
         doc = TrainerDoc(ctx.rank, name, self.agent.get_agent_metadata(), mem, dev, tuple(regions),
                          {n: RemoteTensor(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype),
                                           t.element_size()) for n, t in served.items()},
@@ -163,8 +186,8 @@ class NixlSender(Sender):
         if self.asynchronous:
             self._stage(step)
             return None
-        if self.delta is not None:  # before the step is announced: workers read the index after it
-            self.delta.encode(step)
+        if self.encoder is not None:  # before the step is announced: workers read the index after it
+            self._encode(step)
         self.header[1] = step
         self.header[0] += 2
         # one-sided: the readers move the bytes; this rank moved none
@@ -175,12 +198,38 @@ class NixlSender(Sender):
         with torch.no_grad():
             for n, t in self.live.items():
                 self.served[n].copy_(t)
-            if self.delta is not None:  # against the snapshot staged before, inside the odd window
-                self.delta.encode(step)
+            if self.encoder is not None:  # against the snapshot staged before, inside the odd window
+                self._encode(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.header[1] = step
         self.header[0] += 1
+
+    def _encode(self, step: int) -> None:
+        """Encode this step's frames into the region and stamp the index (the tensors are still: the
+        optimizer is done and the step not yet announced). The index's ``seq`` is odd while it is
+        stamped, and every slot's header names the base it was encoded against; a failed encode
+        leaves every slot WHOLE (workers read in full)."""
+        idx = self.index
+        idx[0] += 1  # odd while stamping
+        self.encoder.begin(step, None)
+        try:
+            for k, b in enumerate(self.distinct):
+                off = self.offsets[k]
+                self.encoder.encode(b, self.served, self.region[off : off + self.encoder.bound(b)], kept=True)
+            headers = self.encoder.end(step)  # this step's checksums: one read for all
+        except BaseException:
+            self.encoder.fail()
+            for k in range(len(self.distinct)):
+                idx[HEAD + SLOT * k + 2] = WHOLE
+            idx[0] += 1
+            raise
+        for k, b in enumerate(self.distinct):
+            idx[HEAD + SLOT * k + 2 : HEAD + SLOT * (k + 1)] = torch.tensor(headers[self.encoder.key(b)].words())
+        if self.device.type == "cuda":  # the region's bytes landed before the window closes
+            torch.cuda.synchronize(self.device)
+        idx[1] = step
+        idx[0] += 1
 
     def snapshot(self) -> Mapping[str, torch.Tensor] | None:
         return self.served if self.asynchronous else None
@@ -257,9 +306,9 @@ class NixlReceiver(Receiver):
     reads_after_written = True  # sync: the trainers' memory holds the step once every one announced it
 
     def memory(self, ctx: ReceiverContext) -> Buffers:
-        # delta: a scratch buffer for the payloads and one to stage a bucket's base, each a largest bucket
-        extra = 2 * max((b.nbytes for bs in ctx.plans.values() for b in bs), default=0) if self.options.delta else 0
-        return Buffers(SLOTS, _largest_staged(ctx.plans, ctx.tensors), previous=extra)
+        # framed: a scratch buffer for the payloads and one to stage a bucket's base, each a largest bucket
+        extra = 2 * max((b.nbytes for bs in ctx.plans.values() for b in bs), default=0) if self.options.framed else 0
+        return Buffers(SLOTS, _largest_staged(ctx.plans, ctx.tensors), codec=extra)
 
     def connect(self, ctx: ReceiverContext) -> None:
         """Start this worker's agent. The peers' descriptors are looked up at the first read, not here:
@@ -281,11 +330,9 @@ class NixlReceiver(Receiver):
         self.programs: dict[tuple, Program] = {}
         self.header_handles: list[tuple[int, object]] = []
         self.header_dlists: list = []
-        self.delta = None
-        if self.options.delta:  # the payloads when this worker proves its base, else a full read
-            from weightsync.delta.nixl import DeltaNixlReceiver
-
-            self.delta = DeltaNixlReceiver(self, ctx.plans)
+        # framed: the payloads when this worker proves their bases, else a full read
+        self.decoder = self.options.codec.decoder(ctx.plans) if self.options.framed else None
+        self.frames = FrameReads(self, ctx.plans) if self.decoder is not None else None
 
     def _ensure_peers(self) -> None:
         """Each peer trainer's descriptors, checked against the plan before any byte moves (once)."""
@@ -434,12 +481,12 @@ class NixlReceiver(Receiver):
     # -- steps ----------------------------------------------------------------------------------
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
         t0 = time.perf_counter()
-        stats = self._read(targets, t0) if self.delta is None else self.delta.receive(step, targets, self._read)
+        stats = self._read(targets, t0) if self.frames is None else self.frames.receive(step, targets, self._read)
         for r, h in self._headers():
             seq, got = int(h[0]), int(h[1])
             if got != step or seq % 2:
-                if self.delta is not None:
-                    self.delta.version = None  # not a whole step: no base to prove next time
+                if self.decoder is not None:
+                    self.decoder.fail()  # not a whole step: no base to prove next time
                 raise TransportError(f"training rank {r} -> instance {self.ctx.instance} rank {self.ctx.rank}: its "
                                      f"header says step {got} (seq {seq}) after reading step {step}: it restarted or "
                                      "moved on while read; the step is not whole", pair=(r, self.ctx.instance, self.ctx.rank))
@@ -448,14 +495,12 @@ class NixlReceiver(Receiver):
     def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:
         t0 = time.perf_counter()
         before = self._stable_headers(t0)
-        if self.delta is None:
+        if self.frames is None:
             stats = self._read(targets, t0)
-        else:  # the payloads when this worker proves the staged delta's base (weightsync.delta.nixl)
-            from weightsync.delta.nixl import Restaged
-
+        else:  # the payloads when this worker proves the staged frames' bases
             served = {step for _, step in before.values()}
             try:
-                stats = self.delta.receive(served.pop() if len(served) == 1 else None, targets, self._read)
+                stats = self.frames.receive(served.pop() if len(served) == 1 else None, targets, self._read)
             except Restaged as e:  # re-staged under the payload reads: a mix, like any torn pull
                 log.info("%s; pulling again", e)
                 stats = StepStats(0, e.moved, time.perf_counter() - t0)
@@ -466,8 +511,8 @@ class NixlReceiver(Receiver):
             steps.add(step)
             if int(h[0]) != seq:  # re-staged while we read: a mix, never reported
                 steps.add(-1)
-        if self.delta is not None and len(steps) != 1:
-            self.delta.version = None  # not a whole step: no base to prove next time
+        if self.decoder is not None and len(steps) != 1:
+            self.decoder.fail()  # not a whole step: no base to prove next time
         return Pulled(frozenset(steps), stats)
 
     def _stable_headers(self, t0: float) -> dict[int, tuple[int, int]]:
@@ -571,8 +616,8 @@ class NixlReceiver(Receiver):
         agent = getattr(self, "agent", None)
         if agent is None:
             return
-        if getattr(self, "delta", None) is not None:
-            self.delta.close()
+        if getattr(self, "frames", None) is not None:
+            self.frames.close()
         self._release_handles(agent)
         self.programs, self.header_handles, self.header_dlists = {}, [], []
         self.header_reg, self.slot_regs, self.slots, self.remote, self.peers = None, [], [], {}, {}
@@ -593,6 +638,223 @@ class NixlReceiver(Receiver):
                 _quietly(lambda reg=reg: agent.deregister_memory(reg))
         for name in getattr(self, "remote", {}).values():
             _quietly(lambda name=name: agent.remove_remote_agent(name))
+
+
+class Restaged(TransportError):
+    """A peer encoded new frames (re-staged, or moved on) while this worker read the payloads of the
+    ones it proved: nothing of that batch was applied, the targets may mix two steps. ``moved``: the
+    bytes read before."""
+
+    def __init__(self, message: str, moved: int, peer: int, pair: Pair):
+        super().__init__(message, peer=peer, pair=pair)
+        self.moved = moved
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One bucket a worker decodes from a peer's frames: where its payload lies and its header."""
+
+    pair: Pair
+    bucket: Bucket
+    addr: int  # remote address of the payload
+    header: object  # the codec's header
+
+
+@dataclass(frozen=True)
+class Read:
+    """One READ from one peer: local and remote ``(addr, nbytes, device)`` descriptors."""
+
+    rank: int
+    local: list
+    local_mem: str
+    remote: list
+    remote_mem: str
+    what: Planned | None = None  # the first payload it carries (for errors), None for an index
+
+
+class FrameReads:
+    """A worker's framed reads (a framed codec): each peer's index read after the step was announced;
+    when the codec's decoder proves every bucket's base from the headers there, only the payloads
+    are READ (batched into one registered scratch buffer of a largest bucket) and decoded in place;
+    otherwise -- a new instance, a failed or skipped step, a staged copy, anything that touched the
+    tensors, a bucket the trainer's own plan does not hold (an elastic trainer plans one instance
+    slot: with DP replicas an instance served by another replica than slot 0's finds no slot) -- the
+    step is read in full (per worker and step, no round trip).
+
+    Async: the trainer encodes inside the snapshot's odd window, so region and index always describe
+    the snapshot the header names; a pull whose index changed under its payload reads raises
+    :class:`Restaged` (nothing of that batch applied), reported as a mix as every torn pull is."""
+
+    def __init__(self, rx: NixlReceiver, plans: Mapping[Pair, list[Bucket]]):
+        self.rx, self.decoder, self.codec = rx, rx.decoder, rx.options.codec
+        self.buckets = [b for p in sorted(plans) for b in sorted(plans[p], key=lambda b: b.index) if b.nbytes > 0]
+        self.largest = max((b.nbytes for b in self.buckets), default=0)
+        self._scratch: torch.Tensor | None = None
+        self._slot: torch.Tensor | None = None
+        self._regs: list = []
+        self._index: dict[int, torch.Tensor] = {}
+        self._heads: dict[int, tuple[int, int]] = {}  # each peer's index (seq, step) the plan was proven on
+
+    def receive(self, step: int | None, targets: Mapping[str, torch.Tensor], full) -> StepStats:
+        """Read ``step`` into ``targets``: the payloads when the decoder proves their bases, else in full
+        (``full(targets, t0)``). ``step``: sync, the announced step; async, the step every peer's stable
+        header names, or None when they name different ones (a mix: read in full, no version). The
+        caller fails the decoder when the transport finds the read torn afterwards."""
+        t0 = time.perf_counter()
+        held = self.decoder.begin()  # from here the targets may mix two steps
+        full_bytes = sum(b.nbytes for b in self.buckets)
+        plan = self._plan(step, held, targets) if held is not None and step is not None else None
+        if plan is None:
+            stats = full(targets, t0)
+            for pair in sorted({b.pair for b in self.buckets}):
+                self.decoder.whole(pair, [b for b in self.buckets if b.pair == pair])
+            self.decoder.end(step) if step is not None else self.decoder.fail()
+            return StepStats(stats.buckets, stats.bytes, stats.seconds, stats.posted, stats.started,
+                             full_bytes=full_bytes)
+        moved = self._apply(plan, targets)  # Restaged: no version (sync raises it; an async pull is a mix)
+        self.decoder.end(step)
+        return StepStats(len(self.buckets), moved, time.perf_counter() - t0, full_bytes=full_bytes)
+
+    def _buffers(self, device: torch.device) -> None:
+        if self._scratch is not None and self._scratch.device == device:
+            return
+        n = max(-(-self.largest // _ALIGN) * _ALIGN, _ALIGN)
+        self._scratch = torch.empty(n, dtype=torch.uint8, device=device)
+        self._slot = torch.empty(n, dtype=torch.uint8, device=device)
+        mem, dev = _mem(device)
+        self._regs.append(_register(self.rx.agent, _storages([self._scratch]), mem, dev))
+
+    def _read_indexes(self) -> dict[int, torch.Tensor] | None:
+        """Every peer's index, read at once (None: a peer runs no framed codec)."""
+        reads = []
+        for r in self.rx.peer_ranks:
+            rt = self.rx.peers[r].doc.tensors.get(INDEX)
+            if rt is None:
+                return None
+            buf = self._index.get(r)
+            if buf is None:
+                buf = self._index[r] = torch.zeros(rt.shape[0], dtype=torch.int64)
+                self._regs.append(_register(self.rx.agent, _storages([buf]), "DRAM", 0))
+            buf.fill_(0)
+            n = buf.numel() * 8
+            reads.append(Read(r, [(buf.data_ptr(), n, 0)], "DRAM", [(rt.addr, n, 0)], "DRAM"))
+        self._reads(reads)
+        return {r: self._index[r] for r in self.rx.peer_ranks}
+
+    def _plan(self, step: int, held: int, targets: Mapping[str, torch.Tensor]) -> list[Planned] | None:
+        """The payloads to READ when the decoder proves every bucket's base, else None (read in full);
+        empty when this worker holds ``step`` already (async: a snapshot it pulled before)."""
+        self.rx._ensure_peers()
+        self._buffers(next(iter(targets.values())).device)
+        indexes = self._read_indexes()
+        if indexes is None:
+            return None
+        slots: dict[int, dict[int, tuple[int, object]]] = {}
+        for r, idx in indexes.items():
+            v = idx.tolist()
+            self._heads[r] = (v[0], v[1])
+            if v[0] % 2 or v[1] != step:
+                log.info("instance %d rank %d, step %d: training rank %d's index names step %d (seq %d); reading "
+                         "in full", self.rx.ctx.instance, self.rx.ctx.rank, step, r, v[1], v[0])
+                return None
+            slots[r] = {v[HEAD + SLOT * k]: (v[HEAD + SLOT * k + 1], self.codec.header(v[HEAD + SLOT * k + 2 : HEAD + SLOT * (k + 1)]))
+                        for k in range(v[2])}
+        items, where = [], []
+        for b in self.buckets:
+            got = slots[b.pair[0]].get(self.decoder.key(b))
+            if got is None or self.decoder.size(b, got[1]) != got[1].nbytes:
+                return None  # not in that trainer's plan (elastic DP replicas), or not this plan's bucket
+            items.append((b, got[1]))
+            where.append(got[0])
+        read = self.decoder.accepts(step, held, items, targets, self._slot)
+        if read is None:
+            return None
+        return [Planned(items[i][0].pair, items[i][0], self.rx.peers[items[i][0].pair[0]].doc.tensors[REGION].addr
+                        + where[i], items[i][1]) for i in read]
+
+    def _apply(self, plan: list[Planned], targets: Mapping[str, torch.Tensor]) -> int:
+        mem, dev = _mem(self._scratch.device)
+        moved = 0
+        batch: list[tuple[Planned, int]] = []
+        at = 0
+        done = [0]  # the bytes read and applied so far
+
+        def flush() -> None:
+            by_peer: dict[int, list] = {}
+            for p, o in batch:
+                if p.header.nbytes:
+                    by_peer.setdefault(p.pair[0], []).append((p, o))
+            reads = []
+            for r, items in by_peer.items():
+                doc = self.rx.peers[r].doc
+                reads.append(Read(r, [(self._scratch.data_ptr() + o, p.header.nbytes, dev) for p, o in items], mem,
+                                  [(p.addr, p.header.nbytes, doc.device) for p, _ in items], doc.mem, items[0][0]))
+            self._reads(reads)  # every peer's payloads of the batch at once
+            self._unchanged(by_peer, done[0])  # before decoding: a torn payload could index out of bounds
+            for p, o in batch:
+                self.decoder.decode(p.bucket, p.header, self._scratch[o : o + p.header.nbytes], targets, self._slot)
+            if self._scratch.device.type == "cuda":  # decoded before NIXL writes the next batch there
+                torch.cuda.current_stream().synchronize()
+            done[0] += sum(p.header.nbytes for p, _ in batch)
+            batch.clear()
+
+        for p in plan:
+            size = -(-p.header.nbytes // _ALIGN) * _ALIGN
+            if at + size > self._scratch.numel() and batch:
+                flush()
+                at = 0
+            batch.append((p, at))
+            at += size
+            moved += p.header.nbytes
+        if batch:
+            flush()
+        return moved
+
+    def _unchanged(self, peers, moved: int) -> None:
+        """Raise :class:`Restaged` unless every peer's index still is the one the plan was proven on.
+
+        A trainer bumps its index's ``seq`` (odd) before it writes new frames into the region, and
+        this re-reads it only after the payload READs completed: unchanged, no payload byte was
+        overwritten under them (the seqlock argument of the async header, applied to the region)."""
+        self._reads([Read(r, [(self._index[r].data_ptr(), 16, 0)], "DRAM",
+                          [(self.rx.peers[r].doc.tensors[INDEX].addr, 16, 0)], "DRAM") for r in peers])
+        for r in peers:
+            buf = self._index[r]
+            got = (int(buf[0]), int(buf[1]))
+            if got != self._heads[r]:
+                ctx = self.rx.ctx
+                raise Restaged(f"training rank {r} -> instance {ctx.instance} rank {ctx.rank}: the trainer encoded "
+                               f"new frames (index seq {got[0]}, step {got[1]}) while the payloads of step "
+                               f"{self._heads[r][1]} were read; nothing of them applied, the step is not whole",
+                               moved, r, (r, ctx.instance, ctx.rank))
+
+    def _reads(self, reads: list[Read]) -> None:
+        """Post every read (one per peer, in flight together: one round trip, not one per peer), wait
+        for all, release them."""
+        agent = self.rx.agent
+        handles = []
+        try:
+            for rd in reads:
+                pair = rd.what.pair if rd.what is not None else (rd.rank, self.rx.ctx.instance, self.rx.ctx.rank)
+                bucket = rd.what.bucket.index if rd.what is not None else None
+                try:
+                    h = agent.initialize_xfer("READ", agent.get_xfer_descs(rd.local, rd.local_mem),
+                                              agent.get_xfer_descs(rd.remote, rd.remote_mem), self.rx.remote[rd.rank])
+                except Exception as e:  # noqa: BLE001 - NIXL's own error types
+                    raise self.rx._error(pair, bucket, e) from e
+                handles.append((h, pair, bucket))
+                self.rx._post(h, pair, bucket)
+            self.rx._wait(handles)
+        finally:
+            for h, _, _ in handles:
+                _quietly(h.release)
+
+    def close(self) -> None:
+        agent = getattr(self.rx, "agent", None)
+        for reg in self._regs:
+            if reg is not None and agent is not None:
+                _quietly(lambda reg=reg: agent.deregister_memory(reg))
+        self._regs = []
 
 
 def _quietly(fn) -> None:

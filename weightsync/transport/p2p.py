@@ -54,7 +54,16 @@ from torch.distributed import ProcessGroup
 from weightsync.errors import TransportError
 from weightsync.plan.job import JobRanks
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.transport.base import Buffers, Pulled, Receiver, ReceiverContext, Sender, SenderContext, StepStats
+from weightsync.transport.base import (
+    BASE_PROOF,
+    Buffers,
+    Pulled,
+    Receiver,
+    ReceiverContext,
+    Sender,
+    SenderContext,
+    StepStats,
+)
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.nccl import (  # noqa: F401 - re-exported: the names callers knew here
     DEFAULT_WINDOW,
@@ -69,7 +78,8 @@ from weightsync.transport.nccl import (  # noqa: F401 - re-exported: the names c
     retire,
     settle,
 )
-from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, pack_pairs, stage, unpack_pairs
+from weightsync.plan.messages import messages
+from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, copy_pairs, pack_pairs, stage, unpack_pairs
 
 TransferStats = StepStats  # the name this module used before the transport interface
 
@@ -193,6 +203,146 @@ class P2PTransport:
         self._buffers = ensure_buffers(have, self.window, need, self.buffer_bytes, device)
         return self._buffers is not have
 
+    # -- frames (a framed codec: weightsync.codec) ------------------------------------------------
+    def send_frames(self, step: int, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor],
+                    encoder, codec, proofs: bool) -> TransferStats:
+        """Ship every bucket of this training rank's plan as ``encoder``'s frames: when ``proofs``, first
+        each receiver's proof of its base (:data:`PROOF_TAG`); then per bucket, in the one global
+        order, a header and its payload (a whole bucket as the plan's messages, so it lands in place).
+        Deadlock freedom is the argument of the module docstring: a header and its payload are one
+        transfer in the order, this rank keeps at most ``window`` outstanding, a receiver one."""
+        start = time.perf_counter()
+        pairs = _active(plans)
+        ops = sorted((b for bs in pairs.values() for b in bs), key=order_key)
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        moved = 0
+        got = None
+        if proofs:
+            bufs = {pair: torch.empty(codec.proof_words, dtype=torch.int64, device=device) for pair in pairs}
+            works = [(pair, post(self.group, [(bufs[pair], self.ranks.receiver(pair), PROOF_TAG, False)], device, False))
+                     for pair in pairs]
+            for pair, ws in works:
+                self._retire_all(pairs[pair][0], ws, True)
+            got = {pair: codec.proof(bufs[pair].tolist()) for pair in pairs}
+            moved += codec.proof_words * 8 * len(pairs)
+        encoder.begin(step, got)
+        try:
+            if ops:
+                self._frame_slots = ensure_buffers(getattr(self, "_frame_slots", []), self.window,
+                                                   max(b.nbytes for b in ops), None, device)
+            inflight: deque[tuple[Bucket, list, tuple]] = deque()
+            for k, b in enumerate(ops):
+                if len(inflight) == self.window:
+                    self._retire_all(*inflight.popleft()[:2], True)
+                frame = encoder.encode(b, tensors, self._frame_slots[k % self.window])
+                h = frame.header
+                header = torch.tensor(h.words(codec.header_words), dtype=torch.int64, device=device)
+                peer = self.ranks.receiver(b.pair)
+                msgs = [(header, peer, HEADER_TAG + b.index, True)]
+                if h.whole:  # the plan's messages, so the receiver lands them in place
+                    msgs += [(frame.payload[m.offset : m.offset + m.nbytes], peer, b.index, True)
+                             for m in messages(b, self.direct_min)]
+                elif h.nbytes:
+                    msgs.append((frame.payload[: h.nbytes], peer, b.index, True))
+                try:
+                    works = post(self.group, msgs, device, False)
+                except RuntimeError as e:
+                    raise self._error(b, peer, True, e) from e
+                moved += codec.header_words * 8 + h.nbytes
+                inflight.append((b, works, (header, frame)))  # keep what is posted alive until sent
+            while inflight:
+                self._retire_all(*inflight.popleft()[:2], True)
+            encoder.end(step)
+        except BaseException:
+            encoder.fail()  # the kept base may mix two steps now
+            raise
+        return TransferStats(len(ops), moved, time.perf_counter() - start, full_bytes=sum(b.nbytes for b in ops))
+
+    def recv_frames(self, step: int, plans: Mapping[Pair, list[Bucket]], targets: Mapping[str, torch.Tensor],
+                    decoder, codec, proofs: bool) -> TransferStats:
+        """Receive every bucket of this inference rank's plan as frames (see :meth:`send_frames`) and
+        decode them in place; when ``proofs``, first send each pair's proof of what the targets hold."""
+        start = time.perf_counter()
+        pairs = _active(plans)
+        ops = sorted((b for bs in pairs.values() for b in bs), key=order_key)
+        device = next(iter(targets.values())).device if targets else torch.device("cpu")
+        if ops:
+            self._frame_slots = ensure_buffers(getattr(self, "_frame_slots", []), 1, max(b.nbytes for b in ops),
+                                               None, device)
+        slot = self._frame_slots[0] if ops else None
+        moved = 0
+        sends = []
+        if proofs:
+            for pair, bs in pairs.items():
+                msg = torch.tensor(decoder.proof(bs, targets, slot).words(), dtype=torch.int64, device=device)
+                peer = self.ranks.sender(pair)
+                try:
+                    sends.append((bs[0], msg, post(self.group, [(msg, peer, PROOF_TAG, True)], device, False)))
+                except RuntimeError as e:
+                    raise self._error(bs[0], peer, False, e) from e
+                moved += codec.proof_words * 8
+        decoder.begin()  # from here the targets may mix two steps
+        try:
+            for b, _, ws in sends:
+                self._retire_all(b, ws, False)
+            header = torch.empty(codec.header_words, dtype=torch.int64, device=device)
+            for b in ops:
+                peer = self.ranks.sender(b.pair)
+                self._retire_all(b, post(self.group, [(header, peer, HEADER_TAG + b.index, False)], device, False), False)
+                h = codec.header(header.tolist())
+                size = decoder.size(b, h)
+                if size != h.nbytes:
+                    raise TransportError(f"bucket {b.index} of {describe(b.pair)}: the sender's header says {h.nbytes} "
+                                         f"bytes, this receiver's plan {size} (the two ends built different plans)",
+                                         pair=b.pair, bucket=b.index)
+                if h.whole:
+                    st = stage(b, targets, False, self.direct_min)
+                    posts = [(x, peer, b.index, False) for x in st.tensors(slot)]
+                    self._retire_all(b, self._post(b, peer, posts, device), False)
+                    if st.staged:
+                        copy_pairs(unpack_pairs(st.staged, slot, targets))
+                    decoder.decode(b, h, None, targets, slot)
+                else:
+                    payload = torch.empty(size, dtype=torch.uint8, device=device)
+                    if size:
+                        self._retire_all(b, self._post(b, peer, [(payload, peer, b.index, False)], device), False)
+                    decoder.decode(b, h, payload, targets, slot)
+                moved += codec.header_words * 8 + h.nbytes
+            decoder.end(step)
+        except BaseException:
+            decoder.fail()
+            raise
+        return TransferStats(len(ops), moved, time.perf_counter() - start, full_bytes=sum(b.nbytes for b in ops))
+
+    def _post(self, b: Bucket, peer: int, ops: list, device: torch.device) -> list:
+        try:
+            return post(self.group, ops, device, False)
+        except RuntimeError as e:
+            raise self._error(b, peer, ops[0][3], e) from e
+
+    def _retire_all(self, b: Bucket, works: list, sending: bool) -> None:
+        """Wait for ``works`` on the CPU (frames size what follows them), at most the timeout each."""
+        peer = self.ranks.receiver(b.pair) if sending else self.ranks.sender(b.pair)
+        try:
+            for w in works:
+                retire(w, self.timeout, False)
+        except (RuntimeError, TimeoutError) as e:
+            raise self._error(b, peer, sending, e) from e
+
+
+PROOF_TAG = (1 << 24) + 1  # frames: a receiver's proof, beside the pull header's tag (1 << 24)
+HEADER_TAG = 1 << 25  # frames: + bucket index
+
+
+def _active(plans: Mapping[Pair, list[Bucket]]) -> dict[Pair, list[Bucket]]:
+    """The pairs with bytes to move and their non-empty buckets, in the pair's bucket order."""
+    out = {}
+    for pair in sorted(plans):
+        bs = sorted((b for b in plans[pair] if b.nbytes > 0), key=lambda b: b.index)
+        if bs:
+            out[pair] = bs
+    return out
+
 
 # -- the transport interface (weightsync.transport.base) -------------------------------------------
 
@@ -223,12 +373,13 @@ class P2PSender(Sender):
     modes = frozenset({"sync", "async"})
 
     def memory(self, ctx: SenderContext) -> Buffers:
-        if self.options.delta:  # the previous version, kept for the next step's deltas (weightsync.delta)
-            from weightsync.delta.state import previous_buffers_bytes
+        return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans), self._encoder(ctx).memory() if self.options.framed else 0)
 
-            previous = previous_buffers_bytes(ctx.plans, self.options.delta_host)
-            return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans), previous)
-        return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans))
+    def _encoder(self, ctx: SenderContext):
+        """The codec's encoder for this rank (framed codecs: :mod:`weightsync.codec`), made once."""
+        if getattr(self, "encoder", None) is None:
+            self.encoder = self.options.codec.encoder(ctx.plans, next(iter(ctx.tensors.values())).device)
+        return self.encoder
 
     def connect(self, ctx: SenderContext) -> None:
         shape = ctx.shape
@@ -245,19 +396,19 @@ class P2PSender(Sender):
             from weightsync.transport.pull import PullServer
 
             self.server = PullServer(ctx.client, self.transport, ctx.plans, ctx.tensors, self.options.timeout_s)
-        self.delta = None
-        if self.options.delta:  # sync only (weightsync.delta.check_options)
-            from weightsync.delta.p2p import DeltaSender
-
-            self.delta = DeltaSender(self.transport, ctx.plans, ctx.tensors, host=self.options.delta_host)
+        self.encoder = None
+        if self.options.framed:  # sync only (weightsync.codec.registry.check)
+            self._encoder(ctx)
 
     def send(self, step: int) -> StepStats | None:
         if self.server is not None:
             self.server.stage(step)
             return None
         with torch.no_grad():
-            if self.delta is not None:
-                return self.delta.send(step)
+            if self.encoder is not None:
+                codec = self.options.codec
+                return self.transport.send_frames(step, self.plans, self.tensors, self.encoder, codec,
+                                                  proofs=BASE_PROOF in codec.needs)
             return self.transport.send(self.plans, self.tensors)
 
     def snapshot(self) -> Mapping[str, torch.Tensor] | None:
@@ -285,15 +436,13 @@ class P2PReceiver(Receiver):
         self.transport = P2PTransport(group, ranks, timeout_s=self.options.timeout_s,
                                       coalesce=self.options.mode == "sync")
         self.plans = ctx.plans
-        self.delta = None
-        if self.options.delta:
-            from weightsync.delta.p2p import DeltaReceiver
-
-            self.delta = DeltaReceiver(self.transport, ctx.plans)
+        self.decoder = self.options.codec.decoder(ctx.plans) if self.options.framed else None
 
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
-        if self.delta is not None:
-            return self.delta.receive(step, targets)
+        if self.decoder is not None:
+            codec = self.options.codec
+            return self.transport.recv_frames(step, self.plans, targets, self.decoder, codec,
+                                              proofs=BASE_PROOF in codec.needs)
         return self.transport.recv(self.plans, targets)
 
     def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:

@@ -1,0 +1,168 @@
+"""The codec stage (weightsync.codec): the registry refuses what no transport serves, by name; the full
+and delta codecs' two sides round-trip a plan's buckets bit-exact into poisoned targets; headers and
+proofs survive their int64 wire form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import same
+
+from weightsync.codec.base import NEEDS, NO_VERSION, WHOLE, Header, Proof
+from weightsync.errors import ConfigError
+
+
+def test_registry_refuses_a_codec_no_transport_serves_by_name():
+    from weightsync.codec.registry import check, serving
+
+    with pytest.raises(ConfigError, match=r"the delta codec needs .* the colocated transport .* co-located"):
+        check("delta", "colocated", "sync")
+    with pytest.raises(ConfigError, match=r"the delta codec needs the receiver's proof of its base, which the p2p "
+                                          r"transport does not serve in async mode.*runs over p2p/sync"):
+        check("delta", "p2p", "async")
+    with pytest.raises(ConfigError, match="unknown codec 'zip'; known: full, delta"):
+        check("zip", "p2p", "sync")
+    for transport, mode in (("p2p", "sync"), ("file", "sync"), ("nixl", "sync"), ("nixl", "async")):
+        check("delta", transport, mode)
+    for transport in ("p2p", "colocated", "file", "nixl"):
+        check("full", transport, "sync")  # the plan's bytes: every transport
+    assert serving("delta") == ["p2p/sync", "file/sync", "nixl/async", "nixl/sync"]
+
+
+def test_the_session_refuses_at_set_up():
+    from weightsync.runtime.session import SessionOptions
+
+    with pytest.raises(ConfigError, match="colocated transport"):
+        SessionOptions(colocate=True, delta=True)
+    opts = SessionOptions(transport="nixl", mode="async", delta=True).transport_options("gloo")
+    assert opts.framed and opts.codec.name == "delta"
+    assert not SessionOptions().transport_options("gloo").framed  # full: the transports' own paths
+
+
+def test_transports_serve_only_known_needs():
+    from weightsync.transport.base import TRANSPORTS
+
+    for name, entry in TRANSPORTS.items():
+        assert set(entry.serves) <= entry.modes, name
+        for served in entry.serves.values():
+            assert served <= NEEDS, (name, served)
+
+
+def test_header_and_proof_words_round_trip():
+    big = (1 << 64) - 3  # a checksum above 2^63: signed on the wire, unsigned again after
+    h = Header(2, 17, 4096, 5, big, 1 << 63)
+    assert Header.of(h.words()) == h
+    assert Header.of(h.words(Header.SENT)) == Header(2, 17, 4096)  # what a two-sided transport sends
+    assert Header(WHOLE).whole and Header.of(Header(WHOLE).words()).base == NO_VERSION
+    assert Proof.of(Proof(3, big).words()) == Proof(3, big)
+    t = torch.tensor(h.words(), dtype=torch.int64)  # as the transports carry them
+    assert Header.of(t.tolist()) == h
+
+
+def _job():
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import TORCH_DTYPES
+    from weightsync.plan.planner import Planner
+    from weightsync.spec import load_spec
+    from weightsync.testing import random_canonical
+
+    spec = load_spec("tiny-qwen3")
+    src, dst = make_layout(spec, "fsdp:dp=2"), make_layout(spec, "vllm:tp=2")
+    planner = Planner(src, dst, 1, bucket_bytes=16 << 10)
+    canon = random_canonical(spec, seed=3)
+
+    def poisoned(j):
+        return {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype]) for n, t in dst.layout(j).tensors.items()}
+
+    return src, dst, planner, canon, poisoned
+
+
+def test_full_codec_round_trips_bit_exact():
+    from weightsync.codec.full import FullCodec
+    from weightsync.layout.materialize import scatter
+
+    src, dst, planner, canon, poisoned = _job()
+    codec = FullCodec()
+    assert not codec.framed and codec.needs == frozenset()
+    for j in range(dst.world_size):
+        targets = poisoned(j)
+        for r in range(src.world_size):
+            sources = scatter(src.layout(r), canon)
+            plans = {p: bs for p, bs in planner.send_plan(r).items() if p[2] == j}
+            enc, dec = codec.encoder(plans, torch.device("cpu")), codec.decoder(plans)
+            for bs in plans.values():
+                for b in bs:
+                    slot = torch.empty(b.nbytes, dtype=torch.uint8)
+                    frame = enc.encode(b, sources, slot)
+                    assert frame.header.whole and frame.header.nbytes == b.nbytes
+                    dec.decode(b, frame.header, frame.payload, targets, slot)
+        want = scatter(dst.layout(j), canon)
+        assert all(same(targets[n], want[n]) for n in want)
+
+
+def test_delta_codec_one_sided_proves_its_base_and_applies_only_the_change():
+    """A receiver holding the base decodes only the changed words, bit-exact; one whose targets were
+    touched does not prove the base (it takes the bucket whole)."""
+    from weightsync.codec.delta import DeltaCodec
+    from weightsync.layout.materialize import scatter
+
+    src, dst, planner, canon, poisoned = _job()
+    codec = DeltaCodec()
+    r, j = 0, 0
+    plans = {p: bs for p, bs in planner.send_plan(r).items() if p[2] == j}
+    sources = scatter(src.layout(r), canon)
+    enc, dec = codec.encoder(plans, torch.device("cpu")), codec.decoder(plans)
+    buckets = [b for bs in plans.values() for b in bs if b.nbytes]
+    largest = max(b.nbytes for b in buckets)
+    slot, scratch = torch.empty(largest, dtype=torch.uint8), torch.empty(largest, dtype=torch.uint8)
+    targets = poisoned(j)
+    from weightsync.transport.pack import pack, unpack
+
+    for step in (0, 1):
+        if step:
+            g = torch.Generator().manual_seed(step)
+            for t in sources.values():
+                flat = t.view(-1)
+                idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=g)
+                flat[idx] = flat[idx] + 1
+        enc.begin(step, None)
+        frames = []
+        for b in buckets:  # the slot is reused: keep what each frame holds
+            f = enc.encode(b, sources, slot)
+            frames.append((b, f.header, f.payload.clone(), f.packed.clone()))
+        enc.end(step)
+        held = dec.begin()
+        read = dec.accepts(step, held, [(b, h) for b, h, _, _ in frames], targets, scratch)
+        if step == 0:
+            assert read is None and all(h.whole for _, h, _, _ in frames)  # no base yet: whole
+            for b, h, _, packed in frames:
+                unpack(b, packed, targets)
+            dec.whole(next(iter(plans)), buckets)
+        else:
+            assert read == list(range(len(frames)))
+            assert all(not h.whole and h.base == 0 and h.nbytes < b.nbytes / 4 for b, h, _, _ in frames)
+            for i in read:
+                b, h, payload, _ = frames[i]
+                assert dec.size(b, h) == h.nbytes
+                dec.decode(b, h, payload, targets, scratch)
+        dec.end(step)
+        for b, _, _, packed in frames:  # the targets hold this step's wire bytes of every bucket, bit-exact
+            assert torch.equal(pack(b, sources), packed)
+            assert torch.equal(_landed(b, targets), packed)
+    # touched behind the decoder's back: the base is no longer proven
+    enc.begin(2, None)
+    frames = [(b, enc.encode(b, sources, slot).header) for b in buckets]
+    enc.end(2)
+    t = next(iter(targets.values()))
+    t.view(-1)[0] = t.view(-1)[0] + 1
+    assert dec.accepts(2, dec.begin(), frames, targets, scratch) is None
+
+
+def _landed(b, targets) -> torch.Tensor:
+    """The bucket's wire bytes as ``targets`` hold them (what a receiver proves)."""
+    from weightsync.delta.state import gather_pairs
+    from weightsync.transport.pack import copy_pairs, segments
+
+    out = torch.empty(b.nbytes, dtype=torch.uint8)
+    copy_pairs(gather_pairs(segments(b), targets, out))
+    return out

@@ -1,0 +1,270 @@
+"""The codec stage: what a bucket's payload holds, between the plan and the transports.
+
+Shaped as ``torch.distributed.checkpoint`` splits the transform (``resolve_data``/``commit_tensor``)
+from the byte movement (``StorageWriter``/``StorageReader``): the plan says which bytes go where; a
+codec turns one bucket's bytes into a *frame* (a typed :class:`Header` and a uint8 payload) on the
+training rank and back into the receiver's tensors; a transport only moves frames
+(:mod:`weightsync.transport.base`). Transports import no codec (they see one through the
+:class:`weightsync.transport.base.Codec` protocol this module implements); codecs never import a
+transport's private names.
+
+Codecs (:mod:`weightsync.codec.registry`): ``full`` (:mod:`.full`: the plan's bytes themselves, moved
+zero-copy by each transport's own path where they lie in place), ``delta`` (:mod:`.delta`: what changed
+since the version the receiver proves it holds). A codec whose payload is not the plan's bytes (a delta;
+FP8 later: another dtype and size than ``Copy.dtype`` says) is *framed*: the transports run their
+frame paths for it.
+
+A codec declares what it needs of a transport (:data:`NEEDS`); each transport says what it serves per
+mode (:attr:`weightsync.transport.base.TransportEntry.serves`), and the session refuses, at set-up and by
+name, a combination no transport serves (:func:`weightsync.codec.registry.check`).
+
+Call order on a training rank (:class:`Encoder`, one per rank, made by :meth:`Codec.encoder`)::
+
+    1. Encoder(plans, device)       no I/O
+    2. memory() -> int              device bytes it keeps beyond the transport's buffers (the budget counts them)
+    3. every step:
+       begin(step, proofs)          ``proofs``: each pair's :class:`Proof` where the transport carried the
+                                    receivers' proofs to the sender (two-sided), None where each receiver
+                                    proves its base against the headers itself (one-sided)
+       encode(bucket, sources, slot, kept=) -> Frame      each bucket, in the transport's order
+       end(step) -> {key: Header}   the step's final headers (checksums read once for all)
+       fail()                       instead of end() when the step did not complete
+    4. (nothing to close)
+
+Call order on an inference worker (:class:`Decoder`, one per worker)::
+
+    1. Decoder(plans)               no I/O
+    2. every step:
+       proof(buckets, targets, slot) -> Proof              two-sided transports, before the step
+       begin() -> held              the version it held; none from here until end()
+       accepts(step, held, items, targets, slot) -> list | None   one-sided: which payloads to read
+                                    (None: the base is not proven, take the bucket whole)
+       decode(bucket, header, payload, targets, slot)      each bucket read
+       end(step) / fail()
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from weightsync.transport.base import BASE_PROOF, SENDER_STEP  # noqa: F401 - the needs, named where transports serve them
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.plan.planner import Bucket, Pair
+
+#: what a codec may need of a transport: a sender step over every bucket's bytes (not co-located, whose
+#: workers copy the trainers' memory themselves); the receiver's proof of its base (a message back, p2p
+#: sync; or headers published beside the payloads for each receiver to check, file and nixl)
+NEEDS = frozenset({SENDER_STEP, BASE_PROOF})
+
+WHOLE = -1  # Header.kind: no encoded payload; the bucket travels whole by the transport's own path
+NO_VERSION = -1  # a proof of nothing, a header encoded against nothing
+
+
+@dataclass(frozen=True)
+class Header:
+    """One bucket's frame header: what its payload holds (``WORDS`` int64 on the wire).
+
+    ``kind``: the codec's encoding (:data:`WHOLE`: none, the bucket goes whole); ``count``: the
+    codec's count (delta: changed words); ``nbytes``: payload bytes; ``base``: the step it was encoded
+    against (:data:`NO_VERSION`: none); ``base_sum``: that base's checksum in wire form, which a
+    receiver must hold to apply it; ``sum``: the checksum of this step's wire bytes (a receiver already
+    holding the step proves it with this and reads nothing)."""
+
+    kind: int
+    count: int = 0
+    nbytes: int = 0
+    base: int = NO_VERSION
+    base_sum: int = 0
+    sum: int = 0
+
+    WORDS: ClassVar[int] = 6
+    #: the words a two-sided transport sends (kind, count, nbytes): the proofs before the step already
+    #: settled the base, so the rest is for headers published to receivers that prove themselves
+    SENT: ClassVar[int] = 3
+
+    def words(self, n: int = WORDS) -> list[int]:
+        return [self.kind, self.count, self.nbytes, self.base, _signed(self.base_sum), _signed(self.sum)][:n]
+
+    @classmethod
+    def of(cls, words: Sequence[int]) -> Header:
+        k, c, n, b, bs, s = ([int(x) for x in words[: cls.WORDS]] + [NO_VERSION, 0, 0])[:6]
+        return cls(k, c, n, b, bs & _MASK, s & _MASK)
+
+    @property
+    def whole(self) -> bool:
+        return self.kind == WHOLE
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One encoded bucket: its header and payload (uint8, 1-D; for a :data:`WHOLE` frame the bucket's
+    wire bytes where the encoder packed them, None when it packed nothing: the transport moves the
+    plan's bytes itself). ``packed``: the bucket's wire bytes this step where the encoder packed them
+    (one-sided transports also publish the whole bucket), else None."""
+
+    header: Header
+    payload: torch.Tensor | None
+    packed: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Proof:
+    """What a receiver holds for one pair: the step it last received whole (:data:`NO_VERSION`: none)
+    and the checksum of its buckets' current bytes in wire form."""
+
+    version: int
+    checksum: int
+
+    WORDS: ClassVar[int] = 2
+
+    def words(self) -> list[int]:
+        return [self.version, _signed(self.checksum)]
+
+    @classmethod
+    def of(cls, words: Sequence[int]) -> Proof:
+        return cls(int(words[0]), int(words[1]) & _MASK)
+
+
+@dataclass
+class CodecStats:
+    """What one side's codec did in its last step: frames per kind name, and (sender, two-sided; or
+    receiver, one-sided) the pairs that went whole."""
+
+    kinds: dict[str, int] = field(default_factory=dict)
+    whole_pairs: list = field(default_factory=list)
+
+    def count(self, kind: str, n: int = 1) -> None:
+        self.kinds[kind] = self.kinds.get(kind, 0) + n
+
+
+class Encoder(ABC):
+    """A training rank's side of a codec (call order in the module docstring)."""
+
+    stats: CodecStats
+
+    def memory(self) -> int:
+        return 0
+
+    def begin(self, step: int, proofs: Mapping[Pair, Proof] | None) -> None:
+        """Start ``step``; ``proofs`` as the module docstring says."""
+
+    @abstractmethod
+    def encode(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor, *,
+               kept: bool = False) -> Frame:
+        """``bucket``'s frame from the live ``sources``, packing into ``slot`` (uint8, at least the
+        bucket's bytes). ``kept``: the slot is this bucket's alone until its next encode (a staged
+        region a receiver reads one-sided), so the payload may be written over the packed bytes."""
+
+    def end(self, step: int) -> dict[int, Header]:
+        """The step encoded whole: the final headers by :meth:`key`."""
+        return {}
+
+    def fail(self) -> None:
+        """The step did not complete: hold no base (the next step goes whole)."""
+
+    def key(self, bucket: Bucket) -> int:
+        """A bucket's source-bytes key: buckets with one key share one encoding (equal layouts)."""
+        return 0
+
+    def distinct(self, buckets: Sequence[Bucket]) -> list[Bucket]:
+        """One bucket per :meth:`key`, first seen first (what a staged region holds)."""
+        seen: dict[int, Bucket] = {}
+        for b in buckets:
+            seen.setdefault(self.key(b), b)
+        return list(seen.values())
+
+    def bound(self, bucket: Bucket) -> int:
+        """The most payload bytes :meth:`encode` writes for ``bucket`` (a staged region's slot size)."""
+        return bucket.nbytes
+
+
+class Decoder(ABC):
+    """An inference worker's side of a codec (call order in the module docstring)."""
+
+    stats: CodecStats
+    #: the step this worker last received whole, None while it cannot prove one
+    version: int | None = None
+
+    def proof(self, buckets: Sequence[Bucket], targets: Mapping[str, torch.Tensor], slot: torch.Tensor) -> Proof:
+        return Proof(NO_VERSION, 0)
+
+    def begin(self) -> int | None:
+        held, self.version = self.version, None  # from here the targets may mix two steps
+        return held
+
+    def accepts(self, step: int | None, held: int | None, items: Sequence[tuple[Bucket, Header]],
+                targets: Mapping[str, torch.Tensor], slot: torch.Tensor) -> list[int] | None:
+        """One-sided: the positions in ``items`` whose payloads to read and decode, when this worker
+        proves the base of every one (empty: it holds ``step`` already); None: take them whole."""
+        return None
+
+    @abstractmethod
+    def decode(self, bucket: Bucket, header: Header, payload: torch.Tensor | None,
+               targets: Mapping[str, torch.Tensor], slot: torch.Tensor) -> None:
+        """Land ``payload`` in the bucket's regions of ``targets`` (``slot``: scratch of a bucket's
+        bytes). A :data:`WHOLE` frame already landed by the transport: counted only."""
+
+    def key(self, bucket: Bucket) -> int:
+        """:meth:`Encoder.key` on this side (a published header is found by it)."""
+        return 0
+
+    def size(self, bucket: Bucket, header: Header) -> int:
+        """The payload bytes ``header`` implies for ``bucket`` by this worker's own plan (a transport
+        allocates them, and refuses a header that says otherwise: the ends planned differently)."""
+        return bucket.nbytes if header.whole else header.nbytes
+
+    def whole(self, pair: Pair, buckets: Sequence[Bucket]) -> None:
+        """One-sided: the transport read ``pair``'s ``buckets`` whole (the base was not proven)."""
+        self.stats.count("full", len(buckets))
+        self.stats.whole_pairs.append(pair)
+
+    def end(self, step: int) -> None:
+        self.version = step
+
+    def fail(self) -> None:
+        self.version = None
+
+
+class Codec(ABC):
+    """A codec: its name, what it needs of a transport, and its two sides (picklable: it travels
+    inside :class:`weightsync.transport.base.TransportOptions` to worker processes)."""
+
+    name: ClassVar[str]
+    needs: ClassVar[frozenset[str]] = frozenset()
+    #: whether its payload differs from the plan's bytes (the transports run their frame paths)
+    framed: ClassVar[bool] = True
+    header_words: ClassVar[int] = Header.SENT  # what a two-sided transport sends per bucket
+    proof_words: ClassVar[int] = Proof.WORDS
+
+    @staticmethod
+    def header(words: Sequence[int]) -> Header:
+        return Header.of(words)
+
+    @staticmethod
+    def proof(words: Sequence[int]) -> Proof:
+        return Proof.of(words)
+
+    @abstractmethod
+    def encoder(self, plans: Mapping[Pair, list[Bucket]], device: torch.device) -> Encoder: ...
+
+    @abstractmethod
+    def decoder(self, plans: Mapping[Pair, list[Bucket]]) -> Decoder: ...
+
+
+def framed(codec: Codec | None) -> bool:
+    """Whether ``codec`` (None: the full codec) needs a transport's frame path."""
+    return codec is not None and codec.framed
+
+
+_MASK = (1 << 64) - 1
+
+
+def _signed(v: int) -> int:
+    v &= _MASK
+    return v - (1 << 64) if v >= (1 << 63) else v

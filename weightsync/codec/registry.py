@@ -1,0 +1,56 @@
+"""Every codec by name, and the set-up check that a transport serves what a codec needs.
+
+A new codec is one module (an :class:`~weightsync.codec.base.Codec` with its two sides) and one line in
+:data:`CODECS`; a transport says what it serves per mode in its registry entry
+(:attr:`weightsync.transport.base.TransportEntry.serves`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from weightsync.codec.base import Codec
+from weightsync.errors import ConfigError
+from weightsync.transport.base import TRANSPORTS
+
+#: every codec, imported only when a job uses it
+CODECS: dict[str, str] = {
+    "full": "weightsync.codec.full:FullCodec",
+    "delta": "weightsync.codec.delta:DeltaCodec",
+}
+
+#: why a codec gains nothing where a transport lacks what it needs (said beside the refusal)
+_WHY = {("delta", "colocated"): "delta gains nothing co-located (the workers copy GPU memory, no link is crossed)"}
+
+
+def codec_class(name: str) -> type[Codec]:
+    path = CODECS.get(name)
+    if path is None:
+        raise ConfigError(f"unknown codec {name!r}; known: {', '.join(CODECS)}")
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_codec(name: str, **options) -> Codec:
+    """The codec ``name`` with its options (delta: ``host``)."""
+    return codec_class(name)(**options)
+
+
+def serving(name: str) -> list[str]:
+    """Where codec ``name`` runs: ``transport/mode`` for every transport and mode serving its needs."""
+    needs = codec_class(name).needs
+    return [f"{t}/{m}" for t, e in TRANSPORTS.items() for m in sorted(e.modes) if needs <= e.serves.get(m, frozenset())]
+
+
+def check(name: str, transport: str, mode: str) -> None:
+    """Refuse, at set-up and by name, codec ``name`` over a ``transport`` and ``mode`` that do not serve
+    what it needs, saying where it runs."""
+    needs = codec_class(name).needs
+    entry = TRANSPORTS[transport]
+    missing = needs - entry.serves.get(mode, frozenset())
+    if not missing:
+        return
+    why = _WHY.get((name, transport))
+    raise ConfigError(f"the {name} codec needs {' and '.join(sorted(missing))}, which the {transport} transport "
+                      f"does not serve in {mode} mode" + (f" ({why})" if why else "")
+                      + f"; the {name} codec runs over {', '.join(serving(name))}: use one of those, or the full codec")
