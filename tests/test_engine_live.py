@@ -43,8 +43,11 @@ def _vllm_live_layout(path: str, model: str) -> None:
     save_checkpoint(spec, canonical, path)
     llm = LLM(model=path, tensor_parallel_size=1, enforce_eager=True, load_format="safetensors",
               skip_tokenizer_init=True, gpu_memory_utilization=0.2)
+    # each parameter's bytes: vLLM's RPC reply encoding hands a tensor back as a list of numbers (seen on the
+    # H200 with vLLM 0.26), bytes stay bytes
     live = llm.collective_rpc(
-        lambda self: {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."), p.detach().cpu())
+        lambda self: {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."),
+                          p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
                       for n, p in self.model_runner.get_model().named_parameters()}
     )[0]
     engine = make_layout(spec, "vllm:tp=1")
@@ -52,7 +55,9 @@ def _vllm_live_layout(path: str, model: str) -> None:
     check_live(layout, {n: v[:2] for n, v in live.items()}, ignore=engine.derived_tensors)
     want = scatter(layout, canonical, fill=0.0)
     for name in layout.tensors:
-        assert torch.equal(live[name][2], want[name]), name
+        shape, _, raw = live[name]
+        got = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(want[name].dtype).view(shape)
+        assert torch.equal(got, want[name]), name
 
 
 @needs("sglang")
