@@ -269,3 +269,30 @@ def test_one_rank_cannot_push_a_slower_rank_s_step_out_of_the_window():
         with pytest.raises(MetaError, match="jumps more than") as e:
             c.written(step + 2 * STEP_STRIDE, 0)  # one post may jump at most STEP_STRIDE past the latest
         assert e.value.status == 409 and str(STEP_STRIDE) in str(e.value)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. File-transport weight files: their owner's only
+
+
+def test_file_transport_files_are_the_owner_s_only(tmp_path):
+    """Before: weight files were 0644 in a 0755 folder: any local user read the weights."""
+    import os
+    import stat
+
+    from test_file_transport import CASES, Job
+
+    from weightsync.transport.file import FileTransport
+
+    directory = tmp_path / "weights" / "job"
+    job = Job(CASES["llama3 fsdp:dp=2 -> sglang:tp=2, 512 B buckets"])
+    old = os.umask(0o022)  # the usual umask: what made them world-readable
+    try:
+        job.send_all(FileTransport(directory), step=1, seed=1)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    names = os.listdir(directory)
+    assert names
+    for name in names:
+        assert stat.S_IMODE(os.stat(directory / name).st_mode) == 0o600, name

@@ -56,6 +56,7 @@ from weightsync.errors import TransportError
 from weightsync.transport.base import Buffers, Receiver, ReceiverContext, Sender, SenderContext, StepStats
 from weightsync.transport.p2p import TransferStats, describe
 from weightsync.transport.pack import pack, unpack
+from weightsync.transport.private import private_directory, private_opener
 
 log = logging.getLogger("weightsync.transport.file")
 
@@ -120,7 +121,7 @@ class FileTransport:
         self.directory = os.fspath(directory)
         self.step_fn, self.timeout_s, self.poll_s = step_fn, timeout_s, poll_s
         self.consume = consume  # False: files are shared by every instance and swept by their writer
-        os.makedirs(self.directory, exist_ok=True)
+        private_directory(self.directory)  # 0700, files 0600: other users of the host must not read the weights
         self._buffer: torch.Tensor | None = None  # the sender's packing buffer, reused every step
 
     # -- the interface shared with P2PTransport -------------------------------------------------
@@ -216,7 +217,7 @@ class FileTransport:
         held = 0
         full = sum(b.nbytes for b in live)
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", opener=private_opener) as f:
                 f.write(_header(step, pair, buckets, pair_hash(buckets)))
                 for b in live:
                     frame = encoder.encode(b, tensors, self._packing_buffer(b.nbytes, device)[: b.nbytes])
@@ -370,7 +371,7 @@ class FileTransport:
         tmp = os.path.join(self.directory, f".{file_name(step, pair)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", opener=private_opener) as f:
                 f.write(_header(step, pair, buckets, pair_hash(buckets)))
                 for b in buckets:
                     if b.nbytes == 0:
