@@ -248,7 +248,11 @@ def predict_step(
         load[in_link, g] += n / bw + per_bucket
     data_s = max(load.values(), default=0.0)
 
-    descriptors = max((c.nixl_descriptors + c.peers for c in counts), default=0)  # + one header read a peer
+    if d.codec == "delta":  # delta over nixl READs one payload a changed bucket, and each peer's index before
+        # and after (weightsync/delta/nixl.py at ad4fda2: DeltaNixlReceiver._apply, _unchanged, _read_indexes)
+        descriptors = max((c.buckets + 2 * c.peers for c in counts), default=0)
+    else:  # the program's reads (fp8: assumed the same runs as full), plus one header read a peer
+        descriptors = max((c.nixl_descriptors + c.peers for c in counts), default=0)
     msgs = max((c.messages for c in counts), default=0)
     if d.transport == "nixl":
         post_s = descriptors * cost.nixl_descriptor_s
