@@ -45,9 +45,12 @@ HOST = "127.0.0.1"
 
 
 def reg(rank: int, role: str = "train", instance: int | None = None) -> bytes:
-    body = {"role": role, "rank": rank, "host": f"node{rank // 8}", "gpu": rank % 8, "spec_digest": "ab" * 16,
-            "layout_digest": "cd" * 16, "version": "0.1.0", "address": f"10.0.{rank // 256}.{rank % 256}:29500",
-            "engine_config": {"engine": "megatron:tp=8,pp=4", "world": 1024, "model": "qwen3-8b"},
+    """A trainer's registration as weightsync.meta.records.Registration posts it (the model config beside it)."""
+    body = {"role": role, "rank": rank, "host": f"node{rank // 8}", "gpu": f"GPU-{rank:08x}-0000-0000-0000-000000000000",
+            "spec_digest": "ab" * 16, "version": "0.1.0", "address": f"10.0.{rank // 256}.{rank % 256}:29500",
+            "model": "qwen3-8b", "layout": {"engine": "megatron:tp=8,pp=4", "world": 1024, "digest": "cd" * 8},
+            "terms": {"transport": "p2p", "mode": "sync", "colocate": False, "bucket_bytes": 1 << 28, "integrity": 1,
+                      "delta": False},
             "model_config": CONFIG}
     if instance is not None:
         body["instance"] = instance

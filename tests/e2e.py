@@ -213,7 +213,8 @@ def reader(emit: Emit, inst: int, meta: str, job: dict) -> None:
                          colocate=job.get("colocate", False), peer_copies=job.get("reader_peer_copies", True),
                          transport=job.get("reader_transport", job.get("transport", "p2p")), directory=job.get("directory"),
                          staged=job.get("staged", False), mode=job.get("mode", "sync"), push=job.get("reader_push", True),
-                         **({"integrity": job["integrity"]} if "integrity" in job else {})).connect()
+                         **({"integrity": job.get("reader_integrity", job["integrity"])} if "integrity" in job
+                            else {})).connect()
         emit(Ready(emit.participant))
         if job.get("mode") == "async":
             waits = [1, job["steps"]] if inst == 0 else [job["steps"]]

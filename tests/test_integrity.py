@@ -249,8 +249,12 @@ def test_participants_disagreeing_on_the_cadence_are_refused():
     from weightsync.errors import JobMismatch
     from weightsync.integrity.check import agree
 
-    people = [{"role": "train", "rank": 0, "engine_config": {"integrity": 1}},
-              {"role": "infer", "rank": 0, "instance": 0, "engine_config": {"integrity": 1000}}]
+    from weightsync.meta.records import Registration, SessionTerms
+
+    def terms(n):
+        return SessionTerms("p2p", "sync", False, 1 << 20, n, False)
+
+    people = [Registration("train", 0, terms=terms(1)), Registration("infer", 0, 0, terms=terms(1000))]
 
     class Client:
         reason = None

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightsync.meta import MetaAborted, MetaClient, MetaError, MetaServer, MetaTimeout
+from weightsync.meta.records import LayoutInfo, Registration
 from weightsync.meta.server import MAX_BODY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,18 +96,19 @@ def test_register_and_wait(server, pool):
     waiter = pool.submit(c.wait_participants, 3, None, 5.0)
     time.sleep(0.1)
     assert not waiter.done()
-    c.register("train", 0, host="h0", gpu=0, spec_digest="abc", engine_config={"engine": "megatron", "tp": 2})
-    c.register("train", 1, host="h0", gpu=1, spec_digest="abc")
+    first = Registration("train", 0, host="h0", gpu="GPU-0", spec_digest="abc", layout=LayoutInfo("megatron:tp=2", 2))
+    c.register(first)
+    c.register("train", 1, host="h0", spec_digest="abc")
     later(0.1, c.register, "infer", 0, instance=0, address="10.0.0.1:5000", spec_digest="abc")
     got = waiter.result(timeout=5)
-    assert [p["name"] for p in got] == ["infer:0:0", "train:0", "train:1"]
-    assert got[1]["engine_config"] == {"engine": "megatron", "tp": 2}
-    assert [p["rank"] for p in c.participants("train")] == [0, 1]
+    assert [p.name for p in got] == ["infer:0:0", "train:0", "train:1"]
+    assert got[1] == first and got[1].layout == LayoutInfo("megatron:tp=2", 2) and got[1].gpu == "GPU-0"
+    assert [p.rank for p in c.participants("train")] == [0, 1]
     # Re-registering the same identity is idempotent; a new address replaces the record.
-    again = c.register("train", 0, host="h0", gpu=0, spec_digest="abc", engine_config={"engine": "megatron", "tp": 2})
+    again = c.register(first)
     assert again == {"name": "train:0", "created": False, "count": 3}
-    c.register("train", 1, host="h0", gpu=1, spec_digest="abc", address="new:1")
-    assert [p["address"] for p in c.participants("train")] == ["", "new:1"]
+    c.register("train", 1, host="h0", spec_digest="abc", address="new:1")
+    assert [p.address for p in c.participants("train")] == ["", "new:1"]
     with pytest.raises(MetaTimeout):
         c.wait_participants(2, role="infer", timeout=0.2)
     # a refused registration aborts the job: whoever waits learns it at once, with the same reason
@@ -135,12 +137,11 @@ def test_model_refusal_names_the_first_differing_tensor_to_everyone(server, pool
     a, b = spec_from_config(cfg), spec_from_config(other)
     assert a.digest != b.digest
     c = client(server, "refused")
-    c.register("train", 0, spec_digest=a.digest, model_config=cfg, engine_config={"model": "qwen3-0.6b"})
+    c.register(Registration("train", 0, spec_digest=a.digest, model="qwen3-0.6b"), model_config=cfg)
     waiter = pool.submit(c.wait_participants, 2, None, 10.0)
     time.sleep(0.1)
     with pytest.raises(MetaAborted) as refused:
-        c.register("infer", 0, instance=0, spec_digest=b.digest, model_config=other,
-                   engine_config={"model": "qwen3-0.6b-kv4"})
+        c.register(Registration("infer", 0, 0, spec_digest=b.digest, model="qwen3-0.6b-kv4"), model_config=other)
     with pytest.raises(MetaAborted) as peer:
         waiter.result(timeout=10)
     k = cfg["head_dim"] * cfg["num_key_value_heads"]
@@ -373,8 +374,9 @@ GARBAGE = [
     ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "instance": 0}'),
     ("POST", "/v1/jobs/j/participants", b'{"role": "infer", "rank": 0}'),
     ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "host": "' + b"h" * 300 + b'"}'),
-    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "engine_config": {"a": [1]}}'),
-    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "engine_config": "tp=2"}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "layout": {"engine": [1], "world": 1}}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "terms": "tp=2"}'),
+    ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "engine_config": {"tp": 2}}'),
     ("POST", "/v1/jobs/j/participants", b'{"role": "train", "rank": 0, "pad": "' + b"x" * (MAX_BODY + 10) + b'"}'),
     ("POST", "/v1/jobs/j/instances/0/held", b'{"step": 1.0}'),
     ("POST", "/v1/jobs/j/instances/0/held", b'{"step": 1, "reset": 1}'),
@@ -436,7 +438,7 @@ JSON_VALUES = st.recursive(
     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids, max_size=3),
     max_leaves=5,
 )
-FIELDS = st.sampled_from(["role", "rank", "instance", "host", "gpu", "engine_config", "x"])
+FIELDS = st.sampled_from(["role", "rank", "instance", "host", "gpu", "layout", "terms", "model_config", "x"])
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -518,7 +520,7 @@ def test_restart_mid_job_with_state(tmp_path, pool):
         summary = c2.summary()
         assert summary["instances"] == [0, 1] and summary["topology_version"] == 2
         assert summary["held"] == {"0": 2} and summary["complete_step"] == 2
-        assert c2.participants()[0]["address"] == "a:1" and c2.lookup("pg", timeout=0) == "h:1"
+        assert c2.participants()[0].address == "a:1" and c2.lookup("pg", timeout=0) == "h:1"
         c2.held(1, 2)
         assert waiter.result(timeout=10) == {0: 2, 1: 2}
         with pytest.raises(MetaError, match="goes back"):

@@ -21,6 +21,7 @@ import pytest
 from weightsync.errors import WeightSyncError
 from weightsync.meta import MetaAborted, MetaClient, MetaError, MetaServer, MetaTimeout, MetaUnavailable
 from weightsync.meta.client import DEADLINE_MARGIN_S
+from weightsync.meta.records import digest_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,7 +75,7 @@ def test_deeply_nested_model_config_is_refused_and_saves_go_on(tmp_path):
         ok = {"rope_scaling": {"type": "yarn", "factor": 4.0}, "layers": [[1, 2], [3]]}
         assert c.register("train", 0, model_config=ok)["created"] is True
         c.join(0)
-        assert c.summary()["instances"] == [0] and c.participants()[0]["model_config"] == ok
+        assert c.summary()["instances"] == [0] and c.participants()[0].config_digest == digest_of(ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def test_a_failed_save_is_never_acknowledged_and_wakes_nobody(tmp_path):
             waiter = pool.submit(c.wait_participants, 100, None, 4.0)
             for rank in range(40):
                 try:
-                    c.register("train", rank, model_config=big)
+                    c.register("train", rank, model_config=dict(big, rank=rank))  # one config each: kept each
                     acknowledged.append(rank)
                 except MetaError as e:
                     assert e.status == 500 and "not saved" in str(e), e
@@ -114,14 +115,14 @@ def test_a_failed_save_is_never_acknowledged_and_wakes_nobody(tmp_path):
                 with pytest.raises(MetaError, match="not saved") as e:
                     c.register("train", refused, model_config=big)
                 assert e.value.status == 500
-            assert [p["rank"] for p in c.participants()] == acknowledged  # memory holds what is saved
+            assert [p.rank for p in c.participants()] == acknowledged  # memory holds what is saved
             with pytest.raises(MetaTimeout):
                 waiter.result(timeout=10)
     finally:
         finish(proc)
     proc, url = spawn("--port", "0", "--state", state)
     try:
-        assert [p["rank"] for p in MetaClient(url, "j", timeout=5).participants()] == acknowledged
+        assert [p.rank for p in MetaClient(url, "j", timeout=5).participants()] == acknowledged
     finally:
         finish(proc)
 
@@ -352,7 +353,7 @@ def test_a_format_1_state_file_is_imported(tmp_path):
             c.held(0, 2)
     assert (tmp_path / "state.json.v1.json").exists()
     with MetaServer(state_path=str(path)).start() as s:  # now a database: opened as one
-        assert MetaClient(s.url, "j", timeout=5).participants()[0]["address"] == "a:1"
+        assert MetaClient(s.url, "j", timeout=5).participants()[0].address == "a:1"
 
 
 def test_aborted_job_wakes_a_thousand_waiters_at_once():

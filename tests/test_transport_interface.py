@@ -67,7 +67,7 @@ def test_session_options_are_validated_before_any_io():
         SessionOptions(timeout_s=0)
     with pytest.raises(ConfigError, match="async"):
         SessionOptions(colocate=True, mode="async")
-    assert SessionOptions(colocate=True).registered()["transport"] == "colocated"
+    assert SessionOptions(colocate=True).terms().transport == "colocated"
 
 
 def test_a_layout_the_agreed_engine_string_does_not_rebuild_is_refused():
@@ -79,7 +79,9 @@ def test_a_layout_the_agreed_engine_string_does_not_rebuild_is_refused():
 
 
 def _person(role, rank, host, gpu, instance=None):
-    return {"role": role, "rank": rank, "instance": instance, "host": host, "engine_config": {"gpu": gpu}}
+    from weightsync.meta.records import Registration
+
+    return Registration(role, rank, instance, host=host, gpu=gpu)
 
 
 def test_placement_comes_from_the_registered_hosts_and_gpus():

@@ -90,7 +90,7 @@ def train(a: dict) -> dict:
               "sent_bytes": writer.bytes_per_step}
     if rank == 0:  # what the MetaServer holds (the driver, outside both namespaces, cannot reach it)
         c = writer.client
-        report["participants"] = [{k: p[k] for k in ("role", "rank", "instance", "host")} for p in c.participants()]
+        report["participants"] = [{k: getattr(p, k) for k in ("role", "rank", "instance", "host")} for p in c.participants()]
         report["summary"] = c.summary()
         report["group"] = _lookup(c, "group")
         report["bell_held_0"] = _lookup(c, "bell.held.0")

@@ -11,6 +11,7 @@ the deadline passes, so a server restart in the middle of a wait costs one slice
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import random
@@ -18,11 +19,10 @@ import socket
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from weightsync import __version__
 from weightsync.errors import MetaAborted, MetaError, MetaTimeout, MetaUnavailable  # noqa: F401 - raised here, imported from here by callers
+from weightsync.meta.records import Member, Registration, decode_listing, post_body  # noqa: F401 - Member: imported from here by callers
 
 POLL_SLICE_S = 25.0  # one long-poll request; well under the server's 300 s cap and common proxy timeouts
 DEADLINE_MARGIN_S = 0.5  # a call returns within its timeout plus this (the last answer's way back)
@@ -31,40 +31,6 @@ BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
 
 _RETRY = (http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError)
 _TIMEOUTS = (socket.timeout, TimeoutError)
-
-
-@dataclass(frozen=True)
-class Member:
-    """One instance's membership, as the job summary's ``members`` shows it, parsed once from its JSON."""
-
-    instance: int
-    state: str  # joined, left or gone
-    since: int  # the first step it must hold (no step written before it joined is waited for)
-    version: int  # the topology version of its last change
-    held: int | None = None  # the latest step it reported held
-    reason: str | None = None  # why it left or was dropped
-    incarnation: str | None = None  # the joined reader's own id (elastic readers carry one)
-    #: the MetaServer marks it gone once it has not heard from it for this long (async readers' heartbeat)
-    liveness_s: float | None = None
-
-    @property
-    def joined(self) -> bool:
-        return self.state == "joined"
-
-    def owes(self, step: int) -> bool:
-        """Whether ``step`` waits for this member and it has not reported it held yet."""
-        return self.joined and self.since <= step and (self.held is None or self.held < step)
-
-    @classmethod
-    def from_json(cls, instance: int | str, d: Mapping[str, Any]) -> "Member":
-        try:
-            return cls(int(instance), str(d["state"]), int(d["since"]), int(d["version"]),
-                       held=None if d.get("held") is None else int(d["held"]), reason=d.get("reason"),
-                       incarnation=d.get("incarnation"),
-                       liveness_s=None if d.get("liveness_s") is None else float(d["liveness_s"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise MetaError(f"the MetaServer's record of instance {instance} is not a membership record "
-                            f"({type(e).__name__}: {e}): {json.dumps(d)[:200]}") from None
 
 
 class _Connection(http.client.HTTPConnection):
@@ -119,7 +85,7 @@ class MetaClient:
         if query:
             target += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
         data = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        headers = {"Content-Type": "application/json"} if data is not None else {"Accept-Encoding": "gzip"}
         if self.token is not None:
             headers["Authorization"] = f"Bearer {self.token}"
         delay = BACKOFF_START_S
@@ -134,6 +100,8 @@ class MetaClient:
                     self._drop_connection()
                 if resp.status < 400:
                     ctype = resp.getheader("Content-Type", "")
+                    if resp.getheader("Content-Encoding") == "gzip":  # a listing, compressed once at the server
+                        raw = gzip.decompress(raw)
                     return json.loads(raw) if ctype.startswith("application/json") else raw.decode()
                 msg, aborted = _error_message(resp.status, resp.reason, raw)
                 if resp.status != 503:
@@ -186,21 +154,26 @@ class MetaClient:
         return self._request("POST", f"{self._job_path}/abort", {"reason": reason})
 
     # -- participants ---------------------------------------------------------------------------
-    def register(self, role: str, rank: int, *, instance: int | None = None, host: str = "", gpu: int | None = None,
-                 layout_digest: str = "", address: str = "", version: str = __version__, spec_digest: str = "",
-                 engine_config: Mapping[str, Any] | None = None, model_config: Mapping[str, Any] | None = None) -> dict:
-        body: dict[str, Any] = {"role": role, "rank": rank, "host": host, "gpu": gpu, "layout_digest": layout_digest,
-                                "address": address, "version": version, "spec_digest": spec_digest,
-                                "engine_config": dict(engine_config or {}), "model_config": dict(model_config or {})}
-        if instance is not None:
-            body["instance"] = instance
-        return self._request("POST", f"{self._job_path}/participants", body)
+    def register(self, record: Registration | str, rank: int | None = None, *, instance: int | None = None,
+                 host: str = "", address: str = "", spec_digest: str = "",
+                 model_config: Mapping[str, Any] | None = None) -> dict:
+        """Register ``record`` (a :class:`Registration`; the model's config.json beside it). A bare identity
+        (``register("train", 0, host=..., address=...)``, as tools and tests of the server do) registers
+        no layout and no options: a weightsync session refuses to plan with it."""
+        if not isinstance(record, Registration):
+            record = Registration(record, int(rank), instance, host=host, address=address, spec_digest=spec_digest)
+        return self._request("POST", f"{self._job_path}/participants", post_body(record, model_config))
 
-    def participants(self, role: str | None = None) -> list[dict]:
-        return self._request("GET", f"{self._job_path}/participants", query={"role": role})["participants"]
+    def participants(self, role: str | None = None) -> list[Registration]:
+        """Every registered participant (of ``role``), typed, in name order."""
+        got = self._request("GET", f"{self._job_path}/participants", query={"role": role})
+        return decode_listing(got).participants
 
-    def wait_participants(self, n: int, role: str | None = None, timeout: float | None = None) -> list[dict]:
-        return self._poll(f"{self._job_path}/participants", {"wait_for": n, "role": role}, timeout)["participants"]
+    def wait_participants(self, n: int, role: str | None = None, timeout: float | None = None,
+                          limit: int | None = None) -> list[Registration]:
+        """Every participant (of ``role``) once ``n`` registered (``limit``: only the first that many of them)."""
+        got = self._poll(f"{self._job_path}/participants", {"wait_for": n, "role": role, "limit": limit}, timeout)
+        return decode_listing(got).participants
 
     # -- plan hashes ----------------------------------------------------------------------------
     def post_plan_hashes(self, role: str, rank: int, pairs: Mapping[tuple[int, int, int], str], *,

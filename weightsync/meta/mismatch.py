@@ -120,7 +120,7 @@ def digest_reason(name: str, rec: Mapping[str, Any], other: str, orec: Mapping[s
 
 
 def _model(rec: Mapping[str, Any]) -> str:
-    m = rec.get("engine_config", {}).get("model")
+    m = rec.get("model")
     return m if isinstance(m, str) and m else "its model"
 
 

@@ -14,11 +14,17 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
     GET  /v1/jobs/{job}                            summary: participants, topology, steps, who holds what
     DELETE /v1/jobs/{job}                          forget a job (to reuse its id)
     POST /v1/jobs/{job}/abort                      {"reason"}: every waiter of the job wakes with 409
-    POST /v1/jobs/{job}/participants               {"role", "rank", "instance"?, "host"?, "gpu"?,
-                                                   "layout_digest"?, "address"?, "version"?,
-                                                   "spec_digest"?, "engine_config"?,
-                                                   "model_config"?}; re-register = replace
-    GET  /v1/jobs/{job}/participants               ?role=&wait_for=N&timeout=S
+    POST /v1/jobs/{job}/participants               a Registration (weightsync.meta.records: "role", "rank",
+                                                   "instance"?, "host"?, "gpu"? (UUID), "address"?, "version"?,
+                                                   "model"?, "spec_digest"?, "layout"? {"engine", "world",
+                                                   "digest"}, "terms"? {"transport", "mode", "colocate",
+                                                   "bucket_bytes", "integrity", "delta"}, "backend"?,
+                                                   "peer_copies"?, "instances"?) and "model_config"? beside it
+                                                   (kept once per distinct config); re-register = replace
+    GET  /v1/jobs/{job}/participants               ?role=&wait_for=N&limit=N&timeout=S: once ready, each
+                                                   distinct "profile" (model, layout, options) once and one
+                                                   row per participant; not ready: the count only; gzipped
+                                                   for a client that accepts it
     POST /v1/jobs/{job}/plan-hashes                {"role", "rank", "instance"?, "plan_hash"?,
                                                    "pairs": [[src_rank, dst_instance, dst_rank, hash], ...]}
     GET  /v1/jobs/{job}/plan-hashes/check          pairs whose two ends disagree, with both names
@@ -220,7 +226,7 @@ def _routes(c: Coordinator) -> list[tuple[str, tuple[str, ...], Callable]]:
         ("POST", J + ("abort",), lambda p, q, b: c.abort(p["job"], b)),
         ("POST", J + ("participants",), lambda p, q, b: c.register(p["job"], b)),
         ("GET", J + ("participants",),
-         lambda p, q, b: c.participants(p["job"], Query(q, {"role", "wait_for", "timeout"}))),
+         lambda p, q, b: c.participants(p["job"], Query(q, {"role", "wait_for", "limit", "timeout"}))),
         ("POST", J + ("plan-hashes",), lambda p, q, b: c.post_plan_hashes(p["job"], b)),
         ("GET", J + ("plan-hashes", "check"), lambda p, q, b: c.check_plan_hashes(p["job"])),
         ("POST", J + ("instances", "{i}", "join"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, True)),
@@ -261,15 +267,20 @@ class _App:
             self.routes.setdefault(len(route[1]), []).append(route)
         self.requests: dict[tuple[str, int], int] = {}
 
-    def _answer(self, route: str, status: int, payload: Any, close: bool = False) -> web.Response:
+    def _answer(self, route: str, status: int, payload: Any, close: bool = False, gzip_ok: bool = False) -> web.Response:
+        encoding = None
         if isinstance(payload, Encoded):
             data, ctype = payload.body, "application/json"
+            if gzip_ok and payload.gz is not None:  # compressed once, where it was encoded
+                data, encoding = payload.gz, "gzip"
         elif isinstance(payload, str):
             data, ctype = payload.encode(), "text/plain; version=0.0.4; charset=utf-8"
         else:
             data, ctype = json.dumps(payload).encode(), "application/json"
         self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
         headers = {"Content-Type": ctype}
+        if encoding is not None:
+            headers["Content-Encoding"] = encoding
         if status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         resp = web.Response(body=data, status=status, headers=headers)
@@ -331,7 +342,8 @@ class _App:
             body = parse_body(data) if method == "POST" else {}
             if self.coord.closing:
                 raise HTTPError(503, "server stopping; retry")
-            return self._answer(route, 200, await self._run(fn, params, url.query, body))
+            return self._answer(route, 200, await self._run(fn, params, url.query, body),
+                                gzip_ok="gzip" in request.headers.get("Accept-Encoding", ""))
         except HTTPError as e:
             return self._answer(route, e.status, {"error": str(e), **e.extra}, close=close)
         except (ConnectionError, asyncio.CancelledError):  # the client went away

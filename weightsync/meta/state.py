@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gzip
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable
 
 from weightsync.errors import WeightSyncError
 from weightsync.meta.mismatch import refusal
+from weightsync.meta.records import Registration, RecordError, digest_of, encode_listing
 from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten, StoredJob
 from weightsync.meta.validate import (
-    MAX_JOBS, MAX_LIVENESS_S, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, MIN_LIVENESS_S, ROLES,
+    MAX_JOBS, MAX_JSON_DEPTH, MAX_LIVENESS_S, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, MIN_LIVENESS_S, ROLES,
     STEP_STRIDE, STEPS_KEPT, BELL_NAME_PREFIX, HEX_RE, Aborted, HTTPError, Query, bad, bell_address, boolean,
-    engine_config, fields, identity, integer, model_config, participant_name, seconds, short, string,
+    fields, identity, integer, json_depth, model_config, participant_name, seconds, short, string,
 )
 
 #: how long a ``held`` post for a step no training rank has written yet waits for that ``written``
@@ -40,16 +42,28 @@ last_mutation: contextvars.ContextVar[int] = contextvars.ContextVar("weightsync_
 
 @dataclass(frozen=True)
 class Encoded:
-    """An answer already encoded as JSON (a participants list shared by many waiters)."""
+    """An answer already encoded as JSON (a participants list shared by many waiters), and gzipped once
+    when that pays (``gz``: sent to a client that accepts gzip)."""
 
     body: bytes
+    gz: bytes | None = None
+
+    @classmethod
+    def compressed(cls, body: bytes) -> "Encoded":
+        return cls(body, gzip.compress(body, compresslevel=6, mtime=0) if len(body) > GZIP_ABOVE else None)
+
+
+#: answers shorter than this are sent as they are
+GZIP_ABOVE = 4096
 
 
 @dataclass
 class Job:
     """Everything the server knows about one job."""
 
-    participants: dict[str, dict] = field(default_factory=dict)  # name -> record
+    participants: dict[str, Registration] = field(default_factory=dict)  # name -> record
+    #: config digest -> the model's config.json: one copy per distinct config, however many registered it
+    configs: dict[str, dict] = field(default_factory=dict)
     plan_hashes: dict[str, dict] = field(default_factory=dict)  # name -> {"plan_hash", "pairs": {"s,i,r": h}}
     instances: set[int] = field(default_factory=set)  # the members that are joined now (live)
     #: every instance that ever joined: {"state": "joined"|"left"|"gone", "since": the first step it must
@@ -67,15 +81,15 @@ class Job:
     # derived, never stored
     train_set: set[int] = field(default_factory=set)
     role_count: dict[str, int] = field(default_factory=dict)
-    listing: dict[str | None, bytes] = field(default_factory=dict)  # encoded participants by role
+    listing: dict[str | None, Encoded] = field(default_factory=dict)  # encoded participants answers by role
     held_answers: dict[tuple, Encoded] = field(default_factory=dict)  # encoded wait_held answers, until held moves
     #: when each joined member was last heard from (join, alive, held; time.monotonic()), for those with a
     #: ``liveness_s``; not stored: after a restart each gets a whole ``liveness_s`` from the first sweep
     heard: dict[int, float] = field(default_factory=dict)
 
     def rebuild_counts(self) -> None:
-        self.train_set = {p["rank"] for p in self.participants.values() if p["role"] == "train"}
-        self.role_count = {r: sum(p["role"] == r for p in self.participants.values()) for r in ROLES}
+        self.train_set = {p.rank for p in self.participants.values() if p.role == "train"}
+        self.role_count = {r: sum(p.role == r for p in self.participants.values()) for r in ROLES}
         self.listing.clear()
         if self.written and self.written_max < max(self.written):
             self.written_max = max(self.written)
@@ -89,11 +103,17 @@ class Job:
         done = [s for s, got in self.written.items() if ranks and ranks <= got]
         return max(done) if done else None
 
-    def encoded_participants(self, role: str | None) -> bytes:
-        got = self.listing.get(role)
+    def encoded_participants(self, role: str | None, limit: int | None = None) -> Encoded:
+        """The ready answer listing ``role``'s participants (all: None), encoded (and gzipped) once per change
+        (:func:`weightsync.meta.records.encode_listing`: each profile once, then one row each); ``limit``:
+        only the first that many (not kept)."""
+        got = None if limit is not None else self.listing.get(role)
         if got is None:
-            ps = [dict(p, name=n) for n, p in sorted(self.participants.items()) if role is None or p["role"] == role]
-            got = self.listing[role] = json.dumps(ps).encode()
+            ps = [p for _, p in sorted(self.participants.items()) if role is None or p.role == role]
+            head = json.dumps({"ready": True, "count": len(ps)})[:-1].encode()
+            got = Encoded.compressed(head + b", " + encode_listing(ps[:limit]) + b"}")
+            if limit is None:
+                self.listing[role] = got
         return got
 
 
@@ -135,7 +155,15 @@ def restore(stored: dict[str, StoredJob]) -> dict[str, Job]:
 
 def _load_row(j: Job, kind: str, key: str, v: object) -> None:
     if kind == "participant":
-        j.participants[key] = v
+        if isinstance(v, dict) and "engine_config" in v:  # stored before typed registrations
+            rec, config = Registration.legacy(v)
+            if config:
+                j.configs.setdefault(rec.config_digest, config)
+        else:
+            rec = Registration.from_json(v)
+        j.participants[key] = rec
+    elif kind == "config":
+        j.configs[key] = v
     elif kind == "plan":
         j.plan_hashes[key] = v
     elif kind == "instance":  # a membership record (format 1 stored ``true`` for a joined instance)
@@ -329,30 +357,32 @@ class Coordinator:
 
     # -- participants ---------------------------------------------------------------------------
     async def register(self, job: str, body: dict) -> dict:
-        fields(body, {"role", "rank"}, {"instance", "host", "gpu", "layout_digest", "address", "version",
-                                        "spec_digest", "engine_config", "model_config"})
-        role, rank, inst = identity(body)
-        gpu = body.get("gpu")
-        rec = {
-            "role": role, "rank": rank, "instance": inst,
-            "host": string(body.get("host", ""), "host", 255),
-            "gpu": None if gpu is None else integer(gpu, "gpu", 0, 4096),
-            "layout_digest": string(body.get("layout_digest", ""), "layout_digest", 128),
-            "address": string(body.get("address", ""), "address", 512),
-            "version": string(body.get("version", ""), "version", 64),
-            "spec_digest": string(body.get("spec_digest", ""), "spec_digest", 128),
-            "engine_config": engine_config(body.get("engine_config", {})),
-            "model_config": model_config(body.get("model_config", {})),
-        }
-        name = participant_name(role, rank, inst)
+        """A :class:`~weightsync.meta.records.Registration` as JSON, with the model's ``model_config`` beside
+        it: the config is kept once per distinct value (by digest), the record names it."""
+        identity(body)  # role, rank and instance first: their errors name them
+        try:
+            rec = Registration.from_json({k: v for k, v in body.items() if k != "model_config"}, posted=True)
+        except RecordError as e:
+            raise bad(str(e)) from None
+        config = body.get("model_config") or {}
+        if not isinstance(config, dict):
+            raise bad(f"model_config must be an object, got {short(config)}")
+        if json_depth(config) > MAX_JSON_DEPTH:  # before the digest (json.dumps of ~1,000 levels raises)
+            raise bad(f"model_config nests deeper than {MAX_JSON_DEPTH} levels")
+        digest = digest_of(config) if config else ""
+        name = rec.name
         self._refuse_if_closing()
         j = self._job(job)
-        if rec["spec_digest"]:
+        if config and digest not in j.configs:  # a config already kept was checked when it came
+            model_config(config)
+        rec = replace(rec, config_digest=digest)
+        if rec.spec_digest:
             for other, p in j.participants.items():
-                if other != name and p["spec_digest"] and p["spec_digest"] != rec["spec_digest"]:
+                if other != name and p.spec_digest and p.spec_digest != rec.spec_digest:
                     # refused at set-up: abort the job, so the participants already waiting fail now, with
                     # this reason (the first tensor that differs, both sides), instead of timing out
-                    reason = await refusal(name, rec, other, p)
+                    reason = await refusal(name, _refusal_view(rec, config), other,
+                                           _refusal_view(p, j.configs.get(p.config_digest, {})))
                     self._refuse_if_closing()
                     j = self._job(job, allow_aborted=True)
                     if j.aborted is None:
@@ -362,14 +392,21 @@ class Coordinator:
         if old is None and len(j.participants) >= MAX_PARTICIPANTS:
             raise HTTPError(409, f"job {job} already has {MAX_PARTICIPANTS} participants")
         if old != rec:
-            encoded = json.dumps(rec)  # cannot fail: every field was checked (depth, size, finite numbers)
+            encoded = json.dumps(rec.to_json())  # cannot fail: every field was checked (types, sizes)
             j.participants[name] = rec
             j.listing.clear()
             if old is None:
-                j.role_count[role] = j.role_count.get(role, 0) + 1
-                if role == "train":
-                    j.train_set.add(rank)
+                j.role_count[rec.role] = j.role_count.get(rec.role, 0) + 1
+                if rec.role == "train":
+                    j.train_set.add(rec.rank)
             ops: list[Op] = [Put(job, "participant", name, encoded)]
+            if digest and digest not in j.configs:
+                j.configs[digest] = config
+                ops.append(Put(job, "config", digest, json.dumps(config)))
+            if old is not None and old.config_digest and old.config_digest != digest and not any(
+                    p.config_digest == old.config_digest for p in j.participants.values()):
+                del j.configs[old.config_digest]  # nobody registers that config any more
+                ops.append(Delete(job, "config", old.config_digest))
             if j.plan_hashes.pop(name, None) is not None:  # a re-registered participant plans again
                 ops.append(Delete(job, "plan", name))
             self._save(job, j, ("participants", "written"), ops)
@@ -380,6 +417,7 @@ class Coordinator:
         if role is not None and role not in ROLES:
             raise bad(f"role must be one of {list(ROLES)}, got {short(role)}")
         wait_for = q.int("wait_for", 0, 0, MAX_PARTICIPANTS)
+        limit = q.int("limit", None, 0, MAX_PARTICIPANTS)
         timeout = q.timeout()
 
         def count(j: Job) -> int:
@@ -388,8 +426,9 @@ class Coordinator:
         # a plain listing (no wait_for) answers on an aborted job too: a refused registrant reads it
         ready, j = await self._wait("participants", job, "participants", (role, wait_for), timeout,
                                     lambda j: count(j) >= wait_for, allow_aborted=wait_for == 0)
-        head = json.dumps({"ready": ready, "count": count(j)})[:-1].encode()
-        return Encoded(head + b', "participants": ' + j.encoded_participants(role) + b"}")
+        if not ready:  # the count only: the waiter asks again, and gets the listing once it is complete
+            return Encoded(json.dumps({"ready": False, "count": count(j)}).encode())
+        return j.encoded_participants(role, limit)
 
     # -- plan hashes ----------------------------------------------------------------------------
     def post_plan_hashes(self, job: str, body: dict) -> dict:
@@ -759,6 +798,11 @@ def _steps(j: Job) -> str:
         return f"{lo}..{hi}" if hi > lo else str(lo)
     kept = sorted(j.written)
     return ", ".join(map(str, kept[:3])) + (f", ... {kept[-1]}" if len(kept) > 3 else "")
+
+
+def _refusal_view(rec: Registration, config: dict) -> dict:
+    """What :func:`weightsync.meta.mismatch.refusal` reads of a participant."""
+    return {"spec_digest": rec.spec_digest, "model_config": config, "model": rec.model}
 
 
 def _not_member(job: str, j: Job, instance: int) -> str:

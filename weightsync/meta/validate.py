@@ -127,19 +127,6 @@ def model_config(v: Any) -> dict:
     return v
 
 
-def engine_config(v: Any) -> dict:
-    """A small flat dict of scalars: enough to describe an engine, too small to abuse as storage."""
-    if not isinstance(v, dict) or len(v) > 64:
-        raise bad(f"engine_config must be an object of at most 64 entries, got {short(v)}")
-    for k, x in v.items():
-        string(k, "engine_config key", 64)
-        if x is not None and type(x) not in (str, int, float, bool):
-            raise bad(f"engine_config[{k!r}] must be a string, number, boolean or null, got {short(x)}")
-        if isinstance(x, str) and len(x) > 256:
-            raise bad(f"engine_config[{k!r}] is longer than 256 characters")
-    return dict(v)
-
-
 def bell_address(address: str) -> str:
     """A doorbell's address, ``host:/absolute/dir/weightsync-bell-PID-HEX``: a normalized absolute path
     (no ``..``, no doubled slashes) to a file named as weightsync names its bells; anything else (a

@@ -1,8 +1,10 @@
 """Job set-up shared by writers and readers: registration, cross-checks, the plan and its proof.
 
-Every participant registers what it holds with the MetaServer (model spec digest and config, engine
-layout string, layout digest, weightsync version, bucket budget), waits for the whole job, and
-refuses to go on -- before any byte moves -- when anything differs. Then each side computes the same
+Every participant registers what it holds with the MetaServer (a typed
+:class:`~weightsync.meta.records.Registration`: model spec digest and config, engine layout string,
+layout digest, weightsync version, and every session option: transport, mode, co-location, bucket
+budget, integrity cadence, delta), waits for the whole job, and refuses to go on -- before any byte
+moves, and aborting the job so that every peer is told at once -- when anything differs. Then each side computes the same
 plan from the same inputs and posts its pair hashes; the job starts only when every pair's two ends
 agree.
 """
@@ -18,11 +20,11 @@ from weightsync.engines import make_layout
 from weightsync.errors import ConfigError, JobMismatch, PlanError
 from weightsync.layout.layout import EngineLayout, Layout, layout_digest
 from weightsync.meta.client import MetaAborted, MetaClient, MetaError
+from weightsync.meta.records import LayoutInfo, Registration, SessionTerms
 from weightsync.plan.job import JobShape  # noqa: F401 - re-exported: the runtime's callers name it here
 from weightsync.plan.planner import Bucket, Pair, pair_hash
 from weightsync.plan.topology import Placement
-from weightsync.spec.compare import first_difference
-from weightsync.spec.model import ModelSpec, spec_from_config
+from weightsync.spec.model import ModelSpec
 from weightsync.transport.base import Buffers
 
 DEFAULT_MEMORY_BUDGET = 2 << 30  # bytes a transport may keep on a GPU beyond the weights
@@ -51,94 +53,107 @@ def enforce_memory_budget(client: MetaClient, budget: int | None, buffers: Buffe
     return need
 
 
-def register(
-    client: MetaClient,
-    spec: ModelSpec,
-    role: str,
-    rank: int,
-    engine: EngineLayout,
-    layout: Layout,
-    *,
-    instance: int | None = None,
-    extra: dict[str, Any] | None = None,
-) -> None:
-    """Register one participant; a model differing from the job's is refused naming the tensor."""
-    config = {"engine": engine.describe(), "model": spec.name, "world": engine.world_size, **(extra or {})}
+def registration(spec: ModelSpec, role: str, rank: int, engine: EngineLayout, layout: Layout, *,
+                 instance: int | None = None, terms: SessionTerms | None = None, gpu: str | None = None,
+                 backend: str | None = None, peer_copies: bool = True, instances: int | None = None) -> Registration:
+    """What one participant registers (:class:`~weightsync.meta.records.Registration`): this host, this
+    weightsync, the model, the layout's description and this rank's digest, and the session's options."""
+    return Registration(role, rank, instance, host=socket.gethostname(), gpu=gpu, version=__version__,
+                        model=spec.name, spec_digest=spec.digest,
+                        layout=LayoutInfo(engine.describe(), engine.world_size, layout_digest(layout)), terms=terms,
+                        backend=backend, peer_copies=peer_copies, instances=instances)
+
+
+def register(client: MetaClient, record: Registration, spec: ModelSpec) -> None:
+    """Register one participant (its model's config.json beside it); a model differing from the job's is
+    refused, naming the first tensor that differs on each side (the MetaServer's reason, which aborted the
+    job so that every peer learns it too)."""
     try:
-        client.register(
-            role, rank, instance=instance, host=socket.gethostname(), layout_digest=layout_digest(layout),
-            spec_digest=spec.digest, version=__version__, engine_config=config, model_config=dict(spec.config),
-        )
+        client.register(record, model_config=dict(spec.config))
     except MetaError as e:
         if e.status != 409:
             raise
-        who = f"{role} rank {rank}" + ("" if instance is None else f" of instance {instance}")
         for p in client.participants():
-            if p["spec_digest"] and p["spec_digest"] != spec.digest:
-                other = spec_from_config(p["model_config"], name=p["engine_config"].get("model", "the other model"))
-                raise JobMismatch(
-                    f"{who} refused before any transfer: its model differs from {p['role']} rank {p['rank']}'s: "
-                    f"{first_difference(spec, other)}"
-                ) from None
+            if p.spec_digest and p.spec_digest != spec.digest:
+                raise JobMismatch(f"{record.who} refused before any transfer: its model ({spec.name}) differs from "
+                                  f"{p.who}'s ({p.model or 'its model'}): {e}") from None
         raise
 
 
-def wait_side(client: MetaClient, role: str, timeout_s: float, count: int | None = None) -> list[dict]:
+def wait_side(client: MetaClient, role: str, timeout_s: float, count: int | None = None) -> list[Registration]:
     """Every participant of one role, once they all registered (the first says how many there are)."""
     deadline = time.monotonic() + timeout_s
     if count is None:
-        first = client.wait_participants(1, role=role, timeout=timeout_s)[0]
-        world = int(first["engine_config"]["world"])
-        count = world * (int(first["engine_config"].get("instances", 1)) if role == "infer" else 1)
+        first = client.wait_participants(1, role=role, timeout=timeout_s, limit=1)[0]
+        if first.layout is None:
+            raise JobMismatch(f"{first.who} registered no layout: it is no weightsync session's participant")
+        count = first.layout.world * ((first.instances or 1) if role == "infer" else 1)
     return client.wait_participants(count, role=role, timeout=max(0.1, deadline - time.monotonic()))
 
 
-def check_agreement(people: list[dict], field: str, what: str) -> Any:
-    """All participants must agree on ``engine_config[field]``; return the common value."""
-    values = {}
+def _value(p: Registration, field: str) -> Any:
+    """A registration's field by name: a session option (``terms``), the layout's, or the record's own."""
+    if field in SessionTerms.MEANING:
+        return getattr(p.terms, field)
+    if field in ("engine", "world"):
+        return getattr(p.layout, field)
+    return getattr(p, field)
+
+
+def check_agreement(people: list[Registration], field: str, what: str) -> Any:
+    """All participants must agree on ``field`` (a session option, ``engine``/``world`` of the layout, or a
+    field of the record); return the common value, else refuse naming who has which."""
+    values: dict[Any, list[str]] = {}
     for p in people:
-        values.setdefault(p["engine_config"].get(field), []).append(_who(p))
+        values.setdefault(_value(p, field), []).append(p.who)
     if len(values) > 1:
         detail = "; ".join(f"{v!r}: {', '.join(w[:3])}{' ...' if len(w) > 3 else ''}" for v, w in values.items())
         raise JobMismatch(f"participants disagree on {what}: {detail}")
     return next(iter(values))
 
 
-def check_versions(people: list[dict]) -> None:
-    versions = {p["version"] for p in people}
+def check_versions(people: list[Registration]) -> None:
+    versions = {p.version for p in people}
     if len(versions) > 1:
         raise JobMismatch(f"weightsync versions differ across the job: {sorted(versions)}")
 
 
-def _who(p: dict) -> str:
-    return f"{p['role']} rank {p['rank']}" + ("" if p.get("instance") is None else f" of instance {p['instance']}")
-
-
-def job_shape(people: list[dict], colocate: bool, bucket_bytes: int, elastic: bool = False) -> JobShape:
-    """Cross-check every registration and derive the shape both sides plan from (``elastic``: instances
-    may be missing or come later, see :attr:`JobShape.elastic`)."""
+def job_shape(people: list[Registration], terms: SessionTerms, elastic: bool = False) -> JobShape:
+    """Cross-check every registration and derive the shape both sides plan from: the layouts, and every
+    session option (:class:`~weightsync.meta.records.SessionTerms`: transport, mode, co-location, bucket
+    budget, integrity cadence, delta) the same on every participant and as ``terms`` (this participant's)
+    say. A refusal names the option and who has which value. ``elastic``: instances may be missing or come
+    later, see :attr:`JobShape.elastic`."""
+    bare = [p.who for p in people if p.layout is None or p.terms is None]
+    if bare:
+        raise JobMismatch(f"{', '.join(bare[:3])}{' ...' if len(bare) > 3 else ''} registered no layout or no "
+                          "session options: not a weightsync writer or reader")
     check_versions(people)
-    train = [p for p in people if p["role"] == "train"]
-    infer = [p for p in people if p["role"] == "infer"]
-    ids = {p["instance"] for p in infer}
+    train = [p for p in people if p.role == "train"]
+    infer = [p for p in people if p.role == "infer"]
+    for field, what in SessionTerms.MEANING.items():  # every option, before any is used
+        check_agreement(people, field, what)
+    agreed = people[0].terms
+    if agreed != terms:
+        diff = [f"{f}: this participant {getattr(terms, f)!r}, the job {getattr(agreed, f)!r}"
+                for f in SessionTerms.MEANING if getattr(terms, f) != getattr(agreed, f)]
+        raise ConfigError(f"this participant's options differ from the job's ({'; '.join(diff)})")
+    ids = {p.instance for p in infer}
     shape = JobShape(
         train=check_agreement(train, "engine", "the training layout"),
         infer=check_agreement(infer, "engine", "the inference layout (instances must be alike)"),
         train_world=int(check_agreement(train, "world", "the training world size")),
         infer_world=int(check_agreement(infer, "world", "the inference world size")),
         instances=(max(ids) + 1) if elastic and ids else len(ids),
-        colocate=bool(check_agreement(people, "colocate", "co-location")),
-        transport=str(check_agreement(people, "transport", "the transport")),
-        mode=str(check_agreement(people, "mode", "sync or async mode")),
-        bucket_bytes=int(check_agreement(people, "bucket_bytes", "the bucket budget")),
+        colocate=agreed.colocate,
+        transport=agreed.transport,
+        mode=agreed.mode,
+        bucket_bytes=agreed.bucket_bytes,
         # a capability, not an agreement: one participant without it sends those pieces through the group
-        peer_copies=all(p["engine_config"].get("peer_copies", True) for p in people),
+        peer_copies=all(p.peer_copies for p in people),
         placement=None if elastic else placement_of(train, infer),
         elastic=elastic,
     )
-    if shape.colocate != colocate or shape.bucket_bytes != bucket_bytes:
-        raise ConfigError("this participant's options differ from the job's")
-    check_agreement(people, "delta", "delta updates (delta=True on every writer and reader, or on none)")
     if elastic:  # instances come and go: only the trainers must all be there
         if len(train) != shape.train_world:
             raise JobMismatch(f"expected {shape.train_world} training participants, got {len(train)}")
@@ -150,26 +165,26 @@ def job_shape(people: list[dict], colocate: bool, bucket_bytes: int, elastic: bo
     return shape
 
 
-def placement_of(train: list[dict], infer: list[dict]) -> Placement | None:
+def placement_of(train: list[Registration], infer: list[Registration]) -> Placement | None:
     """Where every rank runs, from what it registered: hosts by name, GPUs by their UUID (stable
     whatever ``CUDA_VISIBLE_DEVICES`` each process saw). A rank without a GPU (CPU) is a slot of its
     own on its host, so a CPU job spanning hosts still plans which pairs cross them. None when some
     rank has no GPU and every rank is on one host (the arithmetic rules of :class:`Topology` apply)."""
     people = train + infer
-    hosts = sorted({p["host"] for p in people})
-    if not all(p["engine_config"].get("gpu") for p in people) and len(hosts) < 2:
+    hosts = sorted({p.host for p in people})
+    if not all(p.gpu for p in people) and len(hosts) < 2:
         return None
 
-    def slot(p: dict) -> str:
-        return p["engine_config"].get("gpu") or f"cpu:{p['role']}:{p.get('instance')}:{p['rank']}"
+    def slot(p: Registration) -> str:
+        return p.gpu or f"cpu:{p.role}:{p.instance}:{p.rank}"
 
-    on_host = {h: sorted({slot(p) for p in people if p["host"] == h}) for h in hosts}
+    on_host = {h: sorted({slot(p) for p in people if p.host == h}) for h in hosts}
 
-    def where(p: dict) -> tuple[int, int]:
-        return hosts.index(p["host"]), on_host[p["host"]].index(slot(p))
+    def where(p: Registration) -> tuple[int, int]:
+        return hosts.index(p.host), on_host[p.host].index(slot(p))
 
-    return Placement(tuple(where(p) for p in sorted(train, key=lambda p: p["rank"])),
-                     tuple(where(p) for p in sorted(infer, key=lambda p: (p["instance"], p["rank"]))))
+    return Placement(tuple(where(p) for p in sorted(train, key=lambda p: p.rank)),
+                     tuple(where(p) for p in sorted(infer, key=lambda p: (p.instance, p.rank))))
 
 
 def check_own_layout(shape_engine: str, spec: ModelSpec, rank: int, registered: str, who: str) -> None:

@@ -54,6 +54,7 @@ from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.meta.heartbeat import Heartbeat
+from weightsync.meta.records import Registration, SessionTerms
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES, Bucket, Pair
 from weightsync.runtime.device import device_uuid
 from weightsync.runtime.doorbell import Doorbell, open_bells
@@ -66,6 +67,7 @@ from weightsync.runtime.job import (
     job_shape,
     layout_digest,
     register,
+    registration,
     wait_plan_proven,
     wait_side,
 )
@@ -133,10 +135,11 @@ class SessionOptions:
         return TransportOptions(self.transport_name, self.mode, backend, self.timeout_s, self.host,
                                 self.directory, self.peer_copies, codec=codec)
 
-    def registered(self) -> dict[str, Any]:
-        """The options every participant must agree on, as registered with the MetaServer."""
-        return {"colocate": self.colocate, "bucket_bytes": self.bucket_bytes, "transport": self.transport_name,
-                "mode": self.mode, "integrity": self.integrity, "delta": self.delta}
+    def terms(self) -> SessionTerms:
+        """The options every participant must agree on, as registered with the MetaServer (each typed; a
+        difference, the integrity cadence's included, is refused at set-up on every side at once)."""
+        return SessionTerms(transport=self.transport_name, mode=self.mode, colocate=self.colocate,
+                            bucket_bytes=self.bucket_bytes, integrity=self.integrity, delta=self.delta)
 
 
 class JobSession(ABC):
@@ -147,7 +150,7 @@ class JobSession(ABC):
     def __init__(self, client: MetaClient, link: MetaLink, spec: ModelSpec, options: SessionOptions):
         self.client, self.link, self.spec, self.options = client, link, spec, options
         self.shape: JobShape | None = None
-        self.people: list[dict] = []  # every registration of the job, as agreed
+        self.people: list[Registration] = []  # every registration of the job, as agreed
         self.connected = False
 
     def check_alive(self) -> None:
@@ -170,13 +173,13 @@ class JobSession(ABC):
     @abstractmethod
     def register(self) -> None: ...
 
-    def agree(self) -> list[dict]:
+    def agree(self) -> list[Registration]:
         mine, theirs = ("train", "infer") if self.role == "train" else ("infer", "train")
         own = wait_side(self.client, mine, self.options.timeout_s, count=self.expected())
         other = wait_side(self.client, theirs, self.options.timeout_s)
         people = (own + other) if self.role == "train" else (other + own)
         try:
-            self.shape = job_shape(people, self.options.colocate, self.options.bucket_bytes, self.options.elastic)
+            self.shape = job_shape(people, self.options.terms(), self.options.elastic)
             self.check_layouts()
         except WeightSyncError as e:  # every participant learns of it at once, not at its timeout
             log.error("%s refused the job: %s", self.who, e)
@@ -244,9 +247,9 @@ class TrainerSession(JobSession):
 
     def register(self) -> None:
         t = self.train
-        register(self.client, t.spec, "train", t.rank, t.engine, t.layout,
-                 extra={**self.options.registered(), "backend": self.backend, "peer_copies": self.options.peer_copies,
-                        "gpu": device_uuid(next(iter(t.tensors.values())).device)})
+        register(self.client, registration(t.spec, "train", t.rank, t.engine, t.layout, terms=self.options.terms(),
+                                           gpu=device_uuid(next(iter(t.tensors.values())).device),
+                                           backend=self.backend, peer_copies=self.options.peer_copies), t.spec)
 
     def expected(self) -> int:
         return self.train.engine.world_size
@@ -282,8 +285,8 @@ class TrainerSession(JobSession):
 
     def initial_instances(self) -> int:
         """How many instances the job starts with (what the first inference registrant said)."""
-        infer = [p for p in self.people if p["role"] == "infer"]
-        return min(int(p["engine_config"].get("instances", 1)) for p in infer) if infer else 1
+        infer = [p for p in self.people if p.role == "infer"]
+        return min(p.instances or 1 for p in infer) if infer else 1
 
     def connect(self) -> None:
         # sync: the instances' `held` bells, when every reader is on this host (elastic: instances
@@ -343,11 +346,10 @@ class InstanceSession(JobSession):
             self.client.join(self.instance_id, liveness_s=self.liveness_s)
             self._beat()
         for rank, p in enumerate(probes):
-            register(self.client, self.spec, "infer", rank, self.engine, self.engine.layout(rank),
-                     instance=self.instance_id,
-                     extra={**opts.registered(), "instances": self.instances,
-                            "peer_copies": p.reaches_peers if opts.colocate and opts.peer_copies else opts.peer_copies,
-                            "gpu": p.gpu})
+            register(self.client, registration(
+                self.spec, "infer", rank, self.engine, self.engine.layout(rank), instance=self.instance_id,
+                terms=opts.terms(), gpu=p.gpu, instances=self.instances,
+                peer_copies=p.reaches_peers if opts.colocate and opts.peer_copies else opts.peer_copies), self.spec)
 
     @property
     def reads_after_written(self) -> bool:
@@ -365,8 +367,8 @@ class InstanceSession(JobSession):
     def plan(self) -> list[tuple[str, Buffers]]:
         from weightsync.runtime import worker
 
-        trainers = [p for p in self.people if p["role"] == "train"]
-        self.backend = trainers[0]["engine_config"].get("backend", "gloo")
+        trainers = [p for p in self.people if p.role == "train"]
+        self.backend = trainers[0].backend or "gloo"
         # co-located workers write into each other's weights (``push``: their live tensors are exported
         # to each other by CUDA IPC; off when the engine's cannot be), unless each commits its own copy
         planned = self.instance.call(worker.plan, self.shape, dict(self.instance.model_config), self.instance_id,
