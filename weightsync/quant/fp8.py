@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +133,7 @@ def nonfinite_blocks(scale_inv: torch.Tensor, limit: int = 8) -> list[tuple[int,
 def _build():
     from weightsync.quant import fp8_triton  # imports Triton: only here, on first use
 
-    return fp8_triton.block_fp8
+    return fp8_triton
 
 
 def enabled() -> bool:
@@ -171,6 +172,17 @@ def _batch_stride(x: torch.Tensor) -> int | None:
         return None
 
 
+def _check_out(x: torch.Tensor, out: Quantized, name: str) -> None:
+    sshape = scale_shape(x.shape)
+    if (tuple(out.weight.shape) != tuple(x.shape) or out.weight.dtype != torch.float8_e4m3fn
+            or tuple(out.scale_inv.shape) != sshape or out.scale_inv.dtype != torch.float32
+            or not out.weight.is_contiguous() or not out.scale_inv.is_contiguous()
+            or out.weight.device != x.device or out.scale_inv.device != x.device):
+        raise ValueError(f"fp8: {name}: out must be contiguous float8_e4m3fn {tuple(x.shape)} and float32 "
+                         f"{sshape} on {x.device}, got {out.weight.dtype} {tuple(out.weight.shape)} and "
+                         f"{out.scale_inv.dtype} {tuple(out.scale_inv.shape)}")
+
+
 def soft_cast() -> bool:
     """Whether the kernel casts to e4m3 in integer arithmetic instead of the hardware's conversion: under Triton's
     interpreter, whose float8 cast drops the carry when rounding reaches the next power of two (Triton 3.9:
@@ -185,12 +197,7 @@ def quantize(x: torch.Tensor, out: Quantized | None = None, name: str = "weight"
     _check(x, name)
     sshape = scale_shape(x.shape)
     if out is not None:
-        if (tuple(out.weight.shape) != tuple(x.shape) or out.weight.dtype != torch.float8_e4m3fn
-                or tuple(out.scale_inv.shape) != sshape or out.scale_inv.dtype != torch.float32
-                or not out.weight.is_contiguous() or not out.scale_inv.is_contiguous()):
-            raise ValueError(f"fp8: {name}: out must be contiguous float8_e4m3fn {tuple(x.shape)} and float32 "
-                             f"{sshape}, got {out.weight.dtype} {tuple(out.weight.shape)} and "
-                             f"{out.scale_inv.dtype} {tuple(out.scale_inv.shape)}")
+        _check_out(x, out, name)
     if not applies(x):
         got = quantize_reference(x, name)
         if out is None:
@@ -211,12 +218,80 @@ def quantize(x: torch.Tensor, out: Quantized | None = None, name: str = "weight"
     sxb = _batch_stride(x)
     soft = soft_cast()
     q = out.weight.view(torch.uint8) if soft else out.weight
-    _kernel[(bn, bk, batch)](x, q, out.scale_inv, n, k, sxb, x.stride(-2), n * k, k, bn * bk, bk,
+    _kernel.block_fp8[(bn, bk, batch)](x, q, out.scale_inv, n, k, sxb, x.stride(-2), n * k, k, bn * bk, bk,
                              AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK, SOFT_CAST=soft, num_warps=WARPS)
     return out
 
 
+def quantize_many(xs: Sequence[torch.Tensor], outs: Sequence[Quantized] | None = None,
+                  names: Sequence[str] | None = None) -> list[Quantized]:
+    """Each of ``xs`` in block FP8, as :func:`quantize` gives it, but in one kernel launch per input dtype where
+    the kernel :func:`applies` to all of them on one device (a launch per weight costs ~20-40 us of CPU: a model's
+    small matrices are launch-bound); ``outs`` as :func:`quantize`'s ``out``. The launch table is a function of
+    the tensors' addresses, shapes and strides only, so it is kept on the device for the next call with the same
+    ones (a step's weights: the same every step)."""
+    names = list(names) if names is not None else [f"weight {i}" for i in range(len(xs))]
+    if outs is None:
+        outs = [Quantized(torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+                          torch.empty(scale_shape(x.shape), dtype=torch.float32, device=x.device)) for x in xs]
+    if len(outs) != len(xs):
+        raise ValueError(f"fp8: {len(xs)} weights but {len(outs)} outs")
+    devices = {x.device for x in xs}
+    if len(devices) > 1 or not all(applies(x) for x in xs):
+        return [quantize(x, o, n) for x, o, n in zip(xs, outs, names)]
+    for x, o, n in zip(xs, outs, names):
+        _check(x, n)
+        _check_out(x, o, n)
+    soft = soft_cast()
+    for dtype in INPUT_DTYPES:
+        idx = [i for i, x in enumerate(xs) if x.dtype == dtype and x.numel()]
+        if not idx:
+            continue
+        got = _many_table([xs[i] for i in idx], [outs[i] for i in idx], soft)
+        d_tab, d_owner, d_first, nprog = got
+        _kernel.block_fp8_many[(nprog,)](d_tab, d_owner, d_first, AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK,
+                                         SOFT_CAST=soft, IN_FP32=dtype == torch.float32, num_warps=WARPS)
+    return list(outs)
+
+
+_TABLES: dict = {}  # launch tables of quantize_many by their tensors, oldest first
+_KEEP = 64
+
+
+def _many_table(xs: Sequence[torch.Tensor], outs: Sequence[Quantized], soft: bool):
+    key = (soft, *((x.data_ptr(), *x.shape, *x.stride(), o.weight.data_ptr(), o.scale_inv.data_ptr())
+                   for x, o in zip(xs, outs)))
+    got = _TABLES.get(key)
+    if got is not None:
+        return got
+    tab, owner, first, nprog = [], [], [], 0
+    for m, (x, o) in enumerate(zip(xs, outs)):
+        *lead, n, k = x.shape
+        batch = 1
+        for d in lead:
+            batch *= d
+        bn, bk = cdiv(n, BLOCK), cdiv(k, BLOCK)
+        tab += [x.data_ptr(), o.weight.data_ptr(), o.scale_inv.data_ptr(), n, k, _batch_stride(x), x.stride(-2), bn, bk]
+        first.append(nprog)
+        count = batch * bn * bk
+        owner.append((m, count))
+        nprog += count
+    flat = tab + first
+    host = torch.tensor(flat, dtype=torch.int64)
+    own = torch.repeat_interleave(torch.tensor([m for m, _ in owner], dtype=torch.int32),
+                                  torch.tensor([c for _, c in owner], dtype=torch.int64))
+    device = xs[0].device
+    if device.type == "cuda":
+        host, own = host.pin_memory(), own.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    got = (dev[: len(tab)], own.to(device, non_blocking=True), dev[len(tab):], nprog)
+    if len(_TABLES) >= _KEEP:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = got
+    return got
+
+
 __all__ = [
     "AMAX_FLOOR", "BLOCK", "FP8_MAX", "INV_FP8_MAX", "Quantized", "applies", "dequantize", "enabled",
-    "nonfinite_blocks", "quantize", "quantize_reference", "scale_shape",
+    "nonfinite_blocks", "quantize", "quantize_many", "quantize_reference", "scale_shape",
 ]

@@ -27,12 +27,9 @@ def _e4m3_bits(y):
     return (r | sign).to(tl.uint8)
 
 @triton.jit
-def block_fp8(x, q, s, n, k, sxb, sxn, sqb, sqn, ssb, ssn, floor, inv_max, BLOCK: tl.constexpr,
-               SOFT_CAST: tl.constexpr):
-    # one program per 128 x 128 block: grid (blocks along N, blocks along K, batch)
-    i = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+def _block(x, q, s, i, j, b, n, k, sxb, sxn, sqb, sqn, ssb, ssn, floor, inv_max, BLOCK: tl.constexpr,
+           SOFT_CAST: tl.constexpr):
+    # block (i, j) of 2-d weight b: read once, its scale and its e4m3 bytes written
     rows = i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     cols = j * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = (rows[:, None] < n) & (cols[None, :] < k)
@@ -49,3 +46,45 @@ def block_fp8(x, q, s, n, k, sxb, sxn, sqb, sqn, ssb, ssn, floor, inv_max, BLOCK
         y = y.to(tl.float8e4nv)
     tl.store(q + b * sqb + rows[:, None] * sqn + cols[None, :], y, mask=mask)
     tl.store(s + b * ssb + i * ssn + j, sf)
+
+
+@triton.jit
+def block_fp8(x, q, s, n, k, sxb, sxn, sqb, sqn, ssb, ssn, floor, inv_max, BLOCK: tl.constexpr,
+              SOFT_CAST: tl.constexpr):
+    # one weight (or a batch of them): grid (blocks along N, blocks along K, batch)
+    i = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    _block(x, q, s, i, j, b, n, k, sxb, sxn, sqb, sqn, ssb, ssn, floor, inv_max, BLOCK, SOFT_CAST)
+
+
+@triton.jit
+def block_fp8_many(tab, owner, first, floor, inv_max, BLOCK: tl.constexpr, SOFT_CAST: tl.constexpr,
+                   IN_FP32: tl.constexpr):
+    # many weights of one dtype in one launch: a table row per weight (x, q, s addresses, n, k, batch stride,
+    # row stride, blocks along N, blocks along K), the weight each program works on, each weight's first program
+    pid = tl.program_id(0)
+    m = tl.load(owner + pid).to(tl.int64)
+    local = (pid - tl.load(first + m)).to(tl.int64)
+    row = tab + m * 9
+    if IN_FP32:
+        x = tl.load(row + 0).to(tl.pointer_type(tl.float32))
+    else:
+        x = tl.load(row + 0).to(tl.pointer_type(tl.bfloat16))
+    if SOFT_CAST:
+        q = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
+    else:
+        q = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
+    s = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    n = tl.load(row + 3)
+    k = tl.load(row + 4)
+    sxb = tl.load(row + 5)
+    sxn = tl.load(row + 6)
+    bn = tl.load(row + 7)
+    bk = tl.load(row + 8)
+    per = bn * bk
+    b = local // per
+    r = local - b * per
+    i = r // bk
+    j = r - i * bk
+    _block(x, q, s, i, j, b, n, k, sxb, sxn, n * k, k, per, bk, floor, inv_max, BLOCK, SOFT_CAST)
