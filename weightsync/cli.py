@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-host", type=int, default=8, help="GPUs per host for locality (default 8)")
     plan.add_argument("--transport", choices=["colocated", "p2p", "nixl"],
                       help="for the predicted step: colocated (default with --colocate), p2p (NCCL, default), nixl")
-    plan.add_argument("--receiver", choices=["faithful", "vllm"], default="faithful",
-                      help="for the predicted step: layout-faithful workers (default) or a real vLLM engine")
+    plan.add_argument("--receiver", choices=["faithful", "vllm", "sglang"], default="faithful",
+                      help="for the predicted step: layout-faithful workers (default) or a real vLLM / SGLang engine")
     plan.add_argument("--codec", choices=["full", "fp8", "delta"], default="full",
                       help="for the predicted step: bytes on the wire (fp8: an estimate; delta: at --changed)")
     plan.add_argument("--changed", type=float, default=0.01, help="delta: fraction changed a step (default 0.01)")

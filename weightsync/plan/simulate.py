@@ -14,7 +14,8 @@ number was measured here and says where:
 - per step, the signals: ``written`` by a doorbell in host shared memory (co-located sync jobs) or
   through the MetaServer (whose CPU per request bounds a large job's round);
 - per receiver, the trips into the engine: a layout-faithful worker answers one pipe call; a real vLLM
-  engine takes two ``collective_rpc`` trips through its engine core;
+  engine takes two ``collective_rpc`` trips through its engine core; a real SGLang engine its pause, receive,
+  flush and continue calls;
 - per codec, the bytes on the wire: full; block FP8 (an estimate: the codec is not built yet); delta at a
   measured change fraction, with the encode, the receiver's proof and the apply at their measured rates.
 
@@ -70,7 +71,7 @@ def predict_seconds(buckets: Iterable[Bucket], topology: Topology, links: LinkMo
 # -- the cost model -------------------------------------------------------------------------------------
 
 TRANSPORTS = ("colocated", "p2p", "nixl")
-RECEIVERS = ("faithful", "vllm")
+RECEIVERS = ("faithful", "vllm", "sglang")
 CODECS = ("full", "fp8", "delta")
 
 
@@ -133,6 +134,10 @@ class CostModel:
     # row of the same run (9.21 - 8.73 = 0.48 ms), over two trips
     vllm_trips: int = 2
     vllm_trip_s: float = (3.14e-3 + 0.48e-3) / 2
+    # a real SGLang 0.5.14 engine: its control path a step (pause_generation, the receive call, flush_cache,
+    # continue_generation): reader.workers - reader.transport = 18.48 - 8.54 ms in
+    # 2026-12-01-h200x1-real-sglang0514-colo-1gpu-sglang.json (the nixl-1gpu run of the same call: 6.83 ms)
+    sglang_step_s: float = 9.94e-3
     # codecs: block FP8 keeps 1 byte per element plus an fp32 scale per 128 x 128 block (weightsync.quant.fp8)
     fp8_block: int = 128
     delta_rates: tuple[DeltaRates, ...] = (
@@ -153,7 +158,7 @@ class Deployment:
     """How a planned job moves its bytes: the transport, the receivers, the codec, the signals."""
 
     transport: str = "p2p"  # "colocated", "p2p" (NCCL) or "nixl" (READ)
-    receiver: str = "faithful"  # "faithful" (layout-faithful workers) or "vllm" (a real engine)
+    receiver: str = "faithful"  # "faithful" (layout-faithful workers), or a real engine: "vllm", "sglang"
     codec: str = "full"  # "full", "fp8" (estimate) or "delta"
     changed: float = 0.01  # delta: the fraction of elements changed a step
     doorbells: bool = False  # `written` through host shared memory (co-located sync jobs), else the MetaServer
@@ -278,6 +283,7 @@ def predict_step(
     else:  # the MetaServer: every trainer posts written and waits held, every instance the reverse
         requests = 2 * (topology.train_world + topology.instances)
         signal_s = cost.step_round_s - cost.doorbell_s + max(cost.metaserver_signal_s, requests * cost.metaserver_request_s)
-    receiver_s = cost.faithful_call_s if d.receiver == "faithful" else cost.vllm_trips * cost.vllm_trip_s
+    receiver_s = {"faithful": cost.faithful_call_s, "vllm": cost.vllm_trips * cost.vllm_trip_s,
+                  "sglang": cost.sglang_step_s}[d.receiver]
     seconds = signal_s + receiver_s + move_s + codec_s
     return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, total_wire, descriptors, msgs)
