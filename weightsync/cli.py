@@ -82,6 +82,12 @@ def _bench(args: argparse.Namespace) -> int:
     return main_from_args(args)
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from weightsync.soak.cli import main_from_args
+
+    return main_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightsync", description="Move RL trainer weights to inference engines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -126,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time weight syncs on GPUs against the link ceilings (GPU host)")
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
+
+    from weightsync.soak.cli import add_arguments as add_soak_arguments
+
+    soak = sub.add_parser("soak", help="a chaos soak of a local job: participants killed and stopped at random, "
+                                       "every version held checked bit for bit")
+    add_soak_arguments(soak)
+    soak.set_defaults(func=_soak)
     return p
 
 

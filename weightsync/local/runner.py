@@ -138,6 +138,17 @@ def _participant_main(participant: Participant, target: Callable[..., None], arg
         sys.exit(code)  # SystemExit: multiprocessing sets the exit code and prints nothing
 
 
+def start_participant(ctx: Any, participant: Participant, target: Callable[..., None], args: tuple, q: Any,
+                      log_path: str | None = None) -> Any:
+    """Start one participant's process in ``ctx`` as :meth:`LocalJob.run` does (``target(emit, *args)``, its events
+    put on ``q``: anything with ``put``, ``close`` and ``join_thread``); for drivers that start, kill and restart
+    participants one by one (``weightsync soak``)."""
+    p = ctx.Process(target=_participant_main, args=(participant, target, args, q, log_path),
+                    name=f"weightsync {participant}")
+    p.start()
+    return p
+
+
 def _kill(p: Any) -> None:
     """SIGKILL a participant, then its process group: every process it started that is still there
     (a participant killed before it made its group has started nothing)."""
@@ -221,9 +232,7 @@ class LocalJob:
         q = self.ctx.Queue()
         for s in self._spawns:
             path = os.path.join(self.log_dir, log_name(s.participant)) if self.log_dir else None
-            p = self.ctx.Process(target=_participant_main, args=(s.participant, s.target, s.args, q, path),
-                                 name=f"weightsync {s.participant}")
-            p.start()
+            p = start_participant(self.ctx, s.participant, s.target, s.args, q, path)
             self._procs[s.participant] = p
         events: list[Event] = []
         finished: dict[Participant, Event] = {}
@@ -295,4 +304,4 @@ class LocalJob:
             _kill(p)  # and anything a participant started and left behind
 
 
-__all__ = ["LocalJob", "JobResult", "Emit", "log_name"]
+__all__ = ["LocalJob", "JobResult", "Emit", "log_name", "start_participant"]
