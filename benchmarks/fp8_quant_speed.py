@@ -57,7 +57,12 @@ def main() -> None:
             fp8.quantize(w, out=o)
 
     kernel_s = timed(kernel, args.reps)
-    many_s = timed(lambda: fp8.quantize_many(ws, outs), args.reps)  # one launch for all 252
+    try:  # one launch for all 252, with Triton's alignment hints (quantize_many's docstring)
+        many_s = timed(lambda: fp8.quantize_many(ws, outs, one_launch=True), args.reps)
+        many_exact = all(torch.equal(q.weight.view(torch.uint8), fp8.quantize_reference(w).weight.view(torch.uint8))
+                         for w, q in zip(ws[: len(SHAPES)], outs))
+    except Exception as e:  # report, and keep the other figures
+        many_s, many_exact = float("nan"), repr(e)[:300]
     # the MLP matrices alone (100 MB each): the kernel's own rate, launch overheads negligible
     big = [(w, o) for w, o in zip(ws, outs) if w.numel() == 12288 * 4096]
     big_bytes = sum(w.numel() * w.element_size() for w, _ in big)
@@ -80,7 +85,7 @@ def main() -> None:
         "kernel_seconds": kernel_s, "kernel_GBps_in": nbytes / kernel_s / 1e9,
         "kernel_GBps_traffic": 1.5 * nbytes / kernel_s / 1e9,
         "of_hbm": 0.75 * copy_s / kernel_s,
-        "many_seconds": many_s, "many_GBps_in": nbytes / many_s / 1e9, "many_of_hbm": 0.75 * copy_s / many_s,
+        "many_seconds": many_s, "many_bit_exact_one_layer": many_exact, "many_GBps_in": nbytes / many_s / 1e9, "many_of_hbm": 0.75 * copy_s / many_s,
         "mlp_matrices": len(big), "mlp_kernel_seconds": big_s, "mlp_copy_seconds": big_copy_s,
         "mlp_of_hbm": 0.75 * big_copy_s / big_s,
         "torch_definition_seconds_est": ref_s, "bit_exact_one_layer": exact,

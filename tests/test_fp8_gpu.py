@@ -74,12 +74,17 @@ def test_kernel_equals_the_definition_on_cpu_and_gpu(cast):
                                                                                            x.stride(), x.dtype)
 
 
-def test_many_weights_in_one_launch(cast):
+@pytest.mark.parametrize("aligned", [False, True])
+def test_many_weights_in_one_launch(cast, aligned):
     xs = cases()
+    if aligned:  # every address, K and stride a multiple of 16: the launch gives Triton alignment hints
+        xs = [x for x in xs if x.shape[-1] % 16 == 0 and x.stride(-2) % 16 == 0 and x.data_ptr() % 16 == 0]
+        xs += [torch.randn(4096, 1024, device="cuda").to(torch.bfloat16), torch.randn(2, 384, 512, device="cuda")]
     outs = [fp8.Quantized(torch.full(x.shape, 5.0, device="cuda").to(E4M3),
                           torch.full(fp8.scale_shape(x.shape), -1.0, device="cuda")) for x in xs]  # poisoned
+    assert not aligned or all(fp8._aligned(x, o) for x, o in zip(xs, outs))
     for _ in range(2):  # the second call reuses the kept launch table
-        got = fp8.quantize_many(xs, outs)
+        got = fp8.quantize_many(xs, outs, one_launch=True)
         for x, q in zip(xs, got):
             want = fp8.quantize_reference(x.cpu())
             assert same(q.weight, want.weight) and same(q.scale_inv, want.scale_inv), (tuple(x.shape), x.dtype)

@@ -224,20 +224,28 @@ def quantize(x: torch.Tensor, out: Quantized | None = None, name: str = "weight"
 
 
 def quantize_many(xs: Sequence[torch.Tensor], outs: Sequence[Quantized] | None = None,
-                  names: Sequence[str] | None = None) -> list[Quantized]:
-    """Each of ``xs`` in block FP8, as :func:`quantize` gives it, but in one kernel launch per input dtype where
-    the kernel :func:`applies` to all of them on one device (a launch per weight costs ~20-40 us of CPU: a model's
-    small matrices are launch-bound); ``outs`` as :func:`quantize`'s ``out``. The launch table is a function of
-    the tensors' addresses, shapes and strides only, so it is kept on the device for the next call with the same
-    ones (a step's weights: the same every step)."""
+                  names: Sequence[str] | None = None, one_launch: bool | None = None) -> list[Quantized]:
+    """Each of ``xs`` in block FP8, as :func:`quantize` gives it (``outs`` as its ``out``).
+
+    By default one launch per weight. ``one_launch`` (default: ``WEIGHTSYNC_FP8_ONE_LAUNCH=1``) puts all of them
+    in one launch per input dtype where the kernel :func:`applies` to all on one device: on the H200 a launch per
+    weight made qwen3-8b's 252 matrices launch-bound (10.2 ms for 13.9 GB, 0.48 of HBM, while its 100 MB MLP
+    matrices alone ran at 0.81), but the first one-launch kernel was 7 x slower (72 ms): sizes and addresses read
+    from a table carry no alignment, so Triton cannot vectorize. Where every address is 16-byte aligned and every
+    K and stride a multiple of 16 (real weights), the launch now tells Triton so (``tl.multiple_of``); that
+    version is bit-identical under the interpreter but was not run on a GPU yet (``benchmarks/fp8_quant_gpu.sh``
+    measures it). The launch table is a function of the tensors' addresses, shapes and strides only, so it is kept
+    on the device for the next call with the same ones (a step's weights: the same every step)."""
     names = list(names) if names is not None else [f"weight {i}" for i in range(len(xs))]
     if outs is None:
         outs = [Quantized(torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
                           torch.empty(scale_shape(x.shape), dtype=torch.float32, device=x.device)) for x in xs]
     if len(outs) != len(xs):
         raise ValueError(f"fp8: {len(xs)} weights but {len(outs)} outs")
+    if one_launch is None:
+        one_launch = os.environ.get("WEIGHTSYNC_FP8_ONE_LAUNCH") == "1"
     devices = {x.device for x in xs}
-    if len(devices) > 1 or not all(applies(x) for x in xs):
+    if not one_launch or len(devices) > 1 or not all(applies(x) for x in xs):
         return [quantize(x, o, n) for x, o, n in zip(xs, outs, names)]
     for x, o, n in zip(xs, outs, names):
         _check(x, n)
@@ -247,11 +255,19 @@ def quantize_many(xs: Sequence[torch.Tensor], outs: Sequence[Quantized] | None =
         idx = [i for i, x in enumerate(xs) if x.dtype == dtype and x.numel()]
         if not idx:
             continue
-        got = _many_table([xs[i] for i in idx], [outs[i] for i in idx], soft)
-        d_tab, d_owner, d_first, nprog = got
+        group, group_outs = [xs[i] for i in idx], [outs[i] for i in idx]
+        d_tab, d_owner, d_first, nprog = _many_table(group, group_outs, soft)
+        aligned = all(_aligned(x, o) for x, o in zip(group, group_outs))
         _kernel.block_fp8_many[(nprog,)](d_tab, d_owner, d_first, AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK,
-                                         SOFT_CAST=soft, IN_FP32=dtype == torch.float32, num_warps=WARPS)
+                                         SOFT_CAST=soft, IN_FP32=dtype == torch.float32, ALIGNED=aligned,
+                                         num_warps=WARPS)
     return list(outs)
+
+
+def _aligned(x: torch.Tensor, o: Quantized) -> bool:
+    """What the one-launch kernel may promise Triton about ``x`` and its output (see :func:`quantize_many`)."""
+    return (x.data_ptr() % 16 == 0 and o.weight.data_ptr() % 16 == 0 and x.shape[-1] % 16 == 0
+            and x.stride(-2) % 16 == 0 and (_batch_stride(x) or 0) % 16 == 0)
 
 
 _TABLES: dict = {}  # launch tables of quantize_many by their tensors, oldest first

@@ -60,7 +60,7 @@ def block_fp8(x, q, s, n, k, sxb, sxn, sqb, sqn, ssb, ssn, floor, inv_max, BLOCK
 
 @triton.jit
 def block_fp8_many(tab, owner, first, floor, inv_max, BLOCK: tl.constexpr, SOFT_CAST: tl.constexpr,
-                   IN_FP32: tl.constexpr):
+                   IN_FP32: tl.constexpr, ALIGNED: tl.constexpr):
     # many weights of one dtype in one launch: a table row per weight (x, q, s addresses, n, k, batch stride,
     # row stride, blocks along N, blocks along K), the weight each program works on, each weight's first program
     pid = tl.program_id(0)
@@ -82,6 +82,13 @@ def block_fp8_many(tab, owner, first, floor, inv_max, BLOCK: tl.constexpr, SOFT_
     sxn = tl.load(row + 6)
     bn = tl.load(row + 7)
     bk = tl.load(row + 8)
+    if ALIGNED:  # every address 16-byte aligned, k and the strides multiples of 16: what the one-weight kernel's
+        # arguments tell Triton by specialization, and what a table's values cannot (vectorized loads and stores)
+        x = tl.multiple_of(x, 16)
+        q = tl.multiple_of(q, 16)
+        k = tl.multiple_of(k, 16)
+        sxb = tl.multiple_of(sxb, 16)
+        sxn = tl.multiple_of(sxn, 16)
     per = bn * bk
     b = local // per
     r = local - b * per
