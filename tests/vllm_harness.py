@@ -616,3 +616,22 @@ class AsyncEngine:
             self.llm.shutdown()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def stop_after_posts(count: int, sig: int) -> None:
+    """Fault (a hook, not a race): this process stops dead (``sig``: SIGSTOP or SIGKILL) right after its
+    ``count``-th p2p post returned, so that bucket's messages are in flight (posted; gloo's own threads stop
+    with the process) and the rest of the step never comes. Nothing of weightsync notices but the beat."""
+    import weightsync.transport.p2p as p2p
+
+    real, calls = p2p.post, [0]
+
+    def post(*a, **k):
+        works = real(*a, **k)
+        calls[0] += 1
+        if calls[0] == count:
+            time.sleep(0.05)  # let the backend put bytes on the wire
+            os.kill(os.getpid(), sig)
+        return works
+
+    p2p.post = post

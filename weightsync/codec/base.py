@@ -253,6 +253,13 @@ class Codec(ABC):
     @abstractmethod
     def encoder(self, plans: Mapping[Pair, list[Bucket]], device: torch.device) -> Encoder: ...
 
+    def on_wire(self, sources: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The tensors whose bytes a receiver holds once a step landed, named as the plan's sources:
+        what the sender's integrity sums cover (:mod:`weightsync.integrity`). Full and delta land the
+        sources' own bytes (cast to the receiver's dtype, which the sums do too); a codec that lands
+        other bytes (FP8: the quantized weights and their scales) returns those."""
+        return sources
+
     @abstractmethod
     def decoder(self, plans: Mapping[Pair, list[Bucket]]) -> Decoder: ...
 
@@ -260,6 +267,11 @@ class Codec(ABC):
 def framed(codec: Codec | None) -> bool:
     """Whether ``codec`` (None: the full codec) needs a transport's frame path."""
     return codec is not None and codec.framed
+
+
+def on_wire(codec: Codec | None, sources: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """:meth:`Codec.on_wire` (None: the full codec, the sources themselves)."""
+    return sources if codec is None else codec.on_wire(sources)
 
 
 _MASK = (1 << 64) - 1

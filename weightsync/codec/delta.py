@@ -147,7 +147,8 @@ class DeltaEncoder(Encoder):
         word = self._word[(b.pair, b.index)]
         enc = self._cache.get(k) if ok else None
         cur = slot[: b.nbytes]
-        if enc is None or last or self._ok is None:  # one-sided transports publish the whole bytes too
+        packed = enc is None or last or self._ok is None  # one-sided transports publish the whole bytes too
+        if packed:
             pack(b, sources, out=cur)
         base = self.previous.base(b) if enc is None and ok else None
         base_sum = self._base_sums.get(self.previous.signature_of(b))
@@ -170,7 +171,7 @@ class DeltaEncoder(Encoder):
             self._cache.pop(k, None)
         if not two_sided:
             self._headers[k] = header
-        return Frame(header, payload, cur)
+        return Frame(header, payload, cur if packed else None)
 
     def _encode_kept(self, b: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor) -> Frame:
         """The payload over the packed bytes in ``slot``, the base patched in place (device base), or

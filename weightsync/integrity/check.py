@@ -230,17 +230,12 @@ def locate(client, step: int, who: str, plan: SumPlan, bad: list[tuple[Pair, int
     return (found, "") if found else (None, "the per-copy sums agree (a sender's copy sums changed?)")
 
 
-def verify(client, step: int, who: str, plans: Mapping[Pair, list[Bucket]], targets: Mapping[str, torch.Tensor],
-           timeout_s: float, cache: dict, pulled: bool = False) -> Checked:
-    """A worker's check of one step: its destination boxes' sums against its senders' posted sums; on a
-    mismatch the finer exchange names the exact copies. ``cache`` keeps the derived regions between
-    steps (keyed by the targets' identity). ``pulled`` (async): senders already past ``step`` answer
-    ``current=False`` instead of failing."""
+def verify(client, step: int, who: str, plan: SumPlan, targets: Mapping[str, torch.Tensor], timeout_s: float,
+           pulled: bool = False) -> Checked:
+    """A worker's check of one step: its destination boxes' sums (``plan``: :func:`landed_plan`) against
+    its senders' posted sums; on a mismatch the finer exchange names the exact copies. ``pulled``
+    (async): senders already past ``step`` answer ``current=False`` instead of failing."""
     t0 = time.perf_counter()
-    key = ("landed", id(targets))
-    plan = cache.get(key)
-    if plan is None:
-        plan = cache[key] = landed_plan(plans, targets)
     landed = step_sums(plan, targets)
     expected = exchange.fetch(client, {p[0] for p in plan.pairs}, step, timeout_s, stale_ok=pulled)
     if expected is None:
@@ -252,15 +247,23 @@ def verify(client, step: int, who: str, plans: Mapping[Pair, list[Bucket]], targ
     return Checked(step, sum(len(v) for v in landed.buckets.values()), time.perf_counter() - t0)
 
 
-def verify_worker(context, step: int, plans: Mapping[Pair, list[Bucket]], targets: Mapping[str, torch.Tensor],
-                  check: IntegrityCheck) -> Checked:
-    """:func:`verify` on an inference worker (``context``: its ReceiverContext, whose ``extra`` keeps the
-    MetaServer client and the derived regions between steps)."""
-    state = context.extra.setdefault("integrity", {})
-    client = state.get("client")
-    if client is None:
-        client = state["client"] = context.link.client(check.timeout_s)
-    who = f"instance {context.instance} rank {context.rank}"
-    got = verify(client, step, who, plans, targets, check.timeout_s, state, pulled=check.pulled)
-    log.debug("%s: step %d checked (%d buckets) in %.3f s", who, step, got.buckets, got.seconds)
-    return got
+class Verifier:
+    """An inference worker's side: its MetaServer client and the landed regions of each set of targets
+    it checks (the live tensors; a staged reader's copy), derived at the first check of each and kept."""
+
+    def __init__(self, link, instance: int, rank: int, plans: Mapping[Pair, list[Bucket]]):
+        self.link, self.plans = link, plans
+        self.who = f"instance {instance} rank {rank}"
+        self.client = None
+        self._landed: dict[bool, SumPlan] = {}
+
+    def verify(self, step: int, targets: Mapping[str, torch.Tensor], check: IntegrityCheck, staged: bool) -> Checked:
+        """:func:`verify` of ``targets`` (``staged``: the staged copy, else the live tensors)."""
+        if self.client is None:
+            self.client = self.link.client(check.timeout_s)
+        plan = self._landed.get(staged)
+        if plan is None:
+            plan = self._landed[staged] = landed_plan(self.plans, targets)
+        got = verify(self.client, step, self.who, plan, targets, check.timeout_s, pulled=check.pulled)
+        log.debug("%s: step %d checked (%d buckets) in %.3f s", self.who, step, got.buckets, got.seconds)
+        return got

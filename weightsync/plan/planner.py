@@ -44,7 +44,9 @@ class Copy:
     dst_rank: int
     dst_tensor: str
     dst_box: Box
-    dtype: str  # on the wire: the source tensor's dtype (the receiver converts, as a checkpoint load would)
+    #: the source tensor's dtype: what the full codec puts on the wire (the receiver converts, as a checkpoint
+    #: load would); another codec may encode it otherwise (weightsync.codec: its frame says what it holds)
+    dtype: str
 
     @property
     def numel(self) -> int:
@@ -111,7 +113,15 @@ def combine_hashes(pair_hashes: dict[Pair, str]) -> str:
 
 
 class Planner:
-    """Plans transfers from ``src`` (training) to ``instances`` copies of ``dst`` (inference)."""
+    """Plans transfers from ``src`` (training) to ``instances`` copies of ``dst`` (inference).
+
+    Call order (each end alone, no I/O; both ends compute the same buckets for a pair)::
+
+        1. Planner(src, dst, instances, topology, bucket_bytes)    the two layouts (weightsync.engines)
+        2. send_plan(rank) / recv_plan(instance, rank)              a rank's buckets per pair, once
+        3. pair_hash(buckets) per pair                              posted; the job starts when both ends agree
+        4. the codec stage encodes each bucket, the transport moves it (weightsync.codec, weightsync.transport)
+    """
 
     def __init__(
         self,

@@ -131,7 +131,7 @@ class WeightReader(SessionDriven):
         t1 = time.perf_counter()
         self.instance.pause()
         try:
-            check = self._integrity_check(step)  # a checked step (weightsync.integrity), else None
+            check = self._integrity(step)  # a checked step (weightsync.integrity), else None
             self.last_stats = self.instance.call(worker.receive, step, self.staged, check, timeout_s=worker.call_timeout(self.timeout_s))
             if check is not None:  # every byte landed (co-located: pushed into each other too): compare
                 ti = time.perf_counter()
@@ -194,15 +194,18 @@ class WeightReader(SessionDriven):
             return str(c(step))
         return str(c)
 
-    def _integrity_check(self, step: int):
-        """What the workers check step ``step`` with (``integrity=N``: steps divisible by N), or None; the
-        first update also refuses a cadence the trainers do not share."""
+    def _integrity(self, step: int | None = None):
+        """What the workers check with (``integrity=N``, :mod:`weightsync.integrity`), or None: sync, step
+        ``step`` when N divides it; async (``step`` None), the pulled steps on the cadence. The first call
+        also refuses a cadence the trainers do not share."""
         from weightsync.integrity.check import IntegrityCheck, agree
 
         n = self.session.options.integrity
         if not self._integrity_agreed:
             agree(self.session.people, n, self.client)
             self._integrity_agreed = True
+        if step is None:
+            return IntegrityCheck(self.timeout_s, pulled=True, every=n) if n else None
         return IntegrityCheck(self.timeout_s) if integrity_due(n, step) else None
 
     def _validate_due(self, step: int) -> float:
@@ -230,7 +233,7 @@ class WeightReader(SessionDriven):
             raise ValueError("pull() is for async mode; in sync mode call update(step)")
         self.connect()
         self._check_announced(wait=False)  # a held report that failed since the last call raises here, as in update
-        check = self._pull_check()  # integrity=N: a pulled step on the cadence is verified before it is reported
+        check = self._integrity()  # integrity=N: a pulled step on the cadence is verified before it is reported
         for _ in range(attempts):
             n = claim_pull(self.client, self.instance_id, self._next_pull)
             self._next_pull = n + 1
@@ -255,16 +258,6 @@ class WeightReader(SessionDriven):
                 self._announce(self.version)
                 return self.version
         raise TransportError(f"instance {self.instance_id}: training ranks kept serving different steps")
-
-    def _pull_check(self):
-        """Async pulls at the integrity cadence (weightsync.integrity): what the workers check with, or None."""
-        from weightsync.integrity.check import IntegrityCheck, agree
-
-        n = self.session.options.integrity
-        if not self._integrity_agreed:
-            agree(self.session.people, n, self.client)
-            self._integrity_agreed = True
-        return IntegrityCheck(self.timeout_s, pulled=True, every=n) if n else None
 
     def _verify_pulled(self, step: int, check) -> bool:
         """Every worker compares the pulled step with the sums posted with its snapshot; a mismatch raises

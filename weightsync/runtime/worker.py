@@ -13,12 +13,14 @@ once and reused every step. Nothing here asks which transport it holds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-from weightsync.integrity.check import Checked, IntegrityCheck, verify_worker
+from weightsync.errors import TransportError
+from weightsync.integrity.check import Checked, IntegrityCheck, Verifier
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.runtime.instance import WorkerContext
 from weightsync.runtime.job import JobShape, hashes_of
@@ -33,14 +35,18 @@ from weightsync.transport.base import (
 )
 
 
-#: how much longer than the transport's own timeout a call on the workers may take: a worker whose peer
-#: died raises its own error (naming peer and bucket) at ``timeout_s``, and a worker that itself stalls
-#: is given up on this little later -- never twice the timeout
+T = TypeVar("T")
+
+#: how much longer than the transport's own timeout a call on the workers may take: a worker's transfer
+#: returns within ``timeout_s`` whatever its peers do (:func:`_transfer`), so the call's deadline (vLLM's
+#: RPC deadline: a call still running past it leaves vLLM's executor out of step) is never reached by
+#: a transfer; a worker that itself stalls is given up on this little later -- at most half the timeout
+#: more, so every error arrives within twice what the user set
 CALL_MARGIN_S = 2.0
 
 
 def call_timeout(timeout_s: float) -> float:
-    return timeout_s + CALL_MARGIN_S
+    return timeout_s + min(CALL_MARGIN_S, timeout_s / 2)
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,10 @@ class WorkerReader:
     receiver: Receiver
     context: ReceiverContext
     stage: dict[str, torch.Tensor] | None = None  # staged readers: the copy a step lands in
+    #: why a transfer over the job's group failed or was given up on (a trainer stopped or died mid-step,
+    #: the deadline passed): the group cannot be used again, and every later receive says so at once
+    abandoned: str | None = None
+    verifier: Verifier | None = None  # integrity: made at the first checked step
 
     def targets(self, ctx: WorkerContext, staged: bool) -> Mapping[str, torch.Tensor]:
         """Where a step lands: the live tensors, or (staged) a copy allocated once."""
@@ -151,7 +161,9 @@ def receive(ctx: WorkerContext, step: int, staged: bool = False, check: Integrit
     copy checked whole."""
     r = _reader(ctx)
     with torch.no_grad():
-        stats = r.receiver.receive(step, r.targets(ctx, staged))
+        targets = r.targets(ctx, staged)
+        stats = _transfer(ctx, r, f"instance {r.instance} rank {ctx.rank} receiving step {step}",
+                          lambda: r.receiver.receive(step, targets))
         if staged and check is None:  # every byte arrived
             r.commit(ctx)
     return WorkerReport(ctx.rank, frozenset({step}), stats)
@@ -162,8 +174,10 @@ def verify(ctx: WorkerContext, step: int, check: IntegrityCheck, staged: bool = 
     ranks sent (raises :class:`~weightsync.errors.IntegrityError`); run once every worker's receive
     returned (co-located workers write into each other)."""
     r = _reader(ctx)
+    if r.verifier is None:
+        r.verifier = Verifier(r.context.link, r.instance, ctx.rank, r.plans)
     with torch.no_grad():
-        return verify_worker(r.context, step, r.plans, r.stage if staged else ctx.tensors, check)
+        return r.verifier.verify(step, r.stage if staged else ctx.tensors, check, staged)
 
 
 def commit(ctx: WorkerContext) -> None:
@@ -177,7 +191,8 @@ def pull(ctx: WorkerContext, staged: bool, check: IntegrityCheck | None = None) 
     unless the step is on ``check``'s cadence (the reader commits it once every worker verified it)."""
     r = _reader(ctx)
     with torch.no_grad():
-        pulled = r.receiver.pull(r.targets(ctx, staged))
+        targets = r.targets(ctx, staged)
+        pulled = _transfer(ctx, r, f"instance {r.instance} rank {ctx.rank} pulling", lambda: r.receiver.pull(targets))
         checked = check is not None and len(pulled.steps) == 1 and check.due(next(iter(pulled.steps)))
         if staged and len(pulled.steps) == 1 and not checked:
             r.commit(ctx)
@@ -188,6 +203,32 @@ def disconnect(ctx: WorkerContext) -> None:
     if ctx.reader is not None:
         ctx.reader.receiver.close()
         ctx.reader = None
+
+
+def _transfer(ctx: WorkerContext, r: WorkerReader, what: str, fn: Callable[[], T]) -> T:
+    """``fn`` (a receive or pull), returning within the transport's ``timeout_s`` whatever the trainers do.
+
+    Where the transport waits in a group of :func:`weightsync.transport.group.new_group` (p2p, gloo or
+    NCCL), the wait runs :func:`~weightsync.transport.group.watched`: a trainer this worker receives from
+    that stops or dies mid-transfer (its beat stops) is noticed in seconds, the deadline holds even
+    where the backend would wait on, and the error names the trainer. The group cannot be used again
+    then, and every later transfer of this worker reader says so at once. (The other transports'
+    waits are polls with the same timeout; they run as they are.)"""
+    from weightsync.transport.group import address_of, watched
+
+    if r.abandoned is not None:
+        raise TransportError(f"{what}: refused: {r.abandoned}; this job's transfers cannot resume: join a new "
+                             "job (a new WeightReader, or init_weight_transfer_engine again)")
+    group = getattr(getattr(r.receiver, "transport", None), "group", None)
+    if group is None or address_of(group) is None:
+        return fn()
+    trainers = sorted({pair[0] for pair in r.plans})  # group rank = training rank (JobRanks.train)
+    try:
+        return watched(fn, group, trainers, r.receiver.options.timeout_s, what, ctx.device,
+                       describe=lambda g: f"training rank {g}")
+    except TransportError as e:  # given up on, or failed in the backend: either way the group's state is unknown
+        r.abandoned = f"an earlier transfer failed ({e})"
+        raise
 
 
 def _reader(ctx: WorkerContext) -> WorkerReader:

@@ -232,8 +232,9 @@ class WeightWriter(SessionDriven):
 
     def _post_sums(self, step: int) -> None:
         """On a checked step (``integrity=N``), post the checksums of every bucket this rank sent (async:
-        of the snapshot just staged) (:mod:`weightsync.integrity`); each worker compares what landed
-        before its step is held (async: before its pull reports the step)."""
+        of the snapshot just staged), as its codec lands them (:func:`weightsync.codec.base.on_wire`)
+        (:mod:`weightsync.integrity`); each worker compares what landed before its step is held (async:
+        before its pull reports the step)."""
         s = self.session
         if self._sent_sums is None:  # the first write: the job must agree on the cadence
             from weightsync.integrity.check import SentSums, agree
@@ -243,8 +244,11 @@ class WeightWriter(SessionDriven):
         if self.mode == "sync":  # the last checked step is held: no worker asks for its copy sums now
             self._sent_sums.disarm()
         if integrity_due(s.options.integrity, step):
+            from weightsync.codec.base import on_wire
+
             staged = s.sender.snapshot() if self.mode != "sync" else None
-            self.last_integrity = self._sent_sums.post(self.client, step, staged)
+            sent = on_wire(s.sender.options.codec, staged if staged is not None else self.train.tensors)
+            self.last_integrity = self._sent_sums.post(self.client, step, sent)  # what the codec lands
 
     def _check(self, step: int) -> None:
         """Refuse to record ``step`` as written when the transport says the receivers did not read it

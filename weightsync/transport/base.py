@@ -31,6 +31,11 @@ Call order on an inference worker (:class:`Receiver`)::
 
 ``targets`` are where the step lands: the engine's live tensors, or a staged copy of them; a receiver
 writes exactly the planned boxes of them and nothing else.
+
+What each bucket's payload holds is the codec stage's (:mod:`weightsync.codec`), given in
+``TransportOptions.codec``: None (full) is the plan's bytes, which each transport moves its own way; a
+framed codec's encoder and decoder are made by the transport at ``memory``/``connect`` and its frames
+moved by the transport's frame path. A transport imports no codec: :class:`Codec` says what it uses.
 """
 
 from __future__ import annotations
@@ -176,7 +181,6 @@ class ReceiverContext:
     #: co-located: this instance's workers write their own GPU's pieces into each other (off for a
     #: staged instance, or an engine whose tensors cannot be exported)
     push: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class Sender(ABC):
@@ -265,10 +269,9 @@ _BOTH = frozenset({SENDER_STEP, BASE_PROOF})
 
 #: every transport; a new one is one module and one line here
 TRANSPORTS: dict[str, TransportEntry] = {
-    # p2p: proofs travel back before a sync step; an async pull takes the staged snapshot as it is
+    # p2p: proofs travel back before a sync step; an async pull serves the staged snapshot's plain bytes
     "p2p": TransportEntry("weightsync.transport.p2p:P2PSender", "weightsync.transport.p2p:P2PReceiver",
-                          modes=frozenset({"sync", "async"}),
-                          serves={"sync": _BOTH, "async": frozenset({SENDER_STEP})}),
+                          modes=frozenset({"sync", "async"}), serves={"sync": _BOTH}),
     # co-located: the workers copy the trainers' memory themselves (no sender step)
     "colocated": TransportEntry("weightsync.transport.colocated:ColocatedSender",
                                 "weightsync.transport.colocated:ColocatedReceiver", colocated=True),

@@ -26,6 +26,13 @@ reads wait, per peer, for the header afterwards: sync, it must name the step; as
 changed during the read means the snapshot was re-staged: the pull reports a mix (step -1) and the
 reader pulls again, so only a whole step is ever reported.
 
+Frames (a framed codec, :mod:`weightsync.codec`: delta). A trainer also registers a *region*, one slot
+per distinct bucket at its worst case, and an *index* (``seq`` odd while stamped, step, slots; per slot
+its key, offset and header), published as two more entries of its document; per step the encoder
+writes each frame into its slot and the index is stamped, inside the async snapshot's odd window. A
+worker reads the indexes after the step and, when its decoder proves every header's base, READs only
+the payloads (:class:`FrameReads`); otherwise it reads the step in full.
+
 Errors: a NIXL error or a peer whose transfers make no progress for ``timeout_s`` raise
 :class:`TransportError` naming the pair and bucket.
 """

@@ -35,6 +35,14 @@ unchanged: a rank's stream runs its operations in the one global order, each onl
 k - window completed. At the end the CPU watches the posted operations and an event recorded after
 the last unpack, and returns when the event completed.
 
+Frames (a framed codec, :mod:`weightsync.codec`: delta). :meth:`P2PTransport.send_frames` first takes
+each receiver's proof of its base (one small message per pair, all before any bucket), then posts per
+bucket, in the same global order and window, the encoder's header and its payload (a bucket that goes
+whole travels as the plan's messages, so it lands in place); the receiver waits for each header,
+receives the payload the header sizes, and the decoder lands it. The argument above holds unchanged:
+a header and its payload are one transfer in the order, and waits are on the CPU (a header sizes what
+follows it).
+
 Failures never hang: on CPU every wait has ``timeout_s``; on CUDA the final watch raises once no
 posted operation has completed for ``timeout_s``. A dead peer (gloo sees the connection reset) or a
 stalled one raises :class:`TransportError` naming the peer and bucket. After that the group's state
