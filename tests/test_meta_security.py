@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from weightsync.meta import MetaClient, MetaError, MetaServer
+from weightsync.meta import MetaClient, MetaError, MetaServer, MetaTimeout
 
 ADMIN = "adm1n-s3cret"
 
@@ -296,3 +296,39 @@ def test_file_transport_files_are_the_owner_s_only(tmp_path):
     assert names
     for name in names:
         assert stat.S_IMODE(os.stat(directory / name).st_mode) == 0o600, name
+
+
+# --------------------------------------------------------------------------------------------
+# 6. A participant refused for its token is told to its job
+
+
+def test_a_participant_refused_for_its_token_is_named_to_the_waiting_side():
+    """Before: the correct side waited its whole timeout and said "not ready ... count 0"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.meta.auth import job_token
+
+    with MetaServer(token=ADMIN).start() as s, ThreadPoolExecutor(1) as pool:
+        reader = MetaClient(s.url, "j", token=job_token(ADMIN, "j"), timeout=10)
+        reader.register("infer", 0, instance=0)
+        waiting = pool.submit(reader.wait_participants, 2, None, 8.0)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(MetaError) as e:
+            MetaClient(s.url, "j", token=job_token("not-the-admin", "j"), timeout=5).register("train", 0)
+        assert e.value.status == 401
+        with pytest.raises(MetaError) as e:
+            waiting.result(timeout=10)
+        took = time.monotonic() - t0
+        text = str(e.value)
+        assert took < 3.0 and "train:0" in text and "token" in text and "job-token" in text, (took, text)
+        # a wait that starts later is told too, until the refused participant registers with the right token
+        with pytest.raises(MetaError, match="train:0"):
+            reader.wait_participants(2, timeout=2)
+        MetaClient(s.url, "j", token=job_token(ADMIN, "j"), timeout=5).register("train", 0)
+        assert len(reader.wait_participants(2, timeout=2)) == 2
+        # another job is told nothing
+        other = MetaClient(s.url, "k", token=job_token(ADMIN, "k"), timeout=5)
+        other.register("infer", 0, instance=0)
+        with pytest.raises(MetaTimeout):
+            other.wait_participants(2, timeout=0.5)

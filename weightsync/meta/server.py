@@ -98,6 +98,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -109,7 +110,9 @@ from weightsync.errors import WeightSyncError
 from weightsync.meta import auth
 from weightsync.meta.state import SWEEP_S, Coordinator, Encoded, last_mutation, restore
 from weightsync.meta.store import Store
-from weightsync.meta.validate import MAX_BODY, HTTPError, Query, parse_body, path_params, short
+from weightsync.meta.validate import (
+    ID_RE, MAX_BODY, HTTPError, Query, identity, parse_body, participant_name, path_params, short,
+)
 
 __all__ = ["MAX_BODY", "MetaServer", "add_arguments", "main", "run_from_args", "serve"]
 
@@ -267,6 +270,18 @@ class _App:
             self.routes.setdefault(len(route[1]), []).append(route)
         self.requests: dict[tuple[str, int], int] = {}
 
+    def _refused(self, job: str, method: str, path: str, parts: list[str], data: bytes, verdict: auth.Verdict) -> None:
+        """Record a request of ``job`` refused for its token and wake the job's waits, which then fail naming it."""
+        who = None
+        if method == "POST" and parts[3:] == ["participants"]:
+            try:  # a registration says who it is; a body that does not is still a refusal
+                who = participant_name(*identity(parse_body(data)))
+            except HTTPError:
+                pass
+        self.coord.refusals.record(auth.Refusal(job, who, f"{method} {short(path)}", verdict.status, verdict.message,
+                                                time.monotonic()))
+        self.coord.notify({(job, "*")})
+
     def _answer(self, route: str, status: int, payload: Any, close: bool = False, gzip_ok: bool = False) -> web.Response:
         encoding = None
         if isinstance(payload, Encoded):
@@ -322,6 +337,8 @@ class _App:
                 verdict = auth.check(self.token, request.headers.get("Authorization", ""), path_job)
                 if verdict.status != 200:
                     route = "unauthorized" if verdict.status == 401 else "forbidden"
+                    if path_job is not None and ID_RE.fullmatch(path_job):  # tell its job (auth.Refusals)
+                        self._refused(path_job, method, url.path, parts, data, verdict)
                     raise HTTPError(verdict.status, verdict.message)
             if method == "GET" and parts == ["metrics"]:
                 route = "GET /metrics"
@@ -342,7 +359,10 @@ class _App:
             body = parse_body(data) if method == "POST" else {}
             if self.coord.closing:
                 raise HTTPError(503, "server stopping; retry")
-            return self._answer(route, 200, await self._run(fn, params, url.query, body),
+            result = await self._run(fn, params, url.query, body)
+            if template[3:] == ("participants",) and method == "POST":  # a refusal of it no longer holds
+                self.coord.refusals.registered(params["job"], participant_name(*identity(body)))
+            return self._answer(route, 200, result,
                                 gzip_ok="gzip" in request.headers.get("Accept-Encoding", ""))
         except HTTPError as e:
             return self._answer(route, e.status, {"error": str(e), **e.extra}, close=close)

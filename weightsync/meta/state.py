@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable
 
 from weightsync.errors import WeightSyncError
+from weightsync.meta.auth import Refusals
 from weightsync.meta.mismatch import refusal
 from weightsync.meta.records import Registration, RecordError, digest_of, encode_listing
 from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten, StoredJob
@@ -204,6 +205,7 @@ class Coordinator:
     def __init__(self, jobs: dict[str, Job] | None = None):
         self.jobs: dict[str, Job] = jobs or {}
         self.closing = False
+        self.refusals = Refusals()  # requests refused for their token, told to their job's waits (server.py)
         self.waiting: dict[str, int] = {}  # route -> long-polls waiting now
         self.seq = 0  # mutations applied to memory so far
         self.ops: list[Op] = []  # their row changes, until the server takes them
@@ -292,6 +294,7 @@ class Coordinator:
                     raise Aborted(job, j.aborted)
                 if ready(j):
                     return True, j
+                self.refusals.check(job)  # a participant it waits for was refused for its token: say so now
                 left = deadline - loop.time()
                 if left <= 0:
                     return False, j
