@@ -74,8 +74,8 @@ def main() -> None:
     one_bytes = sum(w.numel() * w.element_size() for w in one)
     ref_s = timed(lambda: [fp8.quantize_reference(w) for w in one], 3) * nbytes / one_bytes
     # bit-exactness on this data, one layer: kernel vs the definition
-    exact = all(torch.equal(fp8.quantize(w).weight.view(torch.uint8), fp8.quantize_reference(w).weight.view(torch.uint8))
-                for w in one)
+    exact = all(torch.equal(fp8.quantize(w).weight.view(torch.uint8),
+                            fp8.quantize_reference(w).weight.view(torch.uint8)) for w in one)
     res = {
         "what": "block-FP8 quantize, qwen3-8b linear weights (bf16 -> e4m3 + fp32 scale_inv)",
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -85,7 +85,8 @@ def main() -> None:
         "kernel_seconds": kernel_s, "kernel_GBps_in": nbytes / kernel_s / 1e9,
         "kernel_GBps_traffic": 1.5 * nbytes / kernel_s / 1e9,
         "of_hbm": 0.75 * copy_s / kernel_s,
-        "many_seconds": many_s, "many_bit_exact_one_layer": many_exact, "many_GBps_in": nbytes / many_s / 1e9, "many_of_hbm": 0.75 * copy_s / many_s,
+        "many_seconds": many_s, "many_bit_exact_one_layer": many_exact, "many_GBps_in": nbytes / many_s / 1e9,
+        "many_of_hbm": 0.75 * copy_s / many_s,
         "mlp_matrices": len(big), "mlp_kernel_seconds": big_s, "mlp_copy_seconds": big_copy_s,
         "mlp_of_hbm": 0.75 * big_copy_s / big_s,
         "torch_definition_seconds_est": ref_s, "bit_exact_one_layer": exact,

@@ -63,7 +63,8 @@ def test_block_fp8_is_read_from_the_checkpoint_config():
 
 
 @pytest.mark.parametrize("qc,message", [
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "per-tensor FP8 (quant_method fp8 without weight_block_size)"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"},
+     "per-tensor FP8 (quant_method fp8 without weight_block_size)"),
     ({**HF_FP8, "weight_block_size": [64, 64]}, "weight_block_size [64, 64] is not supported; only [128, 128]"),
     ({**HF_FP8, "weight_block_size": [128, 64]}, "weight_block_size [128, 64] is not supported"),
     ({**HF_FP8, "fmt": "e5m2"}, "fmt 'e5m2' is not supported"),
@@ -107,9 +108,11 @@ def test_moe_experts_are_fp8_routers_are_not():
     spec = load_spec("tiny-deepseek-v3")  # MLA, shared experts, router bias, a first dense layer
     names = {f.weight.name: f for f in fp8_tensors(spec, BlockFP8())}
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
-    assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
+    assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in names
+    assert "model.layers.0.mlp.gate_proj.weight" in names
     assert {"model.layers.1.self_attn.q_a_proj.weight", "model.layers.1.self_attn.q_b_proj.weight",
-            "model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.self_attn.kv_b_proj.weight"} <= set(names)
+            "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+            "model.layers.1.self_attn.kv_b_proj.weight"} <= set(names)
     kept = set(not_fp8(spec, BlockFP8()))
     assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias", "lm_head.weight",
             "model.embed_tokens.weight", "model.layers.1.self_attn.kv_a_layernorm.weight"} <= kept
@@ -130,8 +133,9 @@ def test_ignored_layers_match_modules_exactly_and_experts_by_layer():
     assert "model.layers.1.self_attn.o_proj.weight" in names  # "o_proj" alone matches nothing (exact mode)
     assert not any(n.startswith("model.layers.1.mlp.experts.") for n in names)  # a listed expert skips its MoE layer
     assert "model.layers.0.mlp.experts.3.up_proj.weight" in names
-    with pytest.raises(ConfigError, match="lists model.layers.0.self_attn.q_proj but not model.layers.0.self_attn.k_proj, "
-                                          "model.layers.0.self_attn.v_proj; the engine fuses them"):
+    with pytest.raises(ConfigError, match="lists model.layers.0.self_attn.q_proj but not "
+                                          "model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj; "
+                                          "the engine fuses them"):
         fp8_tensors(spec, BlockFP8(ignored=("model.layers.0.self_attn.q_proj",)))
 
 
@@ -154,12 +158,12 @@ def test_a_tp_shard_that_cuts_a_block_is_refused_naming_tensor_size_and_block():
     with pytest.raises(ConfigError) as e:
         check_layout(make_layout(spec, "vllm:tp=2,quant=fp8"), BlockFP8())
     msg = str(e.value)
-    assert msg.startswith("fp8: model.layers.0.mlp.gate_proj.weight: vllm:tp=2,quant=fp8 shards its 1408 rows 704 a piece")
+    assert msg.startswith("fp8: model.layers.0.mlp.gate_proj.weight: vllm:tp=2,quant=fp8 "
+                          "shards its 1408 rows 704 a piece")
     assert "cuts a 128 x 128 FP8 block" in msg and "(and 5 more tensors)" in msg and "\n" not in msg
     problems = block_problems(make_layout(spec, "sglang:tp=2"), fp8_tensors(spec, BlockFP8()))
     assert [p.split(":")[1].strip() for p in problems] == [
-        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight",
-        "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+        f"model.layers.{i}.mlp.{m}_proj.weight" for i in (0, 1) for m in ("gate", "up", "down")]
     assert "shards its 1408 columns 704 a piece" in problems[2]  # down_proj: row parallel, split along K
 
 

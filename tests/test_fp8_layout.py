@@ -55,7 +55,8 @@ def test_placed_fp8_pieces_are_the_quantized_local_tensor(model, infer):
         q = quantize_reference(canonical[name])
         quantized[name], quantized[f.scale.name] = q.weight, q.scale_inv
     for rank in range(layout.world_size):
-        bf16 = {n: torch.full(t.shape, float("nan"), dtype=torch_dtype(t.dtype)) for n, t in base.layout(rank).tensors.items()}
+        bf16 = {n: torch.full(t.shape, float("nan"), dtype=torch_dtype(t.dtype))
+                for n, t in base.layout(rank).tensors.items()}
         fill_from(base.layout(rank), bf16, canonical)
         mine = layout.layout(rank)
         live = {n: torch.full(t.shape, 7.0).to(torch_dtype(t.dtype)) for n, t in mine.tensors.items()}  # poisoned

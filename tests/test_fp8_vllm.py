@@ -43,7 +43,8 @@ def test_vllm_cpu_loads_and_decodes_a_weightsync_fp8_checkpoint(tmp_path):
         llm = start_llm(tmp_path)
         try:
             (methods,) = llm.collective_rpc(_quant_methods)
-            linears = {n: m for n, m in methods.items() if n.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))}
+            linears = {n: m for n, m in methods.items()
+                       if n.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))}
             assert len(linears) == 4 * spec.num_layers and set(linears.values()) == {"Fp8LinearMethod"}, methods
             tokens.append(generate(llm))
         finally:

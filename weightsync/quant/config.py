@@ -85,7 +85,8 @@ def from_hf(quantization_config: Mapping[str, Any] | None) -> BlockFP8 | None:
                           "weightsync syncs block FP8 only (quant_method fp8, weight_block_size [128, 128])")
     block = qc.get("weight_block_size")
     if block is None:
-        raise ConfigError("fp8: the engine's checkpoint is per-tensor FP8 (quant_method fp8 without weight_block_size); "
+        raise ConfigError("fp8: the engine's checkpoint is per-tensor FP8 (quant_method fp8 without "
+                          "weight_block_size); "
                           "weightsync syncs block FP8 only (weight_block_size [128, 128])")
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
@@ -155,8 +156,9 @@ def _check_fused(spec: ModelSpec, ignored: frozenset[str]) -> None:
             members = [m for m in members if m is not None]
             skipped = {m.name: _skipped(m, ignored) for m in members}
             if len(set(skipped.values())) > 1:
-                raise ConfigError(f"fp8: ignored_layers lists {', '.join(_module(m) for m in members if skipped[m.name])} "
-                                  f"but not {', '.join(_module(m) for m in members if not skipped[m.name])}; the engine "
+                listed = ", ".join(_module(m) for m in members if skipped[m.name])
+                unlisted = ", ".join(_module(m) for m in members if not skipped[m.name])
+                raise ConfigError(f"fp8: ignored_layers lists {listed} but not {unlisted}; the engine "
                                   "fuses them into one module, which must be all FP8 or all unquantized")
 
 

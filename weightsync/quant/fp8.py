@@ -69,7 +69,7 @@ _kernel = None  # the compiled-on-first-use Triton function, or False once unava
 
 @dataclass(frozen=True)
 class Quantized:
-    """A block-FP8 weight: ``weight`` e4m3 ``[..., N, K]`` and ``scale_inv`` fp32 ``[..., ceil(N/128), ceil(K/128)]``."""
+    """A block-FP8 weight: ``weight`` e4m3 ``[..., N, K]``, ``scale_inv`` fp32 ``[..., ceil(N/128), ceil(K/128)]``."""
 
     weight: torch.Tensor
     scale_inv: torch.Tensor
