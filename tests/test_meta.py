@@ -146,13 +146,14 @@ def test_model_refusal_names_the_first_differing_tensor_to_everyone(server, pool
         waiter.result(timeout=10)
     k = cfg["head_dim"] * cfg["num_key_value_heads"]
     h = cfg["hidden_size"]
-    want = (f"the first tensor that differs is model.layers.0.self_attn.k_proj.weight: [{k // 2}, {h}] "
-            f"bfloat16 on inference rank 0 of instance 0 (qwen3-0.6b-kv4), [{k}, {h}] bfloat16 on "
-            f"training rank 0 (qwen3-0.6b). Give every trainer and every instance the same model "
+    want = (f"the first tensor that differs is model.layers.0.self_attn.k_proj.weight: shape [{k // 2}, {h}], "
+            f"dtype bfloat16 on inference rank 0 of instance 0 (qwen3-0.6b-kv4); shape [{k}, {h}], dtype bfloat16 on "
+            f"training rank 0 (qwen3-0.6b): give every trainer and every instance the same model "
             f"(the same config.json)")
     for e in (refused.value, peer.value):
         assert want in str(e), str(e)
-        assert f"infer:0:0 has model spec {b.digest} but train:0 has {a.digest}" in str(e)
+        assert (f"inference rank 0 of instance 0 (infer:0:0) has model spec {b.digest} but training rank 0 "
+                f"(train:0) has {a.digest}") in str(e)
     assert c.summary()["aborted"] == str(refused.value).split(": ", 1)[1]
 
 

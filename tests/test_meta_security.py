@@ -332,3 +332,33 @@ def test_a_participant_refused_for_its_token_is_named_to_the_waiting_side():
         other.register("infer", 0, instance=0)
         with pytest.raises(MetaTimeout):
             other.wait_participants(2, timeout=0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. The model refusal's words
+
+
+def test_a_dtype_mismatch_says_dtype_and_names_each_side_s_rank():
+    """Before: the refusal never said "dtype", and the trainer's message named both sides "llama"."""
+    from weightsync.engines import make_layout
+    from weightsync.errors import JobMismatch
+    from weightsync.runtime.job import register, registration
+    from weightsync.spec import load_spec
+    from weightsync.spec.model import spec_from_config
+
+    base = dict(load_spec("tiny-llama3").config)
+    bf16 = spec_from_config(base)  # named by model_type: "llama" on both sides
+    fp32 = spec_from_config({**base, "torch_dtype": "float32"})
+    assert bf16.name == fp32.name == "llama" and bf16.digest != fp32.digest
+    with MetaServer().start() as s:
+        infer = MetaClient(s.url, "j", timeout=10)
+        engine = make_layout(bf16, "vllm")
+        register(infer, registration(bf16, "infer", 0, engine, engine.layout(0), instance=0), bf16)
+        train = MetaClient(s.url, "j", timeout=10)
+        engine = make_layout(fp32, "hf")
+        with pytest.raises(JobMismatch) as e:
+            register(train, registration(fp32, "train", 0, engine, engine.layout(0)), fp32)
+    text = str(e.value)
+    assert "dtype" in text and "float32 on training rank 0" in text, text
+    assert "bfloat16 on inference rank 0 of instance 0" in text, text
+    assert "model.embed_tokens.weight" in text and "torch_dtype" in text, text

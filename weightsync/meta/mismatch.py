@@ -24,7 +24,10 @@ import concurrent.futures
 import dataclasses
 import logging
 from collections import Counter
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    from weightsync.spec.compare import TensorDifference
 
 log = logging.getLogger("weightsync.meta.mismatch")
 
@@ -115,8 +118,8 @@ def who(name: str) -> str:
 
 def digest_reason(name: str, rec: Mapping[str, Any], other: str, orec: Mapping[str, Any]) -> str:
     """The refusal's first sentence: who has which model spec (always given; the tensor follows when known)."""
-    return (f"{name} has model spec {rec['spec_digest']} but {other} has {orec['spec_digest']}: both ends must "
-            f"load the same model")
+    return (f"{who(name)} ({name}) has model spec {rec['spec_digest']} but {who(other)} ({other}) has "
+            f"{orec['spec_digest']}: both ends must load the same model")
 
 
 def _model(rec: Mapping[str, Any]) -> str:
@@ -162,16 +165,28 @@ def tensor_reason(name: str, rec: Mapping[str, Any], other: str, orec: Mapping[s
     d = tensor_difference(mine, theirs)
     if d is None:
         return None
-    a, b = who(name), who(other)
+    return f"{difference_words(d, who(name), mine.name, who(other), theirs.name)}. {_AGAIN}"
+
+
+_AGAIN = "Then start the job again (under a new job id, or delete this one: it stays aborted)"
+
+
+def difference_words(d: TensorDifference, a: str, a_model: str, b: str, b_model: str) -> str:
+    """The first differing tensor in words, each side named by its rank and role (``a``, ``b``: "training rank
+    0") and model: by its dtype when only the dtype differs (both sides' models may be named alike, "llama"),
+    else by its shape and dtype, or as absent on one side; and what to do."""
+    if d.mine_shape is not None and d.mine_shape == d.theirs_shape:
+        return (f"the first tensor that differs is {d.name}, by its dtype: {d.mine_dtype} on {a} ({a_model}) but "
+                f"{d.theirs_dtype} on {b} ({b_model}), shape {list(d.mine_shape)} on both: load the model in "
+                f"the same dtype on every side (the torch_dtype of config.json, or the engine's dtype option)")
 
     def side(shape: tuple[int, ...] | None, dtype: str | None, whom: str, model: str) -> str:
-        held = "absent" if shape is None else f"{list(shape)} {dtype}"
+        held = "absent" if shape is None else f"shape {list(shape)}, dtype {dtype}"
         return f"{held} on {whom} ({model})"
 
-    return (f"the first tensor that differs is {d.name}: {side(d.mine_shape, d.mine_dtype, a, mine.name)}, "
-            f"{side(d.theirs_shape, d.theirs_dtype, b, theirs.name)}. Give every trainer and every instance the "
-            f"same model (the same config.json), then start the job again (under a new job id, or delete this "
-            f"one: it stays aborted)")
+    return (f"the first tensor that differs is {d.name}: {side(d.mine_shape, d.mine_dtype, a, a_model)}; "
+            f"{side(d.theirs_shape, d.theirs_dtype, b, b_model)}: give every trainer and every instance the same "
+            f"model (the same config.json)")
 
 
 async def refusal(name: str, rec: Mapping[str, Any], other: str, orec: Mapping[str, Any]) -> str:
