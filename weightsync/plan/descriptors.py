@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from weightsync.errors import PlanError
 from weightsync.layout.box import Box
 from weightsync.plan.messages import messages, segments
 from weightsync.plan.planner import Bucket, Pair, Planner
@@ -136,7 +137,10 @@ class Counter:
                     if shard.piece.tensor == c.src_tensor and src.in_group(rank, shard.group):
                         self._shapes[k] = shard.shape
                         break
-            got = self._shapes[key]
+            got = self._shapes.get(key)
+            if got is None:
+                raise PlanError(f"bucket {b.index} of training rank {rank} reads tensor {tensor!r}, which no shard of "
+                                f"{self.planner.src.describe()} on that rank holds: the plan and the layout disagree")
         return got
 
     def _span(self, shape: tuple[int, ...], box: Box) -> Span:
