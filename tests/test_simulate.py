@@ -60,7 +60,7 @@ def planned(model: str, scenario: str):
 def predicted(model: str, scenario: str, receiver: str, cost: CostModel = CostModel()) -> float:
     planner, plans, counts = planned(model, scenario)
     transport = SCENARIOS[scenario][3]
-    deployment = Deployment(transport, receiver, doorbells=transport == "colocated")
+    deployment = Deployment(transport, receiver)
     buckets = [b for bs in plans.values() for b in bs]
     return predict_step(buckets, planner.topology, counts, deployment, cost, planner.spec).seconds
 
@@ -301,7 +301,7 @@ def test_job_stats_reports_the_prediction(capsys):
     assert main(["plan", "--model", "qwen3-8b", "--train", "hf", "--infer", "vllm:tp=1", "--colocate",
                  "--transport", "nixl", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["nixl_descriptors"] == 399 and out["max_worker_descriptors"] == 400  # + the header read
+    assert out["nixl_descriptors"] == 399 and out["prediction"]["descriptors"] == 400  # + the header read
     assert out["deployment"]["transport"] == "nixl" and not out["deployment"]["doorbells"]
     p = out["prediction"]
     assert out["predicted_seconds"] == pytest.approx(p["signal_s"] + p["receiver_s"] + p["post_s"] + p["data_s"])

@@ -28,9 +28,7 @@ def _plan(args: argparse.Namespace) -> int:
     transport = args.transport or ("colocated" if args.colocate else "p2p")
     if transport == "colocated" and not args.colocate:
         raise WeightSyncError("--transport colocated needs --colocate (the inference ranks on the training GPUs)")
-    # the simulator's deployment (weightsync.plan.simulate): the colocated transport's sync jobs ring doorbells,
-    # p2p and nixl jobs signal through the MetaServer
-    deployment = Deployment(transport, args.receiver, args.codec, args.changed, doorbells=transport == "colocated")
+    deployment = Deployment(transport, args.receiver, args.codec, args.changed)  # the simulator's (plan.simulate)
     if args.rank:
         try:
             stats = rank_stats(planner, args.rank, deployment)

@@ -161,9 +161,13 @@ class Deployment:
     receiver: str = "faithful"  # "faithful" (layout-faithful workers), or a real engine: "vllm", "sglang"
     codec: str = "full"  # "full", "fp8" (estimate) or "delta"
     changed: float = 0.01  # delta: the fraction of elements changed a step
-    doorbells: bool = False  # `written` through host shared memory (co-located sync jobs), else the MetaServer
+    # `written` through host shared memory, else the MetaServer; by default as the runtime does it: the colocated
+    # transport's sync jobs ring doorbells (session.publish_bells), p2p and nixl jobs (nixl-1gpu too) do not
+    doorbells: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.doorbells is None:
+            object.__setattr__(self, "doorbells", self.transport == "colocated")
         for what, value, known in (("transport", self.transport, TRANSPORTS), ("receiver", self.receiver, RECEIVERS),
                                    ("codec", self.codec, CODECS)):
             if value not in known:

@@ -34,10 +34,8 @@ class PlanStats:
     link_seconds: float  # the busiest link alone (full bytes, 20 us a bucket), what the plan predicted before
     nixl_descriptors: int  # every worker's NIXL data descriptors a step, summed (plan.descriptors)
     nixl_transfers: int  # every worker's prepared NIXL transfers posted a step, summed
-    max_worker_descriptors: int  # the busiest worker's NIXL descriptors a step, its header reads included
-    max_worker_messages: int  # the busiest worker's p2p messages a step
     deployment: Deployment
-    prediction: StepPrediction
+    prediction: StepPrediction  # its parts, and the busiest worker's descriptors and messages a step
     count_seconds: float  # counting descriptors and messages and predicting (not in plan_seconds)
     send_bytes: dict[int, int] = field(default_factory=dict, repr=False)
     recv_bytes: dict[str, int] = field(default_factory=dict, repr=False)
@@ -55,9 +53,8 @@ def canonical_bytes(planner: Planner, copies) -> int:
 
 
 def default_deployment(planner: Planner) -> Deployment:
-    """What a job of this topology runs by default: co-located copies with doorbells, else p2p NCCL."""
-    colocate = planner.topology.colocate
-    return Deployment(transport="colocated" if colocate else "p2p", doorbells=colocate)
+    """What a job of this topology runs by default: co-located copies (with doorbells), else p2p NCCL."""
+    return Deployment(transport="colocated" if planner.topology.colocate else "p2p")
 
 
 def _summarize(
@@ -100,8 +97,6 @@ def _summarize(
         link_seconds=link_s,
         nixl_descriptors=sum(c.nixl_descriptors for c in counts),
         nixl_transfers=sum(c.nixl_transfers for c in counts),
-        max_worker_descriptors=prediction.descriptors,
-        max_worker_messages=prediction.messages,
         deployment=deployment,
         prediction=prediction,
         count_seconds=counted,
