@@ -19,7 +19,7 @@ from weightsync import __version__
 from weightsync.engines import make_layout
 from weightsync.errors import ConfigError, JobMismatch, PlanError
 from weightsync.layout.layout import EngineLayout, Layout, layout_digest
-from weightsync.meta.client import MetaAborted, MetaClient, MetaError
+from weightsync.meta.client import MetaAborted, MetaClient, MetaError, MetaTimeout
 from weightsync.meta.records import LayoutInfo, Registration, SessionTerms
 from weightsync.plan.job import JobShape  # noqa: F401 - re-exported: the runtime's callers name it here
 from weightsync.plan.planner import Bucket, Pair, pair_hash
@@ -81,14 +81,22 @@ def register(client: MetaClient, record: Registration, spec: ModelSpec) -> None:
 
 
 def wait_side(client: MetaClient, role: str, timeout_s: float, count: int | None = None) -> list[Registration]:
-    """Every participant of one role, once they all registered (the first says how many there are)."""
+    """Every participant of one role, once they all registered (the first says how many there are);
+    ``timeout_s``: how long to wait for them to arrive (each request keeps the client's own deadline)."""
     deadline = time.monotonic() + timeout_s
-    if count is None:
-        first = client.wait_participants(1, role=role, timeout=timeout_s, limit=1)[0]
-        if first.layout is None:
-            raise JobMismatch(f"{first.who} registered no layout: it is no weightsync session's participant")
-        count = first.layout.world * ((first.instances or 1) if role == "infer" else 1)
-    return client.wait_participants(count, role=role, timeout=max(0.1, deadline - time.monotonic()))
+    side = "training" if role == "train" else "inference"
+    try:
+        if count is None:
+            first = client.wait_participants(1, role=role, timeout=timeout_s, limit=1)[0]
+            if first.layout is None:
+                raise JobMismatch(f"{first.who} registered no layout: it is no weightsync session's participant")
+            count = first.layout.world * ((first.instances or 1) if role == "infer" else 1)
+        return client.wait_participants(count, role=role, timeout=max(0.1, deadline - time.monotonic()))
+    except MetaTimeout:
+        got = len(client.participants(role))
+        raise MetaTimeout(f"set-up waited {timeout_s:g} s for the job's {side} participants: {got} of "
+                          f"{count if count is not None else 'at least 1'} registered (a reader registers once its "
+                          "engine has started); start the missing ones, or give a longer setup_timeout_s") from None
 
 
 def _value(p: Registration, field: str) -> Any:
