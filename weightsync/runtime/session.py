@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.codec.fp8 import check_engine
+from weightsync.codec.fp8 import check_engine
 from weightsync.engines import make_layout
 from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.errors import ConfigError, WeightSyncError
@@ -89,9 +90,21 @@ from weightsync.transport.base import (
 log = logging.getLogger("weightsync.session")
 
 
+#: how long set-up waits for the job's participants to arrive (register; elastic: join), at least: an
+#: inference engine starts before its reader registers (17-82 s seen for vLLM; a trainer's connect waited
+#: up to 93 s), so connect waits for the job this long while every request keeps its ``timeout_s``
+SETUP_WAIT_S = 600.0
+
+
 @dataclass(frozen=True)
 class SessionOptions:
-    """What one participant chose; validated once, here (a bad option is refused before any I/O)."""
+    """What one participant chose; validated once, here (a bad option is refused before any I/O).
+
+    Two deadlines: ``timeout_s`` bounds every request and every wait of a step (and of set-up once the
+    whole job is there); ``setup_timeout_s`` (default: the longer of ``timeout_s`` and
+    :data:`SETUP_WAIT_S`) bounds how long ``connect`` waits for the job's other participants to arrive,
+    so a trainer started before its engines waits for them, and a job whose peer never comes still
+    fails, naming who is missing."""
 
     colocate: bool = False
     mode: str = "sync"
@@ -106,11 +119,14 @@ class SessionOptions:
     integrity: int = DEFAULT_INTEGRITY  # check the steps divisible by N (weightsync.integrity); 0: none
     delta: bool = False  # send only what changed since the version each receiver proves (weightsync.delta)
     delta_host: bool = False  # delta: the sender keeps its previous version in host memory
+    setup_timeout_s: float | None = None  # how long connect waits for the job to arrive (class docstring)
     transport_name: str = field(init=False, default="")  # the registered transport these options select
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.setup_timeout_s is not None and self.setup_timeout_s <= 0:
+            raise ConfigError(f"setup_timeout_s must be positive, got {self.setup_timeout_s}")
         if self.bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         object.__setattr__(self, "transport_name", resolve(self.transport, colocate=self.colocate, mode=self.mode,
@@ -118,6 +134,11 @@ class SessionOptions:
         from weightsync.codec.registry import check
 
         check(self.codec_name, self.transport_name, self.mode)  # refused by name, before any I/O
+
+    @property
+    def setup_wait_s(self) -> float:
+        """How long set-up waits for the job's participants to arrive."""
+        return self.setup_timeout_s if self.setup_timeout_s is not None else max(self.timeout_s, SETUP_WAIT_S)
 
     @property
     def elastic(self) -> bool:
@@ -176,12 +197,14 @@ class JobSession(ABC):
 
     def agree(self) -> list[Registration]:
         mine, theirs = ("train", "infer") if self.role == "train" else ("infer", "train")
-        own = wait_side(self.client, mine, self.options.timeout_s, count=self.expected())
-        other = wait_side(self.client, theirs, self.options.timeout_s)
+        # the job arrives within setup_wait_s (an engine starts first); each request keeps timeout_s
+        own = wait_side(self.client, mine, self.options.setup_wait_s, count=self.expected())
+        other = wait_side(self.client, theirs, self.options.setup_wait_s)
         people = (own + other) if self.role == "train" else (other + own)
         try:
             self.shape = job_shape(people, self.options.terms(), self.options.elastic)
             self.check_layouts()
+            check_engine(self.shape.infer, self.options.codec_name, self.shape.transport, self.shape.mode)  # quant=fp8
             check_engine(self.shape.infer, self.options.codec_name, self.shape.transport, self.shape.mode)  # quant=fp8
         except WeightSyncError as e:  # every participant learns of it at once, not at its timeout
             log.error("%s refused the job: %s", self.who, e)
@@ -283,7 +306,7 @@ class TrainerSession(JobSession):
         # elastic: no instance plans against our hashes (they are posted for the record); the job starts
         # once the instances it started with have joined, so its first step reaches them all
         self.post_hashes()
-        wait_joined(self.client, self.initial_instances(), self.options.timeout_s)
+        wait_joined(self.client, self.initial_instances(), self.options.setup_wait_s)
 
     def initial_instances(self) -> int:
         """How many instances the job starts with (what the first inference registrant said)."""
