@@ -51,20 +51,29 @@ class LinkModel:
 
 def predict_seconds(buckets: Iterable[Bucket], topology: Topology, links: LinkModel = LinkModel()) -> float:
     """The busiest link's time: its bytes over its bandwidth, plus ``latency_s`` per bucket on each end."""
+    buckets = list(buckets)
+    return _busiest_link(buckets, [b.nbytes for b in buckets], topology, links, links.hbm_copy_bytes_per_s,
+                         links.latency_s)
+
+
+def _busiest_link(buckets: Sequence[Bucket], sizes: Sequence[int], topology: Topology, links: LinkModel,
+                  hbm_bytes_per_s: float, per_bucket_s: float) -> float:
+    """The busiest link's time when bucket ``i`` puts ``sizes[i]`` bytes on it: same-GPU copies on the GPU's
+    HBM at ``hbm_bytes_per_s``, the others on the sender's egress and the receiver's ingress (NVLink on one
+    host, else the NICs), each bucket paying ``per_bucket_s`` on every link it crosses."""
     load: dict[tuple[str, int], float] = defaultdict(float)
-    for b in buckets:
+    for b, n in zip(buckets, sizes):
         s = topology.train_gpu(b.src_rank)
         d = topology.infer_gpu(b.dst_instance, b.dst_rank)
-        n = b.nbytes
         if s == d:
-            load["hbm", s] += n / links.hbm_copy_bytes_per_s + links.latency_s
+            load["hbm", s] += n / hbm_bytes_per_s + per_bucket_s
             continue
         if topology.host(s) == topology.host(d):
             bw, out_link, in_link = links.nvlink_bytes_per_s, "nvl_out", "nvl_in"
         else:
             bw, out_link, in_link = links.nic_bytes_per_s, "nic_out", "nic_in"
-        load[out_link, s] += n / bw + links.latency_s
-        load[in_link, d] += n / bw + links.latency_s
+        load[out_link, s] += n / bw + per_bucket_s
+        load[in_link, d] += n / bw + per_bucket_s
     return max(load.values(), default=0.0)
 
 
@@ -205,6 +214,8 @@ def wire_bytes(b: Bucket, deployment: Deployment, cost: CostModel, spec=None) ->
     if deployment.codec == "full":
         return b.nbytes
     if deployment.codec == "fp8":  # 1 byte an element + 4 bytes a block for FP8 targets, the rest as is
+        if spec is None:
+            raise ConfigError("the fp8 estimate needs the model spec (which tensors are projections)")
         block = cost.fp8_block * cost.fp8_block
         n = 0
         for c in b.copies:
@@ -231,31 +242,15 @@ def predict_step(
     """One step of a job whose receivers hold ``buckets`` (``counts``: each receiving worker's posts)."""
     links = cost.links
     d = deployment
-    load: dict[tuple[str, int], float] = defaultdict(float)
+    sizes = [wire_bytes(b, d, cost, spec) for b in buckets]
     recv: dict[tuple[int, int], int] = defaultdict(int)  # full bytes each worker holds (proof, apply)
     send: dict[int, int] = defaultdict(int)
-    total_wire = 0
-    per_bucket = links.latency_s if d.transport == "p2p" else 0.0  # NCCL: a group per bucket
     for b in buckets:
-        n = wire_bytes(b, d, cost, spec)
-        total_wire += n
         recv[b.dst_instance, b.dst_rank] += b.nbytes
         send[b.src_rank] += b.nbytes
-        s = topology.train_gpu(b.src_rank)
-        g = topology.infer_gpu(b.dst_instance, b.dst_rank)
-        if s == g:
-            rate = links.hbm_copy_bytes_per_s
-            if d.transport == "colocated":
-                rate *= cost.colocated_copy_efficiency
-            load["hbm", s] += n / rate + per_bucket
-            continue
-        if topology.host(s) == topology.host(g):
-            bw, out_link, in_link = links.nvlink_bytes_per_s, "nvl_out", "nvl_in"
-        else:
-            bw, out_link, in_link = links.nic_bytes_per_s, "nic_out", "nic_in"
-        load[out_link, s] += n / bw + per_bucket
-        load[in_link, g] += n / bw + per_bucket
-    data_s = max(load.values(), default=0.0)
+    hbm = links.hbm_copy_bytes_per_s * (cost.colocated_copy_efficiency if d.transport == "colocated" else 1.0)
+    per_bucket = links.latency_s if d.transport == "p2p" else 0.0  # NCCL: a group per bucket
+    data_s = _busiest_link(buckets, sizes, topology, links, hbm, per_bucket)
 
     if d.codec == "delta":  # delta over nixl READs one payload a changed bucket, and each peer's index before
         # and after (weightsync/delta/nixl.py at ad4fda2: DeltaNixlReceiver._apply, _unchanged, _read_indexes)
@@ -290,4 +285,4 @@ def predict_step(
     receiver_s = {"faithful": cost.faithful_call_s, "vllm": cost.vllm_trips * cost.vllm_trip_s,
                   "sglang": cost.sglang_step_s}[d.receiver]
     seconds = signal_s + receiver_s + move_s + codec_s
-    return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, total_wire, descriptors, msgs)
+    return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, sum(sizes), descriptors, msgs)
