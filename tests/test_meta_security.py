@@ -362,3 +362,17 @@ def test_a_dtype_mismatch_says_dtype_and_names_each_side_s_rank():
     assert "dtype" in text and "float32 on training rank 0" in text, text
     assert "bfloat16 on inference rank 0 of instance 0" in text, text
     assert "model.embed_tokens.weight" in text and "torch_dtype" in text, text
+
+
+# --------------------------------------------------------------------------------------------
+# The whole path with job tokens
+
+
+def test_a_job_runs_end_to_end_on_its_job_token():
+    """Trainer and reader processes get the job's token from the launcher (tests/e2e.run_job through
+    LocalJob.job_token), never the admin's: every route a participant calls (registration, waits, plan
+    hashes, rendezvous, doorbells, written, held) is its job's."""
+    from e2e import assert_clean, run_job
+
+    job = dict(model="tiny-qwen3", train="hf", infer="hf", steps=1, timeout=30.0, server_token=ADMIN, job="tokened")
+    assert_clean(run_job(job), job)
