@@ -47,7 +47,6 @@ class Span:
     runs: int  # how many contiguous runs (nixl_wire.box_runs's rows)
     first: int  # element offset where the first run starts
     last_end: int  # element offset where the last run ends
-    start: int  # element offset of the box's first element (== first)
     numel: int
 
 
@@ -63,12 +62,12 @@ def span(shape: tuple[int, ...], box: Box) -> Span:
     while d >= 0 and tuple(box[d]) == (0, shape[d]):  # trailing dims covered whole fold into one block
         d -= 1
     if d < 0:  # the whole tensor
-        return Span(1 if numel else 0, 0, numel, 0, numel)
+        return Span(1 if numel else 0, 0, numel, numel)
     block = box[d][1] * strides[d]
     first = box[d][0] * strides[d] + sum(box[j][0] * strides[j] for j in range(d))
     last = box[d][0] * strides[d] + sum((box[j][0] + box[j][1] - 1) * strides[j] for j in range(d))
     runs = math.prod(box[j][1] for j in range(d)) if numel else 0
-    return Span(runs, first, last + block, first, numel)
+    return Span(runs, first, last + block, numel)
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ class _Chain:
 
 
 class Counter:
-    """Counts a worker's step from its plan; caches the tensor shapes of each rank's layout."""
+    """Counts workers' steps from their plans; caches the training tensors' shapes and the boxes' spans."""
 
     def __init__(self, planner: Planner):
         self.planner = planner
@@ -173,7 +172,7 @@ class Counter:
                     t = dst[seg.dst_tensor]
                     d = self._span(t.shape, seg.dst_box)
                     if t.dtype == seg.dtype and d.runs <= 1:  # nixl.py _in_place: contiguous, in the wire dtype
-                        chain.add(seg.src_tensor, s, seg.dst_tensor, d.start, d.start + d.numel)
+                        chain.add(seg.src_tensor, s, seg.dst_tensor, d.first, d.first + d.numel)
                     else:
                         batch.add(seg.src_tensor, s, "slot", at, at + seg.nbytes)
                         at += seg.nbytes
