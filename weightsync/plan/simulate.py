@@ -253,7 +253,8 @@ def predict_step(
     data_s = _busiest_link(buckets, sizes, topology, links, hbm, per_bucket)
 
     if d.codec == "delta":  # delta over nixl READs one payload a changed bucket, and each peer's index before
-        # and after (weightsync/delta/nixl.py at ad4fda2: DeltaNixlReceiver._apply, _unchanged, _read_indexes)
+        # and after (transport/nixl.py FrameReads._read_indexes, _apply, _unchanged since 0b6aaae; before it
+        # delta/nixl.py's DeltaNixlReceiver): the index is read again after each scratch-full batch, not counted
         descriptors = max((c.buckets + 2 * c.peers for c in counts), default=0)
     else:  # the program's reads (fp8: assumed the same runs as full), plus one header read a peer
         descriptors = max((c.nixl_descriptors + c.peers for c in counts), default=0)
