@@ -203,6 +203,19 @@ def test_a_registration_describing_a_giant_spec_is_refused_in_milliseconds():
         assert c.summary()["aborted"] is None  # the refused registration changed nothing
 
 
+def test_a_config_is_sized_once_however_many_ranks_register_it():
+    from weightsync.meta.mismatch import _sized, check_spec_size
+    from weightsync.spec import load_spec
+
+    cfg = dict(load_spec("qwen3-30b-a3b").config)
+    check_spec_size(cfg)
+    before = _sized.cache_info()
+    for _ in range(100):
+        check_spec_size(dict(cfg))
+    after = _sized.cache_info()
+    assert after.hits - before.hits == 100 and after.misses == before.misses
+
+
 def test_the_spec_size_is_the_built_spec_s_for_every_preset():
     """The bound is computed from the config's arithmetic, exactly what building the spec gives."""
     from weightsync.meta.mismatch import spec_size

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
+import json
 import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Mapping
@@ -102,10 +104,16 @@ def spec_size(cfg: Mapping[str, Any]) -> SpecSize | None:
 
 
 def check_spec_size(cfg: Mapping[str, Any]) -> None:
-    """ValueError (its message says why) when ``cfg``'s spec would be larger than any model's."""
-    size = spec_size(cfg)
+    """ValueError (its message says why) when ``cfg``'s spec would be larger than any model's. Every
+    participant of a job registers the same config: it is sized once (~4 ms for a MoE), not per rank."""
+    size = _sized(json.dumps(cfg, sort_keys=True))
     if size is not None and size.too_large:
         raise ValueError(size.refusal())
+
+
+@functools.lru_cache(maxsize=64)
+def _sized(config_json: str) -> SpecSize | None:
+    return spec_size(json.loads(config_json))
 
 
 def who(name: str) -> str:
