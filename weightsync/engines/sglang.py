@@ -1,5 +1,9 @@
 """``sglang``: the parameters of SGLang workers (rules read from SGLang 0.5.23, see docs/engines.md).
 
+Checked live against a real SGLang 0.5.14 engine at TP=1 (``SGLangInstance`` compares every rank's
+``named_parameters()`` with these rules at set-up): Llama, Qwen3 and Qwen3-MoE matched (docs/sglang.md §0).
+TP > 1, DP attention, EP and DeepSeek's MLA/shared-expert rules rest on the 0.5.23 CPU probe only.
+
 - Without DP attention: world = tp * dp, dp independent replicas of a TP group.
 - With DP attention (``dp_attention=1``, i.e. --enable-dp-attention / --attn-dp-size): world = tp;
   attention TP size A = tp / dp, attn_tp_rank = rank % A (runtime_context.py,
