@@ -9,7 +9,7 @@ Run it once with PYTHONPATH at a checkout of the commit before the change and on
 
 The trainers are ``megatron:tp=8,pp=4,dp=T/32`` ranks of Qwen3-8B (its config.json as the model
 config), 8 to a host, each with its own GPU UUID; the instances are ``vllm`` (TP 1) on other hosts'
-GPUs. Phases: every participant registers (8 at a time), then each downloads what its ``agree`` step
+GPUs; every GPU UUID random (as real ones are). Phases: every participant registers (8 at a time), then each downloads what its ``agree`` step
 downloads (8 at a time; by then everybody has registered, so every long-poll is answered at once:
 the real job's early arrivals poll meanwhile, which can only add). Traffic is what the participants
 sent and received over the phases, both directions, HTTP headers included (:class:`Counted`). Also: the server's peak memory (VmHWM) and the phases' wall time.
@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 
@@ -99,7 +101,7 @@ def main() -> None:
             role, rank, inst = who
             engine = train if role == "train" else infer
             layout = layouts.get((role, rank)) or layouts.setdefault((role, rank), engine.layout(rank))
-            gpu = f"GPU-{(rank if role == 'train' else T + inst):08x}-1111-2222-3333-444455556666"
+            gpu = uuids[rank if role == "train" else T + inst]
             here.host = f"{role}-node{(rank if role == 'train' else inst) // 8}"
             c = MetaClient(url, "setup", timeout=120)
             if typed:
@@ -125,6 +127,8 @@ def main() -> None:
             return len(own) + len(theirs)
 
         people = [("train", r, None) for r in range(T)] + [("infer", 0, i) for i in range(I)]
+        rng = random.Random(0)  # GPU UUIDs as random as real ones (gzip cannot shrink them below their entropy)
+        uuids = [f"GPU-{uuid.UUID(int=rng.getrandbits(128), version=4)}" for _ in range(T + I)]
         base = Counted.total
         t0 = time.perf_counter()
         with ThreadPoolExecutor(args.threads) as pool:
