@@ -316,7 +316,11 @@ MEMBER_STATES = ("joined", "left", "gone")
 
 @dataclass(frozen=True)
 class Member:
-    """One instance's membership, as the server keeps it and the job summary's ``members`` shows it."""
+    """One instance's membership, as the server keeps it and the job summary's ``members`` shows it.
+    ``incarnation``: the joining reader's own id, so a stale process under the same instance id (one that
+    was dropped, then rejoined by another) can neither report steps held nor leave for it. ``liveness_s``:
+    the member is marked gone once nothing was heard from it for that long (an async reader's heartbeat:
+    no step waits for it, so nothing else notices it died)."""
 
     instance: int
     state: str  # joined, left or gone
@@ -331,6 +335,17 @@ class Member:
     @property
     def joined(self) -> bool:
         return self.state == "joined"
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as the server stores it and the summary shows it (``held`` is kept beside it)."""
+        rec: dict[str, Any] = {"state": self.state, "since": self.since, "version": self.version}
+        if self.reason:
+            rec["reason"] = self.reason
+        if self.incarnation:
+            rec["incarnation"] = self.incarnation
+        if self.liveness_s is not None:
+            rec["liveness_s"] = self.liveness_s
+        return rec
 
     def owes(self, step: int) -> bool:
         """Whether ``step`` waits for this member and it has not reported it held yet."""

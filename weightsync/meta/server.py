@@ -407,7 +407,7 @@ async def _sweep(coord: Coordinator) -> None:
         try:
             for job, i in coord.expire_silent():
                 log.warning("MetaServer: instance %d of job %s is gone: %s", i, job,
-                            coord.jobs[job].members[i].get("reason"))
+                            coord.jobs[job].members[i].reason)
         except Exception:  # a bug: say so, keep sweeping (and serving)
             log.exception("MetaServer: looking for silent members failed")
 

@@ -21,7 +21,7 @@ from typing import Callable, Hashable
 from weightsync.errors import WeightSyncError
 from weightsync.meta.auth import Refusals
 from weightsync.meta.mismatch import refusal
-from weightsync.meta.records import Registration, RecordError, digest_of, encode_listing
+from weightsync.meta.records import Member, Registration, RecordError, digest_of, encode_listing
 from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten, StoredJob
 from weightsync.meta.validate import (
     MAX_JOBS, MAX_JSON_DEPTH, MAX_LIVENESS_S, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, MIN_LIVENESS_S, ROLES,
@@ -67,11 +67,10 @@ class Job:
     configs: dict[str, dict] = field(default_factory=dict)
     plan_hashes: dict[str, dict] = field(default_factory=dict)  # name -> {"plan_hash", "pairs": {"s,i,r": h}}
     instances: set[int] = field(default_factory=set)  # the members that are joined now (live)
-    #: every instance that ever joined: {"state": "joined"|"left"|"gone", "since": the first step it must
-    #: hold (steps written before it joined are not waited for), "version": the topology version of its
-    #: last change, "reason": why it is gone, "liveness_s": its heartbeat deadline}; kept after it leaves,
-    #: so a rejoin is visible
-    members: dict[int, dict] = field(default_factory=dict)
+    #: every instance that ever joined (:class:`~weightsync.meta.records.Member`: joined, left or gone, since
+    #: which step, at which topology version, why, its incarnation and heartbeat deadline); kept after it
+    #: leaves, so a rejoin is visible
+    members: dict[int, Member] = field(default_factory=dict)
     topology_version: int = 0
     written: dict[int, set[int]] = field(default_factory=dict)  # step -> training ranks that wrote it
     written_floor: int = 0  # steps below were pruned
@@ -118,26 +117,6 @@ class Job:
         return got
 
 
-MEMBER_STATES = ("joined", "left", "gone")
-
-
-def member(state: str, since: int, version: int, reason: str | None = None, incarnation: str | None = None,
-           liveness_s: float | None = None) -> dict:
-    """One instance's membership record (what ``GET /v1/jobs/{job}`` shows under ``members``).
-    ``incarnation``: the joining reader's own id, so a stale process under the same instance id (one
-    that was dropped, then rejoined by another) can neither report steps held nor leave for it.
-    ``liveness_s``: the member is marked gone once nothing was heard from it for that long (an async
-    reader's heartbeat: no step waits for it, so nothing else notices it died)."""
-    rec: dict = {"state": state, "since": since, "version": version}
-    if reason:
-        rec["reason"] = reason
-    if incarnation:
-        rec["incarnation"] = incarnation
-    if liveness_s is not None:
-        rec["liveness_s"] = liveness_s
-    return rec
-
-
 def restore(stored: dict[str, StoredJob]) -> dict[str, Job]:
     """The jobs the store last committed (:meth:`weightsync.meta.store.Store.load`), rebuilt from their rows."""
     jobs: dict[str, Job] = {}
@@ -149,7 +128,7 @@ def restore(stored: dict[str, StoredJob]) -> dict[str, Job]:
             for step, rank in rows.written:
                 j.written.setdefault(step, set()).add(rank)
             j.rebuild_counts()
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, WeightSyncError) as e:
         raise WeightSyncError(f"the MetaServer's stored state is not valid: {e}") from None
     return jobs
 
@@ -168,10 +147,10 @@ def _load_row(j: Job, kind: str, key: str, v: object) -> None:
     elif kind == "plan":
         j.plan_hashes[key] = v
     elif kind == "instance":  # a membership record (format 1 stored ``true`` for a joined instance)
-        rec = v if isinstance(v, dict) else (member("joined", 0, 0) if v else None)
+        rec = Member.from_json(key, v) if isinstance(v, dict) else (Member(int(key), "joined", 0, 0) if v else None)
         if rec is not None:
             j.members[int(key)] = rec
-            if rec["state"] == "joined":
+            if rec.joined:
                 j.instances.add(int(key))
     elif kind == "held":
         if v is not None:
@@ -189,7 +168,7 @@ def _load_row(j: Job, kind: str, key: str, v: object) -> None:
 
 def live_for(j: Job, step: int) -> list[int]:
     """The joined instances a step must reach: those that joined before any training rank wrote it."""
-    return sorted(i for i in j.instances if j.members.get(i, {}).get("since", 0) <= step)
+    return sorted(i for i in j.instances if (j.members[i].since if i in j.members else 0) <= step)
 
 
 class _Group:
@@ -330,7 +309,7 @@ class Coordinator:
             "train_ranks": j.train_ranks(),
             "topology_version": j.topology_version,
             "instances": sorted(j.instances),
-            "members": {str(i): dict(m, held=j.held.get(i)) for i, m in sorted(j.members.items())},
+            "members": {str(i): {**m.to_json(), "held": j.held.get(i)} for i, m in sorted(j.members.items())},
             "held": {str(i): s for i, s in sorted(j.held.items())},
             "latest_written": max(j.written, default=None),
             "complete_step": j.complete_step(),
@@ -511,7 +490,7 @@ class Coordinator:
         state = state or ("joined" if join else "left")
         self._refuse_if_closing()
         j = self._job(job)
-        current = j.members.get(instance, {}).get("incarnation")
+        current = j.members[instance].incarnation if instance in j.members else None
         if join:  # a new incarnation replaces a joined one (its stale process is fenced off); a retry does not
             changed = instance not in j.instances or (inc is not None and inc != current)
         else:  # a leave or drop of another incarnation than the joined one changes nothing
@@ -531,9 +510,9 @@ class Coordinator:
             j.heard.pop(instance, None)
         j.topology_version += 1
         j.held_answers.clear()
-        rec = j.members[instance] = member(state, j.written_max + 1, j.topology_version, reason, incarnation,
-                                           liveness_s)
-        row = Put(job, "instance", str(instance), json.dumps(rec))
+        rec = j.members[instance] = Member(instance, state, j.written_max + 1, j.topology_version, reason=reason,
+                                           incarnation=incarnation, liveness_s=liveness_s)
+        row = Put(job, "instance", str(instance), json.dumps(rec.to_json()))
         version = Put(job, "job", "topology_version", str(j.topology_version))
         self._save(job, j, ("instances", "held"), [row, version])
 
@@ -547,15 +526,15 @@ class Coordinator:
         self._check_member(job, j, instance, inc)
         j.heard[instance] = time.monotonic()
         rec = j.members[instance]
-        return {"instance": instance, "state": rec["state"], "liveness_s": rec.get("liveness_s")}
+        return {"instance": instance, "state": rec.state, "liveness_s": rec.liveness_s}
 
     def _check_member(self, job: str, j: Job, instance: int, inc: str | None) -> None:
         """409 unless ``instance`` is joined (and, given ``inc``, as that incarnation)."""
         if instance not in j.instances:
             raise HTTPError(409, _not_member(job, j, instance))
-        if inc is not None and inc != j.members[instance].get("incarnation"):
+        if inc is not None and inc != j.members[instance].incarnation:
             raise HTTPError(409, f"instance {instance} of job {job} rejoined (topology version "
-                                 f"{j.members[instance]['version']}) after this reader was dropped: its reports "
+                                 f"{j.members[instance].version}) after this reader was dropped: its reports "
                                  "no longer count; start a new WeightReader to rejoin")
 
     def expire_silent(self, now: float | None = None) -> list[tuple[str, int]]:
@@ -569,15 +548,15 @@ class Coordinator:
             if j.aborted is not None:
                 continue
             for i in sorted(j.instances):
-                rec = j.members.get(i, {})
-                limit = rec.get("liveness_s")
+                rec = j.members.get(i)
+                limit = rec.liveness_s if rec is not None else None
                 if limit is None:
                     continue
                 silent = now - j.heard.setdefault(i, now)  # none heard since a restart: from now
                 if silent > limit:
                     reason = (f"no heartbeat for {silent:.1f} s, over its liveness_s of {limit:g} s: its reader's "
                               "process died, hangs or lost the network")
-                    self._change_member(name, j, i, "gone", reason, rec.get("incarnation"), limit)
+                    self._change_member(name, j, i, "gone", reason, rec.incarnation, limit)
                     dropped.append((name, i))
         return dropped
 
@@ -778,7 +757,7 @@ class Coordinator:
             gauges["topology_version"][1].append(f'{{job="{job}"}} {j.topology_version}')
             gauges["instances"][1].append(f'{{job="{job}"}} {len(j.instances)}')
             for i, m in sorted(j.members.items()):
-                gauges["member"][1].append(f'{{job="{job}",instance="{i}",state="{m["state"]}"}} 1')
+                gauges["member"][1].append(f'{{job="{job}",instance="{i}",state="{m.state}"}} 1')
             if j.written:
                 gauges["step_written"][1].append(f'{{job="{job}"}} {max(j.written)}')
             if (c := j.complete_step()) is not None:
@@ -812,10 +791,10 @@ def _not_member(job: str, j: Job, instance: int) -> str:
     m = j.members.get(instance)
     if m is None:
         return f"instance {instance} has not joined job {job}; join first"
-    why = f" ({m['reason']})" if m.get("reason") else ""
-    did = "left" if m["state"] == "left" else "was dropped (gone)"
+    why = f" ({m.reason})" if m.reason else ""
+    did = "left" if m.state == "left" else "was dropped (gone)"
     return (f"instance {instance} is no member of job {job}: it {did}{why} at topology version "
-            f"{m['version']}; join again (a new WeightReader under its id rejoins)")
+            f"{m.version}; join again (a new WeightReader under its id rejoins)")
 
 
 def _expire(fut: asyncio.Future) -> None:
