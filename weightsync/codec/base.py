@@ -201,8 +201,9 @@ class Decoder(ABC):
     def accepts(self, step: int | None, held: int | None, items: Sequence[tuple[Bucket, Header]],
                 targets: Mapping[str, torch.Tensor], slot: torch.Tensor) -> list[int] | None:
         """One-sided: the positions in ``items`` whose payloads to read and decode, when this worker
-        proves the base of every one (empty: it holds ``step`` already); None: take them whole."""
-        return None
+        proves the base of every one (empty: it holds ``step`` already); None: take them whole. A codec
+        that needs no base (:data:`BASE_PROOF` not in its needs) takes every payload."""
+        return list(range(len(items)))
 
     @abstractmethod
     def decode(self, bucket: Bucket, header: Header, payload: torch.Tensor | None,

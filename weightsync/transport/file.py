@@ -53,7 +53,7 @@ from safetensors import safe_open
 
 from weightsync.plan.planner import Bucket, Pair, pair_hash
 from weightsync.errors import TransportError
-from weightsync.transport.base import Buffers, Receiver, ReceiverContext, Sender, SenderContext, StepStats
+from weightsync.transport.base import BASE_PROOF, Buffers, Receiver, ReceiverContext, Sender, SenderContext, StepStats
 from weightsync.transport.p2p import TransferStats, describe
 from weightsync.transport.pack import pack, unpack
 from weightsync.transport.private import private_directory, private_opener
@@ -299,7 +299,7 @@ class FileTransport:
         """Decode the pair's frames file in place and return its bytes, or None when there is none or
         the decoder does not prove its bases (then the full file is read)."""
         path = os.path.join(self.directory, file_name(step, pair) + FRAMES_SUFFIX)
-        if held is None or not os.path.exists(path):
+        if (held is None and BASE_PROOF in codec.needs) or not os.path.exists(path):
             return None
         with safe_open(path, framework="pt", device="cpu") as f:
             meta = f.metadata() or {}

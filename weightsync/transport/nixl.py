@@ -57,7 +57,16 @@ from weightsync.layout.layout import layout_digest
 from weightsync.layout.materialize import TORCH_DTYPES
 from weightsync.plan.messages import Segment, segments
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.transport.base import Buffers, Pulled, Receiver, ReceiverContext, Sender, SenderContext, StepStats
+from weightsync.transport.base import (
+    BASE_PROOF,
+    Buffers,
+    Pulled,
+    Receiver,
+    ReceiverContext,
+    Sender,
+    SenderContext,
+    StepStats,
+)
 from weightsync.transport.nixl_wire import (
     HEADER_WORDS,
     RemoteTensor,
@@ -710,7 +719,8 @@ class FrameReads:
         t0 = time.perf_counter()
         held = self.decoder.begin()  # from here the targets may mix two steps
         full_bytes = sum(b.nbytes for b in self.buckets)
-        plan = self._plan(step, held, targets) if held is not None and step is not None else None
+        proofs = BASE_PROOF in self.codec.needs  # else every payload is read: there is no whole fall-back
+        plan = self._plan(step, held, targets) if step is not None and (held is not None or not proofs) else None
         if plan is None:
             stats = full(targets, t0)
             for pair in sorted({b.pair for b in self.buckets}):
