@@ -552,3 +552,49 @@ def test_bench_receiver_sglang_takes_one_gpu_one_instance_scenarios_only():
         run("sep-1to1", "tiny-qwen3", steps=1, device="cpu", receiver="sglang", baselines=())
     with pytest.raises(ConfigError, match="faithful, vllm or sglang"):
         run("colo-1gpu", "tiny-qwen3", steps=1, device="cpu", receiver="tgi", baselines=())
+
+
+class TokenizerManager0514(TokenizerManager):
+    """0.5.14's tokenizer manager: no update_weight_version (its HTTP route sets server_args.weight_version)."""
+
+    update_weight_version = None
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.server_args = types.SimpleNamespace(weight_version="default")
+
+
+class StandInEngine0514(StandInEngine):
+    """The 0.5.14 contract (docs/sglang.md §0.2): no weight-update session, no get_model_info; the model runner
+    calls the custom loader at once (model_executor/model_runner.py:ModelRunner.update_weights_from_tensor)."""
+
+    begin_weight_update = end_weight_update = get_model_info = None
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.tokenizer_manager = TokenizerManager0514(self)
+        self.session = True  # the parent's update_weights_from_tensor checks a session 0.5.14 does not have
+
+
+def test_sglang_0514_api_has_no_session_and_keeps_the_version_in_server_args(tmp_path, fake_sglang):
+    spec, layout, base = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=2")
+    eng = StandInEngine0514(str(tmp_path), base.models)
+    inst = S.SGLangInstance(eng, timeout_s=30)
+    try:
+        assert inst.api == S.API_PLAIN
+        eng.log.clear()
+        canonical = random_canonical(spec, seed=5)
+        inst.pause()
+        assert inst.call(write_canonical, canonical, preset("tiny-qwen3"), inst.engine) == [0, 1]
+        inst.after_update()  # the stand-in Model has post_load_weights: one more call, no session around it
+        inst.resume()
+        inst.set_version(4)
+        assert eng.log == [("pause", "retract"), ("flush",), ("continue",)]
+        assert inst.served_version == "4" == eng.tokenizer_manager.server_args.weight_version
+        assert set(inst.last_timing) >= {"pause", "calls", "flush", "continue"}
+        for r, m in enumerate(eng.models):
+            want = scatter(layout.layout(r), canonical)
+            for n, t in m.named_parameters():
+                assert torch.equal(t.isnan(), want[n].isnan()) and torch.equal(t.nan_to_num(), want[n].nan_to_num()), n
+    finally:
+        inst.close()
