@@ -278,7 +278,7 @@ class _App:
                 who = participant_name(*identity(parse_body(data)))
             except HTTPError:
                 pass
-        self.coord.refusals.record(auth.Refusal(job, who, f"{method} {short(path)}", verdict.status, verdict.message,
+        self.coord.refusals.record(auth.Refusal(job, who, f"{method} {path[:120]}", verdict.status, verdict.message,
                                                 time.monotonic()))
         self.coord.notify({(job, "*")})
 
