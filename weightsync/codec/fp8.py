@@ -1,32 +1,304 @@
-"""The fp8 codec: bf16/fp32 trainer weights sent as 128 x 128 block FP8 into an FP8-served engine.
+"""The fp8 codec: bf16/fp32 trainer weights sent as 128 x 128 block FP8 into an FP8-served engine (issue 24).
 
-Set-up refusal (:func:`check_engine`): an inference engine declared ``quant=fp8`` holds its linear weights in
-e4m3 with fp32 ``weight_scale_inv``; syncing the trainer's bf16 bytes into it would cast them to e4m3 without
-their scales. Until a job can run the fp8 codec, such a job is refused at set-up on every side, by name.
+An engine declared ``quant=fp8`` (``vllm:tp=2,quant=fp8``) holds each linear weight in e4m3 with an fp32
+``<weight>_scale_inv`` beside it (:mod:`weightsync.quant.layout`). The training rank quantizes each bucket's FP8
+copies per 128 x 128 block (:func:`weightsync.quant.fp8.quantize`: the DeepGEMM/vLLM ``per_block_cast_to_fp8``
+definition, the Triton kernel on a GPU) and sends the e4m3 bytes and their blocks' scales; the receiver writes
+both into its live FP8 weight and its ``_scale_inv``. Tensors that stay in the model dtype (embeddings, norms,
+``lm_head``, routers, ignored modules) travel as the full codec sends them, in the same frame.
+
+Why the plan covers the weights only (the planner's destination is the engine's unquantized layout, the scale
+following its weight inside this codec): a scale tensor has no source on the trainer side -- it is *made* from
+the weight's blocks -- so planning it as a canonical tensor would need a source nobody holds. A copy of a weight
+whose source box starts on a block and ends on a block or at the tensor's edge holds whole blocks, so its
+blocks' scales are a pure function of its own bytes, and its scale box in the engine's ``_scale_inv`` is the
+weight box counted in blocks (:func:`scale_box`; fused tensors' parts start on blocks: :mod:`weightsync.quant.
+config` refuses the layouts where they do not). A copy that cuts a block (a trainer shard of 64 rows) is refused
+at set-up, naming the tensor, its box and the block; so is a slab of a copy larger than the bucket budget, which
+the planner splits without regard to blocks (raise ``bucket_bytes``; a planner that splits FP8 weights on block rows
+is the fix, not built). Quantizing a whole-block sub-box gives the bits quantizing the
+whole canonical tensor gives (each block's amax and scale see the same 128 x 128 values, the edge blocks the
+same zero padding), which is what ``save_checkpoint(dir, quant="fp8")`` writes.
+
+Payload of one bucket (both ends derive every offset from the plan, :func:`frame_layout`): the bucket's non-FP8
+copies packed as the full codec packs them, then per FP8 copy its e4m3 bytes and its fp32 scales, each at a
+16-byte boundary.
+
+Where it runs: p2p in sync mode (the frame path, tested end to end on CPU with gloo). File and nixl, async, and
+co-located jobs into an FP8 engine are refused at set-up (:func:`check_engine`), as are delta with FP8 (a delta
+of the e4m3 bytes is not built) and integrity checks (the sums cover the bf16 sources, not what lands).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from weightsync.codec.base import SENDER_STEP, Codec, CodecStats, Decoder, Encoder, Frame, Header
 from weightsync.engines.config import parse_engine
 from weightsync.errors import ConfigError
+from weightsync.layout.box import Box, slices
+from weightsync.plan.messages import bucket_bytes
+from weightsync.plan.planner import Bucket, Copy, Pair
+from weightsync.quant.fp8 import BLOCK, Quantized, cdiv, quantize
+from weightsync.transport.pack import pack, unpack
+
+if TYPE_CHECKING:
+    from weightsync.spec.model import ModelSpec
+    from weightsync.transport.base import TransportOptions
+
+log = logging.getLogger("weightsync.codec.fp8")
+
+KIND_FP8 = 0  # Header.kind: a bucket as this module's payload (module docstring)
+ALIGN = 16
+SOURCE_DTYPES = ("bfloat16", "float32")
+#: where the fp8 codec runs (transport, mode): the ones tested end to end
+SERVED = (("p2p", "sync"),)
 
 
 def engine_quant(infer: str) -> str:
     """The quantization an inference layout string (``vllm:tp=2,quant=fp8``) declares: ``none`` or ``fp8``."""
-    cfg = parse_engine(infer)
-    q = getattr(cfg, "quant", 0)
-    return "fp8" if q else "none"
+    return "fp8" if getattr(parse_engine(infer), "quant", 0) else "none"
 
 
-def check_engine(infer: str, codec: str, transport: str, mode: str) -> None:
-    """Refuse, at set-up, a job whose inference engine is declared ``quant=fp8`` where the fp8 codec cannot
-    run (``codec``: the codec the session chose; ``transport``/``mode``: the agreed ones)."""
+def check_engine(infer: str, codec: str, transport: str, mode: str, integrity: int = 0) -> None:
+    """Refuse, at set-up, a job whose inference engine is declared ``quant=fp8`` where the fp8 codec cannot run
+    (``codec``: the codec the session's own options chose, full or delta; ``transport``/``mode``: the agreed ones;
+    ``integrity``: the agreed cadence)."""
     if engine_quant(infer) == "none":
         return
-    raise ConfigError(f"quant=fp8 needs the fp8 codec, which this weightsync cannot run yet ({infer}; "
-                      f"{transport} transport, {mode} mode, {codec} codec): syncing bf16 weights into an FP8-served "
-                      "engine would cast them to e4m3 without their block scales; serve the engine unquantized "
-                      "(drop quant=fp8)")
+    why = None
+    if codec == "delta":
+        why = "delta and FP8 together are not built (a delta of the e4m3 bytes); drop delta"
+    elif (transport, mode) not in SERVED:
+        why = (f"it runs over {', '.join(f'{t}/{m}' for t, m in SERVED)} only (not {transport}/{mode}); "
+               "use the p2p transport in sync mode")
+    elif integrity:
+        why = ("integrity sums cover the trainer's bf16 bytes, not the FP8 bytes and scales that land; "
+               "set integrity=0")
+    if why:
+        raise ConfigError(f"quant=fp8 needs the fp8 codec, which cannot run in this job ({infer}; {transport} "
+                          f"transport, {mode} mode, {codec} codec): {why}. Syncing bf16 weights into an FP8-served "
+                          "engine would cast them to e4m3 without their block scales")
 
 
-__all__ = ["check_engine", "engine_quant"]
+def fp8_options(opts: TransportOptions, infer: str, spec: ModelSpec) -> TransportOptions | None:
+    """``opts`` with the fp8 codec where ``infer`` is declared ``quant=fp8`` (None otherwise); a layout whose
+    pieces cut a block is refused here (:func:`weightsync.quant.layout.fp8_layout`)."""
+    if engine_quant(infer) == "none":
+        return None
+    from weightsync.engines import make_layout
+    from weightsync.quant.layout import fp8_layout
+
+    layout = fp8_layout(make_layout(spec, infer))
+    return replace(opts, codec=FP8Codec(tuple(sorted((n, tuple(f.weight.shape)) for n, f in layout.fp8.items()))))
+
+
+def scale_box(box: Box) -> Box:
+    """A weight box (leading dims, then rows and columns starting on blocks) counted in 128 blocks."""
+    lead = len(box) - 2
+    return (*box[:lead], *((o // BLOCK, cdiv(n, BLOCK)) for o, n in box[lead:]))
+
+
+def _check_copy(c: Copy, shape: tuple[int, ...], where: str) -> None:
+    """Refuse an FP8 copy that holds part of a block (its blocks' scales would need bytes it does not have)."""
+    if c.dtype not in SOURCE_DTYPES:
+        raise ConfigError(f"fp8: {where} holds {c.canonical} in {c.dtype}; block FP8 is quantized from bf16 or fp32 "
+                          "weights only")
+    if len(c.canon_box) != 2:
+        raise ConfigError(f"fp8: {c.canonical} box {list(c.canon_box)} is not 2-d; block FP8 needs 2-d weights")
+    for (o, n), size, what in zip(c.canon_box, shape, ("rows", "columns")):
+        if o % BLOCK or (n % BLOCK and o + n != size):
+            raise ConfigError(
+                f"fp8: {where} sends {what} {o}..{o + n} of {c.canonical} {list(shape)} (box {list(c.canon_box)}), "
+                f"which cuts a {BLOCK} x {BLOCK} FP8 block: a block's scale needs the whole block on one training "
+                f"rank; choose a training layout that shards {c.canonical} in multiples of {BLOCK} {what}, and a "
+                f"bucket_bytes above its shard's bytes (a copy larger than a bucket is split in slabs that need not "
+                f"follow the blocks)")
+    lead = len(c.dst_box) - 2
+    if any(o % BLOCK for o, _ in c.dst_box[lead:]):
+        raise ConfigError(f"fp8: {c.canonical} lands at {list(c.dst_box)} of {c.dst_tensor}, off the {BLOCK} x "
+                          f"{BLOCK} blocks of the engine's FP8 tensor")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One FP8 copy's place in a bucket's payload."""
+
+    copy: Copy
+    weight: int  # offset of its e4m3 bytes
+    scale: int  # offset of its fp32 scales
+    rows: int
+    cols: int
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return cdiv(self.rows, BLOCK), cdiv(self.cols, BLOCK)
+
+
+@dataclass(frozen=True)
+class FrameLayout:
+    """A bucket's payload: its non-FP8 copies (``plain``, packed at 0) and its FP8 copies' places."""
+
+    plain: Bucket | None
+    parts: tuple[Part, ...]
+    nbytes: int
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def frame_layout(bucket: Bucket, fp8: Mapping[str, tuple[int, ...]]) -> FrameLayout:
+    """Where each byte of ``bucket``'s payload goes (both ends compute it from the plan)."""
+    plain = tuple(c for c in bucket.copies if c.canonical not in fp8)
+    sub = Bucket(bucket.src_rank, bucket.dst_instance, bucket.dst_rank, bucket.index, plain) if plain else None
+    at = bucket_bytes(sub) if sub is not None else 0
+    parts = []
+    for c in bucket.copies:
+        if c.canonical not in fp8:
+            continue
+        (_, rows), (_, cols) = c.canon_box
+        w = _align(at)
+        s = _align(w + rows * cols)
+        at = s + 4 * cdiv(rows, BLOCK) * cdiv(cols, BLOCK)
+        parts.append(Part(c, w, s, rows, cols))
+    return FrameLayout(sub, tuple(parts), at)
+
+
+def _views(payload: torch.Tensor, p: Part) -> Quantized:
+    w = payload[p.weight : p.weight + p.rows * p.cols].view(torch.float8_e4m3fn).view(p.rows, p.cols)
+    sr, sc = p.scale_shape
+    return Quantized(w, payload[p.scale : p.scale + 4 * sr * sc].view(torch.float32).view(sr, sc))
+
+
+@dataclass(frozen=True)
+class FP8Codec(Codec):
+    """``fp8``: each FP8 canonical weight's name and shape (from the engine's layout, :func:`fp8_options`)."""
+
+    fp8: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    name = "fp8"
+    needs = frozenset({SENDER_STEP})
+    framed = True
+
+    def encoder(self, plans: Mapping[Pair, list[Bucket]], device: torch.device) -> FP8Encoder:
+        return FP8Encoder(plans, dict(self.fp8))
+
+    def decoder(self, plans: Mapping[Pair, list[Bucket]]) -> FP8Decoder:
+        return FP8Decoder(plans, dict(self.fp8))
+
+
+def _layouts(plans: Mapping[Pair, list[Bucket]], fp8: Mapping[str, tuple[int, ...]],
+             side: str) -> dict[tuple, FrameLayout]:
+    """Every bucket's payload layout, refusing (set-up) an FP8 copy that cuts a block."""
+    out = {}
+    for pair, bs in plans.items():
+        for b in bs:
+            for c in b.copies:
+                if c.canonical in fp8:
+                    _check_copy(c, fp8[c.canonical], f"{side} (training rank {b.src_rank} -> instance "
+                                                     f"{b.dst_instance} rank {b.dst_rank})")
+            out[(b.pair, b.index)] = frame_layout(b, fp8)
+    return out
+
+
+class FP8Encoder(Encoder):
+    """A training rank's side: pack the plain copies, quantize the FP8 ones into the payload."""
+
+    def __init__(self, plans: Mapping[Pair, list[Bucket]], fp8: Mapping[str, tuple[int, ...]]):
+        self.layouts = _layouts(plans, fp8, "the plan")
+        self.stats = CodecStats()
+
+    def begin(self, step, proofs) -> None:
+        self.stats = CodecStats()
+
+    def bound(self, bucket: Bucket) -> int:
+        return self.layouts[(bucket.pair, bucket.index)].nbytes
+
+    def encode(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor, *,
+               kept: bool = False) -> Frame:
+        lay = self.layouts[(bucket.pair, bucket.index)]
+        out = slot if slot.numel() >= lay.nbytes else torch.empty(lay.nbytes, dtype=torch.uint8, device=slot.device)
+        if lay.plain is not None:
+            pack(lay.plain, sources, out=out[: lay.plain.nbytes])
+        for p in lay.parts:
+            c = p.copy
+            x = sources[c.src_tensor][slices(c.src_box)].reshape(p.rows, p.cols)
+            quantize(x, out=_views(out, p), name=c.canonical)
+        self.stats.count("fp8", len(lay.parts))
+        if lay.plain is not None:
+            self.stats.count("full", len(lay.plain.copies))
+        return Frame(Header(KIND_FP8, len(lay.parts), lay.nbytes), out[: lay.nbytes])
+
+
+class FP8Decoder(Decoder):
+    """An inference worker's side: unpack the plain copies, write each FP8 copy's bytes and scales in place."""
+
+    def __init__(self, plans: Mapping[Pair, list[Bucket]], fp8: Mapping[str, tuple[int, ...]]):
+        self.layouts = _layouts(plans, fp8, "the plan")
+        self.stats = CodecStats()
+        self.checked = False
+
+    def begin(self) -> int | None:
+        self.stats = CodecStats()
+        return super().begin()
+
+    def size(self, bucket: Bucket, header: Header) -> int:
+        return self.layouts[(bucket.pair, bucket.index)].nbytes
+
+    def _check_targets(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """The engine must hold each FP8 weight in e4m3 beside an fp32 ``_scale_inv`` (else: not served FP8)."""
+        for lay in self.layouts.values():
+            for p in lay.parts:
+                c = p.copy
+                t, s = targets.get(c.dst_tensor), targets.get(c.dst_tensor + "_scale_inv")
+                if t is None or t.dtype != torch.float8_e4m3fn or s is None or s.dtype != torch.float32:
+                    got = "missing" if t is None else str(t.dtype).removeprefix("torch.")
+                    raise ConfigError(
+                        f"fp8: the engine holds {c.dst_tensor} as {got}"
+                        f"{'' if s is not None else ' with no ' + c.dst_tensor + '_scale_inv'}; an engine declared "
+                        "quant=fp8 holds it in float8_e4m3fn with an fp32 _scale_inv: start the engine on an FP8 "
+                        "checkpoint, or drop quant=fp8")
+        self.checked = True
+
+    def decode(self, bucket: Bucket, header: Header, payload: torch.Tensor | None,
+               targets: Mapping[str, torch.Tensor], slot: torch.Tensor) -> None:
+        if not self.checked:
+            self._check_targets(targets)
+        lay = self.layouts[(bucket.pair, bucket.index)]
+        if header.kind != KIND_FP8 or header.count != len(lay.parts):
+            raise ConfigError(f"fp8: bucket {bucket.index} of {bucket.pair}: header {header} does not match this "
+                              f"receiver's plan ({len(lay.parts)} FP8 copies): the two ends built different plans")
+        if lay.plain is not None:
+            unpack(lay.plain, payload[: lay.plain.nbytes], targets)
+        for p in lay.parts:
+            c = p.copy
+            q = _views(payload, p)
+            region = targets[c.dst_tensor][slices(c.dst_box)]
+            region.copy_(q.weight.view(region.shape))
+            sregion = targets[c.dst_tensor + "_scale_inv"][slices(scale_box(c.dst_box))]
+            sregion.copy_(q.scale_inv.view(sregion.shape))
+        self.stats.count("fp8", len(lay.parts))
+        if lay.plain is not None:
+            self.stats.count("full", len(lay.plain.copies))
+
+
+def wire_bytes(copies: list[Copy] | tuple[Copy, ...], fp8: Mapping[str, tuple[int, ...]]) -> int:
+    """The bytes ``copies`` put on the wire under the fp8 codec, alignment aside (plan statistics)."""
+    n = 0
+    for c in copies:
+        if c.canonical in fp8:
+            (_, rows), (_, cols) = c.canon_box
+            n += rows * cols + 4 * cdiv(rows, BLOCK) * cdiv(cols, BLOCK)
+        else:
+            n += c.nbytes
+    return n
+
+
+__all__ = ["FP8Codec", "FP8Decoder", "FP8Encoder", "check_engine", "engine_quant", "fp8_options", "frame_layout",
+           "scale_box", "wire_bytes"]

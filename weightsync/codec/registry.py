@@ -17,6 +17,7 @@ from weightsync.transport.base import TRANSPORTS
 CODECS: dict[str, str] = {
     "full": "weightsync.codec.full:FullCodec",
     "delta": "weightsync.codec.delta:DeltaCodec",
+    "fp8": "weightsync.codec.fp8:FP8Codec",  # chosen by an engine declared quant=fp8 (codec/fp8.fp8_options)
 }
 
 #: why a codec gains nothing where a transport lacks what it needs (said beside the refusal)

@@ -73,7 +73,12 @@ def _worker_main(rank: int, conn, model: Any, engine: str, device: str, fill: fl
     try:
         if threads:
             torch.set_num_threads(threads)
-        layout = make_layout(load_spec(model), engine).layout(rank)
+        engine_layout = make_layout(load_spec(model), engine)
+        if getattr(engine_layout.config, "quant", 0):  # quant=fp8: e4m3 weights and fp32 _scale_inv, as the engine
+            from weightsync.quant.layout import fp8_layout  # holds them once it loaded an FP8 checkpoint
+
+            engine_layout = fp8_layout(engine_layout)
+        layout = engine_layout.layout(rank)
         dev = torch.device("cuda", first_gpu(device) + rank) if device.startswith("cuda") else torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)

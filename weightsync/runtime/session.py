@@ -49,8 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.codec.fp8 import check_engine
-from weightsync.codec.fp8 import check_engine
+from weightsync.codec.fp8 import check_engine, fp8_options
 from weightsync.engines import make_layout
 from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.errors import ConfigError, WeightSyncError
@@ -204,8 +203,8 @@ class JobSession(ABC):
         try:
             self.shape = job_shape(people, self.options.terms(), self.options.elastic)
             self.check_layouts()
-            check_engine(self.shape.infer, self.options.codec_name, self.shape.transport, self.shape.mode)  # quant=fp8
-            check_engine(self.shape.infer, self.options.codec_name, self.shape.transport, self.shape.mode)  # quant=fp8
+            check_engine(self.shape.infer, self.options.codec_name, self.shape.transport, self.shape.mode,
+                         self.options.integrity)  # quant=fp8: where the fp8 codec cannot run
         except WeightSyncError as e:  # every participant learns of it at once, not at its timeout
             log.error("%s refused the job: %s", self.who, e)
             with contextlib.suppress(MetaError):
@@ -286,6 +285,9 @@ class TrainerSession(JobSession):
     def plan(self) -> list[tuple[str, Buffers]]:
         # elastic: one instance slot, whatever instances come and go (module docstring)
         planner = self.shape.planner(self.spec, src=self.train.engine, instances=1 if self.shape.elastic else None)
+        fp8 = fp8_options(self.options.transport_options(self.backend), self.shape.infer, self.spec)
+        if fp8 is not None:  # the engine is declared quant=fp8: its weights go quantized (weightsync.codec.fp8)
+            self.sender = make_sender(fp8)
         self.plans = planner.send_plan(self.train.rank)
         self.context = SenderContext(self.link, self.client, self.shape, self.train.rank, planner, self.plans,
                                      self.train.tensors)
@@ -397,7 +399,9 @@ class InstanceSession(JobSession):
         # co-located workers write into each other's weights (``push``: their live tensors are exported
         # to each other by CUDA IPC; off when the engine's cannot be), unless each commits its own copy
         planned = self.instance.call(worker.plan, self.shape, dict(self.instance.model_config), self.instance_id,
-                                     self.push and not self.staged, self.options.transport_options(self.backend),
+                                     self.push and not self.staged,
+                                     fp8_options(opts := self.options.transport_options(self.backend), self.shape.infer,
+                                                 self.spec) or opts,
                                      timeout_s=self.options.timeout_s)
         self.hashes = [p.hashes for p in planned]
         return [(f"{self.who} rank {r}", p.buffers) for r, p in enumerate(planned)]

@@ -1,0 +1,141 @@
+"""The fp8 codec (weightsync.codec.fp8) on CPU, both sides in one process: a plan's buckets from an FSDP2 trainer
+layout encoded on the training ranks and decoded into poisoned FP8 engine tensors land, bit for bit, what an FP8
+checkpoint of the same weights loads into that layout; a copy that cuts a block, a delta or another transport with
+quant=fp8 are refused at set-up by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny
+
+from weightsync.errors import ConfigError
+
+DENSE = tiny("tiny-qwen3-h64", hidden_size=256, head_dim=128, num_key_value_heads=2, intermediate_size=512)
+MOE = tiny("tiny-qwen3-moe-h64", head_dim=128, moe_intermediate_size=256)
+
+
+def expected_fp8(layout, canonical: dict, rank: int) -> dict:
+    """What an FP8 checkpoint of ``canonical`` (save_checkpoint's recipe: quantize_reference per tensor) loads into
+    ``layout``'s rank (fill_from: the reference load) over NaN-poisoned tensors."""
+    from weightsync.layout.materialize import TORCH_DTYPES, fill_from
+    from weightsync.quant.fp8 import quantize_reference
+
+    quantized = dict(canonical)
+    for name, f in layout.fp8.items():
+        q = quantize_reference(canonical[name])
+        quantized[name], quantized[f.scale.name] = q.weight, q.scale_inv
+    mine = layout.layout(rank)
+    out = {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype]) for n, t in mine.tensors.items()}
+    fill_from(mine, out, quantized)
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits (the poison NaN too: a region nobody writes, vocab padding, stays poisoned on both sides)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("spec,train,infer", [(DENSE, "fsdp:dp=2", "vllm:tp=2,quant=fp8"),
+                                              (MOE, "hf", "vllm:tp=2,ep=2,quant=fp8"),
+                                              (DENSE, "hf", "sglang:tp=2,quant=fp8")],
+                         ids=["dense-fsdp-vllm", "moe-hf-vllm-ep", "dense-hf-sglang"])
+def test_fp8_codec_round_trips_into_the_fp8_layout_bit_exact(spec, train, infer):
+    from weightsync.codec.fp8 import fp8_options
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import TORCH_DTYPES, fill_from
+    from weightsync.plan.planner import Planner
+    from weightsync.quant.layout import fp8_layout
+    from weightsync.testing import random_canonical
+    from weightsync.transport.base import TransportOptions
+
+    src, base = make_layout(spec, train), make_layout(spec, infer)
+    layout = fp8_layout(base)
+    codec = fp8_options(TransportOptions(), infer, spec).codec
+    assert codec.name == "fp8" and codec.framed and len(codec.fp8) == len(layout.fp8)
+    # planned over the weights only (the bf16 layout); buckets hold whole copies (no slab cuts a block), several each
+    planner = Planner(src, base, 1, bucket_bytes=512 << 10)
+    canonical = random_canonical(spec, seed=7)
+    sources = {}
+    for r in range(src.world_size):
+        lay = src.layout(r)
+        sources[r] = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype]) for n, t in lay.tensors.items()}
+        fill_from(lay, sources[r], canonical)
+    for j in range(base.world_size):
+        targets = {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype])
+                   for n, t in layout.layout(j).tensors.items()}  # poisoned
+        plans = planner.recv_plan(0, j)
+        dec = codec.decoder(plans)
+        dec.begin()
+        sent = full = 0
+        for r in range(src.world_size):
+            send = {p: bs for p, bs in planner.send_plan(r).items() if p[1:] == (0, j)}
+            enc = codec.encoder(send, torch.device("cpu"))
+            enc.begin(1, None)
+            for pair, bs in send.items():
+                for b in bs:
+                    slot = torch.empty(b.nbytes, dtype=torch.uint8)
+                    frame = enc.encode(b, sources[r], slot)
+                    assert frame.header.nbytes == dec.size(b, frame.header) == frame.payload.numel()
+                    payload = frame.payload.clone()
+                    dec.decode(b, frame.header, payload, targets, slot)
+                    sent, full = sent + frame.header.nbytes, full + b.nbytes
+        dec.end(1)
+        assert sent < 0.6 * full, (sent, full)  # the FP8 weights at a byte and a bit
+        want = expected_fp8(layout, canonical, j)
+        assert set(want) == set(targets)
+        for n in want:
+            assert torch.equal(bits(targets[n]), bits(want[n])), (j, n)
+        assert any(n.endswith("_scale_inv") for n in want) and any(t.dtype == torch.bfloat16 for t in want.values())
+
+
+def test_a_copy_that_cuts_a_block_is_refused_naming_tensor_box_and_block():
+    from weightsync.codec.fp8 import fp8_options
+    from weightsync.engines import make_layout
+    from weightsync.plan.planner import Planner
+    from weightsync.transport.base import TransportOptions
+
+    spec = tiny("tiny-qwen3-h64", hidden_size=256, head_dim=128, num_key_value_heads=2, intermediate_size=384)
+    infer = "vllm:quant=fp8"  # TP=1: the engine holds whole tensors; FSDP dp=2 cuts 384 rows at 192
+    codec = fp8_options(TransportOptions(), infer, spec).codec
+    planner = Planner(make_layout(spec, "fsdp:dp=2"), make_layout(spec, infer), 1, bucket_bytes=4 << 20)
+    with pytest.raises(ConfigError, match=r"rows 0\.\.192 of model\.layers\.0\.mlp\.(gate|up)_proj\.weight "
+                                          r"\[384, 256\] .*cuts a 128 x 128 FP8 block"):
+        codec.encoder(planner.send_plan(0), torch.device("cpu"))
+    spec = DENSE  # whole blocks per rank, but a bucket budget that slabs a copy off the blocks: refused too
+    planner = Planner(make_layout(spec, "fsdp:dp=2"), make_layout(spec, infer), 1, bucket_bytes=48 << 10)
+    with pytest.raises(ConfigError, match=r"cuts a 128 x 128 FP8 block.*bucket_bytes"):
+        codec.encoder(planner.send_plan(0), torch.device("cpu"))
+
+
+def test_quant_fp8_is_refused_where_the_codec_cannot_run():
+    from weightsync.codec.fp8 import check_engine
+
+    check_engine("vllm:tp=2", "delta", "file", "sync", 1000)  # not quantized: nothing to refuse
+    check_engine("vllm:tp=2,quant=fp8", "full", "p2p", "sync", 0)
+    with pytest.raises(ConfigError, match="quant=fp8 needs the fp8 codec.*delta and FP8 together are not built"):
+        check_engine("vllm:tp=2,quant=fp8", "delta", "p2p", "sync", 0)
+    with pytest.raises(ConfigError, match=r"runs over p2p/sync only \(not colocated/sync\)"):
+        check_engine("vllm:tp=2,quant=fp8", "full", "colocated", "sync", 0)
+    with pytest.raises(ConfigError, match=r"not file/sync"):
+        check_engine("sglang:tp=2,quant=fp8", "full", "file", "sync", 0)
+    with pytest.raises(ConfigError, match="set integrity=0"):
+        check_engine("vllm:tp=2,quant=fp8", "full", "p2p", "sync", 1000)
+
+
+def test_an_engine_not_holding_fp8_is_refused_at_the_first_decode():
+    from weightsync.codec.fp8 import fp8_options
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import TORCH_DTYPES
+    from weightsync.plan.planner import Planner
+    from weightsync.transport.base import TransportOptions
+
+    infer = "vllm:tp=2,quant=fp8"
+    base = make_layout(DENSE, infer)
+    codec = fp8_options(TransportOptions(), infer, DENSE).codec
+    plans = Planner(make_layout(DENSE, "hf"), base, 1, bucket_bytes=64 << 10).recv_plan(0, 0)
+    bf16 = {n: torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype]) for n, t in base.layout(0).tensors.items()}
+    dec = codec.decoder(plans)
+    b = next(b for bs in plans.values() for b in bs if any(c.canonical in dict(codec.fp8) for c in b.copies))
+    with pytest.raises(ConfigError, match=r"holds .*proj\.weight as bfloat16 with no .*_scale_inv"):
+        dec.decode(b, None, None, bf16, None)
