@@ -303,6 +303,7 @@ class Soak:
 
     # -- processes ------------------------------------------------------------------------------
     def _spawn(self, participant: Participant, target: Callable[..., None], *args: Any) -> None:
+        self._end(participant)  # never two incarnations at once
         n = self.incarnations.get(participant, 0) + 1
         self.incarnations[participant] = n
         parent, child = self.ctx.Pipe(duplex=False)
@@ -474,15 +475,14 @@ class Soak:
             # every reader holds, checked, a step the trainers started after the fault hit
             f.recovered_at = max(now, f.until)
             self.out(f"  fault {f.index}: recovered after {f.recover_s:.1f} s")
-        elif now - f.at > self.cfg.recover_s:
-            f.recovered_at = None
+        elif now - f.at > self.cfg.recover_s:  # it stays unrecovered; the next fault waits for the job to move again
             self.out(f"  fault {f.index}: NOT recovered within {self.cfg.recover_s:g} s; restarting everyone")
-            self.faults[-1] = f  # stays unrecovered; the next fault waits for the job to move again
             self._unstick()
 
     def _unstick(self) -> None:
         """After a fault the job did not recover from: restart every participant (the figures say so)."""
         stuck = self.faults[-1]
+        self.pending.clear()
         for who in list(self.running):
             self._end(who)
         for pid in list(self.conts):
