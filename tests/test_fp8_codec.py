@@ -139,3 +139,23 @@ def test_an_engine_not_holding_fp8_is_refused_at_the_first_decode():
     b = next(b for bs in plans.values() for b in bs if any(c.canonical in dict(codec.fp8) for c in b.copies))
     with pytest.raises(ConfigError, match=r"holds .*proj\.weight as bfloat16 with no .*_scale_inv"):
         dec.decode(b, None, None, bf16, None)
+
+
+def test_plan_stats_count_the_fp8_bytes_the_codec_sends():
+    """``weightsync plan --infer ...,quant=fp8``: the FP8 bytes are the engine's FP8 layout's bytes (e4m3 + scales,
+    the rest as is) and what the codec's frames carry, alignment aside."""
+    from weightsync.engines import make_layout
+    from weightsync.plan.planner import Planner
+    from weightsync.plan.simulate import Deployment
+    from weightsync.plan.stats import format_stats, job_stats
+    from weightsync.quant.layout import fp8_layout
+
+    infer = "vllm:tp=2,quant=fp8"
+    planner = Planner(make_layout(DENSE, "fsdp:dp=2"), make_layout(DENSE, infer), 1, bucket_bytes=512 << 10)
+    s = job_stats(planner, Deployment("p2p", codec="fp8"))
+    layout = fp8_layout(planner.dst)
+    held = sum(layout.layout(r).bytes_held(layout.spec) for r in range(layout.world_size))
+    assert s.fp8_bytes_sent == held, (s.fp8_bytes_sent, held)
+    assert 0.5 < s.fp8_bytes_sent / s.bytes_sent < 0.6
+    assert "fp8 bytes sent" in format_stats(s)
+    assert job_stats(Planner(make_layout(DENSE, "fsdp:dp=2"), make_layout(DENSE, "vllm:tp=2"), 1)).fp8_bytes_sent == 0

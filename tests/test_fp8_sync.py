@@ -124,3 +124,19 @@ def test_an_fp8_job_the_codec_cannot_serve_is_refused_on_both_sides(tmp_path):
     assert any("quant=fp8 needs the fp8 codec" in f.message and "set integrity=0" in f.message
                for f in result.failures), result.failures
     assert not [e for e in result.events if type(e).__name__ in ("StepDone", "Wrote")]
+
+
+def test_the_demo_verifies_an_fp8_vllm_instance():
+    """``weightsync demo --infer vllm:tp=2,quant=fp8``: real FSDP2 training steps, the FP8 instance checked bit for
+    bit against the reference quantizer's FP8 checkpoint of the step's weights (tiny-qwen3-fp8: whole blocks)."""
+    from weightsync.demo import run
+    from weightsync.local.demo_job import DemoConfig, check
+
+    cfg = DemoConfig(model="tiny-qwen3-fp8", infer=("vllm:tp=2,quant=fp8",), steps=1)
+    check(cfg)
+    result = run(cfg, print_fn=lambda s: None)
+    assert result["verified"], result["errors"]
+    with pytest.raises(ConfigError, match="try --model tiny-qwen3-fp8"):
+        check(DemoConfig(model="tiny-qwen3", infer=("vllm:tp=2,quant=fp8",)))
+    with pytest.raises(ConfigError, match="AMX"):
+        check(DemoConfig(model="tiny-qwen3-fp8", infer=("vllm:tp=2,quant=fp8",), engines="real"))

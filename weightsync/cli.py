@@ -22,6 +22,13 @@ def _plan(args: argparse.Namespace) -> int:
         raise WeightSyncError(f"--instances must be at least 1, got {args.instances}")
     spec = load_spec(args.model)
     src, dst = make_layout(spec, args.train), make_layout(spec, args.infer)
+    if getattr(dst.config, "quant", 0):  # an FP8-served engine: its weights go as block FP8 (weightsync.codec.fp8)
+        from weightsync.quant.layout import fp8_layout
+
+        fp8_layout(dst)  # the engine's own refusal first: a shard that cuts a 128 x 128 block
+        if args.codec == "delta":
+            raise WeightSyncError("--codec delta with quant=fp8: delta and FP8 together are not built; drop one")
+        args.codec = "fp8"
     make_topo = Topology.colocated if args.colocate else Topology.separated
     topo = make_topo(src.world_size, dst.world_size, args.instances, args.gpus_per_host)
     planner = Planner(src, dst, args.instances, topo, bucket_bytes=args.budget)

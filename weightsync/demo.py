@@ -138,7 +138,9 @@ def _line(r: dict) -> str:
 
 
 def main_from_args(args) -> int:
-    cfg = DemoConfig(model=args.model, train=args.train, infer=(args.infer,) if args.infer else DEFAULT_INFER,
+    # a tiny model whose shards hold whole 128 blocks where an instance is FP8 (tiny-qwen3's TP=2 shards cut them)
+    model = args.model or ("tiny-qwen3-fp8" if "quant=fp8" in (args.infer or "") else "tiny-qwen3")
+    cfg = DemoConfig(model=model, train=args.train, infer=(args.infer,) if args.infer else DEFAULT_INFER,
                      instances=args.instances, colocate=args.colocate, steps=args.steps, device=args.device,
                      timeout_s=600.0 if args.engines == "real" and args.timeout == 60.0 else args.timeout,  # engine starts
                      transport=args.transport, join_at=args.join_at, kill_at=args.kill_at,
@@ -160,7 +162,8 @@ def main_from_args(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="tiny-qwen3")
+    p.add_argument("--model", default=None, help="a preset or a config.json path (default: tiny-qwen3; "
+                                                   "tiny-qwen3-fp8 with --infer ...,quant=fp8)")
     p.add_argument("--train", default="fsdp:dp=2", help="hf, fsdp:dp=N[,tp=T] or megatron:tp=..,pp=..,ep=..,dp=.. "
                                                          "(as weightsync plan takes it)")
     p.add_argument("--infer", default=None, help="one inference layout (default: an hf instance and a vllm:tp=2 one)")

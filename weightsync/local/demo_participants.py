@@ -18,7 +18,7 @@ import time
 import torch
 
 from weightsync.errors import WeightSyncError
-from weightsync.local.demo_job import DemoConfig, Joined, Killed, jobs, transport_args
+from weightsync.local.demo_job import DemoConfig, Joined, Killed, jobs, quant_args, transport_args
 from weightsync.local.events import Participant, Ready, StepDone, StepStarted
 from weightsync.local.runner import Emit, LocalJob
 
@@ -74,8 +74,9 @@ def trainer_main(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: D
     # set up every job before the first step (else the first write would), so step 1 times a step
     elastic = {"instance_timeout_s": cfg.instance_timeout_s} if cfg.join_at or cfg.kill_at else {}
     writers = [WeightWriter(trainer.bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate,
-                            **transport_args(cfg, job, refdir), **elastic, delta=cfg.delta).connect()
-               for job, _ in jobs(cfg)]
+                            **transport_args(cfg, job, refdir), **elastic, **quant_args(engine),
+                            delta=cfg.delta).connect()
+               for job, engine in jobs(cfg)]
     emit(Ready(emit.participant))
     dev = next(iter(trainer.bound.tensors.values())).device
     probe = torch.arange(16, device=dev).remainder(spec.vocab_size).view(1, 16)
@@ -170,7 +171,7 @@ def reader_main(emit: Emit, job: str, engine: str, inst: int, instances: int, me
     try:
         reader = WeightReader(local.instance, meta=meta, job=job, instance_id=inst, instances=instances,
                               timeout_s=cfg.timeout_s, colocate=cfg.colocate, **transport_args(cfg, job, refdir),
-                              delta=cfg.delta)
+                              **quant_args(engine), delta=cfg.delta)
         if joiner and cfg.join_at > 1:
             reader.client.wait_held(cfg.join_at - 1, timeout=cfg.timeout_s * cfg.join_at)
         reader.connect()
@@ -285,9 +286,38 @@ def _verify(ctx, ref_path: str, engine: str, model_config: dict) -> list[str]:
     from weightsync.testing import differences
 
     ref = load_file(ref_path)
-    layout = make_layout(spec_from_config(model_config), engine).layout(ctx.rank)
+    engine_layout = make_layout(spec_from_config(model_config), engine)
+    if getattr(engine_layout.config, "quant", 0):
+        return _verify_fp8(ctx, ref, engine_layout)
+    layout = engine_layout.layout(ctx.rank)
     differ = differences(layout, ctx.tensors, lambda p: ref[p.canonical][slices(p.canon_box)])
     return [f"rank {ctx.rank}: {d}" for d in differ]
+
+
+def _verify_fp8(ctx, ref: dict, engine_layout) -> list[str]:
+    """An FP8-served worker: every tensor's bits against the FP8 checkpoint of the trainers' weights (each FP8
+    weight by the reference quantizer, as ``save_checkpoint(dir, quant="fp8")`` writes it) loaded into the layout."""
+    from weightsync.layout.materialize import canonical_view, local_view
+    from weightsync.quant.fp8 import quantize_reference
+    from weightsync.quant.layout import fp8_layout
+
+    layout = fp8_layout(engine_layout)
+    for name, f in layout.fp8.items():
+        q = quantize_reference(ref[name])
+        ref[name], ref[f.scale.name] = q.weight, q.scale_inv
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    out = []
+    for name, t in layout.layout(ctx.rank).tensors.items():
+        live = ctx.tensors.get(name)
+        if live is None or live.dtype != torch.float8_e4m3fn and t.dtype == "float8_e4m3fn":
+            out.append(f"rank {ctx.rank}: {name} is not held in float8_e4m3fn")
+            continue
+        for p in t.pieces:
+            got, want = local_view(live, p), canonical_view(ref[p.canonical], p).to(live.dtype)
+            if not torch.equal(got.contiguous().view(bits[got.element_size()]),
+                               want.contiguous().view(bits[want.element_size()])):
+                out.append(f"rank {ctx.rank}: {name} piece {p.canonical} {list(p.canon_box)}")
+    return out
 
 
 __all__ = ["VerificationError", "reader_main", "trainer_main"]

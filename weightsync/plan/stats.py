@@ -37,6 +37,9 @@ class PlanStats:
     deployment: Deployment
     prediction: StepPrediction  # its parts, and the busiest worker's descriptors and messages a step
     count_seconds: float  # counting descriptors and messages and predicting (not in plan_seconds)
+    #: an FP8-served engine (quant=fp8): the bytes the fp8 codec sends (e4m3 weights + their blocks' fp32 scales,
+    #: the rest as is; frame alignment and headers aside), exact per copy (weightsync.codec.fp8); 0 otherwise
+    fp8_bytes_sent: int = 0
     send_bytes: dict[int, int] = field(default_factory=dict, repr=False)
     recv_bytes: dict[str, int] = field(default_factory=dict, repr=False)
 
@@ -71,6 +74,7 @@ def _summarize(
         recv[f"{b.dst_instance}:{b.dst_rank}"] += n
     sent = sum(send.values())
     senders = [v for v in send.values() if v]
+    fp8_sent = _fp8_bytes(planner, all_buckets)
     t0 = time.perf_counter()
     counts = count_workers(planner, plans)
     prediction = predict_step(all_buckets, planner.topology, counts, deployment, cost, planner.spec)
@@ -100,9 +104,21 @@ def _summarize(
         deployment=deployment,
         prediction=prediction,
         count_seconds=counted,
+        fp8_bytes_sent=fp8_sent,
         send_bytes=dict(send),
         recv_bytes=dict(recv),
     )
+
+
+def _fp8_bytes(planner: Planner, buckets: list[Bucket]) -> int:
+    """What the fp8 codec sends for ``buckets`` when the destination engine is declared quant=fp8, else 0."""
+    if not getattr(planner.dst.config, "quant", 0):
+        return 0
+    from weightsync.codec.fp8 import wire_bytes  # lazily: it imports torch
+    from weightsync.quant.config import BlockFP8, fp8_tensors
+
+    fp8 = {f.weight.name: f.weight.shape for f in fp8_tensors(planner.spec, BlockFP8())}
+    return sum(wire_bytes(b.copies, fp8) for b in buckets)
 
 
 def job_stats(planner: Planner, deployment: Deployment | None = None, cost: CostModel = CostModel()) -> PlanStats:
@@ -147,6 +163,8 @@ def format_stats(s: PlanStats) -> str:
         f"  canonical bytes   {b(s.canonical_bytes)}",
         f"  bytes needed      {b(s.bytes_needed)}",
         f"  bytes sent        {b(s.bytes_sent)}   redundancy {s.redundancy:.4f}",
+        *([f"  fp8 bytes sent    {b(s.fp8_bytes_sent)}   ({s.fp8_bytes_sent / s.bytes_sent:.3f} of the bf16 bytes: "
+           "e4m3 weights and their fp32 block scales, the rest as is)"] if s.fp8_bytes_sent and s.bytes_sent else []),
         f"  busiest sender    {b(s.max_rank_send_bytes)}   balance (max/mean) {s.send_balance:.3f}",
         f"  busiest receiver  {b(s.max_rank_recv_bytes)}",
         f"  buckets           {s.buckets}",
