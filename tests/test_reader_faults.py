@@ -155,3 +155,94 @@ def test_trainer_dead_with_a_bucket_in_flight(server, spawn, sig):
     assert time.monotonic() - t0 < 1.0
     if sig == signal.SIGSTOP:
         assert trainer.is_alive()  # stopped, not dead: only its beat said so
+
+
+# -- a dropped reader is told, and rejoins in one call -------------------------------------------------------
+
+
+def test_a_dropped_reader_is_told_and_rejoins_in_one_call(server, tmp_path):
+    """Elastic (file): the reader sits out step 2 for longer than the trainer's instance_timeout_s, so the trainer
+    drops it and goes on (steps 2, 3). Its update(2) then says "dropped: join again" at once (before: each update
+    waited its whole timeout for a file no trainer would write, "is the sender alive?"), and ``rejoin()`` is the
+    one call that brings it back: its next update holds the next step written, bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import fill_from, scatter
+    from weightsync.meta.client import MetaError
+    from weightsync.runtime.reader import WeightReader
+    from weightsync.runtime.writer import WeightWriter
+    from weightsync.spec import load_spec
+
+    spec = load_spec(MODEL)
+    engine = make_layout(spec, "hf")
+    rank = TrainRank(engine, 0, engine.layout(0), scatter(engine.layout(0), weights(spec, 0)), spec)
+    kw = dict(meta=server.url, job="dropped-reader", transport="file", directory=str(tmp_path), bucket_bytes=BUCKET,
+              timeout_s=10.0)
+    writer = WeightWriter(rank, instance_timeout_s=1.5, **kw)
+    inst = Instance(spec)
+    reader = WeightReader(inst, instance_id=0, instances=1, **kw)
+
+    def write(step: int) -> None:
+        with torch.no_grad():
+            fill_from(rank.layout, rank.tensors, weights(spec, step))
+        writer.write(step)
+
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(writer.connect), pool.submit(reader.connect)]:
+            f.result(timeout=60)
+        w = pool.submit(write, 1)
+        assert reader.update(1) == 1
+        w.result(timeout=30)
+        write(2)  # the reader is silent: dropped after 1.5 s, and the trainer goes on
+        write(3)
+        assert writer.client.members()[0].state == "gone"
+        t0 = time.monotonic()
+        with pytest.raises(MetaError, match="Dropped: join again") as e:
+            reader.update(2)
+        assert time.monotonic() - t0 < 2.0 and "no report of step 2 held" in str(e.value)
+        assert reader.rejoin() is reader  # one call
+        assert writer.client.members()[0].state == "joined" and reader.since == 4
+        w = pool.submit(write, 4)
+        assert reader.update(reader.since) == 4
+        w.result(timeout=30)
+    want = scatter(make_layout(spec, inst.engine).layout(0), weights(spec, 4))
+    assert same(inst.snapshot(), want)
+    reader.close()
+    writer.close()
+
+
+# -- a hung worker: WorkerTimeout within twice the timeout ---------------------------------------------------
+
+
+def _hang_rank_1(ctx) -> int:
+    """On a worker: rank 1 stops dead (a hung worker: it never answers); rank 0 answers."""
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return ctx.rank
+
+
+@pytest.mark.parametrize("timeout_s", [1.0, 2.0])
+def test_a_hung_worker_times_out_within_twice_the_timeout(timeout_s):
+    """A worker that never answers a reader's call (deadline :func:`weightsync.runtime.worker.call_timeout` of
+    the reader's timeout) gives a WorkerTimeout -- not WorkerDied: nothing died -- naming the call and its
+    deadline, within twice the timeout (before: a fixed ~4.5 s more, T = 2 s -> 6.5 s: a stopped process ignored
+    the polite stop and SIGTERM for 2.5 s)."""
+    from weightsync.errors import InstanceError, WorkerDied, WorkerTimeout
+    from weightsync.instances.faithful import FaithfulInstance
+    from weightsync.local.instances import worker_start_method
+    from weightsync.runtime.worker import call_timeout
+    from weightsync.spec import load_spec
+
+    inst = FaithfulInstance(dict(load_spec(MODEL).config), "vllm:tp=2", start_method=worker_start_method())
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeout, match=r"did not answer _hang_rank_1 within") as e:
+            inst.call(_hang_rank_1, timeout_s=call_timeout(timeout_s))
+        took = time.monotonic() - t0
+        assert not isinstance(e.value, WorkerDied)
+        assert took < 2 * timeout_s, took
+        with pytest.raises(InstanceError):
+            inst.call(_hang_rank_1)
+    finally:
+        inst.close()

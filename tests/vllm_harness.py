@@ -311,6 +311,8 @@ class TrainJob:
     mode: str = "sync"
     timeout_s: float = 60.0
     die_at: int | None = None  # rank 0 exits abruptly while sending this step
+    stop_at: int | None = None  # rank 0 stops dead (stop_signal) right after posting this step's first bucket
+    stop_signal: int = 9  # SIGKILL; or SIGSTOP (19)
     bucket_bytes: int = 256 << 20  # the readers must use the same
     colocate: bool = False  # the readers must say the same (co-located: CUDA IPC on GPU, shared memory on CPU)
     device: str = "cpu"  # "cuda": rank r on cuda:r
@@ -339,6 +341,8 @@ def _trainer_main(rank: int, world: int, port: int, job: TrainJob, q: Any) -> No
                 fill_from(bound.layout, bound.tensors, weights(spec, seed))
             if job.die_at == step and rank == 0:
                 _die_after_posts(3)
+            if job.stop_at == step and rank == 0:
+                stop_after_posts(1, job.stop_signal)
             writer.write(step)
             if job.mode == "async":  # one step at a time, so the test knows which step a pull gets
                 writer.client.wait_held(step, [0], timeout=job.timeout_s)
@@ -635,3 +639,9 @@ def stop_after_posts(count: int, sig: int) -> None:
         return works
 
     p2p.post = post
+
+
+def sleep_in_worker(ctx, seconds: float) -> int:
+    """On a vLLM worker: a call that takes ``seconds`` (past its deadline, in the timeout test)."""
+    time.sleep(seconds)
+    return ctx.rank

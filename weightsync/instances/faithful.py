@@ -254,9 +254,14 @@ class FaithfulInstance(NoEngineHooks):
         return f"FaithfulInstance({self.spec.name}, {self.engine!r}, world_size={self._world}, device={self.device!r})"
 
     # -- internals ------------------------------------------------------------------------------
-    def _fail(self, reason: str) -> None:
-        """A worker died or stalled: stop the rest at once (stuck peers get no long grace), refuse later calls."""
+    def _fail(self, reason: str, stuck: tuple[int, ...] = ()) -> None:
+        """A worker died or stalled: stop the rest at once (stuck peers get no long grace), refuse later calls.
+        ``stuck`` ranks (past their call's deadline) are killed first: a hung (or stopped) process would ignore
+        the polite stop and SIGTERM, and the caller would wait seconds past its deadline for nothing."""
         self._broken = reason
+        for r in stuck:
+            if self._procs[r].is_alive():
+                self._procs[r].kill()
         _shutdown(self._procs, self._conns, grace_s=0.5)
         self._finalizer()
 
@@ -277,11 +282,11 @@ class FaithfulInstance(NoEngineHooks):
             if now >= deadline:
                 stuck = sorted(pending)
                 if errors:
-                    self._fail(f"ranks {stuck} stuck after rank {min(errors)} raised in {what}")
+                    self._fail(f"ranks {stuck} stuck after rank {min(errors)} raised in {what}", tuple(stuck))
                     exc = rebuild_error(errors[min(errors)], min(errors), where)
                     exc.add_note(f"ranks {stuck} did not finish within {deadline - start:.1f}s; the instance was shut down")
                     raise exc
-                self._fail(f"ranks {stuck} did not answer {what} within {timeout_s}s")
+                self._fail(f"ranks {stuck} did not answer {what} within {timeout_s}s", tuple(stuck))
                 raise WorkerTimeout(f"{where}: ranks {stuck} did not answer {what} within {timeout_s}s; instance shut down")
             watch = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
             for obj in multiprocessing.connection.wait(watch, timeout=min(deadline - now, 1.0)):

@@ -17,13 +17,20 @@ Start the engine with weightsync's worker extension, then hand it to an unchange
   ``resume``: ``reset_prefix_cache()`` (cached KV of the old weights), then ``resume_generation``.
 - ``set_version(step)``: ``update_weight_version(str(step))``, readable with ``get_weight_version()``
   (vLLM >= 0.32; 0.26 has no weight version: there ``get_version`` answers the last step set here).
+- ``withhold(reason)``: after a failed non-staged update (the weights a mix of two steps) the engine serves
+  nothing until the next good update: the offline ``LLM`` refuses every new request with
+  :class:`~weightsync.errors.InstanceError` (:mod:`weightsync.vllm.serving`), an ``AsyncLLM`` stays paused.
+  A staged reader never needs it: a failed step leaves the previous one whole.
 
 An ``AsyncLLM`` runs on an asyncio loop: pass it as ``loop``; the reader must then run on another
 thread (the calls are made with ``asyncio.run_coroutine_threadsafe``).
 
-If a ``collective_rpc`` itself fails (a worker died: ``EngineDeadError``; or its backstop
-``timeout_s`` passed, after which vLLM's executor answers later calls with stale results) the
-instance is marked broken and every later call raises :class:`~weightsync.errors.InstanceError`.
+If a ``collective_rpc`` itself fails the instance is marked broken and every later call raises
+:class:`~weightsync.errors.InstanceError`: a worker died (``EngineDeadError``: :class:`WorkerDied`), or the
+call overran its deadline (:class:`WorkerTimeout`, naming the call and the deadline; vLLM's executor then
+reads the late answer as the reply to its next call, model steps included, so the engine must restart).
+weightsync's own calls never overrun: a worker's transfer returns within the reader's ``timeout_s``
+(:func:`weightsync.runtime.worker.call_timeout` gives the RPC a margin beyond it).
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class VLLMInstance:
         self.world_size = info.tp
         self._broken: str | None = None
         self._paused = False
+        self._withheld: str | None = None  # why a failed non-staged update left the weights torn (withhold)
         self._version = "default"  # vLLM's own initial weight version
         #: per worker: which path each layer takes (in place, re-packed, staged), decided once here
         self.reports: list[LiveReport] = self._rpc("weightsync_setup", timeout_s=timeout_s)
@@ -80,7 +88,8 @@ class VLLMInstance:
 
     # -- the protocol ---------------------------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
-        return self._rpc("weightsync_call", pack_call(fn, args), timeout_s=timeout_s)
+        return self._rpc("weightsync_call", pack_call(fn, args), timeout_s=timeout_s,
+                         what=f"weightsync_call({getattr(fn, '__qualname__', fn)})")
 
     def after_update(self) -> None:
         if self.refreshes:
@@ -98,11 +107,31 @@ class VLLMInstance:
         if not reset:
             log.warning("%s: the prefix cache was not reset: requests still running hold KV blocks computed with "
                         "the previous weights", self.engine)
-        if self._paused:
+        if self._paused and self._withheld is None:  # withheld: an AsyncLLM stays paused until a good update
             self._run(self.llm.resume_generation())
             self._paused = False
 
+    def withhold(self, reason: str) -> None:
+        """A non-staged update failed part-way: serve nothing until the next good update (``set_version``).
+        Offline ``LLM``: every new request raises (:mod:`weightsync.vllm.serving`); ``AsyncLLM``: it stays
+        paused (requests wait)."""
+        self._withheld = reason
+        if not self.is_async:
+            from weightsync.vllm.serving import withhold
+
+            withhold(self.llm, reason)
+
     def set_version(self, step: int) -> None:
+        if self._withheld is not None:  # a good update: serve again
+            self._withheld = None
+            if self.is_async:
+                if self._paused:
+                    self._run(self.llm.resume_generation())
+                    self._paused = False
+            else:
+                from weightsync.vllm.serving import serve
+
+                serve(self.llm)
         self._version = str(step)
         if not hasattr(self.llm, "update_weight_version"):  # vLLM 0.26
             return
@@ -138,25 +167,35 @@ class VLLMInstance:
                               "WeightReader in another thread (e.g. loop.run_in_executor)")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def _rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+    def _rpc(self, method: str, *args: Any, timeout_s: float | None = None, what: str | None = None) -> list[Any]:
         if self._broken is not None:
             raise InstanceError(f"{self!r} is unusable: {self._broken}")
         timeout = timeout_s or self.timeout_s
+        what = what or method
         try:
             if self.is_async:
                 answers = self._run(self.llm.collective_rpc(method, timeout=timeout, args=args))
             else:
                 answers = self.llm.collective_rpc(method, timeout=timeout, args=args)
-        except TimeoutError as e:
-            self._broken = f"{method} timed out after {timeout:g} s (vLLM's executor is now out of step)"
-            raise WorkerTimeout(f"{self.engine}: vLLM workers did not answer {method} within {timeout:g} s; "
-                                "vLLM's executor answers later calls with stale results, so this instance is "
-                                "unusable: restart the engine") from e
-        except Exception as e:  # a dead worker: EngineDeadError / "Executor failed" / a failed RPC
-            self._broken = f"{method} failed in vLLM: {e}"
-            raise WorkerDied(f"{self.engine}: {method} failed inside vLLM ({type(e).__name__}: {e}); a worker "
-                             "died or the engine shut down: restart the engine") from e
+        except Exception as e:
+            if not timed_out(e):  # a dead worker: EngineDeadError / "Executor failed" / a failed RPC
+                self._broken = f"{what} failed in vLLM: {e}"
+                raise WorkerDied(f"{self.engine}: {what} failed inside vLLM ({type(e).__name__}: {e}); a worker "
+                                 "died or the engine shut down: restart the engine") from e
+            # nothing died: the call overran its deadline (weightsync's own transfers return within theirs,
+            # so a worker hung elsewhere); its late answer will be read by vLLM's next call, as model output
+            self._broken = f"{what} did not answer within its {timeout:g} s deadline (vLLM's executor is out of step)"
+            raise WorkerTimeout(f"{self.engine}: the vLLM workers did not answer {what} within its {timeout:g} s "
+                                "deadline (no worker is known to have died: one hangs); vLLM's executor will take "
+                                "the late answer for the reply to its next call, so this instance and the engine "
+                                "are unusable: restart the engine") from e
         return [result(a, rank, self.engine) for rank, a in enumerate(answers)]
+
+
+def timed_out(e: BaseException) -> bool:
+    """Whether vLLM failed a ``collective_rpc`` for its deadline: a ``TimeoutError`` in process, or, across the
+    engine core's msgpack hop (which keeps no exception type), its message ``RPC call to ... timed out``."""
+    return isinstance(e, TimeoutError) or "timed out" in str(e)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -59,7 +59,12 @@ class InferenceInstance(Protocol):
         """Recompute tensors the engine derives from loaded weights (e.g. SGLang's MLA w_kc/w_vc)."""
 
     def set_version(self, step: int) -> None:
-        """Tell the engine which weight version it now serves (vLLM/SGLang ``update_weight_version``)."""
+        """Tell the engine which weight version it now serves (vLLM/SGLang ``update_weight_version``); after a
+        :meth:`withhold`, serve again."""
+
+    def withhold(self, reason: str) -> None:
+        """A non-staged update failed part-way, so the live weights may mix two steps: serve nothing until the
+        next :meth:`set_version` (optional: the reader calls it where the instance has it)."""
 
     def close(self) -> None: ...
 
@@ -77,4 +82,7 @@ class NoEngineHooks:
         pass
 
     def set_version(self, step: int) -> None:
+        pass
+
+    def withhold(self, reason: str) -> None:
         pass

@@ -82,6 +82,10 @@ class WeightReader(SessionDriven):
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         self.session = InstanceSession(self.client, MetaLink(meta, job, token), instance, instance_id, instances,
                                        options, push=push, staged=staged, instance_timeout_s=instance_timeout_s)
+        #: rejoin(): a new session of the same options (a new incarnation)
+        self._new_session = lambda: InstanceSession(self.client, MetaLink(meta, job, token), instance, instance_id,
+                                                    instances, options, push=push, staged=staged,
+                                                    instance_timeout_s=instance_timeout_s)
         self.version: int | None = None
         self._integrity_agreed = False  # the job's integrity cadence checked (first update)
         self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-held")
@@ -110,6 +114,8 @@ class WeightReader(SessionDriven):
         session = self.connect().session
         t0 = time.perf_counter()
         self._check_announced(wait=False)
+        if session.incarnation is not None:  # elastic: a member of the job only while the MetaServer says so
+            self._check_member()
         recorded = None
         if session.reads_after_written:  # the trainers' memory holds `step` once every trainer announced it
             try:
@@ -130,6 +136,7 @@ class WeightReader(SessionDriven):
             self.version = None  # from here until success the live tensors may mix two steps
         t1 = time.perf_counter()
         self.instance.pause()
+        landed = False
         try:
             check = self._integrity(step)  # a checked step (weightsync.integrity), else None
             self.last_stats = self.instance.call(worker.receive, step, self.staged, check, timeout_s=worker.call_timeout(self.timeout_s))
@@ -140,6 +147,7 @@ class WeightReader(SessionDriven):
                 if self.staged:  # every worker's copy is whole: commit them
                     self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
             self.instance.after_update()
+            landed = True
         except WeightsMoved as e:  # no later step can succeed either: stop the trainers waiting for us now
             with contextlib.suppress(MetaError):
                 self.client.abort(str(e))
@@ -150,6 +158,8 @@ class WeightReader(SessionDriven):
                     self.client.abort(str(e))
             raise
         finally:
+            if not landed and not self.staged:  # the live weights may mix two steps: serve none of them
+                self._withhold(f"instance {self.instance_id}: update({step}) failed part-way")
             self.instance.resume()
         if recorded is not None:
             recorded.result()  # long done, normally: raises MetaAborted for a trainer that found its weights moved
@@ -272,6 +282,41 @@ class WeightReader(SessionDriven):
         if self.staged:  # every worker's copy is whole and checked: commit them
             self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
         return True
+
+    def _withhold(self, reason: str) -> None:
+        """Tell the instance to serve nothing until its next good update (``set_version``), where it can."""
+        withhold = getattr(self.instance, "withhold", None)
+        if withhold is not None:
+            try:
+                withhold(reason)
+            except Exception:  # noqa: BLE001 -- failing already: the update's own error is the one to raise
+                pass
+
+    def _check_member(self) -> None:
+        """Elastic: raise at once when the MetaServer no longer counts this reader (the trainers dropped it for
+        silence, or another reader rejoined under its id): no step can reach it until it joins again."""
+        mine = self.client.members().get(self.instance_id)
+        incarnation = self.session.incarnation
+        if mine is not None and mine.joined and (mine.incarnation in (None, incarnation)):
+            return
+        why = "it never joined" if mine is None else (
+            f"it was {'dropped (gone)' if mine.state == 'gone' else mine.state}"
+            + (f": {mine.reason}" if mine.reason else "")
+            + (f"; another reader rejoined under its id" if mine.joined else ""))
+        raise MetaError(f"instance {self.instance_id} is no member of job {self.client.job}: {why}. Dropped: join "
+                        "again -- reader.rejoin() sets it up again under its id (the next step written after it "
+                        "joins is its first)", 409)
+
+    def rejoin(self) -> "WeightReader":
+        """Join the job again under this reader's id after it was dropped (``update`` said so), in one call:
+        the old session's transports are closed (its leave is refused: it is no member), a new session (a new
+        incarnation) registers, plans, connects and joins. Its first update is then ``since`` (the first step
+        written after it joined). The instance keeps what it holds meanwhile."""
+        with contextlib.suppress(Exception):
+            self.session.close()
+        self.session = self._new_session()
+        self._integrity_agreed = False
+        return self.connect()
 
     def _announce(self, step: int) -> None:
         """Report ``step`` held to the MetaServer off the critical path: the workers already hold it

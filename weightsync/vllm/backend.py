@@ -174,7 +174,7 @@ class WeightSyncTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             status = CallStatus(info.instance_id if info else -1, call, what, True, step)
         except Exception as e:  # noqa: BLE001 -- recorded and published: never raised out of the RPC
             log.error("weightsync %s failed on %s: %s: %s", what, self.model_config.model, type(e).__name__, e)
-            status = CallStatus(info.instance_id if info else -1, call, what, False, None, type(e).__name__, str(e))
+            status = CallStatus(info.instance_id if info else -1, call, what, False, None, public_type(e), str(e))
             if what == "init":
                 self._init_error = f"{type(e).__name__}: {e}"
         finally:
@@ -257,6 +257,17 @@ class WeightSyncTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         if w is not None:
             with contextlib.suppress(Exception):
                 w.close()
+
+
+def public_type(e: BaseException) -> str:
+    """The name the driver raises ``e`` as: its class's, or its nearest base's in :mod:`weightsync.errors` (a
+    subclass defined elsewhere, e.g. ``TransferAbandoned``, is raised as the ``TransportError`` it is)."""
+    from weightsync import errors
+
+    for cls in type(e).__mro__:
+        if getattr(errors, cls.__name__, None) is cls:
+            return cls.__name__
+    return type(e).__name__
 
 
 def _setup(ctx: Any) -> None:

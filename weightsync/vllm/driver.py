@@ -9,6 +9,10 @@ held by this instance, so a version vLLM reports is always one every worker full
     sync = VLLMWeightSync(llm, meta=url, job="job", instance_id=0, instances=1).connect()
     sync.update(step)   # start_weight_update, update_weights({"step": step}), finish_weight_update
 
+A failed update raises its weightsync error. Staged (``staged=True``), the engine still serves the previous
+step whole; not staged, its weights may mix two steps, so the engine serves nothing until the next good
+update (every new request raises :class:`~weightsync.errors.InstanceError`, :mod:`weightsync.vllm.serving`).
+
 vLLM 0.26 (the GPU kit's) has the weight-transfer calls but no weight versions and no
 ``shutdown_weight_transfer_engine`` on ``LLM``: there the held step is kept here (``version``) and in
 the MetaServer only, and ``close`` leaves the transports to the next init or the engine's shutdown.
@@ -72,12 +76,22 @@ class VLLMWeightSync:
         except Exception as e:
             raise WorkerDied(f"instance {self.info.instance_id}: vLLM failed during the weight update "
                              f"({type(e).__name__}: {e}); restart the engine") from e
-        status = wait_status(self.client, self.info.instance_id, call, self.info.timeout_s)
+        try:
+            status = wait_status(self.client, self.info.instance_id, call, self.info.timeout_s)
+        except Exception as e:
+            if not self.info.staged:  # the live weights may mix two steps: serve none until a good update
+                from weightsync.vllm.serving import withhold
+
+                withhold(self.llm, f"instance {self.info.instance_id}: {type(e).__name__}: {e}"[:300])
+            raise
         self.last = status
         step = int(status.step)
         held = self.client.wait_held(step, [self.info.instance_id], timeout=self.info.timeout_s)
         if held.get(self.info.instance_id, -1) < step:  # pragma: no cover - wait_held returns only once it is
             raise RuntimeError(f"instance {self.info.instance_id}: step {step} not recorded held: {held}")
+        from weightsync.vllm.serving import serve
+
+        serve(self.llm)  # after a withheld failure: whole again
         if hasattr(self.llm, "update_weight_version"):  # vLLM >= 0.32 (0.26 holds no weight version)
             self.llm.update_weight_version(str(step))
         if not self.llm.reset_prefix_cache():
