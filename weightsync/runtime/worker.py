@@ -34,7 +34,6 @@ from weightsync.transport.base import (
     make_receiver,
 )
 
-
 T = TypeVar("T")
 
 #: how much longer than the transport's own timeout a call on the workers may take: a worker's transfer
@@ -90,13 +89,10 @@ class WorkerReader:
     receiver: Receiver
     context: ReceiverContext
     stage: dict[str, torch.Tensor] | None = None  # staged readers: the copy a step lands in
-    #: why a transfer over the job's group failed or was given up on (a trainer stopped or died mid-step,
-    #: the deadline passed): the group cannot be used again, and every later receive says so at once
-    abandoned: str | None = None
-    #: why a transfer over the job's group failed or was given up on (a trainer stopped or died mid-step,
-    #: the deadline passed): the group cannot be used again, and every later receive says so at once
-    abandoned: str | None = None
     verifier: Verifier | None = None  # integrity: made at the first checked step
+    #: why a transfer over the job's group failed or was given up on (a trainer stopped or died mid-step,
+    #: the deadline passed): the group cannot be used again, and every later receive says so at once
+    abandoned: str | None = None
 
     def targets(self, ctx: WorkerContext, staged: bool) -> Mapping[str, torch.Tensor]:
         """Where a step lands: the live tensors, or (staged) a copy allocated once."""
@@ -206,32 +202,6 @@ def disconnect(ctx: WorkerContext) -> None:
     if ctx.reader is not None:
         ctx.reader.receiver.close()
         ctx.reader = None
-
-
-def _transfer(ctx: WorkerContext, r: WorkerReader, what: str, fn: Callable[[], T]) -> T:
-    """``fn`` (a receive or pull), returning within the transport's ``timeout_s`` whatever the trainers do.
-
-    Where the transport waits in a group of :func:`weightsync.transport.group.new_group` (p2p, gloo or
-    NCCL), the wait runs :func:`~weightsync.transport.group.watched`: a trainer this worker receives from
-    that stops or dies mid-transfer (its beat stops) is noticed in seconds, the deadline holds even
-    where the backend would wait on, and the error names the trainer. The group cannot be used again
-    then, and every later transfer of this worker reader says so at once. (The other transports'
-    waits are polls with the same timeout; they run as they are.)"""
-    from weightsync.transport.group import address_of, watched
-
-    if r.abandoned is not None:
-        raise TransportError(f"{what}: refused: {r.abandoned}; this job's transfers cannot resume: join a new "
-                             "job (a new WeightReader, or init_weight_transfer_engine again)")
-    group = getattr(getattr(r.receiver, "transport", None), "group", None)
-    if group is None or address_of(group) is None:
-        return fn()
-    trainers = sorted({pair[0] for pair in r.plans})  # group rank = training rank (JobRanks.train)
-    try:
-        return watched(fn, group, trainers, r.receiver.options.timeout_s, what, ctx.device,
-                       describe=lambda g: f"training rank {g}")
-    except TransportError as e:  # given up on, or failed in the backend: either way the group's state is unknown
-        r.abandoned = f"an earlier transfer failed ({e})"
-        raise
 
 
 def _transfer(ctx: WorkerContext, r: WorkerReader, what: str, fn: Callable[[], T]) -> T:
