@@ -188,7 +188,8 @@ def _check_fp8(cfg: DemoConfig, spec, engine: str) -> None:
     try:
         fp8_layout(make_layout(spec, engine))
     except ConfigError as e:
-        raise ConfigError(f"demo: {e}; try --model tiny-qwen3-fp8 (a tiny Qwen3 whose shards hold whole blocks)") from None
+        raise ConfigError(f"demo: {e}; try --model tiny-qwen3-fp8 (a tiny Qwen3 whose shards hold whole "
+                          "blocks)") from None
 
 
 __all__ = ["DEFAULT_INFER", "DemoConfig", "Joined", "Killed", "check", "holders", "jobs",
