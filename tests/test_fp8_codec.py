@@ -38,8 +38,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("spec,train,infer", [(DENSE, "fsdp:dp=2", "vllm:tp=2,quant=fp8"),
                                               (MOE, "hf", "vllm:tp=2,ep=2,quant=fp8"),
-                                              (DENSE, "hf", "sglang:tp=2,quant=fp8")],
-                         ids=["dense-fsdp-vllm", "moe-hf-vllm-ep", "dense-hf-sglang"])
+                                              (DENSE, "hf", "sglang:tp=2,quant=fp8"),
+                                              (DENSE, "megatron:tp=2", "vllm:tp=2,quant=fp8")],
+                         ids=["dense-fsdp-vllm", "moe-hf-vllm-ep", "dense-hf-sglang", "dense-megatron-vllm"])
 def test_fp8_codec_round_trips_into_the_fp8_layout_bit_exact(spec, train, infer):
     from weightsync.codec.fp8 import fp8_options
     from weightsync.engines import make_layout
