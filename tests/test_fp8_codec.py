@@ -42,6 +42,31 @@ def bits(t: torch.Tensor) -> torch.Tensor:
                                               (DENSE, "megatron:tp=2", "vllm:tp=2,quant=fp8")],
                          ids=["dense-fsdp-vllm", "moe-hf-vllm-ep", "dense-hf-sglang", "dense-megatron-vllm"])
 def test_fp8_codec_round_trips_into_the_fp8_layout_bit_exact(spec, train, infer):
+    _round_trip(spec, train, infer, bucket_bytes=512 << 10)  # buckets hold whole copies, several each
+
+
+def test_a_block_aligned_plan_stripes_and_slabs_on_blocks_and_round_trips():
+    """Replicated sources striped (stripe_bytes) and copies larger than a bucket cut in slabs: the planner of an FP8
+    job (block_aligned, what JobShape.planner passes) cuts them on blocks; an unaligned planner's plan is refused."""
+    from weightsync.codec.fp8 import fp8_options
+    from weightsync.engines import make_layout
+    from weightsync.plan.planner import Planner
+    from weightsync.transport.base import TransportOptions
+
+    infer, train = "vllm:tp=2,quant=fp8", "megatron:tp=1,dp=2"
+    small = dict(bucket_bytes=48 << 10, stripe_bytes=16 << 10)
+    codec = fp8_options(TransportOptions(), infer, DENSE).codec
+    loose = Planner(make_layout(DENSE, train), make_layout(DENSE, infer), 1, **small)
+    with pytest.raises(ConfigError, match="cuts a 128 x 128 FP8 block"):
+        for r in range(2):
+            codec.encoder(loose.send_plan(r), torch.device("cpu"))
+    planner = _round_trip(DENSE, train, infer, **small, block_aligned=frozenset(n for n, _ in codec.fp8))
+    sizes = {b.src_rank for bs in planner.recv_plan(0, 0).values() for b in bs}
+    assert sizes == {0, 1}  # striped over both replicas
+    assert max(b.nbytes for r in range(2) for bs in planner.send_plan(r).values() for b in bs) <= 48 << 10
+
+
+def _round_trip(spec, train, infer, **planner_kw):
     from weightsync.codec.fp8 import fp8_options
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import TORCH_DTYPES, fill_from
@@ -54,8 +79,7 @@ def test_fp8_codec_round_trips_into_the_fp8_layout_bit_exact(spec, train, infer)
     layout = fp8_layout(base)
     codec = fp8_options(TransportOptions(), infer, spec).codec
     assert codec.name == "fp8" and codec.framed and len(codec.fp8) == len(layout.fp8)
-    # planned over the weights only (the bf16 layout); buckets hold whole copies (no slab cuts a block), several each
-    planner = Planner(src, base, 1, bucket_bytes=512 << 10)
+    planner = Planner(src, base, 1, **planner_kw)  # planned over the weights only (the bf16 layout)
     canonical = random_canonical(spec, seed=7)
     sources = {}
     for r in range(src.world_size):
@@ -88,6 +112,7 @@ def test_fp8_codec_round_trips_into_the_fp8_layout_bit_exact(spec, train, infer)
         for n in want:
             assert torch.equal(bits(targets[n]), bits(want[n])), (j, n)
         assert any(n.endswith("_scale_inv") for n in want) and any(t.dtype == torch.bfloat16 for t in want.values())
+    return planner
 
 
 def test_a_copy_that_cuts_a_block_is_refused_naming_tensor_box_and_block():

@@ -12,6 +12,7 @@ from weightsync.errors import WeightSyncError
 
 def _plan(args: argparse.Namespace) -> int:
     from weightsync.engines import make_layout
+    from weightsync.plan.job import block_aligned
     from weightsync.plan.planner import Planner
     from weightsync.plan.simulate import Deployment
     from weightsync.plan.stats import format_stats, job_stats, rank_stats
@@ -31,7 +32,8 @@ def _plan(args: argparse.Namespace) -> int:
         args.codec = "fp8"
     make_topo = Topology.colocated if args.colocate else Topology.separated
     topo = make_topo(src.world_size, dst.world_size, args.instances, args.gpus_per_host)
-    planner = Planner(src, dst, args.instances, topo, bucket_bytes=args.budget)
+    planner = Planner(src, dst, args.instances, topo, bucket_bytes=args.budget,
+                      block_aligned=block_aligned(spec, dst))  # quant=fp8: cut on blocks, as a job plans
     transport = args.transport or ("colocated" if args.colocate else "p2p")
     if transport == "colocated" and not args.colocate:
         raise WeightSyncError("--transport colocated needs --colocate (the inference ranks on the training GPUs)")

@@ -16,6 +16,16 @@ from weightsync.plan.topology import Placement, Topology
 from weightsync.spec.model import ModelSpec
 
 
+def block_aligned(spec: ModelSpec, dst: EngineLayout) -> frozenset[str]:
+    """The canonical tensors a plan must cut on 128 x 128 blocks only: an engine declared ``quant=fp8`` holds them in
+    block FP8, and the fp8 codec makes each block's scale on one training rank (weightsync.codec.fp8)."""
+    if not getattr(dst.config, "quant", 0):
+        return frozenset()
+    from weightsync.quant.config import BlockFP8, fp8_tensors  # lazily: it imports torch
+
+    return frozenset(f.weight.name for f in fp8_tensors(spec, BlockFP8()))
+
+
 @dataclass(frozen=True)
 class JobShape:
     """What both sides must agree on to compute the same plan."""
@@ -56,7 +66,7 @@ class JobShape:
         else:  # the arithmetic rules (a placement lists exactly the registered instances)
             make = Topology.colocated if self.colocate else Topology.separated
             topology = make(self.train_world, self.infer_world, n)
-        return Planner(src, dst, n, topology, bucket_bytes=self.bucket_bytes)
+        return Planner(src, dst, n, topology, bucket_bytes=self.bucket_bytes, block_aligned=block_aligned(spec, dst))
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,7 @@ class Planner:
         topology: Topology | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         stripe_bytes: int = DEFAULT_STRIPE_BYTES,
+        block_aligned: frozenset[str] = frozenset(),
     ):
         if src.spec.digest != dst.spec.digest:
             raise PlanError(f"source model {src.spec.name} and destination model {dst.spec.name} differ")
@@ -143,6 +144,9 @@ class Planner:
         self.topology = topology or Topology.separated(src.world_size, dst.world_size, instances)
         self.bucket_bytes = bucket_bytes
         self.stripe_bytes = max(1, stripe_bytes)
+        #: canonical tensors whose stripes and bucket slabs are cut on 128 x 128 blocks only (an FP8-served
+        #: engine's FP8 weights: a block's scale is made from the whole block on one training rank, codec/fp8)
+        self.block_aligned = frozenset(block_aligned)
         self._cell_cache: dict[tuple[str, Box], list[tuple[Box, list[tuple[Shard, int]]]]] = {}
         self._dst_layouts: dict = {}
 
@@ -214,7 +218,8 @@ class Planner:
             yield cell, s, r
             return
         h = zlib.crc32(f"{instance}/{dst_rank}/{canonical}/{cell}".encode())
-        for j, part in enumerate(split_dim(cell, dim, stripes)):
+        aligned = canonical in self.block_aligned and len(cell) == 2
+        for j, part in enumerate(_split_blocks(cell, dim, stripes) if aligned else split_dim(cell, dim, stripes)):
             s, r = near[(h + j) % n]
             yield part, s, r
 
@@ -321,7 +326,8 @@ class Planner:
             return [c]
         itemsize = DTYPE_SIZES[c.dtype]
         out = []
-        for part in split_to_fit(c.canon_box, itemsize, budget):
+        aligned = c.canonical in self.block_aligned and len(c.canon_box) == 2
+        for part in (_fit_blocks if aligned else split_to_fit)(c.canon_box, itemsize, budget):
             out.append(
                 Copy(
                     c.canonical,
@@ -377,3 +383,37 @@ def _grid(box: Box, parts: set[Box]) -> list[Box]:
         e = sorted(x for x in edges if off <= x <= off + n)
         axes.append([(a, b - a) for a, b in zip(e, e[1:])])
     return [tuple(c) for c in product(*axes)]
+
+
+BLOCK = 128  # the FP8 block edge (weightsync.quant.fp8.BLOCK; not imported: it would import torch)
+
+
+def _split_blocks(box: Box, dim: int, parts: int) -> list[Box]:
+    """:func:`split_dim` with every cut on a multiple of :data:`BLOCK` in canonical coordinates (near-equal slabs
+    rounded up to the next block; fewer slabs where the box has fewer blocks)."""
+    off, n = box[dim]
+    out, lo = [], off
+    for i in range(1, parts + 1):
+        hi = off + n if i == parts else min(off + n, -(-(off + n * i // parts) // BLOCK) * BLOCK)
+        if hi > lo:
+            out.append(box[:dim] + ((lo, hi - lo),) + box[dim + 1:])
+            lo = hi
+    return out
+
+
+def _fit_blocks(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
+    """:func:`split_to_fit` for a 2-d box whose slabs must hold whole blocks: rows in multiples of :data:`BLOCK`
+    (at least one block row), then columns the same where one block row is still too big."""
+    nbytes = box_numel(box) * itemsize
+    if nbytes <= max_bytes:
+        return [box]
+    for dim, (off, n) in enumerate(box):
+        if n > BLOCK:
+            row = nbytes // n
+            per = max(BLOCK, max_bytes // row // BLOCK * BLOCK)
+            slabs = [box[:dim] + ((o, min(per, off + n - o)),) + box[dim + 1:] for o in range(off, off + n, per)]
+            if row * per > max_bytes:  # one block row is still too big: cut its columns on blocks too
+                return [s for slab in slabs for s in _fit_blocks(slab, itemsize, max_bytes)]
+            return slabs
+    return [box]
+
