@@ -14,9 +14,11 @@ whose source box starts on a block and ends on a block or at the tensor's edge h
 blocks' scales are a pure function of its own bytes, and its scale box in the engine's ``_scale_inv`` is the
 weight box counted in blocks (:func:`scale_box`; fused tensors' parts start on blocks: :mod:`weightsync.quant.
 config` refuses the layouts where they do not). A copy that cuts a block (a trainer shard of 64 rows) is refused
-at set-up, naming the tensor, its box and the block; so is a slab of a copy larger than the bucket budget, which
-the planner splits without regard to blocks (raise ``bucket_bytes``; a planner that splits FP8 weights on block rows
-is the fix, not built). Quantizing a whole-block sub-box gives the bits quantizing the
+at set-up, naming the tensor, its box and the block. The job's planner cuts FP8 weights on blocks itself where it
+stripes a tensor over replicas or slabs a copy larger than a bucket (``Planner(block_aligned=...)``, passed by
+:meth:`weightsync.plan.job.JobShape.planner`); a training layout whose own shards cut blocks stays refused (Kimi-K2
+and DeepSeek-V3 under Megatron TP=8: ``q_a_proj`` 192 rows and ``kv_a_proj_with_mqa`` 72 rows a rank -- a block
+scale made across training ranks is not built). Quantizing a whole-block sub-box gives the bits quantizing the
 whole canonical tensor gives (each block's amax and scale see the same 128 x 128 values, the edge blocks the
 same zero padding), which is what ``save_checkpoint(dir, quant="fp8")`` writes.
 
@@ -116,9 +118,8 @@ def _check_copy(c: Copy, shape: tuple[int, ...], where: str) -> None:
             raise ConfigError(
                 f"fp8: {where} sends {what} {o}..{o + n} of {c.canonical} {list(shape)} (box {list(c.canon_box)}), "
                 f"which cuts a {BLOCK} x {BLOCK} FP8 block: a block's scale needs the whole block on one training "
-                f"rank; choose a training layout that shards {c.canonical} in multiples of {BLOCK} {what}, and a "
-                f"bucket_bytes above its shard's bytes (a copy larger than a bucket is split in slabs that need not "
-                f"follow the blocks)")
+                f"rank; choose a training layout that shards {c.canonical} in multiples of {BLOCK} {what} (a plan "
+                f"not made by the job's planner: plan with block_aligned, weightsync.plan.job.block_aligned)")
     lead = len(c.dst_box) - 2
     if any(o % BLOCK for o, _ in c.dst_box[lead:]):
         raise ConfigError(f"fp8: {c.canonical} lands at {list(c.dst_box)} of {c.dst_tensor}, off the {BLOCK} x "
