@@ -220,7 +220,8 @@ class FileTransport:
             with open(tmp, "wb", opener=private_opener) as f:
                 f.write(_header(step, pair, buckets, pair_hash(buckets)))
                 for b in live:
-                    frame = encoder.encode(b, tensors, self._packing_buffer(b.nbytes, device)[: b.nbytes])
+                    need = max(b.nbytes, encoder.bound(b))  # the packed bucket, or a larger payload written there
+                    frame = encoder.encode(b, tensors, self._packing_buffer(need, device)[:need])
                     f.write((frame.packed if frame.packed.device.type == "cpu" else frame.packed.cpu()).numpy())
                     if payloads is None:
                         continue

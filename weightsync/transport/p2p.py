@@ -237,7 +237,7 @@ class P2PTransport:
         try:
             if ops:
                 self._frame_slots = ensure_buffers(getattr(self, "_frame_slots", []), self.window,
-                                                   max(b.nbytes for b in ops), None, device)
+                                                   max(max(b.nbytes, encoder.bound(b)) for b in ops), None, device)
             inflight: deque[tuple[Bucket, list, tuple]] = deque()
             for k, b in enumerate(ops):
                 if len(inflight) == self.window:
