@@ -298,7 +298,8 @@ def test_held_reports_go_out_in_order_and_a_failed_one_raises_later():
         reader.session = SimpleNamespace(held_bell=None, incarnation=None)
         reader.client.join(0)
         reader.client.register("train", 0)
-        reader.client.written(4, 0)  # the MetaServer takes `held` only for a step some trainer wrote
+        for step in (1, 2, 3, 4):  # the MetaServer takes `held` only for a step some trainer wrote
+            reader.client.written(step, 0)
         for step in (1, 2, 3):  # out of order, the server would refuse the lower step
             reader._announce(step)
         reader._check_announced(wait=True)
