@@ -8,7 +8,7 @@ took the whole timeout. Now the worker notices the trainer's silence in seconds 
 :mod:`weightsync.transport.group`) and returns before the RPC deadline; the engine serves the previous step.
 
 Each test: step 1 is synced and checked (loaded form bit-exact to the trainer's weights); the trainer is stopped
-dead (a hook: right after posting step 2's first bucket) and ``update(2)`` raises, naming the trainer, well within
+dead (a hook: right after posting one of step 2's buckets) and ``update(2)`` raises, naming the trainer, well within
 the timeout; then everything the engine computes with is bit-exact to what it computed with after step 1, its
 greedy tokens are step 1's, and its weight version is still "1". One engine (both entry points) for the module.
 """
@@ -84,11 +84,11 @@ def engine(tmp_path_factory, meta):
     e.close()
 
 
-def _job(meta, name: str, sig: int):
+def _job(meta, name: str, sig: int, posts: int = 1, pause_s: float = 0.0):
     from vllm_harness import TrainJob
 
     return TrainJob(MODEL, "hf", meta.url, name, [(1, 2), (2, 1)], timeout_s=TIMEOUT, bucket_bytes=BUCKET,
-                    stop_at=2, stop_signal=sig)
+                    stop_at=2, stop_signal=sig, stop_posts=posts, stop_pause_s=pause_s)
 
 
 def _await(meta, trainers) -> None:
@@ -97,13 +97,16 @@ def _await(meta, trainers) -> None:
     MetaClient(meta.url, trainers.job.job).wait_participants(trainers.world, role="train", timeout=180)
 
 
-def test_offline_trainer_killed_mid_bucket_engine_serves_step_1(engine, meta):
-    """``WeightReader(VLLMInstance(llm), staged=True)``, the trainer SIGKILLed with step 2's first bucket in flight."""
+def test_offline_slow_trainer_stopped_mid_step_engine_serves_step_1(engine, meta):
+    """``WeightReader(VLLMInstance(llm), staged=True)``; the trainer is slow (3 s before step 2's second bucket) and
+    then stops dead (SIGSTOP) with that bucket in flight. Before: the worker's next gloo wait (its own 20 s timeout,
+    restarted per bucket) outlived vLLM's RPC deadline (22 s from the call's start), the reader raised WorkerDied,
+    and the worker's late answer killed the engine at the next generate."""
     from weightsync.errors import TransportError
     from weightsync.runtime.reader import WeightReader
     from vllm_harness import Trainers
 
-    job = _job(meta, "faults-offline", signal.SIGKILL)
+    job = _job(meta, "faults-offline", signal.SIGSTOP, posts=2, pause_s=3.0)
     with Trainers(job) as trainers:
         _await(meta, trainers)
         reader = WeightReader(engine.inst, meta=meta.url, job=job.job, instance_id=0, instances=1, staged=True,
@@ -115,7 +118,7 @@ def test_offline_trainer_killed_mid_bucket_engine_serves_step_1(engine, meta):
             reader.update(2)
         took = time.perf_counter() - t0
         assert took < TIMEOUT / 2, took
-        assert trainers.results(10)[0][0] == "died"
+        assert trainers.procs[0].is_alive()  # stopped, not dead
         assert reader.version == 1 and engine.llm.get_weight_version() == "1"
         engine.unchanged(step1)  # staged: step 1 whole; and vLLM's executor is in step (no late answer)
         reader.close()

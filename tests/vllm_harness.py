@@ -313,6 +313,8 @@ class TrainJob:
     die_at: int | None = None  # rank 0 exits abruptly while sending this step
     stop_at: int | None = None  # rank 0 stops dead (stop_signal) right after posting this step's first bucket
     stop_signal: int = 9  # SIGKILL; or SIGSTOP (19)
+    stop_posts: int = 1  # ... right after its stop_posts-th post of that step
+    stop_pause_s: float = 0.0  # ... having waited this long before that post (a slow trainer)
     bucket_bytes: int = 256 << 20  # the readers must use the same
     colocate: bool = False  # the readers must say the same (co-located: CUDA IPC on GPU, shared memory on CPU)
     device: str = "cpu"  # "cuda": rank r on cuda:r
@@ -342,7 +344,7 @@ def _trainer_main(rank: int, world: int, port: int, job: TrainJob, q: Any) -> No
             if job.die_at == step and rank == 0:
                 _die_after_posts(3)
             if job.stop_at == step and rank == 0:
-                stop_after_posts(1, job.stop_signal)
+                stop_after_posts(job.stop_posts, job.stop_signal, job.stop_pause_s)
             writer.write(step)
             if job.mode == "async":  # one step at a time, so the test knows which step a pull gets
                 writer.client.wait_held(step, [0], timeout=job.timeout_s)
@@ -622,15 +624,19 @@ class AsyncEngine:
         self.thread.join(10)
 
 
-def stop_after_posts(count: int, sig: int) -> None:
+def stop_after_posts(count: int, sig: int, pause_s: float = 0.0) -> None:
     """Fault (a hook, not a race): this process stops dead (``sig``: SIGSTOP or SIGKILL) right after its
     ``count``-th p2p post returned, so that bucket's messages are in flight (posted; gloo's own threads stop
-    with the process) and the rest of the step never comes. Nothing of weightsync notices but the beat."""
+    with the process) and the rest of the step never comes. Nothing of weightsync notices but the beat.
+    ``pause_s``: a slow trainer, which waits that long before that post (so a receiver's waits that each
+    restart their timeout end past a deadline counted from the call's start)."""
     import weightsync.transport.p2p as p2p
 
     real, calls = p2p.post, [0]
 
     def post(*a, **k):
+        if calls[0] + 1 == count and pause_s:
+            time.sleep(pause_s)
         works = real(*a, **k)
         calls[0] += 1
         if calls[0] == count:
