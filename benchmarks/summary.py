@@ -26,6 +26,10 @@ def line(r: dict) -> str:
 
 
 for path in sys.argv[1:]:
-    data = json.load(open(path))
+    text = open(path).read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:  # NIXL/UCX lines share stdout with the result: take the lines that are results
+        data = [json.loads(x) for x in text.splitlines() if x.startswith('{"scenario"')]
     for r in data if isinstance(data, list) else [data]:
         print(line(r))
