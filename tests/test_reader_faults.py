@@ -246,3 +246,47 @@ def test_a_hung_worker_times_out_within_twice_the_timeout(timeout_s):
             inst.call(_hang_rank_1)
     finally:
         inst.close()
+
+
+def test_a_staged_worker_never_commits_alone():
+    """A staged worker whose receive (sync) or pull (async) returned whole does not copy its staged step
+    into the live tensors on its own: the reader commits every worker's copy together, once all returned
+    the same one step. Before, each worker committed as soon as it alone was done, so a failure on another
+    worker -- or, async, a peer that pulled a later step (found by ``weightsync soak``) -- left the instance
+    serving two steps across its ranks."""
+    from types import SimpleNamespace
+
+    from weightsync.layout.box import full_box
+    from weightsync.plan.planner import Bucket, Copy
+    from weightsync.runtime import worker
+    from weightsync.runtime.instance import WorkerContext
+    from weightsync.transport.base import Pulled, StepStats
+
+    live = {"w": torch.randn(4, 3)}
+    before = live["w"].clone()
+    new = torch.randn(4, 3)
+    stats = StepStats(buckets=1, bytes=48, seconds=0.0)
+
+    class Landing:  # a receiver that lands the whole tensor, as a transport would
+        options = SimpleNamespace(timeout_s=5.0)
+
+        def receive(self, step, targets):
+            targets["w"].copy_(new)
+            return stats
+
+        def pull(self, targets):
+            targets["w"].copy_(new)
+            return Pulled(frozenset({7}), stats)
+
+    box = full_box((4, 3))
+    copy = Copy(canonical="w", canon_box=box, src_rank=0, src_tensor="w", src_box=box, dst_instance=0, dst_rank=0,
+                dst_tensor="w", dst_box=box, dtype="float32")
+    plans = {(0, 0): [Bucket(src_rank=0, dst_instance=0, dst_rank=0, index=0, copies=(copy,))]}
+    ctx = WorkerContext(rank=0, device=torch.device("cpu"), tensors=live)
+    ctx.reader = worker.WorkerReader(instance=0, shape=None, plans=plans, receiver=Landing(), context=None)
+    worker.receive(ctx, 3, staged=True)
+    assert torch.equal(live["w"], before)  # landed in the stage only
+    worker.pull(ctx, staged=True)
+    assert torch.equal(live["w"], before)
+    worker.commit(ctx)  # the reader's call, once every worker returned the same step
+    assert torch.equal(live["w"], new)

@@ -128,7 +128,7 @@ class WeightReader(SessionDriven):
             if session.written_bells is not None:
                 # a trainer rings before it checks its weights are where it shared them, and records the
                 # step on the MetaServer after: copy now, report the step held only once it is recorded
-                # (a staged step is committed inside the workers: copy it only from recorded weights)
+                # (a staged step is committed once every worker holds it: copy it only from recorded weights)
                 recorded = self._announcer.submit(self.client.wait_written, step, timeout=self.timeout_s)
                 if self.staged:
                     recorded.result()
@@ -144,8 +144,8 @@ class WeightReader(SessionDriven):
                 ti = time.perf_counter()
                 self.instance.call(worker.verify, step, check, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
                 self._integrity_s = time.perf_counter() - ti
-                if self.staged:  # every worker's copy is whole: commit them
-                    self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
+            if self.staged:  # every worker's copy is whole (and checked): commit them all, never one alone
+                self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
             self.instance.after_update()
             landed = True
         except WeightsMoved as e:  # no later step can succeed either: stop the trainers waiting for us now
@@ -257,6 +257,8 @@ class WeightReader(SessionDriven):
                 if len(steps) == 1 and check is not None and check.due(next(iter(steps))):
                     if not self._verify_pulled(next(iter(steps)), check):
                         steps.add(-1)  # the snapshot moved on before its sums were read: pull again
+                if self.staged and len(steps) == 1:  # every worker pulled the same step whole: commit them all
+                    self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
                 self.instance.after_update()
             finally:
                 self.instance.resume()
@@ -277,11 +279,7 @@ class WeightReader(SessionDriven):
         done = self.instance.call(worker.verify, step, check, self.staged,
                                   timeout_s=worker.call_timeout(self.timeout_s))
         self._integrity_s = time.perf_counter() - ti
-        if not all(c.current for c in done):
-            return False
-        if self.staged:  # every worker's copy is whole and checked: commit them
-            self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
-        return True
+        return all(c.current for c in done)
 
     def _withhold(self, reason: str) -> None:
         """Tell the instance to serve nothing until its next good update (``set_version``), where it can."""

@@ -154,17 +154,15 @@ def connect(ctx: WorkerContext, link: MetaLink) -> None:
 
 
 def receive(ctx: WorkerContext, step: int, staged: bool = False, check: IntegrityCheck | None = None) -> WorkerReport:
-    """Receive one step into the live tensors, or (staged) into a copy committed only once complete.
-    ``check`` (a checked step, :mod:`weightsync.integrity`): the reader then runs :func:`verify` on every
-    worker once all returned, and a staged copy is committed (:func:`commit`) only once every worker's
-    copy checked whole."""
+    """Receive one step into the live tensors, or (staged) into a copy that the reader commits
+    (:func:`commit`) only once EVERY worker's receive returned whole: a worker never commits alone, or a
+    failure on another worker would leave the instance serving two steps across its ranks. ``check`` (a
+    checked step, :mod:`weightsync.integrity`): the reader runs :func:`verify` on every worker first."""
     r = _reader(ctx)
     with torch.no_grad():
         targets = r.targets(ctx, staged)
         stats = _transfer(ctx, r, f"instance {r.instance} rank {ctx.rank} receiving step {step}",
                           lambda: r.receiver.receive(step, targets))
-        if staged and check is None:  # every byte arrived
-            r.commit(ctx)
     return WorkerReport(ctx.rank, frozenset({step}), stats)
 
 
@@ -180,21 +178,19 @@ def verify(ctx: WorkerContext, step: int, check: IntegrityCheck, staged: bool = 
 
 
 def commit(ctx: WorkerContext) -> None:
-    """Commit a staged step whose every worker's copy checked whole (see :func:`receive`)."""
+    """Commit a staged step once every worker's copy is whole (and checked, on the cadence): see :func:`receive`."""
     with torch.no_grad():
         _reader(ctx).commit(ctx)
 
 
 def pull(ctx: WorkerContext, staged: bool, check: IntegrityCheck | None = None) -> WorkerReport:
-    """Async pull: the steps the training ranks served, then the data; commit when staged and whole,
-    unless the step is on ``check``'s cadence (the reader commits it once every worker verified it)."""
+    """Async pull: the steps the training ranks served, then the data. Staged, the reader commits every
+    worker's copy (:func:`commit`) only once all pulled the SAME one step (and, on ``check``'s cadence,
+    verified it): a worker committing alone served a later step than its peers (found by the soak)."""
     r = _reader(ctx)
     with torch.no_grad():
         targets = r.targets(ctx, staged)
         pulled = _transfer(ctx, r, f"instance {r.instance} rank {ctx.rank} pulling", lambda: r.receiver.pull(targets))
-        checked = check is not None and len(pulled.steps) == 1 and check.due(next(iter(pulled.steps)))
-        if staged and len(pulled.steps) == 1 and not checked:
-            r.commit(ctx)
     return WorkerReport(ctx.rank, pulled.steps, pulled.stats)
 
 
