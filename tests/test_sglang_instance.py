@@ -365,9 +365,17 @@ class TokenizerManager:
 
     async def pause_generation(self, obj):
         self.engine.log.append(("pause", obj.mode))
+        self.is_pause = True
 
     async def continue_generation(self, obj):
         self.engine.log.append(("continue",))
+        self.is_pause = False
+
+    async def generate_request(self, obj, request=None):
+        # SGLang 0.5.14 tokenizer_manager.py:TokenizerManager.generate_request waits on is_pause_cond while paused
+        while getattr(self, "is_pause", False):
+            await asyncio.sleep(0.01)
+        yield {"text": f"out:{obj}", "weight_version": self.engine.version}
 
     async def update_weight_version(self, obj):
         self.engine.log.append(("version", obj.new_version, obj.abort_all_requests))
@@ -424,6 +432,12 @@ class StandInEngine:
 
     def get_model_info(self):
         return {"weight_version": self.version}
+
+    def generate(self, prompt, wait_s=2.0):
+        """entrypoints/engine.py:Engine.generate: the tokenizer manager's generate_request run on engine.loop (a
+        bounded wait here, where SGLang's offline call would wait for ever while paused)."""
+        gen = self.tokenizer_manager.generate_request(prompt, None)
+        return self.loop.run_until_complete(asyncio.wait_for(gen.__anext__(), wait_s))
 
 
 @pytest.fixture
@@ -597,4 +611,72 @@ def test_sglang_0514_api_has_no_session_and_keeps_the_version_in_server_args(tmp
             for n, t in m.named_parameters():
                 assert torch.equal(t.isnan(), want[n].isnan()) and torch.equal(t.nan_to_num(), want[n].nan_to_num()), n
     finally:
+        inst.close()
+
+
+@pytest.mark.parametrize("api", ["0.5.23", "0.5.14"])
+def test_a_failed_non_staged_update_withholds_the_engine_until_the_next_good_update(tmp_path, fake_sglang, api):
+    """Issue 25: after a failed non-staged update the weights may mix two steps: generation stays paused (no
+    continue_generation) and generate is refused, until the next good update's set_version lifts it."""
+    from weightsync.runtime.reader import WeightReader
+
+    spec, layout, eng = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=2")
+    if api == "0.5.14":
+        eng = StandInEngine0514(str(tmp_path), eng.models)
+    inst = S.SGLangInstance(eng, timeout_s=30)
+    try:
+        assert eng.generate("a")["text"] == "out:a"
+        eng.log.clear()
+        inst.pause()
+        with pytest.raises(ValueError, match="torn"):  # rank 1 fails part-way through the step
+            inst.call(fail_on, 1, "torn")
+        reader = types.SimpleNamespace(instance=inst)
+        WeightReader._withhold(reader, "instance x: update(2) failed part-way")  # what WeightReader.update does
+        inst.resume()
+        assert ("continue",) not in eng.log and inst.withheld
+        assert eng.tokenizer_manager.is_pause
+        with pytest.raises(InstanceError, match=r"serves nothing: instance x: update\(2\) failed part-way"):
+            eng.generate("b")
+        # the next good update: generation comes back only at set_version
+        canonical = random_canonical(spec, seed=3)
+        inst.pause()
+        assert inst.call(write_canonical, canonical, preset("tiny-qwen3"), inst.engine) == [0, 1]
+        inst.after_update()
+        inst.resume()
+        assert ("continue",) not in eng.log
+        with pytest.raises(InstanceError, match="serves nothing"):
+            eng.generate("c")
+        inst.set_version(3)
+        assert eng.log.count(("continue",)) == 1 and inst.withheld is None and inst.served_version == "3"
+        assert "generate_request" not in vars(eng.tokenizer_manager)
+        assert eng.generate("d")["text"] == "out:d"
+        for r, m in enumerate(eng.models):
+            want = scatter(layout.layout(r), canonical)
+            for n, t in m.named_parameters():
+                assert torch.equal(t.isnan(), want[n].isnan()) and torch.equal(t.nan_to_num(), want[n].nan_to_num()), n
+    finally:
+        inst.close()
+
+
+@pytest.mark.parametrize("timeout_s", [0.5, 1.0])
+def test_a_timed_out_call_raises_worker_timeout_naming_the_call_and_its_deadline_within_2t(tmp_path, fake_sglang,
+                                                                                         timeout_s):
+    import time
+
+    from weightsync.runtime.worker import call_timeout
+
+    _, _, eng = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=1")
+    inst = S.SGLangInstance(eng, timeout_s=30)
+    eng.gate = threading.Event()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeout) as e:
+            inst.call(rank_and_count, 1, timeout_s=timeout_s)
+        took = time.monotonic() - t0
+        deadline = call_timeout(timeout_s)
+        assert timeout_s < deadline <= 2 * timeout_s and deadline <= took < 2 * timeout_s, (deadline, took)
+        assert "rank_and_count" in str(e.value) and f"{deadline:g} s deadline" in str(e.value), str(e.value)
+    finally:
+        eng.gate.set()
+        inst._inflight.join(10)
         inst.close()

@@ -36,6 +36,16 @@ taken for a later call's.
   checks ``is_fully_idle()``, which counts retracted requests in the waiting queue): with requests
   retracted the flush is refused and ``resume`` raises after continuing, naming the cause; use
   ``pause_mode="abort"`` there if requests may be in flight.
+- ``withhold``/``set_version`` (issue 25, never serve a mix): after a failed non-staged update (the weights
+  may hold two steps) the reader calls ``withhold(reason)``; ``resume`` then leaves ``pause_generation`` in
+  force (no ``continue_generation``), and new generate requests are refused with :class:`InstanceError`
+  naming the reason: the instance shadows ``tokenizer_manager.generate_request``, which every
+  ``Engine.generate``/``async_generate`` calls (0.5.14: ``entrypoints/engine.py:Engine.generate``), and which
+  while paused would otherwise wait on ``is_pause_cond`` for ever (``managers/tokenizer_manager.py:
+  TokenizerManager.generate_request``). The next good update's ``set_version`` lifts both. Staged readers
+  never withhold: the live weights keep the previous step.
+- Deadlines: a call's deadline is :func:`weightsync.runtime.worker.call_timeout` of the timeout given (within
+  2x it); an overrun raises :class:`WorkerTimeout` naming the call and the deadline.
 - Post-load transforms (§2): the model's ``post_load_weights()`` (MLA ``w_kc``/``w_vc``) is re-run by
   ``after_update`` where the model has one; Llama/Qwen2/Qwen3/Qwen3-MoE have none, and no call is made.
   Layers whose live form weightsync does not produce (quantized methods, AMX-packed CPU weights,
@@ -426,6 +436,7 @@ class SGLangInstance:
         self._seq = 0
         self._session = False
         self._paused = False
+        self._withheld: str | None = None  # why a failed non-staged update left the weights torn (withhold)
         self._post_load = False
         self._inflight: threading.Thread | None = None
         self._world = config.tp
@@ -487,6 +498,7 @@ class SGLangInstance:
 
     def resume(self) -> None:
         """Close the session (0.5.23), flush the cache, continue generating; the first failure is raised after all.
+        Withheld (:meth:`withhold`), generation stays paused until :meth:`set_version` lifts it.
 
         While a timed-out call still runs inside SGLang nothing can be sent: generation stays paused, and a
         later ``resume()`` (after the call returned) finishes.
@@ -506,11 +518,39 @@ class SGLangInstance:
         if errors:
             raise errors[0]
 
+    def withhold(self, reason: str) -> None:
+        """A non-staged update failed part-way: serve nothing until the next good update (:meth:`set_version`).
+
+        ``pause_generation`` stays in force (``resume`` does not continue) and new generate requests raise
+        :class:`InstanceError` naming ``reason`` (``tokenizer_manager.generate_request`` shadowed on the instance:
+        while paused, SGLang would make them wait for ever)."""
+        self._withheld = reason
+        tm = self.sgl.tokenizer_manager
+        me = repr(self)
+
+        def refuse(*_args: Any, **_kw: Any) -> Any:
+            raise InstanceError(f"{me} serves nothing: {reason}, so its weights may mix two steps; generation "
+                                f"resumes after the next good update (reader.update())")
+
+        refuse.weightsync_withheld = True  # type: ignore[attr-defined]
+        tm.generate_request = refuse
+
+    @property
+    def withheld(self) -> str | None:
+        """Why the instance serves nothing (a failed non-staged update), or None."""
+        return self._withheld
+
     def set_version(self, step: int) -> None:
         """Report the weight version: 0.5.23 ``TokenizerManager.update_weight_version``; 0.5.14 has no such call and
         its own HTTP route (``http_server.py:update_weight_version``) sets ``tokenizer_manager.server_args.
-        weight_version``, which is what this does there."""
+        weight_version``, which is what this does there. A good update: a withheld instance serves again."""
         self._not_busy()
+        if self._withheld is not None:
+            self._withheld = None
+            tm = self.sgl.tokenizer_manager
+            if getattr(vars(tm).get("generate_request"), "weightsync_withheld", False):
+                del tm.generate_request
+            self._continue()
         tm = self.sgl.tokenizer_manager
         if callable(getattr(tm, "update_weight_version", None)):
             self._tokenizer(lambda tm, io: tm.update_weight_version(
@@ -564,7 +604,7 @@ class SGLangInstance:
                                          "flushes only when no request is queued: pause_mode='abort' drops them)")
 
     def _continue(self) -> None:
-        if self._paused:
+        if self._paused and self._withheld is None:  # withheld: paused until set_version lifts it
             self._paused = False
             self._tokenizer(lambda tm, io: tm.continue_generation(self._continue_request(io)))
 
@@ -585,7 +625,11 @@ class SGLangInstance:
                                 f"the engine runs one weight update at a time")
 
     def _call(self, fn: Callable[..., Any], timeout_s: float, *args: Any) -> list[Any]:
+        from weightsync.runtime.worker import call_timeout
+
         self._not_busy()
+        what = getattr(fn, "__name__", repr(fn))
+        timeout_s = call_timeout(timeout_s)  # the deadline: within 2x what the user set
         started = time.perf_counter()
         self._seq += 1
         seq = self._seq
@@ -615,10 +659,12 @@ class SGLangInstance:
         deadline = time.monotonic() + timeout_s
         t.join(timeout_s)
         if t.is_alive():
-            raise WorkerTimeout(f"{self!r}: update_weights_from_tensor did not return within {timeout_s}s")
+            raise WorkerTimeout(f"{self!r}: weightsync's call {what} (update_weights_from_tensor) did not return "
+                                f"within its {timeout_s:g} s deadline; SGLang still runs it, and the instance refuses "
+                                f"calls until it returns (is a TP worker stuck? raise timeout_s if it is just slow)")
         if "exc" in box:
             raise box["exc"]
-        _success(box.get("ret"), f"weightsync's call {getattr(fn, '__name__', fn)}")
+        _success(box.get("ret"), f"weightsync's call {what}")
         results: list[Any] = [None] * self._world
         errors = {}
         # every rank writes its answer before SGLang's call returns (the scheduler's TP barrier follows the
