@@ -36,15 +36,19 @@ weightsync's own calls never overrun: a worker's transfer returns within the rea
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import shutil
 import threading
+import uuid
 from typing import Any, Callable
 
 from weightsync.errors import ConfigError, InstanceError, WorkerDied, WorkerTimeout
+from weightsync.runtime import wire
 from weightsync.vllm.config import describe
 from weightsync.vllm.extension import EXTENSION
 from weightsync.vllm.live import IN_PLACE, LiveReport
-from weightsync.vllm.rpc import pack_call, result
+from weightsync.vllm.rpc import CallChannel, pack_call, result
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -85,10 +89,14 @@ class VLLMInstance:
         #: whether any layer is re-packed after an update; on GPU every unquantized layer is in place, and the
         #: refresh would be one more engine-core round trip a step for nothing
         self.refreshes = any(p.path != IN_PLACE for r in self.reports for p in r.layers)
+        # the signed call channel (weightsync.runtime.wire): the workers read the key from this private directory
+        key_dir, key = wire.new_key_dir(wire.VLLM_DIR_PREFIX)
+        self._channel = CallChannel(uuid.uuid4().hex, key_dir, key)
+        self._seq = itertools.count(1)
 
     # -- the protocol ---------------------------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
-        return self._rpc("weightsync_call", pack_call(fn, args), timeout_s=timeout_s,
+        return self._rpc("weightsync_call", pack_call(self._channel, next(self._seq), fn, args), timeout_s=timeout_s,
                          what=f"weightsync_call({getattr(fn, '__qualname__', fn)})")
 
     def after_update(self) -> None:
@@ -152,6 +160,7 @@ class VLLMInstance:
             except Exception as e:  # noqa: BLE001 -- closing: the engine may be gone
                 log.debug("%s: close: %s", self.engine, e)
             self._broken = "closed"
+        shutil.rmtree(self._channel.dir, ignore_errors=True)
 
     def __repr__(self) -> str:
         return f"VLLMInstance({self.engine!r}, {self.model_config.get('architectures')})"

@@ -3,7 +3,8 @@
 vLLM appends this class to every worker's bases (``worker_base.py``, ``init_worker``), so its methods
 are called by name through ``collective_rpc("weightsync_call", args=(payload,))``: nothing is
 pickled on the client and ``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off. Every method takes and
-returns bytes (:mod:`weightsync.vllm.rpc`) and never raises.
+returns bytes (:mod:`weightsync.vllm.rpc`) and never raises. ``weightsync_call`` runs only messages signed
+by the instance's control process (:mod:`weightsync.runtime.wire`), each at most once.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ class WeightSyncExtension:
         return answer(lambda: self._weightsync_worker().report)
 
     def weightsync_call(self, payload: bytes) -> bytes:
-        """Run a pickled ``(fn, args)`` as ``fn(ctx, *args)`` on this worker's context."""
+        """Run a signed ``(fn, args)`` message as ``fn(ctx, *args)`` on this worker's context (refused, nothing
+        decoded, when its signature does not check or it was run before)."""
         def run():
-            fn, args = unpack_call(payload)
+            last_seq = self.__dict__.setdefault("_weightsync_last_seq", {})
+            fn, args = unpack_call(payload, last_seq)
             return self._weightsync_worker().run(fn, args)
 
         return answer(run)

@@ -2,9 +2,14 @@
 
 vLLM's client -> engine-core hop is msgpack: dataclasses arrive as dicts, tuples as lists, worker
 exceptions as a plain ``Exception`` with a message, and a callable only with
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. Bytes cross it unchanged. So a weightsync call is a pickled
-``(module-level function, args)`` sent as bytes to a ``worker_extension_cls`` method called by name,
-and its answer is a pickled ``("ok", result)`` or ``("err", error record)``: the worker method never
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. Bytes cross it unchanged. So a weightsync call is a signed
+:mod:`weightsync.runtime.wire` message (module-level function by name, arguments in a restricted pickle)
+sent as bytes to a ``worker_extension_cls`` method called by name. ``collective_rpc`` is also vLLM's HTTP
+``/collective_rpc`` in dev mode, so the worker checks the message's HMAC under the key in the instance's
+private 0700 directory before decoding anything, decodes no global but weightsync's record types, and
+runs a signed message at most once (:func:`unpack_call`); nothing from the request is ``pickle.loads``-ed.
+The answer is a pickled ``("ok", result)`` or ``("err", error record)`` (worker -> control process, read
+only by the control process that asked): the worker method never
 raises (at TP >= 2 a raising worker leaves vLLM's ``MultiprocExecutor`` reading stale answers on
 the next call), and the control side re-raises the worker's own exception, with its type.
 """
@@ -12,23 +17,45 @@ the next call), and the control side re-raises the worker's own exception, with 
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from weightsync.instances import error_record, rebuild_error
+from weightsync.runtime import wire
 
 
-def pack_call(fn: Callable[..., Any], args: tuple) -> bytes:
-    """``(fn, args)`` as bytes; ``fn`` must be a module-level function importable in the worker."""
+@dataclass(frozen=True)
+class CallChannel:
+    """The control process's side of the signed channel: the instance's id, its private key directory and key."""
+
+    instance: str
+    dir: str
+    key: bytes
+
+
+def pack_call(channel: CallChannel, seq: int, fn: Callable[..., Any], args: tuple) -> bytes:
+    """Call number ``seq`` (increasing per instance) of ``fn(ctx, *args)`` as a signed message; ``fn`` must be a
+    module-level function importable in the worker, the arguments values, tensors or weightsync records."""
     try:
-        return pickle.dumps((fn, tuple(args)))
-    except Exception as e:
+        return wire.encode(channel.key, channel.instance, channel.dir, seq, fn, tuple(args))
+    except TypeError as e:
         raise TypeError(f"cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to the vLLM workers "
-                        f"(fn must be a module-level function, arguments picklable): {e}") from e
+                        f"(fn must be a module-level function; arguments values, tensors or weightsync records): "
+                        f"{e}") from e
 
 
-def unpack_call(blob: bytes) -> tuple[Callable[..., Any], tuple]:
-    fn, args = pickle.loads(blob)
-    return fn, args
+def unpack_call(blob: Any, last_seq: dict[str, int]) -> tuple[Callable[..., Any], tuple]:
+    """Authenticate and decode a message (worker side): :class:`~weightsync.runtime.wire.WireError`, before
+    anything is unpickled, for bytes not signed by the instance's control process, and for a message already
+    run (``last_seq``: this worker's last call number per instance, updated here)."""
+    if not isinstance(blob, (bytes, bytearray)):
+        raise wire.WireError(f"weightsync_call takes weightsync's signed bytes, not {type(blob).__name__}")
+    call = wire.decode(bytes(blob))
+    last = last_seq.get(call.instance, 0)
+    if call.seq <= last:  # signed, but already run: a replayed message is not run twice
+        raise wire.WireError(f"call {call.seq} of instance {call.instance} replayed (last run: {last})")
+    last_seq[call.instance] = call.seq
+    return call.fn, call.args
 
 
 def answer(thunk: Callable[[], Any]) -> bytes:

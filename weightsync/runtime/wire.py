@@ -1,0 +1,295 @@
+"""weightsync's call messages into engine workers, in a form that cannot run code on the receiving side.
+
+Why: the engines hand whatever arrives to weightsync inside every TP worker through entry points that
+anyone who can call the engine reaches: SGLang's ``update_weights_from_tensor(..., load_format=RPC_LOADER)``
+(HTTP ``/update_weights_from_tensor``), vLLM's ``collective_rpc("weightsync_call", ...)`` (HTTP
+``/collective_rpc`` in vLLM's dev mode). A message that is ``pickle.loads``-ed there runs the sender's code
+in every worker. So a message here (the same for both engines; :mod:`weightsync.sglang.wire` re-exports
+this module) is:
+
+    MAGIC | u32 header length | header (JSON) | body (restricted pickle)
+
+- the **header** (JSON: ``instance``, ``dir``, ``seq``, ``fn`` as ``"module:qualname"``, ``mac``) is parsed
+  first, with ``json`` only;
+- ``mac`` is an HMAC-SHA256 of everything else under a 32-byte key that the control process wrote into
+  its own private directory (``dir``: created by ``tempfile.mkdtemp``, mode 0700, named
+  ``weightsync-sglang-*`` or ``weightsync-vllm-*``). The worker (same host, same user) reads the key
+  only from such a directory owned by its own uid and not readable by others, never following a link,
+  and refuses the message **before anything is unpickled** when the MAC does not match. A caller of
+  the engine's HTTP API cannot read that key, so it cannot get a call accepted;
+- the **body** (the call's arguments) is unpickled by :class:`SafeUnpickler`, which resolves no global but
+  a few builtin value types and weightsync's own record types (dataclasses, enums and named tuples
+  defined under ``weightsync.``); tensors, dtypes, devices and ``torch.Size`` travel as raw bytes and
+  names (persistent ids), never through torch's own pickling (``torch.storage._load_from_bytes`` would
+  call ``torch.load``); a function argument travels as its name and is resolved like ``fn``;
+- ``fn`` is imported by name after the MAC matched and must be a plain function defined in the module
+  named (no ``<locals>``, no attribute chains through other objects).
+
+SGLang's answers (worker -> control process) are written by the worker into the same private directory and
+read back only from a regular file owned by this user (see :func:`read_answer`); vLLM's come back as the
+``collective_rpc`` result (:mod:`weightsync.vllm.rpc`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import importlib
+import io
+import json
+import os
+import pickle
+import secrets
+import stat
+import struct
+import types
+from dataclasses import dataclass, is_dataclass
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+
+MAGIC = b"WSRPC1\n"
+KEY_FILE = "key"
+KEY_BYTES = 32
+DIR_PREFIX = "weightsync-sglang-"  # SGLangInstance's (the default, as before this module moved here)
+VLLM_DIR_PREFIX = "weightsync-vllm-"
+#: the directory names a worker reads a key from
+DIR_PREFIXES = (DIR_PREFIX, VLLM_DIR_PREFIX)
+
+#: builtin value types the body may name (each is safe to call with any argument)
+_BUILTINS = frozenset({"set", "frozenset", "slice", "complex", "range", "bytearray"})
+
+
+class WireError(ValueError):
+    """A message that is not weightsync's, not from this instance's control process, or not decodable."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One decoded call: run ``fn(ctx, *args)`` on a worker and answer ``<dir>/<seq>.<rank>``."""
+
+    instance: str
+    dir: str
+    seq: int
+    fn: Callable[..., Any]
+    args: tuple
+
+
+# -- the key ------------------------------------------------------------------------------------------
+
+
+def new_key_dir(prefix: str = DIR_PREFIX) -> tuple[str, bytes]:
+    """A private directory holding a fresh key (control process side); ``prefix`` one of :data:`DIR_PREFIXES`."""
+    import tempfile
+
+    if prefix not in DIR_PREFIXES:
+        raise ValueError(f"key directory prefix {prefix!r} is not one of {DIR_PREFIXES}")
+    d = tempfile.mkdtemp(prefix=prefix)  # mode 0700
+    key = secrets.token_bytes(KEY_BYTES)
+    fd = os.open(os.path.join(d, KEY_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    return d, key
+
+
+def _private_dir(d: str) -> None:
+    if not isinstance(d, str) or not os.path.isabs(d) or not os.path.basename(d).startswith(DIR_PREFIXES):
+        raise WireError(f"answer directory {d!r} is not a weightsync-sglang directory (nor a weightsync-vllm one)")
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise WireError(f"answer directory {d!r} is not a private directory of uid {os.getuid()} (mode "
+                        f"{oct(st.st_mode & 0o777)}, owner {st.st_uid})")
+
+
+def read_key(d: str) -> bytes:
+    """The key in answer directory ``d`` (worker side), after checking ``d`` is a private weightsync one."""
+    try:
+        _private_dir(d)
+        fd = os.open(os.path.join(d, KEY_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise WireError(f"no readable key in {d!r}: {e} (the workers must run on the control process's host, as "
+                        "its user: weightsync's signed calls do not span nodes)") from e
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077 or st.st_size != KEY_BYTES:
+            raise WireError(f"{d}/{KEY_FILE} is not a private {KEY_BYTES}-byte key file of this user")
+        return f.read()
+
+
+# -- the body: arguments as a restricted pickle --------------------------------------------------------
+
+
+def _name_of(fn: Any) -> str:
+    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not isinstance(fn, types.FunctionType) or not mod or "<" in qual or "." in qual:
+        raise TypeError(f"cannot send {fn!r} to the engine's workers: it must be a module-level function")
+    if mod == "__main__":
+        raise TypeError(f"cannot send {qual} from __main__ to the engine's workers: define it in an importable module")
+    return f"{mod}:{qual}"
+
+
+def resolve(name: str) -> Callable[..., Any]:
+    """The function ``"module:qualname"`` names: a plain function defined in that module."""
+    if not isinstance(name, str) or name.count(":") != 1:
+        raise WireError(f"function name {name!r} is not 'module:function'")
+    mod, qual = name.split(":")
+    if not qual.isidentifier() or not all(p.isidentifier() for p in mod.split(".")):
+        raise WireError(f"function name {name!r} is not 'module:function'")
+    fn = getattr(importlib.import_module(mod), qual, None)
+    if not isinstance(fn, types.FunctionType) or fn.__module__ != mod or fn.__qualname__ != qual:
+        raise WireError(f"{name!r} is not a function defined in {mod}")
+    return fn
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().to("cpu").contiguous()
+            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            return ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+        if isinstance(obj, torch.dtype):
+            return ("dtype", str(obj).removeprefix("torch."))
+        if isinstance(obj, torch.device):
+            return ("device", str(obj))
+        if isinstance(obj, torch.Size):
+            return ("size", tuple(obj))
+        if isinstance(obj, types.FunctionType):
+            return ("fn", _name_of(obj))
+        return None
+
+
+def _weightsync_record(module: str, name: str) -> Any:
+    if not (module == "weightsync" or module.startswith("weightsync.")) or not name.isidentifier():
+        return None
+    obj = getattr(importlib.import_module(module), name, None)
+    if not isinstance(obj, type) or obj.__module__ != module or obj.__qualname__ != name:
+        return None
+    if is_dataclass(obj) or issubclass(obj, Enum) or (issubclass(obj, tuple) and hasattr(obj, "_fields")):
+        return obj
+    return None
+
+
+def _dtype(name: Any) -> torch.dtype:
+    dt = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dt, torch.dtype):
+        raise WireError(f"unknown dtype {name!r}")
+    return dt
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Admits builtin value types and weightsync's record types only; tensors and the rest by persistent id."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in _BUILTINS:
+            return super().find_class(module, name)
+        if (module, name) == ("collections", "OrderedDict"):
+            return super().find_class(module, name)
+        obj = _weightsync_record(module, name)
+        if obj is None:
+            raise WireError(f"refused global {module}.{name} in a weightsync call message (only weightsync's own "
+                            "record types and builtin values may travel)")
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, tuple) or not pid:
+            raise WireError(f"bad persistent id {pid!r}")
+        kind = pid[0]
+        if kind == "tensor" and len(pid) == 4:
+            _, dtype, shape, raw = pid
+            dt = _dtype(dtype)
+            if not isinstance(raw, bytes) or not all(isinstance(n, int) and n >= 0 for n in shape):
+                raise WireError("bad tensor record")
+            numel = 1
+            for n in shape:
+                numel *= n
+            if numel * torch.empty((), dtype=dt).element_size() != len(raw):
+                raise WireError(f"tensor record: {len(raw)} bytes for shape {shape} {dtype}")
+            if not raw:
+                return torch.empty(shape, dtype=dt)
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
+        if kind == "dtype" and len(pid) == 2:
+            return _dtype(pid[1])
+        if kind == "device" and len(pid) == 2 and isinstance(pid[1], str):
+            return torch.device(pid[1])
+        if kind == "size" and len(pid) == 2 and isinstance(pid[1], tuple):
+            return torch.Size(pid[1])
+        if kind == "fn" and len(pid) == 2:
+            return resolve(pid[1])
+        raise WireError(f"bad persistent id kind {kind!r}")
+
+
+def dumps_args(args: tuple) -> bytes:
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, protocol=5).dump(tuple(args))
+    except Exception as e:
+        raise TypeError(f"cannot send these arguments to the engine's workers: {e}") from e
+    return buf.getvalue()
+
+
+def loads_args(body: bytes) -> tuple:
+    try:
+        args = SafeUnpickler(io.BytesIO(body)).load()
+    except WireError:
+        raise
+    except Exception as e:
+        raise WireError(f"undecodable call arguments: {type(e).__name__}: {e}") from e
+    if not isinstance(args, tuple):
+        raise WireError("call arguments are not a tuple")
+    return args
+
+
+# -- whole messages ------------------------------------------------------------------------------------
+
+
+def _mac(key: bytes, header: dict, body: bytes) -> str:
+    signed = json.dumps({k: header[k] for k in sorted(header) if k != "mac"}, sort_keys=True).encode()
+    return hmac.new(key, struct.pack(">I", len(signed)) + signed + body, hashlib.sha256).hexdigest()
+
+
+def encode(key: bytes, instance: str, directory: str, seq: int, fn: Callable[..., Any], args: tuple) -> bytes:
+    """A signed message (control process side)."""
+    header = {"instance": instance, "dir": directory, "seq": int(seq), "fn": _name_of(fn)}
+    body = dumps_args(args)
+    header["mac"] = _mac(key, header, body)
+    hb = json.dumps(header).encode()
+    return MAGIC + struct.pack(">I", len(hb)) + hb + body
+
+
+def decode(blob: bytes) -> Call:
+    """Check and decode a message (worker side). Raises :class:`WireError` before unpickling anything when the
+    message is not weightsync's or its MAC does not match the key in its directory."""
+    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 4:
+        raise WireError("not a weightsync call message (bad magic)")
+    (n,) = struct.unpack(">I", blob[len(MAGIC):len(MAGIC) + 4])
+    start = len(MAGIC) + 4
+    if n > 1 << 20 or start + n > len(blob):
+        raise WireError("not a weightsync call message (bad header length)")
+    try:
+        header = json.loads(blob[start:start + n])
+    except ValueError as e:
+        raise WireError(f"not a weightsync call message (header: {e})") from e
+    body = blob[start + n:]
+    want = {"instance": str, "dir": str, "seq": int, "fn": str, "mac": str}
+    if not isinstance(header, dict) or set(header) != set(want) or not all(isinstance(header[k], t) for k, t in want.items()):
+        raise WireError("not a weightsync call message (header fields)")
+    key = read_key(header["dir"])
+    if not hmac.compare_digest(_mac(key, header, body), header["mac"]):
+        raise WireError(f"call message for {header['dir']!r} has a bad MAC: not sent by this instance's control "
+                        "process; refused before decoding")
+    return Call(header["instance"], header["dir"], header["seq"], resolve(header["fn"]), loads_args(body))
+
+
+def read_answer(path: str) -> Any:
+    """An answer file written by a worker into the private directory (a regular file of this user, no link)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise WireError(f"answer {path} is not a regular file of this user")
+        return pickle.load(f)  # written by SGLang's own worker process (same user) into our 0700 directory
+
+
+__all__ = ["MAGIC", "DIR_PREFIX", "VLLM_DIR_PREFIX", "DIR_PREFIXES", "Call", "WireError", "SafeUnpickler", "new_key_dir", "read_key", "encode", "decode", "resolve",
+           "dumps_args", "loads_args", "read_answer"]
