@@ -101,8 +101,14 @@ class TestQwen3TP1:
         job = TrainJob(MODEL, "hf", tp1.meta.url, "offline-sync", tp1.alternating("X", 3))
         with Trainers(job) as trainers:
             reader = _reader(tp1, "X", job.job).connect()
-            assert [r.counts() for r in tp1.insts["X"].reports] == [
-                {"in-place": 9, "in-place+repack": 2, "staged+repack": 8}]  # norms; embed + tied lm_head; linears
+            (report,) = tp1.insts["X"].reports
+            # norms; embed + tied lm_head; linears. vLLM's CPU GEMM packs the 8 linears where oneDNN builds its
+            # handle, which depends on the host's ISA (without AVX-512 it falls back to torch's linear, weights
+            # kept as they are): then they are written in place like the norms
+            packed = report.counts().get("staged+repack", 0)
+            assert packed in (0, 8), report.counts()
+            assert report.counts() == {"in-place": 17 - packed, "in-place+repack": 2,
+                                       **({"staged+repack": packed} if packed else {})}
             assert tp1.insts["X"].refreshes  # CPU re-packs after every update (on GPU, all in place: no call)
             for step, seed in job.steps:
                 assert reader.update(step) == step
@@ -161,6 +167,9 @@ class TestQwen3TP1:
         from vllm_harness import TrainJob, Trainers, checkpoint, flip_loaded, generate, weights, write_loaded
 
         inst, llm, spec = tp1.insts["X"], tp1.llms["X"], tp1.spec
+        if inst.reports and not inst.reports[0].counts().get("staged+repack"):
+            pytest.skip("vLLM's CPU GEMM keeps the linears unpacked on this host (no oneDNN handle for its ISA): "
+                        "the packed copies this test checks do not exist here")
         held, other = tp1.holds["X"], tp1.other("X")
         paths = {s: checkpoint(spec, s, tmp_path / f"seed{s}") for s in (held, other)}
         before = generate(llm)

@@ -86,9 +86,14 @@ class TestQwen3MoeTP1:
     def test_paths(self, moe1):
         """Experts are staged and re-prepacked; router gates, attention and dense linears re-packed."""
         (report,) = moe1.insts["X"].reports
-        assert report.counts() == {"in-place": 9, "in-place+repack": 2, "staged+repack": 6, "staged+prepack": 2}
+        # the 6 linears (router gates among them) are packed where the host's ISA lets vLLM's oneDNN GEMM
+        # build its handle, else kept as they are and written in place (see test_vllm.TestQwen3TP1)
+        packed = report.counts().get("staged+repack", 0)
+        assert packed in (0, 6), report.counts()
+        assert report.counts() == {"in-place": 15 - packed, "in-place+repack": 2, "staged+prepack": 2,
+                                   **({"staged+repack": packed} if packed else {})}
         assert report.path_of("model.layers.0.mlp.experts.routed_experts") == "staged+prepack"
-        assert report.path_of("model.layers.0.mlp.gate") == "staged+repack"
+        assert report.path_of("model.layers.0.mlp.gate") == ("staged+repack" if packed else "in-place")
 
     def test_offline_hf(self, moe1):
         offline(moe1, "X", "hf", "moe1-offline")
