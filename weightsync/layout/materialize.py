@@ -6,6 +6,7 @@ the planned transports must agree with.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import torch
@@ -49,3 +50,24 @@ def fill_from(layout: Layout, local: Mapping[str, torch.Tensor], canonical: Mapp
     for name, t in layout.tensors.items():
         for p in t.pieces:
             local_view(local[name], p).copy_(canonical_view(canonical[p.canonical], p))
+
+
+def zero_uncovered(layout: Layout, local: Mapping[str, torch.Tensor]) -> int:
+    """Zero every element of ``local``'s tensors of ``layout`` that no piece covers (vocab padding rows, which
+    an engine's checkpoint load leaves zero and dummy weights random); returns how many tensors had any.
+    Tensors the layout does not list are left alone."""
+    n = 0
+    with torch.no_grad():
+        for name, t in local.items():
+            if name not in layout.tensors:
+                continue
+            pieces = layout.tensors[name].pieces
+            if sum(math.prod(k for _, k in p.local_box) for p in pieces) == t.numel():
+                continue  # pieces never overlap: every element is written
+            covered = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+            for p in pieces:
+                covered[slices(p.local_box)] = True
+            if not bool(covered.all()):
+                t.masked_fill_(~covered, 0)
+                n += 1
+    return n

@@ -24,7 +24,6 @@ import dataclasses
 import gc
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -120,26 +119,9 @@ class OwnedEngine:
 def zero_unwritten(ctx: Any, model_config: dict, engine: str) -> int:
     """On a worker: zero every element of the layout's tensors that no piece covers (vocab padding rows, which a
     checkpoint load leaves zero and dummy weights random); returns how many tensors had any."""
-    import torch
+    from weightsync.layout.materialize import zero_uncovered
 
-    from weightsync.layout.box import slices
-
-    layout = make_layout(spec_from_config(model_config), engine).layout(ctx.rank)
-    n = 0
-    with torch.no_grad():
-        for name, t in ctx.tensors.items():
-            if name not in layout.tensors:
-                continue
-            pieces = layout.tensors[name].pieces
-            if sum(math.prod(k for _, k in p.local_box) for p in pieces) == t.numel():
-                continue
-            covered = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
-            for p in pieces:
-                covered[slices(p.local_box)] = True
-            if not bool(covered.all()):
-                t.masked_fill_(~covered, 0)
-                n += 1
-    return n
+    return zero_uncovered(make_layout(spec_from_config(model_config), engine).layout(ctx.rank), ctx.tensors)
 
 
 def stop(engine: Any) -> None:

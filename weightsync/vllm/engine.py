@@ -19,7 +19,6 @@ import contextlib
 import gc
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -110,23 +109,9 @@ class OwnedEngine:
 def zero_unwritten(ctx: Any) -> int:
     """On a worker: zero every element of its loaded-form tensors that no layout piece covers (the vocab
     padding rows vLLM's loader zero-fills; dummy weights leave them random); returns how many tensors had any."""
-    import torch
+    from weightsync.layout.materialize import zero_uncovered
 
-    from weightsync.layout.box import slices
-
-    layout, n = ctx.state["live"].layout, 0
-    with torch.no_grad():
-        for name, t in ctx.tensors.items():
-            pieces = layout.tensors[name].pieces
-            if sum(math.prod(k for _, k in p.local_box) for p in pieces) == t.numel():
-                continue  # pieces never overlap: every element is written
-            covered = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
-            for p in pieces:
-                covered[slices(p.local_box)] = True
-            if not bool(covered.all()):
-                t.masked_fill_(~covered, 0)
-                n += 1
-    return n
+    return zero_uncovered(ctx.state["live"].layout, ctx.tensors)
 
 
 def stop(llm: Any) -> None:
