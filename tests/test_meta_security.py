@@ -311,6 +311,30 @@ def test_file_transport_files_are_the_owner_s_only(tmp_path):
         assert stat.S_IMODE(os.stat(directory / name).st_mode) == 0o600, name
 
 
+def test_co_located_share_description_is_the_owner_s_only():
+    """Before: the description of shared weights (shared-memory names, CUDA IPC handles) was written with
+    the umask's mode (0644 usually): any local user could read it and open the trainer's weights."""
+    import os
+    import stat
+
+    import torch
+
+    from weightsync.transport.share import open_shared, share_tensors, unshare
+
+    tensors = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    old = os.umask(0o022)
+    try:
+        path = share_tensors(tensors, "sec-job", "train0-for0")
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        opened = open_shared(path)
+        assert all(torch.equal(opened[n], t) for n, t in tensors.items())
+    finally:
+        unshare(path)
+
+
 # --------------------------------------------------------------------------------------------
 # 6. A participant refused for its token is told to its job
 

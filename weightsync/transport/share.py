@@ -69,6 +69,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from weightsync.dtypes import dtype_name
 from weightsync.errors import WeightsMoved
+from weightsync.transport.private import private_opener
 
 FORMAT = "weightsync.share/1"
 
@@ -287,13 +288,16 @@ def share_tensors(tensors: Mapping[str, torch.Tensor], job: str, name: str) -> s
     Co-located peers are on this host by definition, so a file is the simplest way to hand over a
     description too large for a MetaServer field; its path goes through the MetaServer. The file is
     removed by :func:`unshare` (a transport's ``close``) or when this process exits; files a killed
-    process left are removed by the next share on the host (they are named by pid).
+    process left are removed by the next share on the host (they are named by pid). The file is created
+    0600 whatever the umask: it names the shared memory (and CUDA IPC handles) that open the weights.
     """
     directory = tempfile.gettempdir()
     remove_files_of_dead_processes(directory, _SHARED)
     path = os.path.join(directory, f"weightsync-{job}-{os.getpid()}-{name}.json")
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of this pid's own earlier share: private_opener creates, never reuses
+    with open(tmp, "w", opener=private_opener) as f:
         json.dump(export_tensors(tensors), f)
     os.replace(tmp, path)
     _shared_files.add(path)
