@@ -245,27 +245,50 @@ def test_delta_measure_trains_a_real_model():
     assert 0.5 < moving["mean"] <= 1.0 and set(moving["kinds"]) == {"attention", "mlp", "norm", "embedding"}
 
 
-def test_participants_disagreeing_on_the_cadence_are_refused():
+def test_participants_disagreeing_on_the_cadence_are_refused_at_set_up_on_both_sides():
+    """The cadence is a session term (weightsync.meta.records.SessionTerms), agreed at set-up with the
+    other options: the writer's and the reader's set-up (job_shape, from each side's own terms) both refuse
+    a job whose participants registered different cadences, naming it; there is no later agreement
+    (integrity.check.agree is gone). The same over real processes, both sides told at connect within
+    seconds: tests/test_registration.py::test_an_integrity_cadence_mismatch_is_refused_at_set_up_and_both_
+    sides_are_told."""
+    import weightsync.integrity.check as check
     from weightsync.errors import JobMismatch
-    from weightsync.integrity.check import agree
-
-    from weightsync.meta.records import Registration, SessionTerms
+    from weightsync.meta.records import LayoutInfo, Registration, SessionTerms
+    from weightsync.runtime.job import job_shape
 
     def terms(n):
         return SessionTerms("p2p", "sync", False, 1 << 20, n, False)
 
-    people = [Registration("train", 0, terms=terms(1)), Registration("infer", 0, 0, terms=terms(1000))]
+    def person(role, n):
+        return Registration(role, 0, 0 if role == "infer" else None, layout=LayoutInfo("hf", 1), terms=terms(n))
 
-    class Client:
-        reason = None
+    people = [person("train", 1), person("infer", 1000)]
+    for mine in (terms(1), terms(1000)):  # the writer's set-up, the reader's
+        with pytest.raises(JobMismatch, match=r"integrity cadence .*1: training rank 0; 1000: inference rank 0 of instance 0"):
+            job_shape(people, mine)
+    agreed = [person("train", 1000), person("infer", 1000)]
+    assert job_shape(agreed, terms(1000)).train == "hf"
+    with pytest.raises(ConfigError, match="integrity: this participant 1, the job 1000"):
+        job_shape(agreed, terms(1))  # a participant whose own terms differ from the job's it joins
+    assert not hasattr(check, "agree")
 
-        def abort(self, reason):
-            Client.reason = reason
 
-    with pytest.raises(JobMismatch, match="integrity cadence"):
-        agree(people, 1, Client())
-    assert "integrity cadence" in Client.reason  # the job was aborted, so the peers stop at once
-    agree(people[:1], 1)  # agreeing participants pass
+def test_integrity_zero_makes_no_part_on_either_side():
+    """integrity=0 costs nothing on the hot path: neither side makes an integrity part (the writer's step 4
+    and the reader's verify are skipped on a None), and a worker planned without one refuses a verify."""
+    from types import SimpleNamespace
+
+    from weightsync.integrity.check import SentCheck
+    from weightsync.runtime import worker
+    from weightsync.runtime.instance import WorkerContext
+
+    assert SentCheck.for_session(None, 0, {}, {}, None, None, 0, sync=True) is None
+    ctx = WorkerContext(rank=0, device=torch.device("cpu"), tensors={})
+    ctx.reader = worker.WorkerReader(instance=0, shape=None, plans={}, receiver=SimpleNamespace(), context=None)
+    assert ctx.reader.check is None
+    with pytest.raises(RuntimeError, match="planned with integrity=0"):
+        worker.verify(ctx, 3)
 
 
 # -- the exact copy: per-copy sums, one flipped bit located (one process) --------------------------
@@ -356,6 +379,7 @@ class Outcome(Event):
     error_kind: str
     message: str
     exact: bool
+    withheld: str = ""  # why the reader told the instance to serve nothing (a failed non-staged update/pull)
 
 
 def _flip_next_landing(ctx, rank: int, bit: int) -> Flipped | None:
@@ -430,6 +454,8 @@ def _job_reader(emit, meta: str, job: dict) -> None:
     spec = load_spec(job["model"])
     local = build_instance(spec, job["infer"], device="cpu", seed=1)
     instance = local.instance
+    withheld: list[str] = []
+    instance.withhold = withheld.append  # what the reader tells the instance (serve nothing until set_version)
     try:
         r = WeightReader(instance, meta=meta, job=job["job"], instance_id=0, instances=1, timeout_s=job["timeout"],
                          mode=job["mode"], staged=job["staged"], integrity=1).connect()
@@ -441,6 +467,7 @@ def _job_reader(emit, meta: str, job: dict) -> None:
                     if f is not None:
                         emit(replace(f, participant=emit.participant))
             kind = message = ""
+            withheld.clear()
             try:
                 if job["mode"] == "async":
                     r.client.wait_written(step, timeout=job["timeout"])
@@ -453,7 +480,7 @@ def _job_reader(emit, meta: str, job: dict) -> None:
                 r.client.wait_held(r.version, [0], timeout=job["timeout"])
             held = r.client.members()[0].held
             exact = r.version is not None and not any(instance.call(check_step, spec.name, job["infer"], r.version))
-            emit(Outcome(emit.participant, step, r.version, held, kind, message, exact))
+            emit(Outcome(emit.participant, step, r.version, held, kind, message, exact, "; ".join(withheld)))
 
         once(1, False)
         once(2, True)
@@ -511,6 +538,25 @@ def test_async_pulls_are_checked_and_a_corrupted_pull_is_not_reported_held():
     assert f"element {list(flipped.index)}, bit 5" in corrupted.message
     assert corrupted.version == 1 and corrupted.held == 1 and corrupted.exact  # step 1 intact, still reported
     assert again.error_kind == "" and again.version == 2 and again.held == 2 and again.exact, again
+    assert not (clean.withheld or corrupted.withheld or again.withheld)  # staged: the live weights stay whole
+
+
+def test_a_corrupted_live_pull_withholds_the_instance_until_a_good_pull():
+    """Async, not staged, integrity=1: a pull whose landing got one flipped bit fails naming the tensor and
+    leaves ``version`` None -- and the instance is told to serve nothing (``withhold``), as a failed
+    non-staged ``update`` does, since its live weights are not the step; the next clean pull is checked,
+    reported and served again (``set_version``). Before, a failed pull withheld nothing: the engine went
+    on serving the corrupted weights."""
+    result = _run_corrupting_job("async", staged=False)
+    assert not result.failures, "\n".join(f"{f.line()}\n{f.traceback}" for f in result.failures)
+    (flipped,) = result.of(Flipped)
+    clean, corrupted, again = result.of(Outcome)
+    assert clean.error_kind == "" and clean.version == 1 and clean.exact and not clean.withheld, clean
+    assert corrupted.error_kind == "IntegrityError" and corrupted.version is None, corrupted
+    assert f"step 2: {flipped.tensor} differs from what was sent" in corrupted.message, corrupted.message
+    assert "instance 0: a pull failed" in corrupted.withheld, corrupted
+    assert again.error_kind == "" and again.version == 2 and again.held == 2 and again.exact, again
+    assert not again.withheld
 
 
 def test_the_exchange_moves_on_and_the_answerer_answers_only_its_armed_step():

@@ -41,6 +41,13 @@ Call order on an inference worker (:class:`Decoder`, one per worker)::
                                     (None: the base is not proven, take the bucket whole)
        decode(bucket, header, payload, targets, slot)      each bucket read
        end(step) / fail()
+
+Integrity is this stage's too, on both sides (:mod:`weightsync.integrity.check`, its call orders): what
+a checked step's sums cover is the codec's to say -- :meth:`Codec.on_wire` on a training rank (summed by
+``SentCheck`` after the transport sent), :meth:`Codec.landed` on a worker (summed by ``LandedCheck`` once
+every worker of the instance landed the step, before a staged copy is committed). The sums travel through
+the MetaServer, not in :class:`Header`: the full codec moves no header where the transports move the
+plan's bytes zero-copy, and a step off the cadence must cost nothing.
 """
 
 from __future__ import annotations
@@ -255,11 +262,16 @@ class Codec(ABC):
     def encoder(self, plans: Mapping[Pair, list[Bucket]], device: torch.device) -> Encoder: ...
 
     def on_wire(self, sources: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        """The tensors whose bytes a receiver holds once a step landed, named as the plan's sources:
-        what the sender's integrity sums cover (:mod:`weightsync.integrity`). Full and delta land the
-        sources' own bytes (cast to the receiver's dtype, which the sums do too); a codec that lands
+        """The sender's side of integrity (:mod:`weightsync.integrity.check`, ``SentCheck``): the tensors
+        whose bytes a receiver holds once a step landed, named as the plan's sources. Full and delta land
+        the sources' own bytes (cast to the receiver's dtype, which the sums do too); a codec that lands
         other bytes (FP8: the quantized weights and their scales) returns those."""
         return sources
+
+    def landed(self, targets: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The receiver's side of integrity (``LandedCheck``): the tensors whose planned boxes hold what
+        :meth:`on_wire` says was sent, named as the plan's destinations (full and delta: the targets)."""
+        return targets
 
     @abstractmethod
     def decoder(self, plans: Mapping[Pair, list[Bucket]]) -> Decoder: ...
@@ -273,6 +285,11 @@ def framed(codec: Codec | None) -> bool:
 def on_wire(codec: Codec | None, sources: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """:meth:`Codec.on_wire` (None: the full codec, the sources themselves)."""
     return sources if codec is None else codec.on_wire(sources)
+
+
+def landed(codec: Codec | None, targets: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """:meth:`Codec.landed` (None: the full codec, the targets themselves)."""
+    return targets if codec is None else codec.landed(targets)
 
 
 _MASK = (1 << 64) - 1

@@ -1,22 +1,44 @@
-"""Per-step integrity: the writer posts what it sent, each worker compares what landed, before `held`.
+"""Per-step integrity: the codec stage's proof of what it put on the wire, checked where it landed.
 
-The cadence (``integrity=N``, the writer's and reader's option, which every participant registers and
-must agree on): steps with ``step % N == 0`` are checked, ``N=1`` every step, ``0`` (or None/False)
-never. On a checked step
+What is summed is the codec's to say, on both sides (:meth:`weightsync.codec.base.Codec.on_wire` on a
+training rank, :meth:`~weightsync.codec.base.Codec.landed` on a worker); this module sums it along the
+proven plan (:mod:`.sums`), moves the per-bucket sums through the MetaServer (:mod:`.exchange`) and
+compares. The sums travel beside the payloads, not in the codec's per-bucket :class:`Header`: the full
+codec has no header where a transport moves the plan's bytes zero-copy (p2p and co-located post or copy
+the live tensors' views, nixl reads them), and a check must cost nothing on a step off the cadence.
 
-- every training rank, after sending and before posting ``written``, computes each of its buckets'
-  checksum over the source boxes (:mod:`.sums`) and posts them (:mod:`.exchange`: one value a rank
-  in a large job);
-- every inference worker, once every byte of the step landed (after the transport returned, and
-  co-located after every worker of its instance returned, since they write into each other), computes
-  the same over its destination boxes, reads its senders' values and compares, bucket by bucket; a
-  staged worker checks its copy before committing it, so a bad step never reaches the live weights.
+The cadence (``integrity=N``: steps with ``step % N == 0`` are checked, ``N=1`` every step, ``0`` never)
+is one of the session terms every participant registers (:class:`weightsync.meta.records.SessionTerms`):
+a participant with another cadence is refused at set-up, on every side, naming it. Where it is 0 neither
+side makes its part, so an unchecked job does no integrity work at all.
 
-A mismatch raises :class:`~weightsync.errors.IntegrityError` from the worker, so ``update`` (or an
-async ``pull``) fails and the reader does not report the step held (its ``version`` stays None, or
-the old step when staged). Before raising, the finer exchange (:mod:`.answer`, on a mismatch only)
-fetches the senders' per-copy sums, so the error names the exact tensors, boxes and (one flipped bit,
-:mod:`.locate`) the element. Async pulls compare with the sums posted with the staged snapshot.
+Call order on a training rank (:class:`SentCheck`, made by the session once the plan is made)::
+
+    1. SentCheck.for_session(client, rank, plans, tensors, codec, planner, every, sync)
+                                      None where every is 0; else the regions, derived once; no I/O
+    2. every step, after the transport's send returned and before ``written`` is posted:
+       sent(step) -> Checked | None   sync: the last checked step is held, so its answerer is disarmed;
+                                      a step on the cadence: the bucket sums of what the codec puts on
+                                      the wire are posted and the answerer armed with its copy sums
+                                      (async: ``send`` staged the snapshot from these very tensors inside
+                                      the same call, so their sums are the snapshot's)
+    3. close()
+
+Call order on an inference worker (:class:`LandedCheck`, made by ``worker.plan``)::
+
+    1. LandedCheck(plans, who, targets, timeout_s, codec)   the landed regions, derived once; no I/O
+    2. connect(link)                                          its MetaServer client
+    3. a step on the cadence, once EVERY worker's receive (or pull) returned -- co-located workers write
+       into each other -- and before any worker commits a staged copy (:mod:`weightsync.runtime.reader`):
+       verify(step, targets, pulled) -> Checked   raises IntegrityError naming the copies that differ;
+                                                  ``pulled`` (async): Checked(current=False) where the
+                                                  senders already posted a later snapshot's sums
+
+A mismatch raises :class:`~weightsync.errors.IntegrityError` from the worker, so ``update`` (or an async
+``pull``) fails and the reader does not report the step held (its ``version`` stays None, or the old
+step when staged: nothing was committed). Before raising, the finer exchange (:mod:`.answer`, on a
+mismatch only) fetches the senders' per-copy sums, so the error names the exact tensors, boxes and (one
+flipped bit, :mod:`.locate`) the element.
 """
 
 from __future__ import annotations
@@ -28,47 +50,15 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.errors import ConfigError, IntegrityError, MetaError
+from weightsync.codec.base import landed, on_wire
+from weightsync.errors import IntegrityError, MetaError
 from weightsync.integrity import exchange
+from weightsync.integrity.cadence import due
 from weightsync.integrity.locate import BadCopy, bad_copies
 from weightsync.integrity.sums import PairSums, StepSums, SumPlan, destination_dtypes, step_sums, sum_plan
 from weightsync.plan.planner import Bucket, Pair
 
 log = logging.getLogger("weightsync.integrity")
-
-
-def agree(people: list[dict], mine: int, client=None) -> None:
-    """Refuse a job whose participants registered different cadences (a worker would wait for sums no
-    trainer posts), aborting it through ``client`` so every peer stops at once."""
-    from weightsync.errors import JobMismatch
-    from weightsync.runtime.job import check_agreement
-
-    try:
-        theirs = check_agreement(people, "integrity", "the integrity cadence (integrity=N)")
-        if theirs is not None and theirs != mine:
-            raise ConfigError(f"this participant checks every {mine} steps, the job every {theirs}")
-    except (JobMismatch, ConfigError) as e:
-        if client is not None:
-            try:
-                client.abort(str(e))
-            except MetaError:
-                pass
-        raise
-
-
-@dataclass(frozen=True)
-class IntegrityCheck:
-    """What a reader hands its workers for a checked step (crosses process boundaries: plain values)."""
-
-    timeout_s: float  # how long a worker waits for its senders' sums
-    #: async pulls: a snapshot whose sums already moved on to a later step is not a mismatch, pull again
-    pulled: bool = False
-    every: int = 1  # async pulls: the cadence (which pulled steps are checked)
-
-    def due(self, step: int) -> bool:
-        from weightsync.integrity.cadence import due
-
-        return due(self.every, step)
 
 
 @dataclass(frozen=True)
@@ -87,40 +77,45 @@ class Checked:
 ASK_S = 12.0
 
 
-class SentSums:
-    """A training rank's side: the regions of its plan (derived at the first checked step), posting, and
-    answering the finer exchange (:mod:`.answer`) for the last checked step."""
+class SentCheck:
+    """A training rank's part (call order in the module docstring): the regions of its plan in what its
+    codec puts on the wire, derived once, the posting, and the answerer of the finer exchange (:mod:`.answer`)
+    for the last checked step."""
 
-    def __init__(self, rank: int, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor],
-                 planner=None):
-        self.rank, self.plans, self.tensors, self.planner = rank, plans, tensors, planner
-        self._plan: SumPlan | None = None
-        self._plan_of: int | None = None
+    def __init__(self, client, rank: int, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor],
+                 every: int, codec=None, dst_dtypes: Mapping[tuple[Pair, str], torch.dtype] | None = None,
+                 sync: bool = True):
+        self.client, self.rank, self.tensors, self.every = client, rank, tensors, every
+        self.codec, self.sync = codec, sync
+        #: what each step's sums read: the codec's wire tensors, named as the plan's sources
+        self.plan = sum_plan(plans, on_wire(codec, tensors), sending=True, dst_dtypes=dst_dtypes)
         self.answerer = None
+        self.last: Checked | None = None  # the last checked step's part
 
-    def plan(self, tensors: Mapping[str, torch.Tensor] | None = None) -> SumPlan:
-        tensors = self.tensors if tensors is None else tensors
-        if self._plan is None or self._plan_of != id(tensors):
-            dtypes = destination_dtypes(self.planner, self.plans) if self.planner is not None else None
-            self._plan, self._plan_of = sum_plan(self.plans, tensors, sending=True, dst_dtypes=dtypes), id(tensors)
-        return self._plan
+    @classmethod
+    def for_session(cls, client, rank: int, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor],
+                    codec, planner, every: int, sync: bool) -> SentCheck | None:
+        """The part a training rank's session makes at set-up: None where the cadence is 0 (nothing to do)."""
+        if not every:
+            return None
+        return cls(client, rank, plans, tensors, every, codec, destination_dtypes(planner, plans), sync)
 
-    def sums(self, tensors: Mapping[str, torch.Tensor] | None = None) -> StepSums:
-        tensors = self.tensors if tensors is None else tensors
-        return step_sums(self.plan(tensors), tensors)
-
-    def post(self, client, step: int, tensors: Mapping[str, torch.Tensor] | None = None) -> Checked:
-        """Post the bucket sums of ``step`` (of ``tensors``: default the live weights; async, the staged
-        snapshot) and arm the answerer with its copy sums."""
-        from weightsync.integrity.answer import Answerer
-
+    def sent(self, step: int) -> Checked | None:
+        """After the transport sent ``step`` (step 2 of the call order): on the cadence, post its sums."""
+        if self.sync:  # the last checked step is held by now: no worker asks for its copy sums any more
+            self.disarm()
+        if not due(self.every, step):
+            return None
         t0 = time.perf_counter()
-        sums = self.sums(tensors)
-        exchange.publish(client, self.rank, step, sums.buckets)
+        sums = step_sums(self.plan, on_wire(self.codec, self.tensors))
+        exchange.publish(self.client, self.rank, step, sums.buckets)
         if self.answerer is None:
-            self.answerer = Answerer(client, self.rank)
+            from weightsync.integrity.answer import Answerer
+
+            self.answerer = Answerer(self.client, self.rank)
         self.answerer.arm(step, {p: tuple(v for b in bs for v in b) for p, bs in sums.copies.items()})
-        return Checked(step, sum(len(v) for v in sums.buckets.values()), time.perf_counter() - t0)
+        self.last = Checked(step, sum(len(v) for v in sums.buckets.values()), time.perf_counter() - t0)
+        return self.last
 
     def disarm(self) -> None:
         if self.answerer is not None:
@@ -247,23 +242,25 @@ def verify(client, step: int, who: str, plan: SumPlan, targets: Mapping[str, tor
     return Checked(step, sum(len(v) for v in landed.buckets.values()), time.perf_counter() - t0)
 
 
-class Verifier:
-    """An inference worker's side: its MetaServer client and the landed regions of each set of targets
-    it checks (the live tensors; a staged reader's copy), derived at the first check of each and kept."""
+class LandedCheck:
+    """An inference worker's part (call order in the module docstring): the landed regions of its plan,
+    derived once from its tensors (a staged copy has the same names, boxes and dtypes), and its MetaServer
+    client. One for sync steps and async pulls alike."""
 
-    def __init__(self, link, instance: int, rank: int, plans: Mapping[Pair, list[Bucket]]):
-        self.link, self.plans = link, plans
-        self.who = f"instance {instance} rank {rank}"
+    def __init__(self, plans: Mapping[Pair, list[Bucket]], who: str, targets: Mapping[str, torch.Tensor],
+                 timeout_s: float, codec=None):
+        self.who, self.timeout_s, self.codec = who, timeout_s, codec
+        self.plan = landed_plan(plans, landed(codec, targets))
         self.client = None
-        self._landed: dict[bool, SumPlan] = {}
 
-    def verify(self, step: int, targets: Mapping[str, torch.Tensor], check: IntegrityCheck, staged: bool) -> Checked:
-        """:func:`verify` of ``targets`` (``staged``: the staged copy, else the live tensors)."""
+    def connect(self, link) -> None:
+        self.client = link.client(self.timeout_s)
+
+    def verify(self, step: int, targets: Mapping[str, torch.Tensor], pulled: bool = False) -> Checked:
+        """:func:`verify` of what landed in ``targets`` (the live tensors, or a staged reader's copy)."""
         if self.client is None:
-            self.client = self.link.client(check.timeout_s)
-        plan = self._landed.get(staged)
-        if plan is None:
-            plan = self._landed[staged] = landed_plan(self.plans, targets)
-        got = verify(self.client, step, self.who, plan, targets, check.timeout_s, pulled=check.pulled)
+            raise RuntimeError(f"{self.who}: the integrity check was not connected (worker.connect runs first)")
+        got = verify(self.client, step, self.who, self.plan, landed(self.codec, targets), self.timeout_s,
+                     pulled=pulled)
         log.debug("%s: step %d checked (%d buckets) in %.3f s", self.who, step, got.buckets, got.seconds)
         return got

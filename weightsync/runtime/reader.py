@@ -8,6 +8,17 @@ update ``version`` is None (the tensors are a mix of two steps) until a later up
 unless the reader is ``staged``: then each worker receives into a copy of its tensors (twice the
 memory) and commits only a complete step, so a failed update leaves the old version intact.
 
+``update(step)``, in order (``pull()`` the same, with ``worker.pull`` in 3 and the sums posted with
+the trainers' snapshot in 4)::
+
+    1. co-located: wait until every training rank announced the step written
+    2. instance.pause()
+    3. worker.receive on every worker                    the step lands (staged: in each worker's copy)
+    4. _settle: on the integrity cadence worker.verify on every worker, once all returned; staged: then
+       worker.commit on every worker, together
+    5. instance.after_update(); resume()                 a non-staged failure withholds the instance first
+    6. validate (on its cadence); version = step; set_version; report the step held
+
 On an elastic transport (file, nixl) a reader may join a running job -- an ``instance_id`` beyond the
 ``instances`` the job started with, or a gone or left instance's id -- and its first ``update`` may
 ask for the latest step written; ``close`` leaves the job (the session's "membership").
@@ -87,7 +98,7 @@ class WeightReader(SessionDriven):
                                                     instances, options, push=push, staged=staged,
                                                     instance_timeout_s=instance_timeout_s)
         self.version: int | None = None
-        self._integrity_agreed = False  # the job's integrity cadence checked (first update)
+        self._integrity_s: float | None = None  # the last settle's integrity check (inside `workers`)
         self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-held")
         self._report_error: Exception | None = None  # the first held report that failed, until raised
         self.last_stats: list[WorkerReport] = []
@@ -138,14 +149,9 @@ class WeightReader(SessionDriven):
         self.instance.pause()
         landed = False
         try:
-            check = self._integrity(step)  # a checked step (weightsync.integrity), else None
-            self.last_stats = self.instance.call(worker.receive, step, self.staged, check, timeout_s=worker.call_timeout(self.timeout_s))
-            if check is not None:  # every byte landed (co-located: pushed into each other too): compare
-                ti = time.perf_counter()
-                self.instance.call(worker.verify, step, check, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
-                self._integrity_s = time.perf_counter() - ti
-            if self.staged:  # every worker's copy is whole (and checked): commit them all, never one alone
-                self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
+            self.last_stats = self.instance.call(worker.receive, step, self.staged,
+                                                 timeout_s=worker.call_timeout(self.timeout_s))
+            self._settle(step)  # on the cadence every worker checks what landed; staged: all commit
             self.instance.after_update()
             landed = True
         except WeightsMoved as e:  # no later step can succeed either: stop the trainers waiting for us now
@@ -175,7 +181,7 @@ class WeightReader(SessionDriven):
             self.last_timing["started"] = max(r.stats.started for r in self.last_stats)
         if self._validated_s:
             self.last_timing["validate"] = self._validated_s
-        if check is not None:  # inside `workers`: the workers' checksums and the wait for the trainers'
+        if self._integrity_s is not None:  # inside `workers`: the workers' checksums and the wait for the trainers'
             self.last_timing["integrity"] = self._integrity_s
         return step
 
@@ -204,19 +210,27 @@ class WeightReader(SessionDriven):
             return str(c(step))
         return str(c)
 
-    def _integrity(self, step: int | None = None):
-        """What the workers check with (``integrity=N``, :mod:`weightsync.integrity`), or None: sync, step
-        ``step`` when N divides it; async (``step`` None), the pulled steps on the cadence. The first call
-        also refuses a cadence the trainers do not share."""
-        from weightsync.integrity.check import IntegrityCheck, agree
+    def _settle(self, step: int, pulled: bool = False) -> bool:
+        """What follows a step's landing on every worker, the same for ``update`` and ``pull``:
 
-        n = self.session.options.integrity
-        if not self._integrity_agreed:
-            agree(self.session.people, n, self.client)
-            self._integrity_agreed = True
-        if step is None:
-            return IntegrityCheck(self.timeout_s, pulled=True, every=n) if n else None
-        return IntegrityCheck(self.timeout_s) if integrity_due(n, step) else None
+            1. integrity (``integrity=N``, step ``step`` on the cadence): every worker checks what landed
+               (:func:`worker.verify`), once ALL returned (co-located workers write into each other);
+               a mismatch raises IntegrityError and nothing is committed
+            2. staged: every worker commits its copy, all together, never one alone
+
+        ``pulled`` (async): False where the snapshot's sums already moved on to a later step (nothing was
+        compared nor committed: pull again)."""
+        self._integrity_s = None
+        if integrity_due(self.session.options.integrity, step):
+            ti = time.perf_counter()
+            done = self.instance.call(worker.verify, step, self.staged, pulled,
+                                      timeout_s=worker.call_timeout(self.timeout_s))
+            self._integrity_s = time.perf_counter() - ti
+            if not all(c.current for c in done):
+                return False
+        if self.staged:
+            self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
+        return True
 
     def _validate_due(self, step: int) -> float:
         """Every ``validate_every``-th successful update: validate against step ``step``'s checkpoint; a
@@ -243,24 +257,24 @@ class WeightReader(SessionDriven):
             raise ValueError("pull() is for async mode; in sync mode call update(step)")
         self.connect()
         self._check_announced(wait=False)  # a held report that failed since the last call raises here, as in update
-        check = self._integrity()  # integrity=N: a pulled step on the cadence is verified before it is reported
         for _ in range(attempts):
             n = claim_pull(self.client, self.instance_id, self._next_pull)
             self._next_pull = n + 1
             if not self.staged:
                 self.version = None
             self.instance.pause()
+            landed = False
             try:
-                results = self.instance.call(worker.pull, self.staged, check,
-                                             timeout_s=worker.call_timeout(self.timeout_s))
+                results = self.instance.call(worker.pull, self.staged, timeout_s=worker.call_timeout(self.timeout_s))
                 steps = set().union(*(r.steps for r in results))
-                if len(steps) == 1 and check is not None and check.due(next(iter(steps))):
-                    if not self._verify_pulled(next(iter(steps)), check):
-                        steps.add(-1)  # the snapshot moved on before its sums were read: pull again
-                if self.staged and len(steps) == 1:  # every worker pulled the same step whole: commit them all
-                    self.instance.call(worker.commit, timeout_s=worker.call_timeout(self.timeout_s))
+                # every worker pulled the same step whole: checked on the cadence, then (staged) committed
+                if len(steps) == 1 and not self._settle(next(iter(steps)), pulled=True):
+                    steps.add(-1)  # the snapshot moved on before its sums were read: pull again
                 self.instance.after_update()
+                landed = len(steps) == 1
             finally:
+                if not landed and not self.staged:  # the live weights may mix two steps: serve none of them
+                    self._withhold(f"instance {self.instance_id}: a pull failed or straddled two steps")
                 self.instance.resume()
             self.last_stats = results
             if len(steps) == 1:
@@ -270,16 +284,6 @@ class WeightReader(SessionDriven):
                 self._announce(self.version)
                 return self.version
         raise TransportError(f"instance {self.instance_id}: training ranks kept serving different steps")
-
-    def _verify_pulled(self, step: int, check) -> bool:
-        """Every worker compares the pulled step with the sums posted with its snapshot; a mismatch raises
-        IntegrityError (staged: nothing committed, the old version stays; live: no version). False where
-        the snapshot's sums already moved on (not compared: the caller pulls again)."""
-        ti = time.perf_counter()
-        done = self.instance.call(worker.verify, step, check, self.staged,
-                                  timeout_s=worker.call_timeout(self.timeout_s))
-        self._integrity_s = time.perf_counter() - ti
-        return all(c.current for c in done)
 
     def _withhold(self, reason: str) -> None:
         """Tell the instance to serve nothing until its next good update (``set_version``), where it can."""
@@ -313,7 +317,6 @@ class WeightReader(SessionDriven):
         with contextlib.suppress(Exception):
             self.session.close()
         self.session = self._new_session()
-        self._integrity_agreed = False
         return self.connect()
 
     def _announce(self, step: int) -> None:

@@ -8,7 +8,8 @@ connect through :mod:`weightsync.runtime.worker`). :meth:`JobSession.setup` runs
                   and its digest, host and GPU, options); a model differing from the job's is refused
     2. agree      wait for the whole job; cross-check every registration (versions, layouts, options)
                   into one :class:`JobShape`; check this process's own layouts rebuild from it
-    3. plan       this process's plans, their pair hashes, and the memory each transport will keep
+    3. plan       this process's plans, their pair hashes, the memory each transport will keep, and (on
+                  an integrity cadence, weightsync.integrity.check) each side's integrity part
     4. budget     that memory against the budget: a refusal aborts the job, so every peer stops at once
     5. bells      publish this process's doorbells -- before the proof, so every bell is out once the
                   plan is proven and the peers may open them in step 7
@@ -51,8 +52,9 @@ from typing import Any
 
 from weightsync.codec.fp8 import check_engine, fp8_options
 from weightsync.engines import make_layout
-from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
+from weightsync.integrity.check import SentCheck
 from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.meta.heartbeat import Heartbeat
 from weightsync.meta.records import Registration, SessionTerms
@@ -262,6 +264,8 @@ class TrainerSession(JobSession):
         self.backend = options.backend or ("nccl" if device.type == "cuda" else "gloo")
         self.sender: Sender = make_sender(options.transport_options(self.backend))
         self.plans: Mapping[Pair, list[Bucket]] = {}
+        #: the integrity part (weightsync.integrity.check.SentCheck), made at plan; None for integrity=0
+        self.integrity = None
         self.written_bell: Doorbell | None = None
         self.held_bells: list[Doorbell] | None = None
 
@@ -291,6 +295,11 @@ class TrainerSession(JobSession):
         self.plans = planner.send_plan(self.train.rank)
         self.context = SenderContext(self.link, self.client, self.shape, self.train.rank, planner, self.plans,
                                      self.train.tensors)
+        # what the codec puts on the wire, summed on the cadence (async: write() stages the snapshot from
+        # these tensors inside the same call, so their sums are the snapshot's)
+        self.integrity = SentCheck.for_session(self.client, self.train.rank, self.plans, self.train.tensors,
+                                               self.sender.options.codec, planner, self.options.integrity,
+                                               sync=self.options.mode == "sync")
         return [(self.who, self.sender.memory(self.context))]
 
     def publish_bells(self) -> None:
@@ -324,6 +333,8 @@ class TrainerSession(JobSession):
         self.sender.connect(self.context)
 
     def close(self) -> None:
+        if self.integrity is not None:
+            self.integrity.close()
         self.sender.close()
         if self.written_bell is not None:
             self.written_bell.close()
@@ -401,7 +412,7 @@ class InstanceSession(JobSession):
         planned = self.instance.call(worker.plan, self.shape, dict(self.instance.model_config), self.instance_id,
                                      self.push and not self.staged,
                                      fp8_options(opts := self.options.transport_options(self.backend), self.shape.infer,
-                                                 self.spec) or opts,
+                                                 self.spec) or opts, self.options.integrity,
                                      timeout_s=self.options.timeout_s)
         self.hashes = [p.hashes for p in planned]
         return [(f"{self.who} rank {r}", p.buffers) for r, p in enumerate(planned)]

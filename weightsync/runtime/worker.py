@@ -4,7 +4,14 @@ The instance's control process (:class:`~weightsync.runtime.session.InstanceSess
 :class:`~weightsync.runtime.reader.WeightReader`) calls these functions on every worker at once through
 :meth:`InferenceInstance.call`, in this order::
 
-    probe -> plan -> connect -> (receive | pull)* -> disconnect
+    1. probe        what the worker is (peer access, GPU)
+    2. plan         its receives, its transport's memory, its integrity part (integrity=N, N > 0)
+    3. connect      the transport joins; the integrity part gets its MetaServer client
+    4. every step:
+       receive | pull     the step lands in the live tensors, or a staged copy
+       verify             on the cadence, once EVERY worker returned (co-located: they write into each other)
+       commit             staged, once every worker's copy is whole and checked: all commit, never one alone
+    5. disconnect
 
 Each takes the worker's :class:`WorkerContext` first and returns a typed record; a worker keeps its
 state between calls in ``ctx.reader`` (a :class:`WorkerReader`: plan, receiver, staged copy), built
@@ -20,7 +27,7 @@ from typing import TypeVar
 import torch
 
 from weightsync.errors import TransportError
-from weightsync.integrity.check import Checked, IntegrityCheck, Verifier
+from weightsync.integrity.check import Checked, LandedCheck
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.runtime.instance import WorkerContext
 from weightsync.runtime.job import JobShape, hashes_of
@@ -89,7 +96,8 @@ class WorkerReader:
     receiver: Receiver
     context: ReceiverContext
     stage: dict[str, torch.Tensor] | None = None  # staged readers: the copy a step lands in
-    verifier: Verifier | None = None  # integrity: made at the first checked step
+    #: integrity (:mod:`weightsync.integrity.check`): what landed, checked on the cadence; None for integrity=0
+    check: LandedCheck | None = None
     #: why a transfer over the job's group failed or was given up on (a trainer stopped or died mid-step,
     #: the deadline passed): the group cannot be used again, and every later receive says so at once
     abandoned: str | None = None
@@ -131,10 +139,11 @@ def _gpu_index(ctx: WorkerContext) -> int:
 
 
 def plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance: int, push: bool,
-         options: TransportOptions) -> WorkerPlan:
+         options: TransportOptions, integrity: int = 0) -> WorkerPlan:
     """Plan this worker's receives and keep the plan; return its pair hashes and the memory its
     transport will keep. ``push``: co-located, this instance's workers write their own GPU's trainers'
-    pieces into each other (:meth:`ColocatedRanks.pusher`)."""
+    pieces into each other (:meth:`ColocatedRanks.pusher`). ``integrity``: the agreed cadence; where it
+    is not 0 the worker derives its integrity part now (0: none, no integrity work at all)."""
     from weightsync.spec.model import spec_from_config
 
     planner = shape.planner(spec_from_config(model_config))
@@ -142,7 +151,9 @@ def plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance: int,
     receiver = make_receiver(options)
     context = ReceiverContext(None, shape, instance, ctx.rank, planner, plans, ctx.tensors, ctx.device, push)
     buffers = receiver.memory(context)
-    ctx.reader = WorkerReader(instance, shape, plans, receiver, context)
+    check = (LandedCheck(plans, f"instance {instance} rank {ctx.rank}", ctx.tensors, options.timeout_s, options.codec)
+             if integrity else None)
+    ctx.reader = WorkerReader(instance, shape, plans, receiver, context, check=check)
     return WorkerPlan(hashes_of(plans), buffers)
 
 
@@ -151,13 +162,15 @@ def connect(ctx: WorkerContext, link: MetaLink) -> None:
     r = _reader(ctx)
     r.context.link = link
     r.receiver.connect(r.context)
+    if r.check is not None:
+        r.check.connect(link)
 
 
-def receive(ctx: WorkerContext, step: int, staged: bool = False, check: IntegrityCheck | None = None) -> WorkerReport:
+def receive(ctx: WorkerContext, step: int, staged: bool = False) -> WorkerReport:
     """Receive one step into the live tensors, or (staged) into a copy that the reader commits
-    (:func:`commit`) only once EVERY worker's receive returned whole: a worker never commits alone, or a
-    failure on another worker would leave the instance serving two steps across its ranks. ``check`` (a
-    checked step, :mod:`weightsync.integrity`): the reader runs :func:`verify` on every worker first."""
+    (:func:`commit`) only once EVERY worker's receive returned whole (and, on the integrity cadence, every
+    worker's :func:`verify` passed): a worker never commits alone, or a failure on another worker would
+    leave the instance serving two steps across its ranks."""
     r = _reader(ctx)
     with torch.no_grad():
         targets = r.targets(ctx, staged)
@@ -166,15 +179,16 @@ def receive(ctx: WorkerContext, step: int, staged: bool = False, check: Integrit
     return WorkerReport(ctx.rank, frozenset({step}), stats)
 
 
-def verify(ctx: WorkerContext, step: int, check: IntegrityCheck, staged: bool = False) -> Checked:
-    """Check what landed in step ``step`` (the live tensors, or the staged copy) against what the training
-    ranks sent (raises :class:`~weightsync.errors.IntegrityError`); run once every worker's receive
-    returned (co-located workers write into each other)."""
+def verify(ctx: WorkerContext, step: int, staged: bool = False, pulled: bool = False) -> Checked:
+    """Check what landed of step ``step`` (the live tensors, or the staged copy) against what the training
+    ranks sent (raises :class:`~weightsync.errors.IntegrityError`); run once every worker's receive or pull
+    returned (co-located workers write into each other), for sync steps and async pulls alike. ``pulled``:
+    an async pull, whose senders may have posted a later snapshot's sums meanwhile (``current=False``)."""
     r = _reader(ctx)
-    if r.verifier is None:
-        r.verifier = Verifier(r.context.link, r.instance, ctx.rank, r.plans)
+    if r.check is None:
+        raise RuntimeError(f"worker {ctx.rank} was planned with integrity=0, so it has no sums to check with")
     with torch.no_grad():
-        return r.verifier.verify(step, r.stage if staged else ctx.tensors, check, staged)
+        return r.check.verify(step, r.stage if staged else ctx.tensors, pulled)
 
 
 def commit(ctx: WorkerContext) -> None:
@@ -183,9 +197,9 @@ def commit(ctx: WorkerContext) -> None:
         _reader(ctx).commit(ctx)
 
 
-def pull(ctx: WorkerContext, staged: bool, check: IntegrityCheck | None = None) -> WorkerReport:
+def pull(ctx: WorkerContext, staged: bool) -> WorkerReport:
     """Async pull: the steps the training ranks served, then the data. Staged, the reader commits every
-    worker's copy (:func:`commit`) only once all pulled the SAME one step (and, on ``check``'s cadence,
+    worker's copy (:func:`commit`) only once all pulled the SAME one step (and, on the integrity cadence,
     verified it): a worker committing alone served a later step than its peers (found by the soak)."""
     r = _reader(ctx)
     with torch.no_grad():

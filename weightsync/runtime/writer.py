@@ -4,7 +4,15 @@ Set-up (:class:`~weightsync.runtime.session.TrainerSession`, on :meth:`WeightWri
 first ``write``): register, agree, plan, budget, bells, prove, connect. Every step, ``write(step)``
 hands this rank's part to its transport and returns once it left (async) or once every instance
 holds the step (sync; on an elastic transport every *live* instance: one that does not report the
-step within ``instance_timeout_s`` is dropped, see the session's "membership").
+step within ``instance_timeout_s`` is dropped, see the session's "membership"). In order::
+
+    1. Sender.send(step)             this rank's part left (async: staged in the transport's snapshot)
+    2. ring the `written` bell       co-located workers on this host start copying
+    3. Sender.check(step)            refuse to record a step the workers did not read (weights moved)
+    4. integrity.sent(step)          on the cadence: the sums of what the codec put on the wire
+                                     (weightsync.integrity.check.SentCheck; none for integrity=0)
+    5. MetaServer: written
+    6. sync: wait `held`, then Sender.held(step)
 """
 
 from __future__ import annotations
@@ -18,7 +26,6 @@ import torch
 
 from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
-from weightsync.integrity.cadence import due as integrity_due
 from weightsync.integrity.cadence import every as integrity_every
 from weightsync.layout.layout import EngineLayout, Layout
 from weightsync.meta.client import DEADLINE_MARGIN_S, MetaClient, MetaError, MetaTimeout
@@ -94,9 +101,6 @@ class WeightWriter(SessionDriven):
         self.session = TrainerSession(self.client, MetaLink(meta, job, token), train, options)
         #: the trainer group this rank signals steps with (``group=``), or None
         self.group = TrainerGroup(group) if group is not None else None
-        self._sent_sums = None  # weightsync.integrity: this rank's checksum regions, derived at the first checked step
-        #: the last checked step's sums (weightsync.integrity.check.Checked), or None
-        self.last_integrity = None
         self.last: StepStats | None = None
         #: seconds the last write spent sending, announcing the step and (sync) waiting until it is held
         self.last_timing: dict[str, float] = {}
@@ -126,7 +130,7 @@ class WeightWriter(SessionDriven):
         if s.written_bell is not None:
             s.written_bell.ring(step)  # the workers on this host start copying now...
         self._check(step)  # ...while the transport checks what they read is the step
-        self._post_sums(step)  # a checked step: what this rank sent, for the workers to compare
+        self._sent(step)  # a checked step: what this rank's codec put on the wire, for the workers to compare
         self.client.written(step, self.train.rank)
         t2 = time.perf_counter()
         if self.mode == "sync" and s.shape.elastic:
@@ -137,8 +141,9 @@ class WeightWriter(SessionDriven):
         if self.mode == "sync":
             s.sender.held(step)
         self.last_timing = {"send": t1 - t0, "written": t2 - t1, "wait_held": time.perf_counter() - t2}
-        if self.last_integrity is not None and self.last_integrity.step == step:  # inside `written`
-            self.last_timing["integrity"] = self.last_integrity.seconds
+        last = self.last_integrity
+        if last is not None and last.step == step:  # inside `written`
+            self.last_timing["integrity"] = last.seconds
         return self.last
 
     def _write_grouped(self, step: int) -> StepStats | None:
@@ -152,7 +157,7 @@ class WeightWriter(SessionDriven):
             if s.written_bell is not None:
                 s.written_bell.ring(step)
             self._check(step)
-            self._post_sums(step)
+            self._sent(step)
         except Exception as e:  # noqa: BLE001 - told to the group, then raised here
             mine, local_error = Outcome.failed(step, self.train.rank, self.client.job, e), e
         t1 = time.perf_counter()
@@ -230,25 +235,18 @@ class WeightWriter(SessionDriven):
         with contextlib.suppress(MetaTimeout):
             self.client.wait_held(step, None, timeout=min(1.0, self.instance_timeout_s))
 
-    def _post_sums(self, step: int) -> None:
-        """On a checked step (``integrity=N``), post the checksums of every bucket this rank sent (async:
-        of the snapshot just staged), as its codec lands them (:func:`weightsync.codec.base.on_wire`)
-        (:mod:`weightsync.integrity`); each worker compares what landed before its step is held (async:
+    def _sent(self, step: int) -> None:
+        """Step 4 of ``write`` (module docstring): the session's integrity part, where the cadence is not 0
+        (the job agreed on it at set-up); each worker compares what landed before its step is held (async:
         before its pull reports the step)."""
-        s = self.session
-        if self._sent_sums is None:  # the first write: the job must agree on the cadence
-            from weightsync.integrity.check import SentSums, agree
+        if self.session.integrity is not None:
+            self.session.integrity.sent(step)
 
-            agree(s.people, s.options.integrity, self.client)
-            self._sent_sums = SentSums(self.train.rank, s.plans, self.train.tensors, planner=s.context.planner)
-        if self.mode == "sync":  # the last checked step is held: no worker asks for its copy sums now
-            self._sent_sums.disarm()
-        if integrity_due(s.options.integrity, step):
-            from weightsync.codec.base import on_wire
-
-            staged = s.sender.snapshot() if self.mode != "sync" else None
-            sent = on_wire(s.sender.options.codec, staged if staged is not None else self.train.tensors)
-            self.last_integrity = self._sent_sums.post(self.client, step, sent)  # what the codec lands
+    @property
+    def last_integrity(self):
+        """The last checked step's part (:class:`weightsync.integrity.check.Checked`), or None."""
+        check = self.session.integrity
+        return check.last if check is not None else None
 
     def _check(self, step: int) -> None:
         """Refuse to record ``step`` as written when the transport says the receivers did not read it
@@ -270,6 +268,4 @@ class WeightWriter(SessionDriven):
         return save_checkpoint(self.train, directory, **options)
 
     def close(self) -> None:
-        if self._sent_sums is not None:
-            self._sent_sums.close()
         self.session.close()

@@ -15,6 +15,9 @@ Call order on a training rank (:class:`Sender`)::
                                 publish what the peers need (run again after a topology change)
     4. every step:
        send(step)               returns once this rank's part of ``step`` may be announced written
+                                (async: once it is staged; the live weights do not change meanwhile, so
+                                what is summed of them after ``send`` is what pulls are served,
+                                :mod:`weightsync.integrity.check`)
        check(step)              after the step's bell rang, before it is recorded written: raise to
                                 refuse recording it (co-located: the weights moved since shared)
        held(step)               sync: once every live instance holds it (file: remove its files)
@@ -208,11 +211,6 @@ class Sender(ABC):
 
     def held(self, step: int) -> None:
         """Sync: every live instance holds ``step`` (called after the wait): release what was kept for it."""
-
-    def snapshot(self) -> Mapping[str, torch.Tensor] | None:
-        """Async: the staged copy of the weights that pulls are served from (its integrity sums are
-        computed over it, :mod:`weightsync.integrity`); None where the sender stages none."""
-        return None
 
     def close(self) -> None:
         pass

@@ -419,9 +419,6 @@ class P2PSender(Sender):
                                                   proofs=BASE_PROOF in codec.needs)
             return self.transport.send(self.plans, self.tensors)
 
-    def snapshot(self) -> Mapping[str, torch.Tensor] | None:
-        return self.server.snapshot if self.server is not None else None
-
     def close(self) -> None:
         if getattr(self, "server", None) is not None:
             self.server.close()
