@@ -26,10 +26,11 @@ test: venv
 	$(PY) -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider
 
 # On the GPU host: its own python3 holds a CUDA torch (the .venv's torch is a CPU build). Wheels carried
-# in .whl (checkpoint-engine 0.4.2 and its needs, for its baseline's tests) are installed beside it.
+# in .whl (checkpoint-engine 0.4.2 and its needs, for its baseline's tests) are installed beside it. A kit's
+# PYTHONPATH (`. .sgkit/go.sh`) is kept after them, so its engine's GPU tests run too.
 test-gpu:
 	if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; fi
-	NCCL_NVLS_ENABLE=0 PYTHONPATH=/tmp/site:$(CURDIR) python3 -m pytest -q -m gpu -p no:cacheprovider -rs
+	NCCL_NVLS_ENABLE=0 PYTHONPATH=/tmp/site:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 -m pytest -q -m gpu -p no:cacheprovider -rs
 
 clean:
 	rm -rf .venv

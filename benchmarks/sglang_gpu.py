@@ -259,6 +259,7 @@ def _sync_steps(own, spec, cfg, cfg_path: Path, refs: dict, meta, job: str, step
             rec = {"job": job, "transport": "cuda-ipc" if colocate else transport, "step": step, "seed": seed,
                    "update_seconds": seconds, "bytes": sum(s.bytes for s in reader.last_stats)}
             rec["instance_ms"] = {k: v * 1e3 for k, v in own.instance.last_timing.items()}
+            rec["quiet"] = own.instance.last_quiet  # pause/flush/continue skipped, the flush inside the call
             rec.update(_check(own, spec, cfg, refs[seed], seed, step))
             rec["ok"] = rec["loaded_exact"] and rec["computed_equal"] and rec["tokens_equal"] and rec["version_ok"]
             log(f"[{job}] step {step} <- seed {seed}: {seconds * 1e3:.1f} ms, loaded exact {rec['loaded_exact']}, "
@@ -394,10 +395,13 @@ def bench(out: Path, model: str, scenarios: list[str], steps: int) -> dict:
 
 
 def overhead(out: Path, steps: int = 12) -> dict:
-    """Where an update's time goes in SGLang's call path (tiny Llama, co-located trainer): per step the reader's
-    phases and ``SGLangInstance.last_timing`` (half the steps with ``continue_generation(torch_empty_cache=True)``,
-    SGLang's default, half with False), then bare calls: a ping there and back, ``Engine.flush_cache()``, and
-    ``torch.cuda.empty_cache()`` inside the scheduler."""
+    """Where an update's time goes in SGLang's call path (tiny Llama, co-located trainer), A/B in one run: per
+    step the reader's phases and ``SGLangInstance.last_timing``, odd steps with ``quiet_updates=False`` (pause,
+    call, flush, continue: four round trips), even steps quiet (the call alone, flushing in its own request);
+    then bare calls (a ping there and back) with the message in a tensor and in the name, ``Engine.flush_cache()``,
+    and ``torch.cuda.empty_cache()`` inside the scheduler."""
+    import statistics
+
     from weightsync.meta.server import MetaServer
     from weightsync.runtime.reader import WeightReader
     from weightsync.sglang.engine import EngineOptions, start
@@ -409,6 +413,7 @@ def overhead(out: Path, steps: int = 12) -> dict:
     path = save(cfg, 0, root / "seed0")
     own = start(cfg, ENGINE, EngineOptions(), checkpoint=str(path))
     inst = own.instance
+    res["name_payload"] = inst._in_name
     try:
         with MetaServer().start() as meta:
             plan = [(k, 1 + k % 2) for k in range(1, steps + 1)]
@@ -416,24 +421,30 @@ def overhead(out: Path, steps: int = 12) -> dict:
             reader = WeightReader(inst, meta=meta.url, job="overhead", instance_id=0, instances=1, timeout_s=120,
                                   colocate=True).connect()
             for step, _ in plan:
-                inst.empty_cache_on_resume = step <= steps // 2
+                inst.quiet_updates = step % 2 == 0
                 t0 = time.perf_counter()
                 reader.update(step)
-                rec = {"step": step, "empty_cache_on_resume": inst.empty_cache_on_resume,
-                       "update_ms": (time.perf_counter() - t0) * 1e3,
+                rec = {"step": step, "quiet": inst.last_quiet, "update_ms": (time.perf_counter() - t0) * 1e3,
                        "reader_ms": {k: v * 1e3 for k, v in reader.last_timing.items()},
                        "instance_ms": {k: v * 1e3 for k, v in inst.last_timing.items()}}
                 res["steps"].append(rec)
                 log(f"[overhead] {rec}")
             reader.close()
             res["trainer"] = trainer.result()
-        pings = []
-        for _ in range(20):
-            t0 = time.time()
-            (t1,) = inst.call(ping)
-            t2 = time.time()
-            pings.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
-        res["ping_ms_there_back"] = pings
+        timed = res["steps"][2:]  # steps 1-2 open handles and compile
+        for quiet in (False, True):
+            w = [r["reader_ms"]["workers"] for r in timed if r["quiet"] == quiet]
+            res[f"workers_ms_median_{'quiet' if quiet else 'paused'}"] = statistics.median(w) if w else None
+        for in_name in (False, True):
+            inst._in_name = in_name and res["name_payload"]
+            pings = []
+            for _ in range(20):
+                t0 = time.time()
+                (t1,) = inst.call(ping)
+                t2 = time.time()
+                pings.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
+            res[f"ping_ms_there_back_{'name' if inst._in_name else 'tensor'}"] = pings
+        inst._in_name = res["name_payload"]
         flushes = []
         for _ in range(10):
             t0 = time.perf_counter()
@@ -441,7 +452,8 @@ def overhead(out: Path, steps: int = 12) -> dict:
             flushes.append((time.perf_counter() - t0) * 1e3)
         res["flush_ms"] = flushes
         res["empty_cache_ms"] = [inst.call(empty_cache_seconds)[0] * 1e3 for _ in range(5)]
-        log(f"[overhead] ping there/back ms {pings[-5:]}; flush ms {flushes}; empty_cache ms {res['empty_cache_ms']}")
+        log(f"[overhead] workers ms paused {res['workers_ms_median_paused']} quiet {res['workers_ms_median_quiet']}; "
+            f"flush ms {flushes}; empty_cache ms {res['empty_cache_ms']}")
     except Exception as e:  # noqa: BLE001
         res["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
         log(f"[overhead] FAILED {e}")

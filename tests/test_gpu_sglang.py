@@ -73,6 +73,7 @@ def others() -> dict:
     return _colo("qwen3,qwen2,qwen3moe", "--no-extras")
 
 
+@pytest.mark.xdist_group("sglang-others")  # one worker runs the module fixture's engines once (make test-gpu -n N)
 @pytest.mark.parametrize("model", ["qwen3", "qwen2", "qwen3moe"])
 def test_other_architectures_colocated_bit_exact(others, model):
     res = others["models"][model]
@@ -80,3 +81,37 @@ def test_other_architectures_colocated_bit_exact(others, model):
     if model == "qwen3moe" and fresh_failed:  # a FRESH SGLang engine (no weightsync) cannot run it from the kit
         pytest.skip(f"the SGLang GPU kit cannot run Qwen3-MoE: {fresh_failed[0][:600]}")
     _assert_steps(res, {f"{model}-colo"})
+
+
+#: the demo's model: a tiny Qwen3 whose shapes the kit's prebuilt JIT kernels cover (head_dim 64, 2 KV heads)
+DEMO_MODEL = dict(json.loads((ROOT / "weightsync" / "spec" / "presets" / "tiny-qwen3-h64.json").read_text()),
+                  num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("how", ["--colocate", "--transport=nixl"])
+def test_demo_real_sglang_each_step_bit_exact_to_a_fresh_engine(tmp_path, how):
+    """``weightsync demo --engines real --device cuda --infer sglang:tp=1`` with a trainer process on the same GPU:
+    co-located (CUDA IPC) or separated over NIXL (the engine shares the trainer's GPU); every step the engine's
+    tensors are bit-exact to the trainer's, everything it computes with equals a FRESH SGLang engine's on the
+    step's checkpoint (digests), and its greedy tokens equal that engine's."""
+    if how.startswith("--transport=nixl") and importlib.util.find_spec("nixl") is None:
+        pytest.skip("NIXL is not importable here (the GPU host carries it in .nixlwhl)")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(DEMO_MODEL))
+    out = Path(os.environ.get("WEIGHTSYNC_GPU_OUT") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / f"demo{how.replace('=', '-')}.log"
+    with open(log, "w") as f:
+        p = subprocess.run([sys.executable, "-m", "weightsync", "demo", "--engines", "real", "--device", "cuda",
+                            "--infer", "sglang:tp=1", "--train", "hf", "--model", str(cfg), "--steps", "2", "--json",
+                            how], stdout=subprocess.PIPE, stderr=f, timeout=560, start_new_session=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"exit {p.returncode}, no JSON: {p.stdout[-2000:]} {log.read_text()[-4000:]}"
+    res = json.loads(lines[-1])
+    (out / f"demo{how.replace('=', '-')}.json").write_text(json.dumps(res, indent=1))
+    assert not res["errors"] and res["verified"], res
+    assert [s["step"] for s in res["steps"]] == [1, 2]
+    for s in res["steps"]:
+        (i,) = s["instances"]
+        assert i["exact"] and i["tokens_equal"] is True and i["version"] == s["step"], s

@@ -15,6 +15,7 @@ required around ``update_weights_from_tensor``; answers are ``(success, message)
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import io
 import json
 import multiprocessing as mp
@@ -680,3 +681,234 @@ def test_a_timed_out_call_raises_worker_timeout_naming_the_call_and_its_deadline
         eng.gate.set()
         inst._inflight.join(10)
         inst.close()
+
+
+# -- fewer round trips a step (issue 22 item 3) -------------------------------------------------------
+
+
+def test_a_call_carried_in_the_name_crosses_sglangs_unpickler_without_a_descriptor_and_is_authenticated(monkeypatch):
+    """The message in the tensor's name beside an empty tensor: ForkingPickler pickles no shared-memory descriptor
+    for it (no DupFd, no resource-sharer connection), SGLang's unpickler admits it, the worker authenticates it;
+    a changed byte in the name is refused before anything is unpickled."""
+    from weightsync.sglang import wire
+
+    d, key = wire.new_key_dir()
+    try:
+        msg = S.RpcMessage("inst", d, 4, rank_and_count, ("a", torch.arange(3, dtype=torch.bfloat16)))
+        named = S.rpc_payload(msg, key, in_name=True)
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(named)
+        blob = buf.getvalue()
+        assert b"DupFd" not in blob and b"rebuild_storage_fd" not in blob and b"rebuild_storage_empty" in blob
+        got = S.read_payload(RestrictedUnpickler(io.BytesIO(blob)).load())
+        assert (got.instance, got.seq, got.fn, got.args[0]) == ("inst", 4, rank_and_count, "a")
+        assert torch.equal(got.args[1], torch.arange(3, dtype=torch.bfloat16))
+        name = named[0][0]
+        i = len(name) // 2
+        forged = name[:i] + ("A" if name[i] != "A" else "B") + name[i + 1:]
+        with pytest.raises(wire.WireError):
+            S.read_payload([(forged, named[0][1])])
+        # rpc_loader: a forged name is logged and not answered; the real one is answered
+        model = Model({"a.weight": torch.randn(3, 2)})
+        monkeypatch.setattr(S, "_tp_rank", lambda: 0)
+        assert S.rpc_loader(model, [(forged, torch.empty(0, dtype=torch.uint8))]) is None
+        assert not os.path.exists(f"{d}/4.0")
+        assert S.rpc_loader(model, _sglang_delivery(named)) is None
+        assert wire.read_answer(f"{d}/4.0") == S.RpcAnswer(True, (0, 1, "a"))
+    finally:
+        shutil.rmtree(d)
+
+
+class SchedulerStandIn:
+    """0.5.14's ``SchedulerWeightUpdaterManager``: ``update_weights_from_tensor`` runs the worker's custom loader;
+    its ``flush_cache(empty_cache)`` (the scheduler's) flushes only when ``is_fully_idle()``, else answers False."""
+
+    def __init__(self, engine):
+        self.engine, self.idle = engine, True
+
+    def is_fully_idle(self):
+        return self.idle
+
+    def flush_cache(self, empty_cache=True):
+        self.engine.log.append(("scheduler flush", self.idle, empty_cache))
+        return self.idle
+
+    def update_weights_from_tensor(self, model, named):
+        S.rpc_loader(model, named)
+
+
+class TokenizerManagerQuiet(TokenizerManager0514):
+    """0.5.14's tokenizer manager with its request table and its waiting flush (FlushCacheReqInput.timeout_s)."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.rid_to_state = {}
+
+    async def flush_cache(self, timeout_s=None):
+        self.engine.log.append(("flush waiting", timeout_s))
+        return Flush(True)
+
+
+class StandInEngineQuiet(StandInEngine0514):
+    """0.5.14 with the scheduler between the engine and the loader, and the name-carried payload admitted."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.tokenizer_manager = TokenizerManagerQuiet(self)
+        self.scheduler = SchedulerStandIn(self)
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        assert load_format == S.RPC_LOADER and flush_cache is False
+        self.log.append(("update", len(named_tensors[0][1])))
+        for rank, model in enumerate(self.models):
+            S._tp_rank = lambda rank=rank: rank  # noqa: B023
+            buf = io.BytesIO()
+            ForkingPickler(buf).dump(named_tensors)
+            self.scheduler.update_weights_from_tensor(model, RestrictedUnpickler(io.BytesIO(buf.getvalue())).load())
+        return True, "Success"
+
+
+def _quiet(tmp_path, monkeypatch, **kw):
+    spec, layout, base = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=2")
+    monkeypatch.setattr(S, "name_payload_admitted", lambda: True)
+    eng = StandInEngineQuiet(str(tmp_path), base.models)
+    return spec, layout, eng, S.SGLangInstance(eng, timeout_s=30, **kw)
+
+
+def _exact(layout, eng, canonical):
+    for r, m in enumerate(eng.models):
+        want = scatter(layout.layout(r), canonical)
+        for n, t in m.named_parameters():
+            assert torch.equal(t.isnan(), want[n].isnan()) and torch.equal(t.nan_to_num(), want[n].nan_to_num()), n
+
+
+def test_a_quiet_update_neither_pauses_nor_continues_and_flushes_inside_its_calls(tmp_path, fake_sglang, monkeypatch):
+    """Nothing in flight (the tokenizer manager's rid_to_state empty): no pause_generation, no flush_cache and no
+    continue_generation round trips; every call of the update flushes in its own request (the scheduler's own
+    flush_cache, found on the loader's call stack); bit-exact; the payload rides in the name (empty tensor)."""
+    spec, layout, eng, inst = _quiet(tmp_path, monkeypatch, empty_cache_on_resume=False)
+    try:
+        eng.log.clear()
+        canonical = random_canonical(spec, seed=5)
+        inst.pause()
+        assert inst.call(write_canonical, canonical, preset("tiny-qwen3"), inst.engine) == [0, 1]
+        inst.after_update()  # post_load_weights: one more call, which flushes too
+        inst.resume()
+        inst.set_version(2)
+        assert inst.last_quiet and inst.served_version == "2"
+        assert eng.log == [("update", 0), ("scheduler flush", True, False), ("scheduler flush", True, False),
+                           ("update", 0), ("scheduler flush", True, False), ("scheduler flush", True, False)]
+        _exact(layout, eng, canonical)
+        # outside an update a call does not flush
+        eng.log.clear()
+        assert inst.call(rank_and_count) == [(0, len(layout.layout(0).tensors), None),
+                                             (1, len(layout.layout(1).tensors), None)]
+        assert eng.log == [("update", 0)]
+    finally:
+        inst.close()
+
+
+def test_a_quiet_update_whose_scheduler_was_not_idle_flushes_after_waiting(tmp_path, fake_sglang, monkeypatch):
+    spec, layout, eng, inst = _quiet(tmp_path, monkeypatch)
+    try:
+        eng.scheduler.idle = False  # the overlap scheduler still holds the last finished request's batch
+        eng.log.clear()
+        inst.pause()
+        inst.call(write_canonical, random_canonical(spec, seed=6), preset("tiny-qwen3"), inst.engine)
+        inst.resume()
+        assert eng.log == [("update", 0), ("scheduler flush", False, True), ("scheduler flush", False, True),
+                           ("flush waiting", 30.0)]
+    finally:
+        inst.close()
+
+
+@pytest.mark.parametrize("why", ["a request in flight", "quiet_updates=False"])
+def test_an_update_with_a_request_in_flight_pauses_flushes_and_continues(tmp_path, fake_sglang, monkeypatch, why):
+    spec, layout, eng, inst = _quiet(tmp_path, monkeypatch, quiet_updates=why != "quiet_updates=False")
+    try:
+        if why == "a request in flight":
+            eng.tokenizer_manager.rid_to_state["r1"] = object()
+        eng.log.clear()
+        inst.pause()
+        inst.call(write_canonical, random_canonical(spec, seed=7), preset("tiny-qwen3"), inst.engine)
+        inst.resume()
+        assert not inst.last_quiet
+        assert eng.log == [("pause", "retract"), ("update", 0), ("flush",), ("continue",)]
+    finally:
+        inst.close()
+
+
+def test_a_failed_quiet_update_withholds_until_the_next_good_update(tmp_path, fake_sglang, monkeypatch):
+    from weightsync.runtime.reader import WeightReader
+
+    spec, layout, eng, inst = _quiet(tmp_path, monkeypatch)
+    try:
+        inst.pause()
+        with pytest.raises(ValueError, match="torn"):
+            inst.call(fail_on, 1, "torn")
+        WeightReader._withhold(types.SimpleNamespace(instance=inst), "instance x: update(2) failed part-way")
+        eng.log.clear()
+        inst.resume()
+        assert eng.log == [("flush waiting", 30.0)] and inst.withheld  # the failed call did not flush
+        with pytest.raises(InstanceError, match="serves nothing"):
+            eng.generate("b")
+        canonical = random_canonical(spec, seed=8)
+        inst.pause()
+        assert inst.last_quiet  # nothing in flight: generate was refused before it reached the engine
+        inst.call(write_canonical, canonical, preset("tiny-qwen3"), inst.engine)
+        inst.resume()
+        with pytest.raises(InstanceError, match="serves nothing"):
+            eng.generate("c")
+        inst.set_version(3)
+        assert eng.generate("d")["text"] == "out:d" and inst.withheld is None
+        assert ("pause", "retract") not in eng.log and ("continue",) not in eng.log
+        _exact(layout, eng, canonical)
+    finally:
+        inst.close()
+
+
+# -- weightsync demo --engines real --infer sglang:tp=N: refused before anything starts (the demo itself runs on the
+# GPU host: tests/test_gpu_sglang.py::test_demo_real_sglang_*) -----------------------------------------------------
+
+
+def _real_demo(**kw):
+    from weightsync.local.demo_job import DemoConfig
+
+    return DemoConfig(**{"train": "hf", "infer": ("sglang:tp=1",), "engines": "real", **kw})
+
+
+def test_real_sglang_on_cpu_is_refused_in_one_line():
+    from weightsync.local.demo_job import check
+
+    with pytest.raises(ConfigError) as e:
+        check(_real_demo())
+    assert "SGLang has no CPU build" in str(e.value) and "--device cuda" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is importable here")
+def test_real_sglang_without_sglang_names_the_kit():
+    from weightsync.local.demo_job import check
+
+    with pytest.raises(ConfigError, match="needs SGLang on a CUDA GPU host.*sglang-gpu-kit"):
+        check(_real_demo(device="cuda", colocate=True))
+
+
+@pytest.mark.parametrize("extra", [{"delta": True}, {"transport": "file", "kill_at": 1}])
+def test_real_sglang_refuses_what_its_demo_does_not_run(extra):
+    from weightsync.local.demo_job import check
+
+    with pytest.raises(ConfigError, match="not in the real SGLang demo"):
+        check(_real_demo(device="cuda", **extra))
+
+
+def test_only_separated_real_sglang_over_nixl_shares_the_trainers_gpus():
+    from weightsync.local.demo_job import shares_gpus
+
+    assert not shares_gpus(_real_demo(device="cuda", colocate=True))
+    assert not shares_gpus(_real_demo(device="cuda"))  # p2p: NCCL between two processes needs two GPUs
+    assert not shares_gpus(_real_demo(device="cuda", transport="nixl", engines="faithful"))
+    assert not shares_gpus(_real_demo(device="cuda", transport="nixl", infer=("vllm:tp=1",)))
+    import torch
+
+    if torch.cuda.device_count() < 2:  # one trainer GPU + one engine GPU do not fit here
+        assert shares_gpus(_real_demo(device="cuda", transport="nixl"))

@@ -59,8 +59,10 @@ from __future__ import annotations
 
 import logging
 import os
+import base64
 import pickle
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -115,26 +117,70 @@ class RpcAnswer:
     error: tuple | None = None
 
 
-def rpc_payload(msg: RpcMessage, key: bytes) -> list[tuple[str, torch.Tensor]]:
+def rpc_payload(msg: RpcMessage, key: bytes, in_name: bool = False) -> list[tuple[str, torch.Tensor]]:
     """The ``named_tensors`` argument of ``update_weights_from_tensor``: one (str, uint8 CPU tensor) pair holding
     a signed :mod:`weightsync.sglang.wire` message (only a list, a tuple, a str and a plain tensor cross SGLang's
-    own unpickler)."""
+    own unpickler).
+
+    ``in_name``: the message rides in the *name* (``RPC_NAME:`` + base64) beside an EMPTY tensor. SGLang pickles
+    the payload with ``ForkingPickler`` (0.5.14 ``utils/common.py:MultiprocessingSerializer.serialize``), which
+    shares a CPU tensor's storage through a shared-memory file and a descriptor handed over a
+    ``multiprocessing.resource_sharer`` connection, and the worker copies it to the GPU
+    (``model_runner.py:_unwrap_tensor``) before we read it back: an empty storage pickles as
+    ``torch.multiprocessing.reductions.rebuild_storage_empty`` with neither. Used where the engine's
+    ``SafeUnpickler`` admits that rebuild (:func:`name_payload_admitted`)."""
     blob = wire.encode(key, msg.instance, msg.dir, msg.seq, msg.fn, msg.args)
+    if in_name:
+        return [(RPC_NAME + ":" + base64.b64encode(blob).decode("ascii"), torch.empty(0, dtype=torch.uint8))]
     return [(RPC_NAME, torch.frombuffer(bytearray(blob), dtype=torch.uint8))]
 
 
 def read_payload(named_tensors: list) -> RpcMessage:
-    """Authenticate and decode a payload (worker side): :class:`~weightsync.sglang.wire.WireError` for anything
-    not signed by this instance's control process, raised before any of it is unpickled."""
-    tensors = dict(named_tensors)
+    """Authenticate and decode a payload (worker side), either form of :func:`rpc_payload`:
+    :class:`~weightsync.sglang.wire.WireError` for anything not signed by this instance's control process,
+    raised before any of it is unpickled."""
+    pairs = list(named_tensors)
+    names = [n for n, _ in pairs if isinstance(n, str)]
+    inline = [n for n in names if n.startswith(RPC_NAME + ":")]
+    if len(pairs) == 1 and len(inline) == 1:
+        try:
+            blob = base64.b64decode(inline[0][len(RPC_NAME) + 1:], validate=True)
+        except ValueError as e:
+            raise wire.WireError(f"{RPC_NAME}: the message in the name is not base64 ({e})") from None
+        return _message(wire.decode(blob))
+    tensors = dict(pairs)
     if RPC_NAME not in tensors:
-        raise InstanceError(f"rpc_loader got tensors {sorted(tensors)[:4]} without {RPC_NAME!r}: "
+        raise InstanceError(f"rpc_loader got tensors {sorted(map(str, tensors))[:4]} without {RPC_NAME!r}: "
                             f"load_format={RPC_LOADER!r} is weightsync's call channel, not a weight loader")
     t = tensors[RPC_NAME]
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
         raise wire.WireError(f"{RPC_NAME} is not a 1-D uint8 tensor")
-    call = wire.decode(t.detach().cpu().numpy().tobytes())
+    return _message(wire.decode(t.detach().cpu().numpy().tobytes()))
+
+
+def _message(call: Any) -> RpcMessage:
     return RpcMessage(call.instance, call.dir, call.seq, call.fn, call.args)
+
+
+def name_payload_admitted() -> bool:
+    """Whether this SGLang's own serializer carries :func:`rpc_payload`'s ``in_name`` form: serialized and read
+    back with ``MultiprocessingSerializer`` (its ``SafeUnpickler``: 0.5.14 admits ``torch.`` globals by prefix;
+    an allow-list may not hold ``rebuild_storage_empty``), and no shared-memory descriptor in it."""
+    try:
+        try:
+            from sglang.srt.utils.common import MultiprocessingSerializer
+        except ImportError:
+            from sglang.srt.utils import MultiprocessingSerializer
+        probe = [(RPC_NAME + ":" + base64.b64encode(b"probe").decode("ascii"), torch.empty(0, dtype=torch.uint8))]
+        blob = MultiprocessingSerializer.serialize(probe)
+        if b"resource_sharer" in blob or b"DupFd" in blob or b"rebuild_storage_fd" in blob:
+            return False
+        back = MultiprocessingSerializer.deserialize(blob)
+        return back[0][0] == probe[0][0] and back[0][1].numel() == 0
+    except Exception as e:  # noqa: BLE001 -- any refusal: the tensor form
+        log.info("sglang: the name-carried call payload is not admitted here (%s: %s); using the tensor form",
+                 type(e).__name__, e)
+        return False
 
 
 # -- worker side (runs inside each SGLang TP worker) ---------------------------------------------
@@ -224,6 +270,53 @@ def rpc_loader(model: torch.nn.Module, named_tensors: list) -> None:
         os.replace(path + ".tmp", path)
     except OSError:  # the control process times out naming this rank
         log.exception("weightsync rpc_loader on rank %s could not write its answer to %s", rank, path)
+
+
+@dataclass(frozen=True)
+class Flushed:
+    """A call's value and whether SGLang's scheduler flushed its cache right after it, in the same request
+    (:func:`_then_flush`): True, False (not idle: SGLang refused), None (no scheduler flush found)."""
+
+    value: Any
+    flushed: bool | None
+
+
+def _scheduler_flush() -> Callable[..., bool] | None:
+    """The scheduler's own ``flush_cache`` of the request this loader runs in, found on the call stack.
+
+    0.5.14: ``managers/scheduler_components/weight_updater.py:SchedulerWeightUpdaterManager.
+    update_weights_from_tensor`` calls the worker, whose custom loader we are; its ``self`` holds
+    ``flush_cache`` (``scheduler.py:Scheduler.flush_cache(empty_cache)``: resets the radix tree and the KV pools
+    when ``is_fully_idle()``, else returns False) and ``is_fully_idle``. That is the call the request's own
+    ``flush_cache=True`` makes after the loader (``flush_cache_after_weight_update``), except that there a
+    refusal is an ``assert`` that ends the scheduler process; called from here, a refusal is an answer."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "update_weights_from_tensor":
+            owner = frame.f_locals.get("self")
+            flush = getattr(owner, "flush_cache", None)
+            if callable(flush) and callable(getattr(owner, "is_fully_idle", None)):
+                return flush
+        frame = frame.f_back
+    return None
+
+
+def _then_flush(ctx: WorkerContext, empty_cache: bool, fn: Callable[..., Any], *args: Any) -> Flushed:
+    """Run ``fn(ctx, *args)``, then flush the scheduler's cache in the same request (a quiet update: nothing
+    runs in the engine, so the flush finds it idle): one round trip instead of a call and a flush."""
+    value = fn(ctx, *args)
+    flush = _scheduler_flush()
+    if flush is None:
+        return Flushed(value, None)
+    try:
+        try:
+            done = flush(empty_cache=empty_cache)
+        except TypeError:  # a flush_cache without the argument
+            done = flush()
+    except Exception as e:  # noqa: BLE001 -- the control process flushes the usual way instead
+        log.warning("weightsync: the scheduler's flush_cache after a call failed: %s: %s", type(e).__name__, e)
+        return Flushed(value, False)
+    return Flushed(value, bool(done))
 
 
 # audited quant methods: their process_weights_after_loading keeps the loaded form on CUDA (§2)
@@ -394,7 +487,7 @@ class SGLangInstance:
     """``sglang.Engine`` as an :class:`~weightsync.runtime.instance.InferenceInstance` (see the module docstring)."""
 
     def __init__(self, engine: Any, *, timeout_s: float = 600.0, pause_mode: str = "retract",
-                 empty_cache_on_resume: bool = True):
+                 empty_cache_on_resume: bool = True, quiet_updates: bool = True):
         import sglang  # noqa: F401 -- fail here, clearly, where SGLang is missing
 
         if pause_mode not in PAUSE_MODES:
@@ -408,8 +501,13 @@ class SGLangInstance:
         #: ``continue_generation(torch_empty_cache=...)`` (0.5.14 ``ContinueGenerationReqInput``; SGLang's default
         #: True returns the allocator's cached blocks to the driver before generation resumes)
         self.empty_cache_on_resume = empty_cache_on_resume
+        #: an update that finds nothing running in the engine neither pauses nor continues it, and each of its
+        #: calls flushes the cache in its own request (:meth:`pause`); False: always pause, flush, continue
+        self.quiet_updates = quiet_updates
         #: seconds spent in each part of the last update (pause, calls, after_update, end_session, flush, continue)
         self.last_timing: dict[str, float] = {}
+        #: whether the last update ran quiet (:meth:`pause`)
+        self.last_quiet = False
         self.api = api_of(engine)
         self.version = getattr(sglang, "__version__", "?")
         args = resolved_args(engine.server_args)
@@ -440,6 +538,10 @@ class SGLangInstance:
         self._post_load = False
         self._inflight: threading.Thread | None = None
         self._world = config.tp
+        self._quiet = False  # inside a quiet update (pause() found nothing running): calls flush after themselves
+        self._flushed = False  # the last call of this quiet update flushed the cache on every rank
+        # the call message rides in the tensor's name where this SGLang's serializer admits an empty tensor
+        self._in_name = name_payload_admitted()
         try:
             self._check(config, timeout_s)
         except BaseException:
@@ -473,13 +575,25 @@ class SGLangInstance:
         return self._call(fn, timeout_s or self.timeout_s, *args)
 
     def pause(self) -> None:
-        """Stop generating (``pause_generation(mode=pause_mode)``); on 0.5.23 also open the weight-update session."""
+        """Stop generating (``pause_generation(mode=pause_mode)``); on 0.5.23 also open the weight-update session.
+
+        Quiet update (``quiet_updates``, 0.5.14's API): when the tokenizer manager holds no request
+        (``rid_to_state`` empty: an offline ``Engine`` serves only what went through it, and its
+        ``run_until_complete`` calls do not overlap), nothing runs in the scheduler, so nothing is paused and
+        nothing continued; each call of the update takes SGLang's model-update writer lock (0.5.14
+        ``tokenizer_control_mixin.py:update_weights_from_tensor`` does when not paused: a generate request holds
+        the reader lock for its whole life, ``tokenizer_manager.py:generate_request``) and flushes the cache in
+        its own request (:func:`_then_flush`). Saves the pause, flush and continue round trips a step."""
         self._not_busy()
         t0 = time.perf_counter()
         self.last_timing = {}
-        if not self._paused:
+        self._quiet = self._flushed = False
+        if self.quiet_updates and self.api == API_PLAIN and not self._paused and self._idle():
+            self._quiet = True
+        elif not self._paused:
             self._tokenizer(lambda tm, io: tm.pause_generation(io.PauseGenerationReqInput(mode=self.pause_mode)))
             self._paused = True
+        self.last_quiet = self._quiet
         self.last_timing["pause"] = time.perf_counter() - t0
         if self.api == API_SESSION and not self._session:
             try:
@@ -488,6 +602,11 @@ class SGLangInstance:
                 self._continue()  # the reader resumes only after a successful pause: do not leave it paused
                 raise
             self._session = True
+
+    def _idle(self) -> bool:
+        """The tokenizer manager holds no request in flight (0.5.14 ``TokenizerManager.rid_to_state``)."""
+        states = getattr(self.sgl.tokenizer_manager, "rid_to_state", None)
+        return isinstance(states, dict) and not states
 
     def after_update(self) -> None:
         """Re-run the model's ``post_load_weights()`` where it has one (MLA); nothing to do otherwise."""
@@ -508,7 +627,11 @@ class SGLangInstance:
                         "again after it returns", self)
             return
         errors: list[BaseException] = []
-        for name, step in (("end_session", self._end_session), ("flush", self._flush), ("continue", self._continue)):
+        quiet, self._quiet = self._quiet, False
+        flush = self._flush
+        if quiet:  # the update's last call flushed in its own request, or the scheduler was not yet idle then
+            flush = _nothing if self._flushed else self._flush_when_idle
+        for name, step in (("end_session", self._end_session), ("flush", flush), ("continue", self._continue)):
             t0 = time.perf_counter()
             try:
                 step()
@@ -603,6 +726,20 @@ class SGLangInstance:
         _success(self.sgl.flush_cache(), "flush_cache (KV computed with the old weights stays cached; SGLang 0.5.14 "
                                          "flushes only when no request is queued: pause_mode='abort' drops them)")
 
+    def _flush_when_idle(self) -> None:
+        """A quiet update whose in-request flush found the scheduler not yet idle (with the overlap scheduler, the
+        last batch of a request that just finished is still the scheduler's ``last_batch`` for one iteration,
+        0.5.14 ``scheduler.py:Scheduler.is_fully_idle``): a flush that waits for idle (``FlushCacheReqInput.
+        timeout_s``, ``scheduler_components/flush_wrapper.py:SchedulerFlushWrapper``) where SGLang has one."""
+        import inspect
+
+        flush = getattr(self.sgl.tokenizer_manager, "flush_cache", None)
+        if flush is None or "timeout_s" not in inspect.signature(flush).parameters:
+            return self._flush()
+        wait = min(self.timeout_s, 30.0)
+        _success(self._tokenizer(lambda tm, io: tm.flush_cache(timeout_s=wait)),
+                 f"flush_cache (waited up to {wait:g} s for the scheduler to be idle after a quiet update)")
+
     def _continue(self) -> None:
         if self._paused and self._withheld is None:  # withheld: paused until set_version lifts it
             self._paused = False
@@ -633,7 +770,11 @@ class SGLangInstance:
         started = time.perf_counter()
         self._seq += 1
         seq = self._seq
-        payload = rpc_payload(RpcMessage(self._id, self._dir, seq, fn, args), self._key)
+        quiet = self._quiet
+        if quiet:  # a quiet update: the call flushes the cache in its own request (pause())
+            fn, args = _then_flush, (self.empty_cache_on_resume, fn, *args)
+            self._flushed = False
+        payload = rpc_payload(RpcMessage(self._id, self._dir, seq, fn, args), self._key, self._in_name)
         own_session = self.api == API_SESSION and not self._session
 
         def send():
@@ -687,9 +828,17 @@ class SGLangInstance:
         if errors:
             first = min(errors)
             raise rebuild_error(errors[first], first, repr(self))
+        if quiet:
+            self._flushed = all(isinstance(r, Flushed) and r.flushed for r in results)
+            results = [r.value if isinstance(r, Flushed) else r for r in results]
         return results
 
 
-__all__ = ["SGLangInstance", "rpc_loader", "RPC_LOADER", "RPC_NAME", "RpcMessage", "RpcAnswer", "WorkerProbe",
+def _nothing() -> None:
+    return None
+
+
+__all__ = ["SGLangInstance", "rpc_loader", "RPC_LOADER", "RPC_NAME", "RpcMessage", "RpcAnswer", "WorkerProbe", "Flushed",
+           "name_payload_admitted",
            "engine_config", "resolved_args", "transform_refusals", "rpc_payload", "read_payload", "api_of",
            "API_SESSION", "API_PLAIN"]

