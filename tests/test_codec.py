@@ -40,12 +40,29 @@ def test_the_session_refuses_at_set_up():
 
 
 def test_transports_serve_only_known_needs():
-    from weightsync.transport.base import TRANSPORTS
+    from weightsync.transport.base import SOURCES, TRANSPORTS
 
     for name, entry in TRANSPORTS.items():
         assert set(entry.serves) <= entry.modes, name
         for served in entry.serves.values():
-            assert served <= NEEDS, (name, served)
+            # a codec's needs, or the sources read in place (co-located: a codec that lands them itself runs there)
+            assert served <= NEEDS | {SOURCES}, (name, served)
+
+
+def test_the_registry_accepts_exactly_what_runs_and_refuses_the_rest_by_name():
+    from weightsync.codec.registry import check, serving
+
+    assert serving("full") == ["p2p/async", "p2p/sync", "colocated/sync", "file/sync", "nixl/async", "nixl/sync"]
+    assert serving("delta") == ["p2p/sync", "file/sync", "nixl/async", "nixl/sync"]
+    assert serving("fp8") == ["p2p/sync", "colocated/sync", "file/sync"]
+    for t, m in (("p2p", "sync"), ("colocated", "sync"), ("file", "sync")):
+        check("fp8", t, m)
+    with pytest.raises(ConfigError, match=r"fp8 codec does not run over the nixl transport in sync mode \(not built"):
+        check("fp8", "nixl", "sync")
+    with pytest.raises(ConfigError, match=r"fp8 codec needs a sender step .*p2p transport does not serve in async"):
+        check("fp8", "p2p", "async")
+    with pytest.raises(ConfigError, match=r"delta codec needs .*colocated .*delta gains nothing co-located"):
+        check("delta", "colocated", "sync")
 
 
 def test_header_and_proof_words_round_trip():

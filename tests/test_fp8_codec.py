@@ -115,6 +115,86 @@ def _round_trip(spec, train, infer, **planner_kw):
     return planner
 
 
+@pytest.mark.parametrize("spec,train,infer,dtype", [(DENSE, "fsdp:dp=2", "vllm:tp=2,quant=fp8", torch.bfloat16),
+                                                    (DENSE, "megatron:tp=2", "vllm:quant=fp8", torch.float32),
+                                                    (MOE, "hf", "vllm:tp=2,ep=2,quant=fp8", torch.bfloat16)],
+                         ids=["fsdp-vllm-tp2", "megatron-fp32-vllm-tp1", "moe-hf-vllm-ep"])
+def test_fp8_land_co_located_into_the_fp8_layout_bit_exact(spec, train, infer, dtype):
+    """Co-located (FP8Codec.land, what ColocatedTransport runs on the trainers' memory): every bucket's FP8 copies
+    quantized straight into boxes of the live e4m3 weights and scales (megatron TP=2 -> TP=1: column halves, strided
+    boxes of the engine's tensor), the rest copied (fp32 masters: cast by the full codec's landing, one rounding to
+    bf16 as a checkpoint load), into NaN-poisoned targets: bit for bit the FP8 checkpoint of the same weights (the
+    fp32 masters hold bf16 values here, so the bf16 checkpoint the FP8 one is made from holds the same numbers)."""
+    from weightsync.codec.fp8 import fp8_options
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import TORCH_DTYPES, fill_from
+    from weightsync.plan.planner import Planner
+    from weightsync.quant.layout import fp8_layout
+    from weightsync.testing import random_canonical
+    from weightsync.transport.base import TransportOptions
+    from weightsync.transport.batch_copy import BatchedCopy
+
+    src, base = make_layout(spec, train), make_layout(spec, infer)
+    layout = fp8_layout(base)
+    codec = fp8_options(TransportOptions(), infer, spec).codec
+    planner = Planner(src, base, 1, bucket_bytes=512 << 10,
+                      block_aligned=frozenset(n for n, _ in codec.fp8))
+    canonical = random_canonical(spec, seed=11)
+    master = {n: t.to(dtype) if t.is_floating_point() else t for n, t in canonical.items()}
+    sources = {}
+    for r in range(src.world_size):
+        lay = src.layout(r)
+        sources[r] = {n: torch.empty(t.shape, dtype=dtype) for n, t in lay.tensors.items()}
+        fill_from(lay, sources[r], master)
+    for j in range(base.world_size):
+        targets = {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype])
+                   for n, t in layout.layout(j).tensors.items()}  # poisoned
+        items = [(b, sources[b.src_rank], targets) for bs in planner.recv_plan(0, j).values() for b in bs if b.nbytes]
+        landing = codec.land(items)
+        assert landing.work is not None
+        assert all(d.dtype == s.dtype for d, s in landing.copies)  # the transport moves bytes only
+        BatchedCopy(landing.copies).run()  # as the transport's graph does: its copies, then the codec's work
+        landing.work()
+        want = expected_fp8(layout, {n: t.to(torch.bfloat16) if t.is_floating_point() else t
+                                     for n, t in master.items()}, j)
+        for n in want:
+            assert torch.equal(bits(targets[n]), bits(want[n])), (j, n)
+        assert sum(codec.landed_bytes(b) for b, _, _ in items) < 0.6 * sum(b.nbytes for b, _, _ in items) * (
+            2 if dtype == torch.float32 else 1)
+
+
+def test_the_full_codec_lands_casts_as_its_work_and_bytes_as_copies():
+    """FullCodec.land: copies between views of one dtype go to the transport's copy kernel, the fp32 -> bf16 ones are
+    the codec's cast; after both, the targets equal unpack's (pack -> unpack: one rounding)."""
+    from weightsync.codec.full import FullCodec
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import TORCH_DTYPES, fill_from
+    from weightsync.plan.planner import Planner
+    from weightsync.testing import random_canonical
+    from weightsync.transport.batch_copy import BatchedCopy
+    from weightsync.transport.pack import pack, unpack
+
+    src, dst = make_layout(DENSE, "hf"), make_layout(DENSE, "vllm:tp=2")
+    canonical = random_canonical(DENSE, seed=3)
+    sources = {n: torch.empty(t.shape, dtype=torch.float32) for n, t in src.layout(0).tensors.items()}
+    fill_from(src.layout(0), sources, canonical)
+    sources["model.norm.weight"] = sources["model.norm.weight"].to(torch.bfloat16)  # one byte copy among casts
+    planner = Planner(src, dst, 1, bucket_bytes=256 << 10)
+    for j in range(2):
+        fresh = lambda: {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype])  # noqa: E731
+                         for n, t in dst.layout(j).tensors.items()}
+        got, want = fresh(), fresh()
+        buckets = [b for bs in planner.recv_plan(0, j).values() for b in bs if b.nbytes]
+        landing = FullCodec().land([(b, sources, got) for b in buckets])
+        assert landing.work is not None and landing.copies and all(d.dtype == s.dtype for d, s in landing.copies)
+        BatchedCopy(landing.copies).run()
+        landing.work()
+        for b in buckets:
+            unpack(b, pack(b, sources), want)
+        for n in want:
+            assert torch.equal(bits(got[n]), bits(want[n])), (j, n)
+
+
 def test_a_copy_that_cuts_a_block_is_refused_naming_tensor_box_and_block():
     from weightsync.codec.fp8 import fp8_options
     from weightsync.engines import make_layout
@@ -141,10 +221,13 @@ def test_quant_fp8_is_refused_where_the_codec_cannot_run():
     check_engine("vllm:tp=2,quant=fp8", "full", "p2p", "sync", 0)
     with pytest.raises(ConfigError, match="quant=fp8 needs the fp8 codec.*delta and FP8 together are not built"):
         check_engine("vllm:tp=2,quant=fp8", "delta", "p2p", "sync", 0)
-    with pytest.raises(ConfigError, match=r"runs over p2p/sync only \(not colocated/sync\)"):
-        check_engine("vllm:tp=2,quant=fp8", "full", "colocated", "sync", 0)
-    with pytest.raises(ConfigError, match=r"not file/sync"):
-        check_engine("sglang:tp=2,quant=fp8", "full", "file", "sync", 0)
+    check_engine("vllm:tp=2,quant=fp8", "full", "colocated", "sync", 0)
+    check_engine("sglang:tp=2,quant=fp8", "full", "file", "sync", 0)
+    with pytest.raises(ConfigError, match=r"does not run over the nixl transport in sync mode .*"
+                                          r"runs over p2p/sync, colocated/sync, file/sync"):
+        check_engine("vllm:tp=2,quant=fp8", "full", "nixl", "sync", 0)
+    with pytest.raises(ConfigError, match=r"needs a sender step .* p2p transport does not serve in async mode"):
+        check_engine("vllm:tp=2,quant=fp8", "full", "p2p", "async", 0)
     with pytest.raises(ConfigError, match="set integrity=0"):
         check_engine("vllm:tp=2,quant=fp8", "full", "p2p", "sync", 1000)
 

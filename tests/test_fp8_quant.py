@@ -147,8 +147,22 @@ def test_refusals():
     with pytest.raises(ValueError, match="at least 2 dims"):
         quantize(torch.zeros(4))
     x = torch.ones(130, 130)
-    with pytest.raises(ValueError, match=r"out must be contiguous float8_e4m3fn \(130, 130\) and float32 \(2, 2\)"):
+    with pytest.raises(ValueError, match=r"out must be float8_e4m3fn \(130, 130\) and float32 \(2, 2\) .*contiguous rows"):
         quantize(x, out=Quantized(torch.empty(130, 130, dtype=E4M3), torch.empty(1, 2)))
+    with pytest.raises(ValueError, match=r"contiguous rows"):  # columns strided: the kernel writes rows
+        quantize(x, out=Quantized(torch.empty(130, 260, dtype=E4M3)[:, ::2], torch.empty(2, 2)))
+
+
+def test_quantize_into_a_box_of_a_larger_tensor_on_cpu_is_the_definition():
+    """A co-located FP8 sync quantizes into a box of the engine's live weight and of its scales (rows contiguous,
+    strided between them): the box gets the definition's bits, nothing around it is written."""
+    x = torch.randn(260, 300).to(torch.bfloat16)
+    big_w, big_s = torch.full((400, 520), 5.0).to(E4M3), torch.full((4, 5), -1.0)
+    box = Quantized(big_w[128:388, 128:428], big_s[1:4, 1:4])
+    want = quantize_reference(x)
+    assert quantize(x, out=box) is box and same(box.weight, want.weight) and same(box.scale_inv, want.scale_inv)
+    assert (big_w[:128].float() == 5.0).all() and (big_w[:, :128].float() == 5.0).all()
+    assert (big_s[0] == -1).all() and (big_s[:, 0] == -1).all() and (big_s[:, 4] == -1).all()
 
 
 def test_quantize_into_out_on_cpu_is_the_definition():
@@ -255,6 +269,16 @@ assert fp8.quantize_many(aligned, outs, one_launch=True) == outs  # the kept tab
 x = cases[0]
 out = fp8.Quantized(torch.full(x.shape, 3.0).to(torch.float8_e4m3fn), torch.full(fp8.scale_shape(x.shape), -1.0))
 assert fp8.quantize(x, out=out) is out and same(out.weight, fp8.quantize_reference(x).weight)
+
+# 2b. into boxes of larger tensors (a co-located FP8 sync writes the engine's live weight and scales in place):
+# rows contiguous, strided between them; nothing outside the boxes written
+x = torch.randn(260, 300).to(torch.bfloat16)
+big_w, big_s = torch.full((3, 400, 520), 5.0).to(torch.float8_e4m3fn), torch.full((3, 4, 5), -1.0)
+box = fp8.Quantized(big_w[1, 128:388, 128:428], big_s[1, 1:4, 1:4])
+want = fp8.quantize_reference(x)
+assert fp8.quantize(x, out=box) is box and same(box.weight, want.weight) and same(box.scale_inv, want.scale_inv)
+assert (big_w[0].float() == 5.0).all() and (big_w[1, :128].float() == 5.0).all() and (big_s[2] == -1).all()
+assert (big_s[1, 0] == -1).all() and (big_s[1, :, 0] == -1).all()
 
 # 3. non-finite blocks: the same non-finite scales as the definition (Triton's max alone would drop a NaN)
 y = torch.randn(300, 300).to(torch.bfloat16)

@@ -65,7 +65,8 @@ def reader(emit, inst: int, meta: str, job: dict) -> None:
     try:
         r = WeightReader(local.instance, meta=meta, job=job["job"], instance_id=inst, instances=1,
                          timeout_s=job["timeout"], token=job["token"], bucket_bytes=job["bucket_bytes"],
-                         transport=job.get("transport", "p2p"), integrity=job["integrity"]).connect()
+                         transport=job.get("transport", "p2p"), directory=job.get("directory"),
+                         colocate=job.get("colocate", False), integrity=job["integrity"]).connect()
         emit(Ready(emit.participant))
         for step in range(1, job["steps"] + 1):
             r.update(step)
@@ -98,15 +99,35 @@ def test_check_engine_refuses_quant_fp8_where_the_fp8_codec_cannot_run():
 
     assert engine_quant("vllm:tp=2,quant=fp8") == "fp8" and engine_quant("vllm:tp=2") == "none"
     assert engine_quant("sglang:tp=2,quant=fp8") == "fp8"
-    check_engine("vllm:tp=2", "full", "colocated", "sync")  # unquantized: nothing to refuse
-    with pytest.raises(ConfigError, match=r"quant=fp8 needs the fp8 codec, which .*vllm:tp=2,quant=fp8"):
-        check_engine("vllm:tp=2,quant=fp8", "full", "colocated", "sync")
+    check_engine("vllm:tp=2", "full", "nixl", "sync")  # unquantized: nothing to refuse
+    for transport in ("p2p", "file", "colocated"):
+        check_engine("vllm:tp=2,quant=fp8", "full", transport, "sync")
+    with pytest.raises(ConfigError, match=r"quant=fp8 needs the fp8 codec, which .*vllm:tp=2,quant=fp8.*nixl"):
+        check_engine("vllm:tp=2,quant=fp8", "full", "nixl", "sync")
 
 
 def test_fsdp2_to_an_fp8_vllm_layout_lands_the_fp8_checkpoint_bit_exact(tmp_path):
     from weightsync.local.events import StepDone
 
     result = run(dict(model=_model(tmp_path), train="fsdp:dp=2", infer="vllm:tp=2,quant=fp8"))
+    assert not result.failures, "\n".join(f"{f.line()}\n{f.traceback}" for f in result.failures)
+    done = result.of(StepDone)
+    assert [d.step for d in done] == [1, 2], result.events
+    for d in done:
+        assert d.problems == () and d.version == d.step, d
+
+
+@pytest.mark.parametrize("transport", ["file", "colocated"])
+def test_fsdp2_to_an_fp8_vllm_layout_over_file_and_colocated(tmp_path, transport):
+    """The same over the file transport (each pair's file holds the FP8 payloads: weightsync.transport.file
+    ``_write_encoded``) and co-located (shared memory on CPU: each worker quantizes straight from the trainers'
+    tensors into its live e4m3 weights and scales, weightsync.codec.fp8 ``FP8Codec.land``)."""
+    from weightsync.local.events import StepDone
+
+    extra = {"directory": str(tmp_path / "files")} if transport == "file" else {"colocate": True}
+    (tmp_path / "m").mkdir()
+    result = run(dict(model=_model(tmp_path / "m"), train="fsdp:dp=2", infer="vllm:tp=2,quant=fp8",
+                      transport=transport, **extra))
     assert not result.failures, "\n".join(f"{f.line()}\n{f.traceback}" for f in result.failures)
     done = result.of(StepDone)
     assert [d.step for d in done] == [1, 2], result.events

@@ -227,7 +227,8 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
             if step and inst == 0:
                 emit(Phases(me, "reader", reader.last_timing))
         peak = max(p - b for p, b in zip(instance.call(peak_memory), base))
-        exact = all(instance.call(check, model, scen.infer, steps + 1))
+        fp8 = "quant=fp8" in scen.infer  # the engine holds FP8: checked against the reference quantizer
+        exact = all(instance.call(check_fp8 if fp8 else check, model, scen.infer, steps + 1))
         on_gpu = device == "cuda"  # a CPU run measures no ceilings
         copy_bw = instance.call(copy_ceiling, 1 << 30)[0] if scen.one_gpu and on_gpu else None
         nvlink = None
@@ -305,7 +306,7 @@ class _Timings:
 
 def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         baselines: tuple[str, ...] = ("naive", "bucketed"), device: str = "cuda", peer_copies: bool = True,
-        receiver: str = "faithful", integrity: int | None = None, delta=None) -> dict:
+        receiver: str = "faithful", integrity: int | None = None, delta=None, quant: str | None = None) -> dict:
     """One scenario: our timed steps, the ceilings, then the baselines; a JSON-ready result.
 
     ``peer_copies=False`` makes co-located workers take other GPUs' pieces through their NCCL group, as
@@ -320,7 +321,15 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
 
     ``delta`` (a :class:`weightsync.bench.delta.DeltaOptions`): after the full steps, delta jobs on the same
     GPUs, each step changing a given fraction of the elements; ``result["delta"]`` holds their rows against
-    this run's full step and ceiling (:mod:`weightsync.bench.delta`)."""
+    this run's full step and ceiling (:mod:`weightsync.bench.delta`).
+
+    ``quant="fp8"``: the inference instance is served in block FP8 (``<infer>,quant=fp8``: the layout-faithful FP8
+    workers, or a real vLLM engine on dummy FP8 weights), so every step goes through the fp8 codec (quantized on the
+    way: co-located, by the worker straight from the trainer's memory); integrity off (its sums cover the bf16
+    sources), no baselines (they move bf16 bytes), one-GPU scenarios over co-located or p2p. ``bytes_moved`` is what
+    lands (e4m3 + scales + the bf16 rest); the floor counts the quantizer's memory traffic (read bf16, write e4m3 and
+    scales) at the device copy's rate; ``quantize_seconds`` times the quantize kernel alone on every FP8 weight of
+    the model (one launch a weight, as the codec launches them). :func:`run_quant` runs bf16 and FP8 side by side."""
     from weightsync.engines import make_layout
     from weightsync.spec import load_spec
     from weightsync.transport.group import free_port
@@ -354,6 +363,23 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         from weightsync.bench.delta import check_options
 
         check_options(scen, scenario, delta, baselines)
+    if quant not in (None, "none", "fp8"):
+        raise ConfigError(f"quant must be fp8 or none, not {quant!r}")
+    quant = None if quant == "none" else quant
+    if quant == "fp8":
+        if delta is not None:
+            raise ConfigError("--quant fp8 with --delta: delta and FP8 together are not built (a delta of the e4m3 "
+                              "bytes); drop one")
+        if not scen.one_gpu or scen.transport not in ("p2p",) or receiver == "sglang":
+            raise ConfigError(f"--quant fp8 runs one-GPU scenarios co-located or over p2p into a vllm layout "
+                              f"(colo-1gpu); {scenario} ({scen.transport}, receiver {receiver}) is not one: the fp8 "
+                              "codec does not run over nixl, and the bench's SGLang receiver is not FP8")
+        if integrity:
+            raise ConfigError("--quant fp8 with --integrity: the sums cover the trainer's bf16 bytes, not the FP8 "
+                              "bytes that land; use --integrity 0")
+        integrity, baselines = 0, ()
+        scen = replace(scen, infer=f"{scen.infer},quant=fp8")
+        infer = make_layout(spec, scen.infer)
     if scen.transport != "p2p":  # the baselines run over the job's NCCL group, which only p2p builds
         baselines = ()
     requested = baselines
@@ -361,8 +387,8 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     t = _Timings()
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
                     "instances": scen.instances, "colocate": scen.colocate, "transport": scen.transport,
-                    "device": device, "receiver": receiver,
-                    "integrity": integrity,
+                    "device": device, "receiver": receiver, "quant": quant or "none",
+                    "integrity": integrity, "verified": False, "efficiency": None,
                     "errors": [],
                     **environment()}
     with LocalJob(deadline_s=timeout * (steps + 4), exit_grace_s=30.0) as job:
@@ -420,6 +446,8 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         return result
     bytes_moved = t.moved[steps]
     per_gpu = moved_per_gpu(train, infer, scen)
+    if quant == "fp8":  # the quantizer reads bf16 and writes e4m3 + scales: its traffic in copy-equivalent bytes
+        per_gpu = {g: (fp8_copy_bytes(train, infer, scen), 0) for g in per_gpu}
     busiest = max(local + remote for local, remote in per_gpu.values())
     if device == "cpu":
         ceiling, floor, ceiling_name = None, None, "none: a CPU rehearsal measures no ceiling"
@@ -481,11 +509,141 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
             if ce.get("median_seconds_without_h2d"):
                 ce["speedup_without_h2d"] = ce["median_seconds_without_h2d"] / median
         result["baselines"][CHECKPOINT_ENGINE] = ce
+    if quant == "fp8" and device == "cuda":  # the kernel alone, in this process, once the job's have exited
+        result.update(quantize_time(spec, train))
     if delta is not None:  # its own jobs on the same GPUs, once the full steps' processes have exited
         from weightsync.bench.delta import run_all
 
         result["delta"] = run_all(scenario, scen, model, delta, timeout, device, _integrity(integrity), result)
     return result
+
+
+def check_fp8(ctx, model: str, engine: str, doublings: int) -> bool:
+    """On an inference worker of an FP8-served instance: every piece holds the FP8 checkpoint of the base data
+    doubled ``doublings`` times (each FP8 weight through the reference quantizer, as ``save_checkpoint(dir,
+    quant="fp8")`` writes it; its scale piece the scales of the blocks that piece holds), bit for bit."""
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import TORCH_DTYPES, local_view
+    from weightsync.quant.fp8 import quantize_reference
+    from weightsync.quant.layout import fp8_layout
+    from weightsync.spec import load_spec
+
+    spec = load_spec(model)
+    layout = fp8_layout(make_layout(spec, engine))
+    scales = {f.scale.name: w for w, f in layout.fp8.items()}
+    cache: dict = {}
+
+    def canonical(name: str) -> torch.Tensor:
+        w = scales.get(name, name)
+        if w not in cache:
+            c = spec.by_name[w]
+            full = canonical_region(c.name, c.shape, TORCH_DTYPES[c.dtype], tuple((0, n) for n in c.shape),
+                                    ctx.device) * (2 ** doublings)
+            cache.clear()  # one tensor (and its scales) at a time: qwen3-8b's largest is ~1.2 GB in bf16
+            if w in layout.fp8:
+                q = quantize_reference(full, w)
+                cache[w], cache[layout.fp8[w].scale.name] = q.weight, q.scale_inv
+            else:
+                cache[w] = full
+        return cache[name]
+
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    for name, t in sorted(layout.layout(ctx.rank).tensors.items(), key=lambda kv: kv[0].removesuffix("_scale_inv")):
+        live = ctx.tensors[name]
+        if str(live.dtype).removeprefix("torch.") != t.dtype:
+            return False
+        for p in t.pieces:
+            want = canonical(p.canonical)[tuple(slice(o, o + n) for o, n in p.canon_box)].to(live.dtype)
+            got = local_view(live, p)
+            if not torch.equal(got.contiguous().view(bits[got.element_size()]),
+                               want.contiguous().view(bits[want.element_size()])):
+                return False
+    return True
+
+
+def fp8_copy_bytes(train, infer, scen: Scenario) -> int:
+    """A co-located FP8 step's device traffic in copy-equivalent bytes (a copy of n bytes reads and writes n): each
+    FP8 copy reads its bf16/fp32 box and writes e4m3 bytes and fp32 scales, so it counts (read + written) / 2; the
+    other copies count their bytes."""
+    from weightsync.plan.planner import Planner
+    from weightsync.plan.topology import Topology
+    from weightsync.quant.fp8 import BLOCK, cdiv
+
+    fp8 = set(getattr(infer, "fp8", None) or _fp8_names(infer))
+    topo = Topology.colocated(train.world_size, infer.world_size, scen.instances)
+    planner = Planner(train, infer, scen.instances, topo)
+    total = 0
+    for inst in range(scen.instances):
+        for r in range(infer.world_size):
+            for c in planner.recv_copies(inst, r):
+                if c.canonical in fp8:
+                    (_, rows), (_, cols) = c.canon_box[-2:]
+                    lead = c.nbytes // (rows * cols * _itemsize(c.dtype))
+                    written = lead * (rows * cols + 4 * cdiv(rows, BLOCK) * cdiv(cols, BLOCK))
+                    total += (c.nbytes + written) // 2
+                else:
+                    total += c.nbytes
+    return total
+
+
+def _itemsize(dtype: str) -> int:
+    from weightsync.layout.materialize import TORCH_DTYPES
+
+    return torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+
+
+def _fp8_names(infer) -> list[str]:
+    from weightsync.quant.layout import fp8_layout
+
+    return list(fp8_layout(infer).fp8)
+
+
+def quantize_time(spec, train, repeats: int = 5) -> dict:
+    """The quantize kernel alone on every FP8 canonical weight of ``spec`` (bf16 on cuda:0, one launch a weight, as
+    the codec launches them per copy): median seconds of ``repeats`` after a warm-up, and its memory traffic."""
+    from weightsync.layout.materialize import TORCH_DTYPES
+    from weightsync.quant.config import BlockFP8, fp8_tensors
+    from weightsync.quant.fp8 import Quantized, quantize, scale_shape
+
+    dev = torch.device("cuda", 0)
+    xs, outs, names = [], [], []
+    for f in fp8_tensors(spec, BlockFP8()):
+        c = f.weight
+        xs.append(canonical_region(c.name, c.shape, TORCH_DTYPES[spec.by_name[c.name].dtype],
+                                   tuple((0, n) for n in c.shape), dev))
+        outs.append(Quantized(torch.empty(c.shape, dtype=torch.float8_e4m3fn, device=dev),
+                              torch.empty(scale_shape(c.shape), dtype=torch.float32, device=dev)))
+        names.append(c.name)
+    times = []
+    for i in range(repeats + 1):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for x, o, n in zip(xs, outs, names):
+            quantize(x, out=o, name=n)
+        torch.cuda.synchronize(dev)
+        if i:
+            times.append(time.perf_counter() - t0)
+    read = sum(x.numel() * x.element_size() for x in xs)
+    written = sum(o.weight.numel() + 4 * o.scale_inv.numel() for o in outs)
+    med = statistics.median(times)
+    return {"quantize_seconds": med, "quantize_weights": len(xs), "quantize_read_bytes": read,
+            "quantize_written_bytes": written, "quantize_bytes_per_s": (read + written) / med}
+
+
+def run_quant(scenario: str, model: str, steps: int = 5, timeout: float = 300.0, device: str = "cuda",
+              receiver: str = "faithful", peer_copies: bool = True) -> dict:
+    """``weightsync bench --quant fp8``: the scenario in bf16, then in FP8, in one call (the same GPUs, the same
+    model, each with its own ceiling); the FP8 result carries the bf16 one beside it."""
+    bf16 = run(scenario, model, steps, timeout, (), device, peer_copies, receiver, 0)
+    fp8 = run(scenario, model, steps, timeout, (), device, peer_copies, receiver, 0, quant="fp8")
+    if not bf16.get("errors") and not fp8.get("errors"):
+        fp8["bf16"] = {k: bf16.get(k) for k in ("bytes_moved", "median_seconds", "efficiency", "floor_seconds",
+                                                  "ceiling_bytes_per_s", "verified")}
+        fp8["bytes_ratio_to_bf16"] = fp8["bytes_moved"] / bf16["bytes_moved"]
+        fp8["seconds_ratio_to_bf16"] = fp8["median_seconds"] / bf16["median_seconds"]
+    return {"scenario": scenario, "model": model, "receiver": receiver, "quant": "fp8", "commit": fp8.get("commit"),
+            "runs": [bf16, fp8], "verified": bool(bf16.get("verified") and fp8.get("verified")),
+            "efficiency": fp8.get("efficiency"), "errors": bf16.get("errors", []) + fp8.get("errors", [])}
 
 
 def environment() -> dict:
@@ -518,8 +676,15 @@ def main_from_args(args) -> int:
     baselines = tuple(b for b in args.baselines.split(",") if b)
     model = args.model or ("qwen3-8b" if args.device == "cuda" else "tiny-qwen3-moe")
     delta = delta_options(args)
-    results = [run(s, model, args.steps, args.timeout, baselines, args.device, not args.no_peer_copies,
-                   args.receiver, args.integrity, delta) for s in args.scenario]
+    if getattr(args, "quant", "none") == "fp8":  # bf16 then FP8, side by side, per scenario
+        if delta is not None:
+            raise ConfigError("--quant fp8 with --delta: delta and FP8 together are not built; drop one")
+        pairs = [run_quant(s, model, args.steps, args.timeout, args.device, args.receiver, not args.no_peer_copies)
+                 for s in args.scenario]
+        results = [r for p in pairs for r in p["runs"]]
+    else:
+        results = [run(s, model, args.steps, args.timeout, baselines, args.device, not args.no_peer_copies,
+                       args.receiver, args.integrity, delta) for s in args.scenario]
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0]))
     else:
@@ -529,9 +694,13 @@ def main_from_args(args) -> int:
                 continue
             floor = (f"floor {r['floor_seconds'] * 1e3:.1f} ms, efficiency {r['efficiency']:.2f}"
                      if r["floor_seconds"] is not None else "no floor (CPU)")
-            print(f"{r['scenario']} {r['model']}: {r['bytes_moved'] / 1e9:.2f} GB, median {r['median_seconds'] * 1e3:.1f} ms "
+            print(f"{r['scenario']} {r['model']}{' fp8' if r.get('quant') == 'fp8' else ''}: "
+                  f"{r['bytes_moved'] / 1e9:.2f} GB, median {r['median_seconds'] * 1e3:.1f} ms "
                   f"[{r['min_seconds'] * 1e3:.1f}-{r['max_seconds'] * 1e3:.1f}], {floor}, "
                   f"peak transient {r['peak_transient_bytes'] / 2**20:.0f} MiB, verified {r['verified']}")
+            if r.get("quantize_seconds"):
+                print(f"  quantize kernel alone: {r['quantize_weights']} weights in {r['quantize_seconds'] * 1e3:.2f} ms "
+                      f"({r['quantize_bytes_per_s'] / 1e9:.0f} GB/s read + written)")
             for kind, b in r.get("baselines", {}).items():
                 if b["ran"]:
                     print(f"  {kind}: median {b['median_seconds'] * 1e3:.1f} ms, weightsync {b['speedup']:.2f}x faster, "
@@ -602,9 +771,12 @@ def add_arguments(p) -> None:
     p.add_argument("--delta-previous", choices=["device", "host", "both"], default="device",
                    help="with --delta: where the sender keeps its previous version (host: delta_host=True, pinned "
                         "host memory where CUDA is present); both: one delta job each")
+    p.add_argument("--quant", choices=["none", "fp8"], default="none",
+                   help="fp8: the scenario in bf16, then into an instance served in block FP8 (the fp8 codec), side by "
+                        "side; one-GPU co-located or p2p scenarios (colo-1gpu), integrity off, no baselines")
     p.add_argument("--json", action="store_true")
 
 
-__all__ = ["run", "environment", "main_from_args", "add_arguments", "CHECKPOINT_ENGINE",
+__all__ = ["run", "run_quant", "check_fp8", "fp8_copy_bytes", "quantize_time", "environment", "main_from_args", "add_arguments", "CHECKPOINT_ENGINE",
            # the scenarios and their data, kept importable from here
            "SCENARIOS", "Scenario", "advance", "canonical_region", "check", "init_weights", "moved_per_gpu"]

@@ -34,7 +34,7 @@ of the e4m3 bytes is not built) and integrity checks (the sums cover the bf16 so
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -47,7 +47,8 @@ from weightsync.layout.box import Box, slices
 from weightsync.plan.messages import bucket_bytes
 from weightsync.plan.planner import Bucket, Copy, Pair
 from weightsync.quant.fp8 import BLOCK, Quantized, cdiv, quantize
-from weightsync.transport.pack import pack, unpack
+from weightsync.codec.full import Direct, landing
+from weightsync.transport.pack import Landing, direct_pairs, pack, segments, unpack
 
 if TYPE_CHECKING:
     from weightsync.spec.model import ModelSpec
@@ -58,8 +59,11 @@ log = logging.getLogger("weightsync.codec.fp8")
 KIND_FP8 = 0  # Header.kind: a bucket as this module's payload (module docstring)
 ALIGN = 16
 SOURCE_DTYPES = ("bfloat16", "float32")
-#: where the fp8 codec runs (transport, mode): the ones tested end to end
-SERVED = (("p2p", "sync"),)
+#: where the fp8 codec runs (transport, mode): the ones built and tested end to end
+SERVED = (("p2p", "sync"), ("file", "sync"), ("colocated", "sync"))
+#: why it does not run where a transport would serve it (said in the refusal)
+WHY_NOT = {("nixl", "sync"): "not built: the nixl transport's frame path is not tested with FP8 frames",
+           ("nixl", "async"): "not built: the nixl transport's frame path is not tested with FP8 frames"}
 
 
 def engine_quant(infer: str) -> str:
@@ -69,19 +73,23 @@ def engine_quant(infer: str) -> str:
 
 def check_engine(infer: str, codec: str, transport: str, mode: str, integrity: int = 0) -> None:
     """Refuse, at set-up, a job whose inference engine is declared ``quant=fp8`` where the fp8 codec cannot run
-    (``codec``: the codec the session's own options chose, full or delta; ``transport``/``mode``: the agreed ones;
-    ``integrity``: the agreed cadence)."""
+    (``codec``: the codec the session's own options chose, full or delta; ``transport``/``mode``: the agreed ones,
+    checked as :func:`weightsync.codec.registry.check` checks the fp8 codec; ``integrity``: the agreed cadence)."""
     if engine_quant(infer) == "none":
         return
+    from weightsync.codec.registry import check
+
     why = None
     if codec == "delta":
         why = "delta and FP8 together are not built (a delta of the e4m3 bytes); drop delta"
-    elif (transport, mode) not in SERVED:
-        why = (f"it runs over {', '.join(f'{t}/{m}' for t, m in SERVED)} only (not {transport}/{mode}); "
-               "use the p2p transport in sync mode")
     elif integrity:
         why = ("integrity sums cover the trainer's bf16 bytes, not the FP8 bytes and scales that land; "
                "set integrity=0")
+    else:
+        try:
+            check("fp8", transport, mode)
+        except ConfigError as e:
+            why = str(e)
     if why:
         raise ConfigError(f"quant=fp8 needs the fp8 codec, which cannot run in this job ({infer}; {transport} "
                           f"transport, {mode} mode, {codec} codec): {why}. Syncing bf16 weights into an FP8-served "
@@ -124,6 +132,31 @@ def _check_copy(c: Copy, shape: tuple[int, ...], where: str) -> None:
     if any(o % BLOCK for o, _ in c.dst_box[lead:]):
         raise ConfigError(f"fp8: {c.canonical} lands at {list(c.dst_box)} of {c.dst_tensor}, off the {BLOCK} x "
                           f"{BLOCK} blocks of the engine's FP8 tensor")
+
+
+def _check_target(targets: Mapping[str, torch.Tensor], name: str) -> None:
+    """The engine must hold ``name`` in e4m3 beside an fp32 ``_scale_inv`` (else: not served FP8)."""
+    t, s = targets.get(name), targets.get(name + "_scale_inv")
+    if t is None or t.dtype != torch.float8_e4m3fn or s is None or s.dtype != torch.float32:
+        got = "missing" if t is None else str(t.dtype).removeprefix("torch.")
+        raise ConfigError(
+            f"fp8: the engine holds {name} as {got}{'' if s is not None else ' with no ' + name + '_scale_inv'}; an "
+            "engine declared quant=fp8 holds it in float8_e4m3fn with an fp32 _scale_inv: start the engine on an FP8 "
+            "checkpoint, or drop quant=fp8")
+
+
+def _rows(region: torch.Tensor, shape: tuple[int, int], name: str, box: Box) -> torch.Tensor:
+    """``region`` (a box of a live tensor) as a 2-d view of ``shape`` whose rows are contiguous, which the quantizer
+    writes in place; refused otherwise (set-up: nothing written yet)."""
+    try:
+        v = region.view(shape)
+    except RuntimeError:
+        v = None
+    if v is None or (shape[1] > 1 and v.stride(1) != 1):
+        raise ConfigError(f"fp8: {name} box {list(box)} is not rows of contiguous elements in the engine's tensor "
+                          f"(strides {list(region.stride())}), which a co-located FP8 sync writes in place; use the "
+                          "p2p or file transport for this engine")
+    return v
 
 
 @dataclass(frozen=True)
@@ -186,12 +219,63 @@ class FP8Codec(Codec):
     name = "fp8"
     needs = frozenset({SENDER_STEP})
     framed = True
+    runs_on = frozenset(SERVED)
+    why_not = WHY_NOT
 
     def encoder(self, plans: Mapping[Pair, list[Bucket]], device: torch.device) -> FP8Encoder:
         return FP8Encoder(plans, dict(self.fp8))
 
     def decoder(self, plans: Mapping[Pair, list[Bucket]]) -> FP8Decoder:
         return FP8Decoder(plans, dict(self.fp8))
+
+    #: it lands from sources read in place (co-located): :meth:`land`
+    lands = True
+
+    def land(self, items: Sequence[Direct]) -> Landing:
+        """Co-located: each bucket's non-FP8 copies as the full codec lands them, and each FP8 copy quantized
+        straight from the trainer's tensor into its box of the engine's live e4m3 weight and of its ``_scale_inv``
+        (:func:`weightsync.quant.fp8.quantize` with ``out=`` those views: the Triton kernel on a GPU, one launch a
+        copy, captured with the copies in the transport's CUDA graph). Refuses, at the first step and before any
+        byte moves, a receiver that does not hold the FP8 form or a box the kernel cannot write in place."""
+        fp8 = dict(self.fp8)
+        pairs: list = []
+        jobs: list[tuple[torch.Tensor, Quantized, str]] = []
+        checked: set[str] = set()
+        for b, src, dst in items:
+            for c in b.copies:
+                if c.canonical in fp8:
+                    _check_copy(c, fp8[c.canonical], f"the plan (training rank {b.src_rank} -> instance "
+                                                     f"{b.dst_instance} rank {b.dst_rank})")
+            lay = frame_layout(b, fp8)
+            if lay.plain is not None:
+                pairs += direct_pairs(segments(lay.plain), src, dst)
+            for p in lay.parts:
+                c = p.copy
+                if c.dst_tensor not in checked:
+                    _check_target(dst, c.dst_tensor)
+                    checked.add(c.dst_tensor)
+                x = src[c.src_tensor][slices(c.src_box)]
+                w = _rows(dst[c.dst_tensor][slices(c.dst_box)], (p.rows, p.cols), c.dst_tensor, c.dst_box)
+                sbox = scale_box(c.dst_box)
+                sc = _rows(dst[c.dst_tensor + "_scale_inv"][slices(sbox)], p.scale_shape, c.dst_tensor + "_scale_inv",
+                           sbox)
+                if x.dim() != 2:
+                    x = x.reshape(p.rows, p.cols)  # a view where the source allows, else read through a copy
+                jobs.append((x, Quantized(w, sc), c.canonical))
+        plain = landing(pairs)
+
+        def work() -> None:
+            if plain.work is not None:
+                plain.work()
+            for x, out, name in jobs:
+                quantize(x, out=out, name=name)
+
+        return Landing(plain.copies, work if jobs or plain.work is not None else None)
+
+    def landed_bytes(self, bucket: Bucket) -> int:
+        """What landing ``bucket`` writes: e4m3 bytes and fp32 scales for its FP8 copies, the plan's bytes for the
+        rest (alignment aside)."""
+        return wire_bytes(bucket.copies, dict(self.fp8))
 
 
 def _layouts(plans: Mapping[Pair, list[Bucket]], fp8: Mapping[str, tuple[int, ...]],
@@ -256,15 +340,7 @@ class FP8Decoder(Decoder):
         """The engine must hold each FP8 weight in e4m3 beside an fp32 ``_scale_inv`` (else: not served FP8)."""
         for lay in self.layouts.values():
             for p in lay.parts:
-                c = p.copy
-                t, s = targets.get(c.dst_tensor), targets.get(c.dst_tensor + "_scale_inv")
-                if t is None or t.dtype != torch.float8_e4m3fn or s is None or s.dtype != torch.float32:
-                    got = "missing" if t is None else str(t.dtype).removeprefix("torch.")
-                    raise ConfigError(
-                        f"fp8: the engine holds {c.dst_tensor} as {got}"
-                        f"{'' if s is not None else ' with no ' + c.dst_tensor + '_scale_inv'}; an engine declared "
-                        "quant=fp8 holds it in float8_e4m3fn with an fp32 _scale_inv: start the engine on an FP8 "
-                        "checkpoint, or drop quant=fp8")
+                _check_target(targets, p.copy.dst_tensor)
         self.checked = True
 
     def decode(self, bucket: Bucket, header: Header, payload: torch.Tensor | None,

@@ -6,17 +6,26 @@ views, nixl reads them, :mod:`weightsync.transport.pack` packs only the rest), a
 to its tensors' dtypes as a checkpoint load would. :class:`FullEncoder` and :class:`FullDecoder` are
 that contract as one bucket's frame (pack, unpack): what a framed transport path does for a bucket
 that travels whole, and the reference a new codec's round trip is checked against.
+
+Co-located (the transport serves :data:`~weightsync.transport.base.SOURCES`: each worker reads the trainers'
+tensors in place), :meth:`FullCodec.land` says how the bytes land: the copies between views of one dtype are
+bytes the transport's copy kernel moves (:mod:`weightsync.transport.batch_copy`, the hot path: a bf16 trainer into
+a bf16 engine is nothing else), and the rest is this codec's cast -- each element converted once to the receiver's
+dtype, as loading a checkpoint converts it (an fp32 master into a bf16 engine) -- done by ``copy_`` after them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from weightsync.codec.base import WHOLE, Codec, CodecStats, Decoder, Encoder, Frame, Header
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.transport.pack import pack, unpack
+from weightsync.transport.pack import Landing, Pairs, copy_pairs, direct_pairs, pack, segments, unpack
+
+#: one co-located item: a bucket, the opened sources of its training rank, the receiver's targets
+Direct = tuple[Bucket, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
 
 
 class FullCodec(Codec):
@@ -38,6 +47,26 @@ class FullCodec(Codec):
 
     def decoder(self, plans: Mapping[Pair, list[Bucket]]) -> FullDecoder:
         return FullDecoder()
+
+    #: it lands from sources read in place (co-located): :meth:`land`
+    lands = True
+
+    def land(self, items: Sequence[Direct]) -> Landing:
+        """The buckets' copies from their sources straight into the targets: byte copies for the transport, the
+        casts (views whose dtypes differ) as this codec's work."""
+        return landing([p for b, src, dst in items for p in direct_pairs(segments(b), src, dst)])
+
+    def landed_bytes(self, bucket: Bucket) -> int:
+        """What landing ``bucket`` writes (the plan's bytes, in the wire dtype)."""
+        return bucket.nbytes
+
+
+def landing(pairs: Pairs) -> Landing:
+    """``pairs`` as a :class:`Landing`: those of one dtype are the transport's byte copies, the others this codec's
+    casts (one rounding each, source dtype -> destination dtype, as :func:`unpack` converts)."""
+    copies = [p for p in pairs if p[0].dtype == p[1].dtype]
+    casts = [p for p in pairs if p[0].dtype != p[1].dtype]
+    return Landing(copies, (lambda: copy_pairs(casts)) if casts else None)
 
 
 class FullEncoder(Encoder):

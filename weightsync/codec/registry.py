@@ -11,7 +11,7 @@ import importlib
 
 from weightsync.codec.base import Codec
 from weightsync.errors import ConfigError
-from weightsync.transport.base import TRANSPORTS
+from weightsync.transport.base import SOURCES, TRANSPORTS
 
 #: every codec, imported only when a job uses it
 CODECS: dict[str, str] = {
@@ -37,20 +37,35 @@ def make_codec(name: str, **options) -> Codec:
     return codec_class(name)(**options)
 
 
+def _served(cls: type[Codec], transport: str, mode: str) -> bool:
+    """Whether ``transport`` in ``mode`` runs codec ``cls``: it serves what the codec needs, or it lets the
+    receiver read the sources in place (:data:`SOURCES`, co-located) and the codec lands from them itself (its
+    ``land``: the full and fp8 codecs; a delta has no base to land against there); and the codec names no
+    narrower list (its ``runs_on``, ``(transport, mode)`` pairs: what was built and tested for it)."""
+    serves = TRANSPORTS[transport].serves.get(mode, frozenset())
+    if not (cls.needs <= serves or (getattr(cls, "lands", False) and SOURCES in serves)):
+        return False
+    only = getattr(cls, "runs_on", None)
+    return only is None or (transport, mode) in only
+
+
 def serving(name: str) -> list[str]:
-    """Where codec ``name`` runs: ``transport/mode`` for every transport and mode serving its needs."""
-    needs = codec_class(name).needs
-    return [f"{t}/{m}" for t, e in TRANSPORTS.items() for m in sorted(e.modes) if needs <= e.serves.get(m, frozenset())]
+    """Where codec ``name`` runs: ``transport/mode`` for every transport and mode serving it."""
+    cls = codec_class(name)
+    return [f"{t}/{m}" for t, e in TRANSPORTS.items() for m in sorted(e.modes) if _served(cls, t, m)]
 
 
 def check(name: str, transport: str, mode: str) -> None:
     """Refuse, at set-up and by name, codec ``name`` over a ``transport`` and ``mode`` that do not serve
-    what it needs, saying where it runs."""
-    needs = codec_class(name).needs
-    entry = TRANSPORTS[transport]
-    missing = needs - entry.serves.get(mode, frozenset())
-    if not missing:
+    what it needs (or that the codec was not built for), saying where it runs."""
+    cls = codec_class(name)
+    if _served(cls, transport, mode):
         return
+    missing = cls.needs - TRANSPORTS[transport].serves.get(mode, frozenset())
+    if not missing:  # served, but not built for it
+        why = getattr(cls, "why_not", {}).get((transport, mode), "not built for it")
+        raise ConfigError(f"the {name} codec does not run over the {transport} transport in {mode} mode ({why}); "
+                          f"it runs over {', '.join(serving(name))}: use one of those, or the full codec")
     why = _WHY.get((name, transport))
     raise ConfigError(f"the {name} codec needs {' and '.join(sorted(missing))}, which the {transport} transport "
                       f"does not serve in {mode} mode" + (f" ({why})" if why else "")

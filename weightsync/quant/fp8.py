@@ -179,14 +179,22 @@ def _batch_stride(x: torch.Tensor) -> int | None:
         return None
 
 
+def _strided_ok(t: torch.Tensor) -> bool:
+    """Whether the kernel can write ``t``: rows of contiguous elements, the leading dims one batch stride apart."""
+    return (t.shape[-1] <= 1 or t.stride(-1) == 1) and _batch_stride(t) is not None
+
+
 def _check_out(x: torch.Tensor, out: Quantized, name: str) -> None:
+    """``out`` must have the shapes and dtypes of ``x``'s block FP8 on its device; it may be a strided view (a box of
+    an engine's live FP8 weight and its ``_scale_inv``, written in place by a co-located sync) whose rows are
+    contiguous."""
     sshape = scale_shape(x.shape)
     if (tuple(out.weight.shape) != tuple(x.shape) or out.weight.dtype != torch.float8_e4m3fn
             or tuple(out.scale_inv.shape) != sshape or out.scale_inv.dtype != torch.float32
-            or not out.weight.is_contiguous() or not out.scale_inv.is_contiguous()
+            or not _strided_ok(out.weight) or not _strided_ok(out.scale_inv)
             or out.weight.device != x.device or out.scale_inv.device != x.device):
-        raise ValueError(f"fp8: {name}: out must be contiguous float8_e4m3fn {tuple(x.shape)} and float32 "
-                         f"{sshape} on {x.device}, got {out.weight.dtype} {tuple(out.weight.shape)} and "
+        raise ValueError(f"fp8: {name}: out must be float8_e4m3fn {tuple(x.shape)} and float32 {sshape} on "
+                         f"{x.device} with contiguous rows, got {out.weight.dtype} {tuple(out.weight.shape)} and "
                          f"{out.scale_inv.dtype} {tuple(out.scale_inv.shape)}")
 
 
@@ -199,8 +207,8 @@ def soft_cast() -> bool:
 
 def quantize(x: torch.Tensor, out: Quantized | None = None, name: str = "weight") -> Quantized:
     """``x`` in block FP8 (the definition of :func:`quantize_reference`), by the Triton kernel where it
-    :func:`applies`, else by the torch definition; into ``out`` (contiguous, of the right shapes and dtypes)
-    when given. Queues the work on CUDA without synchronising."""
+    :func:`applies`, else by the torch definition; into ``out`` (of the right shapes and dtypes, rows
+    contiguous: a box of a live FP8 weight and its ``_scale_inv`` is written in place) when given. Queues the work on CUDA without synchronising."""
     _check(x, name)
     sshape = scale_shape(x.shape)
     if out is not None:
@@ -225,8 +233,10 @@ def quantize(x: torch.Tensor, out: Quantized | None = None, name: str = "weight"
     sxb = _batch_stride(x)
     soft = soft_cast()
     q = out.weight.view(torch.uint8) if soft else out.weight
-    _kernel.block_fp8[(bn, bk, batch)](x, q, out.scale_inv, n, k, sxb, x.stride(-2), n * k, k, bn * bk, bk,
-                             AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK, SOFT_CAST=soft, num_warps=WARPS)
+    w, sc = out.weight, out.scale_inv
+    _kernel.block_fp8[(bn, bk, batch)](x, q, sc, n, k, sxb, x.stride(-2), _batch_stride(w), w.stride(-2),
+                                       _batch_stride(sc), sc.stride(-2), AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK,
+                                       SOFT_CAST=soft, num_warps=WARPS)
     return out
 
 
@@ -252,7 +262,8 @@ def quantize_many(xs: Sequence[torch.Tensor], outs: Sequence[Quantized] | None =
     if one_launch is None:
         one_launch = os.environ.get("WEIGHTSYNC_FP8_ONE_LAUNCH") == "1"
     devices = {x.device for x in xs}
-    if not one_launch or len(devices) > 1 or not all(applies(x) for x in xs):
+    if (not one_launch or len(devices) > 1 or not all(applies(x) for x in xs)
+            or not all(o.weight.is_contiguous() and o.scale_inv.is_contiguous() for o in outs)):
         return [quantize(x, o, n) for x, o, n in zip(xs, outs, names)]
     for x, o, n in zip(xs, outs, names):
         _check(x, n)

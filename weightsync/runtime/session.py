@@ -154,7 +154,8 @@ class SessionOptions:
     def transport_options(self, backend: str) -> TransportOptions:
         from weightsync.codec.registry import make_codec
 
-        codec = make_codec("delta", host=self.delta_host) if self.delta else None  # None: the plan's bytes (full)
+        # the full codec: the plan's bytes (co-located workers land them by its ``land``: copies, then its casts)
+        codec = make_codec("delta", host=self.delta_host) if self.delta else make_codec("full")
         return TransportOptions(self.transport_name, self.mode, backend, self.timeout_s, self.host,
                                 self.directory, self.peer_copies, codec=codec)
 

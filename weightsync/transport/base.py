@@ -263,6 +263,9 @@ class TransportEntry:
 # what a transport may serve a codec (the same strings as weightsync.codec.base.NEEDS)
 SENDER_STEP = "a sender step over every bucket's bytes"
 BASE_PROOF = "the receiver's proof of its base"
+#: the receiver reads the trainers' tensors in place (co-located): a codec that can land them itself there
+#: (its ``land``: the full codec's copies and casts, FP8's quantization) needs no sender step
+SOURCES = "the sources, read in place by the receiver"
 _BOTH = frozenset({SENDER_STEP, BASE_PROOF})
 
 #: every transport; a new one is one module and one line here
@@ -272,7 +275,8 @@ TRANSPORTS: dict[str, TransportEntry] = {
                           modes=frozenset({"sync", "async"}), serves={"sync": _BOTH}),
     # co-located: the workers copy the trainers' memory themselves (no sender step)
     "colocated": TransportEntry("weightsync.transport.colocated:ColocatedSender",
-                                "weightsync.transport.colocated:ColocatedReceiver", colocated=True),
+                                "weightsync.transport.colocated:ColocatedReceiver", colocated=True,
+                                serves={"sync": frozenset({SOURCES})}),
     # file: frames are written beside the full file with their headers, each reader proves its base
     "file": TransportEntry("weightsync.transport.file:FileSender", "weightsync.transport.file:FileReceiver",
                            needs_directory=True, elastic=True, serves={"sync": _BOTH}),

@@ -51,7 +51,7 @@ from weightsync.errors import ConfigError, TransportError
 from weightsync.plan.job import JobShape
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Placement, Topology
-from weightsync.transport.base import Buffers, Receiver, ReceiverContext, Sender, SenderContext, StepStats
+from weightsync.transport.base import Buffers, Codec, Receiver, ReceiverContext, Sender, SenderContext, StepStats
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.nccl import (
     DEFAULT_WINDOW,
@@ -67,6 +67,7 @@ from weightsync.transport.nccl import (
 )
 from weightsync.transport.pack import (
     DIRECT_MIN_BYTES,
+    Landing,
     Pairs,
     Staging,
     direct_pairs,
@@ -280,6 +281,7 @@ class ColocatedStats:
     pushed_buckets: int = 0  # direct copies into another worker of my instance, on another GPU
     pushed_bytes: int = 0
     started: float = 0.0  # seconds until the first copy was posted (the step's set-up on the CPU)
+    full_bytes: int = 0  # the plan's bytes (what the full codec moves; a codec may land others: ``bytes``)
 
     @property
     def bytes(self) -> int:
@@ -378,9 +380,12 @@ class ColocatedTransport:
         timeout_s: float = 60.0,
         buffer_bytes: int | None = None,
         direct_min: int = DIRECT_MIN_BYTES,
+        codec: Codec | None = None,
     ):
         """``group``: the inference workers' group, needed only when the job spans hosts
-        (:attr:`ColocatedRanks.needs_group`); without it, ``me`` is this worker's group rank."""
+        (:attr:`ColocatedRanks.needs_group`); without it, ``me`` is this worker's group rank. ``codec``: how
+        the direct copies land (its ``land``: :mod:`weightsync.codec`, the full codec's copies and casts, FP8's
+        quantization); None: the plan's bytes copied as they are (a pair of two dtypes converts in ``copy_``)."""
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         if group is None:
@@ -401,6 +406,10 @@ class ColocatedTransport:
         self.timeout = timedelta(seconds=timeout_s)
         self.buffer_bytes = buffer_bytes
         self.direct_min = direct_min  # segments this large travel alone (pack.messages): the same on every rank
+        self.codec = codec
+        if codec is not None and getattr(codec, "land", None) is None:
+            raise ConfigError(f"the {codec.name} codec cannot land from the trainers' memory (co-located); use the "
+                              "full codec")
         self._buffers: list[torch.Tensor] = []
         self._coalescing: bool | None = None
         self._checked: tuple | None = None  # (plans, their validated operations in the global order)
@@ -465,7 +474,7 @@ class ColocatedTransport:
         counts = {kind: [0, 0] for kind in (_LOCAL, _PEER, _PUSH, _SEND, _RECV)}
         for kind, b, _ in ops:
             counts[kind][0] += 1
-            counts[kind][1] += b.nbytes
+            counts[kind][1] += self._landed_bytes(b) if kind in _DIRECT else b.nbytes
         started = time.perf_counter() - start
 
         # direct copies, pack-free (each run straight from the trainer's view into its target), on streams
@@ -487,8 +496,10 @@ class ColocatedTransport:
                 side.wait_stream(torch.cuda.current_stream(dev))
                 sides.append(side)
 
-            def pairs(buckets=buckets) -> Pairs:
+            def pairs(buckets=buckets) -> Pairs | Landing:
                 src = src_tensors_by_train_rank
+                if self.codec is not None:  # the codec says how its bytes land (copies, casts, quantization)
+                    return self.codec.land([(b, src[b.src_rank], dst) for b, dst in buckets])
                 return [p for b, dst in buckets for p in direct_pairs(segments(b), src[b.src_rank], dst)]
 
             with torch.cuda.stream(side) if side is not None else _nothing():
@@ -517,7 +528,8 @@ class ColocatedTransport:
         if error is not None:
             raise error
         return ColocatedStats(*counts[_LOCAL], *counts[_PEER], *counts[_SEND], *counts[_RECV],
-                              time.perf_counter() - start, done_posting, *counts[_PUSH], started)
+                              time.perf_counter() - start, done_posting, *counts[_PUSH], started,
+                              sum(b.nbytes for kind, b, _ in ops if kind != _SEND))
 
     def _units(self, remote: list, dev: torch.device) -> list[list]:
         """Remote operations cut into units posted together: on NCCL, the consecutive ones of one bucket
@@ -631,6 +643,13 @@ class ColocatedTransport:
             if dst not in push_targets:
                 raise TransportError(f"group rank {me} pushes into group rank {dst}, whose tensors it has not opened")
             ops.extend((_PUSH, b, dst) for b in buckets)
+        remote = [(kind, b) for kind, b, _ in ops if kind not in _DIRECT]
+        if remote and self.codec is not None and self.codec.framed:
+            kind, b = remote[0]
+            raise ConfigError(f"group rank {me}: the {self.codec.name} codec runs co-located only where every bucket "
+                              f"is copied straight from the trainer's memory (one host, CUDA peer access), but bucket "
+                              f"{b.index} of {describe(b.pair)} goes through the workers' group ({len(remote)} such); "
+                              "use the p2p or file transport for this job")
         if any(kind not in _DIRECT for kind, _, _ in ops) and self.group is None:
             raise ConfigError(f"group rank {me} has buckets to move through a group, but no group")
         need = {b.src_rank for kind, b, _ in ops if kind != _RECV}
@@ -638,6 +657,11 @@ class ColocatedTransport:
             raise TransportError(f"group rank {me}: no opened tensors of training rank(s) {sorted(missing)}")
         ops.sort(key=lambda op: order_key(op[1]))
         return ops
+
+    def _landed_bytes(self, b: Bucket) -> int:
+        """What a direct copy of ``b`` writes: as the codec lands it (FP8: e4m3 bytes and scales)."""
+        f = getattr(self.codec, "landed_bytes", None)
+        return b.nbytes if f is None else f(b)
 
     def _error(self, kind: str, b: Bucket, peer: int, cause: Exception) -> TransportError:
         pair = b.pair
@@ -767,12 +791,12 @@ class ColocatedReceiver(Receiver):
         self.push_targets = {g: open_shared(client.lookup(f"push.{g}.{me}", timeout=timeout_s), mine)
                              for g in ranks.pushes(me, self.send_plans)}
         self.tensors, self.plans, self.who = ctx.tensors, ctx.plans, f"instance {ctx.instance} worker {ctx.rank}"
-        self.transport = ColocatedTransport(group, ranks, me=me, timeout_s=timeout_s)
+        self.transport = ColocatedTransport(group, ranks, me=me, timeout_s=timeout_s, codec=self.options.codec)
 
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
         s = self.transport.run(self.plans, self.send_plans, targets, self.sources, self.push_targets,
                                during=self._check_pushed_into if self.shared_at is not None else None)
-        return StepStats(s.buckets, s.bytes, s.seconds, s.posted, s.started, s.pushed_bytes)
+        return StepStats(s.buckets, s.bytes, s.seconds, s.posted, s.started, s.pushed_bytes, s.full_bytes)
 
     def _check_pushed_into(self) -> None:
         """My instance's other workers write where my tensors were shared: raise if one moved since."""

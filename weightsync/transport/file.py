@@ -64,6 +64,7 @@ FORMAT = "weightsync.file/1"
 _NAME = re.compile(r"^\.?step(\d+)\.t(\d+)\.i(\d+)\.r(\d+)\.safetensors(\.frames)?(\..*\.tmp)?$")  # .frames: a codec's
 FRAMES = "weightsync.frames/1"
 FRAMES_SUFFIX = ".frames"
+ENCODED = "weightsync.encoded/1"  # a pair's file of payloads that need no base (FP8), with their headers
 
 Plans = Mapping[Pair, list[Bucket]]
 
@@ -75,6 +76,23 @@ def file_name(step: int, pair: Pair) -> str:
 
 def bucket_key(index: int) -> str:
     return f"bucket.{index}"
+
+
+def _encoded_header(step: int, pair: Pair, buckets: list[Bucket], live: list[Bucket], sizes: list[int],
+                    words: int, codec: str) -> bytes:
+    """The safetensors header of a file of encoded payloads (:meth:`FileTransport._write_encoded`)."""
+    entries: dict[str, object] = {}
+    off = 0
+    for b, n in zip(live, sizes):
+        entries[bucket_key(b.index)] = {"dtype": "U8", "shape": [n], "data_offsets": [off, off + n]}
+        off += n
+    n = len(live) * (1 + words) * 8
+    entries["headers"] = {"dtype": "I64", "shape": [len(live), 1 + words], "data_offsets": [off, off + n]}
+    entries["__metadata__"] = {"format": ENCODED, "codec": codec, "step": str(step), "pair": ",".join(map(str, pair)),
+                               "pair_hash": pair_hash(buckets), "buckets": str(len(buckets)), "bytes": str(off)}
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def _header(step: int, pair: Pair, buckets: list[Bucket], digest: str) -> bytes:
@@ -196,8 +214,13 @@ class FileTransport:
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         encoder.begin(step, None)
         written = full = count = 0
+        alone = BASE_PROOF not in codec.needs  # every payload stands alone (FP8): it is the pair's one file
         try:
             for pair in sorted(plans):
+                if alone:
+                    w, f, c = self._write_encoded(step, pair, plans[pair], tensors, encoder, codec, device)
+                    written, full, count = written + w, full + f, count + c
+                    continue
                 w, f, c = self._write_frames(step, pair, plans[pair], tensors, encoder, codec, device, cap_bytes)
                 written, full, count = written + w, full + f, count + c
             encoder.end(step)
@@ -249,6 +272,79 @@ class FileTransport:
         framed = sum(p.numel() for p in payloads.values()) if payloads is not None else 0
         return full + framed, full, len(live)
 
+    def _write_encoded(self, step: int, pair: Pair, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor],
+                       encoder, codec, device: torch.device) -> tuple[int, int, int]:
+        """A codec whose payloads need no base (FP8): the pair's file holds each bucket's payload as the codec
+        encoded it (its size the encoder's bound, a pure function of the plan) and, after them, every bucket's
+        header (``headers``, int64 ``[buckets, 1 + Header.WORDS]``: index, then the words), streamed through
+        one buffer as :meth:`send` streams the packed buckets; there is no full file to fall back on (the bytes
+        of the plan would not land in the engine's form)."""
+        final = os.path.join(self.directory, file_name(step, pair))
+        tmp = os.path.join(self.directory, f".{file_name(step, pair)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        live = [b for b in buckets if b.nbytes > 0]
+        sizes = [encoder.bound(b) for b in live]
+        words = codec.header_words  # the words a payload that needs no base has (kind, count, bytes)
+        try:
+            with open(tmp, "wb", opener=private_opener) as f:
+                f.write(_encoded_header(step, pair, buckets, live, sizes, words, codec.name))
+                rows = []
+                for b, n in zip(live, sizes):
+                    frame = encoder.encode(b, tensors, self._packing_buffer(max(n, b.nbytes), device))
+                    if frame.header.nbytes != n or frame.payload is None:
+                        raise TransportError(f"step {step}: the {codec.name} codec encoded bucket {b.index} of "
+                                             f"{describe(pair)} in {frame.header.nbytes} bytes, not its bound {n}",
+                                             pair=pair, bucket=b.index)
+                    payload = frame.payload[:n]
+                    f.write((payload if payload.device.type == "cpu" else payload.cpu()).numpy())
+                    rows.append([b.index, *frame.header.words(words)])
+                f.write(torch.tensor(rows, dtype=torch.int64).reshape(len(live), 1 + words).numpy().tobytes())
+            os.replace(tmp, final)
+        except BaseException as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(e, OSError):
+                raise TransportError(f"step {step}: writing the file of {describe(pair)} to {self.directory} "
+                                     f"failed: {e}", pair=pair) from e
+            raise
+        return sum(sizes), sum(b.nbytes for b in live), len(live)
+
+    def _read_encoded(self, step: int, pair: Pair, buckets: list[Bucket], path: str,
+                      targets: Mapping[str, torch.Tensor], slot: torch.Tensor, decoder, codec) -> tuple[int, int]:
+        """Check and decode a file :meth:`_write_encoded` wrote; bytes read."""
+        def bad(why: str) -> TransportError:
+            return TransportError(f"step {step}: the file of {describe(pair)} ({path}) {why}", peer=pair[0], pair=pair)
+
+        live = [b for b in buckets if b.nbytes > 0]
+        device = next(iter(targets.values())).device if targets else torch.device("cpu")
+        try:
+            f = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise bad(f"cannot be read as safetensors: {e}") from e
+        with f:
+            meta = f.metadata() or {}
+            for key, want in (("format", ENCODED), ("codec", codec.name), ("step", str(step)),
+                              ("pair", ",".join(map(str, pair))), ("pair_hash", pair_hash(buckets))):
+                if meta.get(key) != want:
+                    raise bad(f"has {key} {meta.get(key)!r}, expected {want!r}"
+                              + (" (the two ends built different plans)" if key == "pair_hash" else "")
+                              + (" (the sender runs another codec: both ends must agree on the engine's quant)"
+                                 if key in ("format", "codec") else ""))
+            rows = f.get_tensor("headers").tolist()
+            if [r[0] for r in rows] != [b.index for b in live]:
+                raise bad(f"holds buckets {[r[0] for r in rows][:4]}..., planned {[b.index for b in live][:4]}...")
+            moved = 0
+            for b, r in zip(live, rows):
+                h = codec.header(r[1:])
+                payload = f.get_tensor(bucket_key(b.index))
+                if payload.dtype != torch.uint8 or payload.numel() != decoder.size(b, h) or h.nbytes != payload.numel():
+                    raise bad(f"bucket {b.index} holds {payload.numel()} bytes, this receiver's plan "
+                              f"{decoder.size(b, h)} (header {h})")
+                decoder.decode(b, h, payload.to(device) if payload.device != device else payload, targets, slot)
+                moved += payload.numel()
+        return len(live), moved
+
     def _save_frames(self, step: int, pair: Pair, buckets: list[Bucket], payloads: dict[str, torch.Tensor],
                      headers: list[list[int]], codec) -> None:
         from safetensors.torch import save_file
@@ -279,6 +375,8 @@ class FileTransport:
         slot = self._buffer
 
         def consume(pair: Pair, path: str) -> tuple[int, int]:
+            if BASE_PROOF not in codec.needs:  # payloads that stand alone (FP8): the file holds nothing else
+                return self._read_encoded(step, pair, plans[pair], path, targets, slot, decoder, codec)
             live = [b for b in plans[pair] if b.nbytes > 0]
             moved = self._read_frames(step, held, pair, plans[pair], live, targets, slot, decoder, codec)
             if moved is None:

@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 
 from weightsync.transport.batch_copy import BatchedCopy
-from weightsync.transport.pack import Pairs
+from weightsync.transport.pack import Landing, Pairs
 
 T = TypeVar("T")
 
@@ -35,7 +35,7 @@ class CopyGraphs:
     """Batched copies and their graphs, keyed by the caller, valid while the tensors stay where they are."""
 
     def __init__(self) -> None:
-        self._graphs: dict[tuple[int, Hashable], tuple[object, BatchedCopy, torch.cuda.CUDAGraph | None]] = {}
+        self._graphs: dict[tuple[int, Hashable], tuple[object, Callable[[], None], torch.cuda.CUDAGraph | None]] = {}
         self._memo: dict[tuple[int, Hashable], tuple[object, object]] = {}
         self._where: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._opened: tuple[Mapping[str, torch.Tensor], ...] = ()
@@ -63,22 +63,29 @@ class CopyGraphs:
         self._where, self._scratch = where, scratch
         self._opened = tuple(opened)  # held, so their ids are not reused while compared
 
-    def run(self, owner: object, tag: Hashable, pairs: Callable[[], Pairs], device: torch.device,
+    def run(self, owner: object, tag: Hashable, pairs: Callable[[], Pairs | Landing], device: torch.device,
             programs: int | None = None) -> None:
         """Do the copies ``pairs()`` lists -- the copies of ``owner`` (a bucket, a plan) named ``tag`` --
         on the current stream: batched into one kernel (on at most ``programs`` CTAs when given) and,
         on CUDA, replayed from its graph, both built on first use. The entry keeps ``owner`` alive, so
-        its identity cannot pass to another object."""
+        its identity cannot pass to another object. ``pairs()`` may give a codec's
+        :class:`~weightsync.transport.pack.Landing`: its copies batched so, its work after them in the same graph
+        (run once before the capture, so that its kernels are compiled and loaded outside it)."""
         key = (id(owner), tag)
         got = self._graphs.get(key)
         if got is None or got[0] is not owner:
-            batch = BatchedCopy(pairs(), programs=programs)  # built outside the capture: it uploads its table
-            graph = self._capture(batch.run, device) if device.type == "cuda" else None
-            got = self._graphs[key] = (owner, batch, graph)
+            built = pairs()
+            landing = built if isinstance(built, Landing) else Landing(built)
+            batch = BatchedCopy(landing.copies, programs=programs)  # built outside the capture: it uploads its table
+            step = batch.run if landing.work is None else _then(batch.run, landing.work)
+            if device.type == "cuda" and landing.work is not None:
+                landing.work()  # compiles what it launches (no compilation mid-capture)
+            graph = self._capture(step, device) if device.type == "cuda" else None
+            got = self._graphs[key] = (owner, step, graph)
         if got[2] is not None:
             got[2].replay()
         else:
-            got[1].run()
+            got[1]()
 
     def memo(self, owner: object, tag: Hashable, build: Callable[[], T]) -> T:
         """``build()`` -- something derived from the tensors' addresses, such as views into them -- kept
@@ -107,3 +114,11 @@ class CopyGraphs:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both

@@ -15,7 +15,7 @@ the buffer holds only the staged messages.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -40,6 +40,18 @@ def unpack(bucket: Bucket, buffer: torch.Tensor, targets: Mapping[str, torch.Ten
 
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination view, source view): the copies of a step
+
+
+@dataclass(frozen=True)
+class Landing:
+    """How a codec lands buckets whose sources a receiver reads in place (co-located): ``copies``, byte copies
+    between views of one dtype, which the transport moves with its copy kernel, and ``work``, the codec's own
+    kernels after them (the full codec's casts to the receiver's dtype, FP8's quantization into the live e4m3
+    weight and its scales). ``work`` allocates nothing and never synchronizes on CUDA, so the transport captures
+    it in the same CUDA graph as the copies; it may run more than once (it writes the same bytes)."""
+
+    copies: Pairs
+    work: Callable[[], None] | None = None
 
 
 def pack_pairs(segs: Sequence[Segment], sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> Pairs:

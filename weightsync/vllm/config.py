@@ -65,6 +65,34 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def quantization(model_config: Any) -> Any:
+    """The engine's quantization, read from its model config: None (unquantized) or the default
+    :class:`weightsync.quant.config.BlockFP8` (128 x 128 e4m3, fp32 ``weight_scale_inv``, dynamic activations: what
+    ``quant=fp8`` in an engine string means), else a ConfigError naming it -- refused before any byte moves.
+
+    vLLM 0.26 and 0.32 read the checkpoint's ``quantization_config`` from the HF config into ``model_config.quantization``
+    (``ModelConfig._verify_quantization``); an engine asked to quantize a bf16 checkpoint itself
+    (``quantization="fp8"`` with no ``quantization_config``) holds per-tensor scales of its own making: refused."""
+    from weightsync.quant.config import BlockFP8, from_hf
+
+    method = getattr(model_config, "quantization", None)
+    qc = getattr(model_config.hf_config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    if not qc:
+        if method:
+            raise ConfigError(f"vllm: the engine quantizes a checkpoint that is not quantized itself "
+                              f"(quantization={method!r}, no quantization_config): weightsync syncs only engines "
+                              "served from a block-FP8 checkpoint (save_checkpoint(dir, quant='fp8')) or unquantized")
+        return None
+    q = from_hf(qc)
+    if q is not None and q != BlockFP8():
+        raise ConfigError(f"vllm: the engine's block-FP8 checkpoint leaves modules {list(q.ignored)[:4]} unquantized "
+                          "(ignored_layers); weightsync's quant=fp8 means every linear layer in FP8: serve a "
+                          "checkpoint without ignored_layers")
+    return q
+
+
 def describe(vllm_config: Any) -> EngineInfo:
     """The :class:`EngineInfo` of an engine, or a ConfigError for a parallel config weightsync cannot map."""
     from weightsync.instances.hf import SPEC_KEYS
@@ -79,7 +107,8 @@ def describe(vllm_config: Any) -> EngineInfo:
         raise ConfigError(f"vllm: data_parallel_size={dp}: weightsync drives one vLLM data-parallel rank per "
                           "instance; start one engine per instance (data_parallel_size=1)")
     ep = tp if pc.enable_expert_parallel and tp > 1 else 1
-    engine = f"vllm:tp={tp}" + (f",ep={ep}" if ep > 1 else "")
+    quant = quantization(mc)
+    engine = f"vllm:tp={tp}" + (f",ep={ep}" if ep > 1 else "") + (",quant=fp8" if quant is not None else "")
     dtype = dtype_name(mc.dtype)
     cfg = hf_config_dict(mc.hf_config)
     cfg = {k: cfg[k] for k in SPEC_KEYS if k in cfg and cfg[k] is not None}

@@ -187,11 +187,17 @@ def environ(env: dict[str, str]):
 def start(model_config: dict[str, Any], engine: str, options: EngineOptions = EngineOptions(),
           checkpoint: str | None = None) -> OwnedEngine:
     """Start a real vLLM engine for the inference layout ``engine`` (``vllm:tp=N``) of ``model_config``:
-    on ``checkpoint`` (an HF folder) if given, else on dummy weights. Refuses what it cannot start."""
+    on ``checkpoint`` (an HF folder) if given, else on dummy weights (``quant=fp8``: in block FP8, the config's
+    ``quantization_config`` that of ``save_checkpoint(dir, quant="fp8")``). Refuses what it cannot start."""
     tp = check_engine(model_config, engine, options.device)
     workdir = None
     if checkpoint is None:
         workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
+        if getattr(make_layout(spec_from_config(model_config), engine).config, "quant", 0):
+            # quant=fp8 on dummy weights: the config an FP8 checkpoint carries, so vLLM builds Fp8LinearMethod layers
+            from weightsync.quant.config import BlockFP8
+
+            model_config = {**model_config, "quantization_config": BlockFP8().hf_config()}
         checkpoint = config_dir(model_config, workdir)
     from vllm import LLM
 

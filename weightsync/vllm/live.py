@@ -25,7 +25,12 @@ one of these paths, decided once and reported (:class:`LiveReport`):
     and ``torch.ops._C.prepack_moe_weight`` writes the packed form into the live storage. The padding
     is therefore never a layout piece: the layout (and ``check_live``) sees the loaded form.
 
-Anything else is refused at set-up, naming the layer: quantized methods, MLA attention (its
+A block-FP8 linear (``Fp8LinearMethod``, weight e4m3 ``[N, K]`` and fp32 ``weight_scale_inv``) takes ``in-place``
+too where its GEMM kernel keeps the checkpoint form after loading (CUTLASS and Triton block kernels on CUDA; see
+:meth:`LiveModel._fp8_linear` for the vLLM 0.26 lines) and the job's layout is the FP8 one (``quant=fp8``).
+
+Anything else is refused at set-up, naming the layer: other quantized methods (FP8 MoE, FP8 on DeepGEMM/Marlin/CPU
+kernels, per-tensor FP8), MLA attention (its
 ``W_UK_T``/``W_UV`` are derived from ``kv_b_proj`` after loading), MoE backends that re-lay experts
 (AITER, FlashInfer, MoonEP, zentorch), MoE biases, a staging tensor whose loaded form has regions no
 piece writes. What each path re-runs is vLLM's own transform, so a fresh engine loading the same
@@ -142,6 +147,13 @@ class _Experts(_Transform):
         torch.ops._C.prepack_moe_weight(w2.contiguous(), mod.w2_weight.data, self.isa)
 
 
+def _base_fp8_process(kernel: Any) -> bool:
+    """Whether ``kernel``'s ``process_weights_after_loading`` is vLLM's ``Fp8BlockScaledMMLinearKernel``'s own (not
+    overridden by the kernel class: the transform :meth:`LiveModel._fp8_linear` reads as keeping the loaded form)."""
+    base = next((c for c in type(kernel).__mro__ if c.__name__ == "Fp8BlockScaledMMLinearKernel"), None)
+    return base is not None and type(kernel).process_weights_after_loading is base.process_weights_after_loading
+
+
 def _moe_method() -> type | tuple:
     """vLLM's unquantized fused-MoE method class, or ``()`` (matches nothing) where the build lacks it (the
     GPU kit's vLLM 0.26 is cut down to dense models: no MoE kernels)."""
@@ -210,6 +222,8 @@ class LiveModel:
             return self._embedding(mname, mod, params, kind)
         if isinstance(qm, UnquantizedFusedMoEMethod):
             return self._experts(mname, mod, params, qm)
+        if type(qm).__name__ == "Fp8LinearMethod":
+            return self._fp8_linear(mname, mod, params, qm, kind)
         self._refuse(mname, f"{kind} with {type(qm).__name__}: a quantized or unknown method whose "
                             "post-load form weightsync cannot produce; serve the model unquantized")
 
@@ -246,6 +260,56 @@ class LiveModel:
         self.transforms.append(_Repack(mname, mod, staged))
         self._paths.append(LayerPath(mname, STAGED_REPACK, tuple(params.values()),
                                      f"{kind}: CPU packed GEMM, weight removed after packing"))
+
+    def _fp8_linear(self, mname: str, mod: torch.nn.Module, params: dict[str, str], qm: Any, kind: str) -> None:
+        """A block-FP8 linear (``Fp8LinearMethod``, checkpoint ``weight_block_size [128, 128]``): in place where
+        its kernel's ``process_weights_after_loading`` keeps the checkpoint form, refused otherwise.
+
+        vLLM 0.26 (``model_executor/layers/quantization/fp8.py:398-444``): for block quant, without Marlin,
+        ``Fp8LinearMethod.process_weights_after_loading`` only calls its kernel's. On CUDA the kernel is the first
+        of ``_POSSIBLE_FP8_BLOCK_KERNELS[CUDA]`` that can run (``kernels/linear/__init__.py:355-363``): FlashInfer+
+        DeepGEMM and DeepGEMM (``scaled_mm/deep_gemm.py:84-107``: ``deepgemm_post_process_fp8_weight_block``, which
+        re-lays the scales and, with UE8M0, requantizes the weight -- refused), CUTLASS, Marlin (repacks: refused),
+        Triton. CUTLASS and Triton (``scaled_mm/cutlass.py:275``, ``triton.py:159``) keep the base
+        ``Fp8BlockScaledMMLinearKernel.process_weights_after_loading`` (``BlockScaledMMLinearKernel.py:75-95``):
+        ``process_fp8_weight_block_strategy`` (``quantization/utils/fp8_utils.py:1371-1405``) returns the weight and
+        ``weight_scale_inv`` unchanged unless the platform is FP8-FNUZ (ROCm) or pads for ROCm, and
+        ``replace_parameter`` re-registers a Parameter over the same tensor (``model_executor/utils.py:47-98``);
+        their ``apply`` reads ``weight`` [N, K] and ``weight_scale_inv`` [N/128, K/128] as loaded (CUTLASS transposes
+        views at call time, ``cutlass.py:312-325``). So the live tensors are the checkpoint's, and a step lands in
+        them directly."""
+        fp8_ok = ("CutlassFp8BlockScaledMMKernel", "TritonFp8BlockScaledMMKernel")
+        kernel = getattr(qm, "fp8_linear", None)
+        kname = type(kernel).__name__
+        scale = params.get("weight_scale_inv")
+        if not getattr(qm, "block_quant", False) or scale is None:
+            return self._refuse(mname, f"{kind} with per-tensor FP8 (Fp8LinearMethod without weight_block_size): "
+                                       "weightsync syncs block FP8 (weight_block_size [128, 128]) only")
+        if scale != params["weight"] + "_scale_inv" or scale not in self.layout.tensors:
+            return self._refuse(mname, f"{kind}: the engine serves it in block FP8 (Fp8LinearMethod), but the job's "
+                                       "layout for this engine is not quant=fp8 (no "
+                                       f"{params['weight']}_scale_inv in it)")
+        if list(getattr(qm, "weight_block_size", None) or ()) != [128, 128]:
+            return self._refuse(mname, f"{kind}: weight_block_size {qm.weight_block_size}; only [128, 128] is synced")
+        if getattr(qm, "use_marlin", False) or getattr(qm, "is_scale_e8m0", False):
+            return self._refuse(mname, f"{kind} with Fp8LinearMethod on {kname}: "
+                                       f"{'Marlin repacks the weight' if qm.use_marlin else 'e8m0 scales'} after "
+                                       "loading; weightsync lands the checkpoint form only")
+        if kname not in fp8_ok or not _base_fp8_process(kernel):
+            return self._refuse(mname, f"{kind} with Fp8LinearMethod on {kname}: its process_weights_after_loading "
+                                       "re-lays or requantizes the checkpoint form (DeepGEMM, FlashInfer, Marlin, "
+                                       f"CPU); weightsync lands the checkpoint form in place only for "
+                                       f"{'/'.join(fp8_ok)}")
+        try:
+            from vllm.platforms import current_platform
+
+            fnuz = current_platform.is_fp8_fnuz()
+        except Exception:  # noqa: BLE001 - an older build without it: not ROCm
+            fnuz = False
+        if fnuz:
+            return self._refuse(mname, f"{kind}: this platform converts e4m3fn to e4m3fnuz after loading (ROCm)")
+        self._in_place(mname, mod, params, f"{kind}: Fp8LinearMethod, {kname}: weight e4m3 and weight_scale_inv "
+                                           "fp32 computed with as loaded")
 
     def _embedding(self, mname: str, mod: torch.nn.Module, params: dict[str, str], kind: str) -> None:
         if not self.cpu:

@@ -34,7 +34,12 @@ class VLLMWorker:
         self.rank = get_tensor_model_parallel_rank()
         self.device = torch.device(device)
         spec = spec_from_config(self.info.model_config)
-        layout = make_layout(spec, self.info.engine).layout(self.rank)
+        engine_layout = make_layout(spec, self.info.engine)
+        if getattr(engine_layout.config, "quant", 0):  # served in block FP8: the live tensors are e4m3 + scales
+            from weightsync.quant.layout import fp8_layout
+
+            engine_layout = fp8_layout(engine_layout)
+        layout = engine_layout.layout(self.rank)
         where = f"{self.info.engine} rank {self.rank} ({spec.name})"
         self.live = LiveModel(model, layout, self.device, where)
         self.ctx = WorkerContext(self.rank, self.device, self.live.tensors,
