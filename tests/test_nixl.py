@@ -367,6 +367,43 @@ def test_runs_and_merging():
     assert loc.tolist() == [[0, 10], [10, 20]] and rem.tolist() == [[100, 10], [110, 20]]
 
 
+def test_strided_boxes_packed_one_descriptor_each(meta, monkeypatch):
+    """hf -> vLLM TP=2 reads o_proj / down_proj in column halves (one byte run a row in the trainer): the
+    trainer packs each half every step and the worker reads it as ONE descriptor; bit-exact over steps,
+    the packed bytes refreshed every send; with packing off (WEIGHTSYNC_NIXL_PACK=0) one descriptor a row."""
+    def runs(job):  # each worker's remote byte runs, before merging: what it would post at most
+        return {k: sum(len(d.runs) for p in rx.peers.values() for d in p.direct)
+                + sum(len(b.runs) for p in rx.peers.values() for b in p.batches) for k, rx in job.receivers.items()}
+
+    got = {}
+    for pack in ("1", "0"):
+        monkeypatch.setenv("WEIGHTSYNC_NIXL_PACK", pack)
+        job = Job(meta, model="tiny-qwen3", train="hf", infer="vllm:tp=2", bucket_bytes=1 << 20)
+        try:
+            assert bool(job.senders[0].packed) == (pack == "1")
+            for step in (1, 2):
+                job.write(step)
+                for k, rx in job.receivers.items():
+                    rx.receive(step, job.targets[k])
+                assert not job.wrong(step), job.wrong(step)
+            got[pack] = runs(job)
+        finally:
+            job.close()
+    for k in got["1"]:
+        assert got["1"][k] * 4 < got["0"][k], (k, got)
+
+
+def test_allocator_segments_cover_their_tensors():
+    """On a GPU each storage is registered as the allocator segment that holds it (adjacent tensors of one
+    segment then merge); a storage in no known segment stays itself; segments are registered once."""
+    from weightsync.transport.nixl import _cover
+
+    segs = [(1000, 500), (2000, 100), (4096, 1 << 20)]
+    storages = [(1000, 100), (1100, 200), (2000, 100), (3000, 50), (4096 + 512, 4096), (1450, 100)]
+    assert _cover(storages, segs) == [(1000, 500), (1450, 100), (2000, 100), (3000, 50), (4096, 1 << 20)]
+    assert _cover(storages, []) == sorted(storages)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu on the device host)")
 def test_gpu_nixl_1gpu_bench_bit_exact():

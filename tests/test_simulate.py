@@ -179,9 +179,31 @@ def test_sglang_on_nixl_follows_its_own_control_path():
 
 def test_qwen3_8b_posts_399_descriptors():
     """BENCHMARKS.md's "~400 descriptors" of nixl-1gpu: every tensor one in-place read (q, k, v into the
-    fused qkv_proj stay apart: separate registrations), all in one transfer."""
-    _, _, (worker,) = planned("qwen3-8b", "nixl-1gpu")
-    assert (worker.nixl_descriptors, worker.nixl_transfers, worker.staged_bytes) == (399, 1, 0)
+    fused qkv_proj stay apart: separate registrations), posted as 7 transfers of at most 64; with each side's
+    tensors in one registration in layout order (a flat buffer), one descriptor for all 16.4 GB."""
+    planner, plans, (worker,) = planned("qwen3-8b", "nixl-1gpu")
+    assert (worker.nixl_descriptors, worker.nixl_transfers, worker.staged_bytes) == (399, 7, 0)
+    assert worker.packed_segments == 0  # TP=1 -> TP=1: nothing strided
+    (flat,) = count_workers(planner, plans, contiguous=True)
+    assert (flat.nixl_descriptors, flat.nixl_transfers) == (1, 1)
+
+
+def test_strided_boxes_are_packed():
+    """A row-parallel weight that vLLM TP=2 reads in column halves from an hf trainer: without packing one
+    descriptor a row, packed one a box; the trainer copies those bytes a step (pack_s)."""
+    spec = load_spec("tiny-qwen3")
+    planner = Planner(make_layout(spec, "hf"), make_layout(spec, "vllm:tp=2"), 1, bucket_bytes=1 << 20)
+    plans = {}
+    for r in range(2):
+        plans.update(planner.recv_plan(0, r))
+    packed, apart = count_workers(planner, plans), count_workers(planner, plans, pack=False)
+    for p, a in zip(packed, apart):
+        assert p.packed_segments > 0 and p.nixl_descriptors < a.nixl_descriptors / 4, (p, a)
+    buckets = [b for bs in plans.values() for b in bs]
+    got = predict_step(buckets, planner.topology, packed, Deployment("nixl"), spec=spec)
+    # the one hf trainer packs what both workers of the instance read from it
+    want = sum(n for c in packed for _, n in c.packed_bytes) / CostModel().links.hbm_copy_bytes_per_s
+    assert got.pack_s == pytest.approx(want) and got.pack_s > 0
 
 
 # -- descriptor counts against nixl.py --------------------------------------------------------------------
@@ -206,33 +228,51 @@ class RecordingAgent:
         return len(self.transfers) - 1
 
 
-def _tensors(layout) -> dict[str, torch.Tensor]:
+def _tensors(layout, contiguous: bool = False) -> dict[str, torch.Tensor]:
+    """The layout's tensors: each its own allocation (the bench's trainer), or views back to back in one
+    flat buffer in layout order (``contiguous``: a flat parameter buffer, one registration)."""
     from weightsync.layout.materialize import TORCH_DTYPES
 
-    return {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype]) for n, t in layout.tensors.items()}
+    if not contiguous:
+        return {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype]) for n, t in layout.tensors.items()}
+    sizes = {n: t.numel * TORCH_DTYPES[t.dtype].itemsize for n, t in layout.tensors.items()}
+    flat = torch.empty(sum(sizes.values()), dtype=torch.uint8)
+    out, at = {}, 0
+    for n, t in layout.tensors.items():
+        out[n] = flat[at : at + sizes[n]].view(TORCH_DTYPES[t.dtype]).view(t.shape)
+        at += sizes[n]
+    return out
 
 
-def nixl_program_counts(planner: Planner, instance: int, rank: int) -> tuple[int, int]:
+def nixl_program_counts(planner: Planner, instance: int, rank: int, pack: bool = True,
+                        contiguous: bool = False) -> tuple[int, int]:
     """(descriptors, transfers) nixl.py's NixlReceiver prepares for one worker: its own _check_and_plan and
-    _program, run on real CPU tensors (each its own allocation, as in the bench) against trainer documents
-    that describe real CPU tensors too."""
+    _program, run on real CPU tensors (each its own allocation, as in the bench, or one flat buffer) against
+    trainer documents that describe real CPU tensors too, with the boxes each trainer packs (nixl.pack_layout)."""
     from weightsync.dtypes import dtype_name
     from weightsync.layout.layout import layout_digest
     from weightsync.transport.base import ReceiverContext, TransportOptions
-    from weightsync.transport.nixl import NixlReceiver, _storages
-    from weightsync.transport.nixl_wire import RemoteTensor, TrainerDoc
+    from weightsync.transport.nixl import PACK_ALIGN, NixlReceiver, _Registry, _storages, pack_layout
+    from weightsync.transport.nixl_wire import PackedBox, RemoteTensor, TrainerDoc
 
     plans = planner.recv_plan(instance, rank)
     peers = sorted({p[0] for p in plans})
-    trainers = {r: _tensors(planner.src.layout(r)) for r in peers}
-    docs = {r: TrainerDoc(r, f"t{r}", b"", "DRAM", 0, tuple(_storages(t.values())),
-                          {n: RemoteTensor(x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype_name(x.dtype),
-                                           x.element_size()) for n, x in t.items()},
-                          0, layout_digest(planner.src.layout(r)), "sync") for r, t in trainers.items()}
-    live = _tensors(planner.dst.layout(rank))
+    trainers = {r: _tensors(planner.src.layout(r), contiguous) for r in peers}
+    docs, keep = {}, []
+    for r, t in trainers.items():
+        items = pack_layout(planner.send_plan(r), t) if pack else []
+        buf = torch.empty(max(sum(-(-n // PACK_ALIGN) * PACK_ALIGN for *_, n in items), 1), dtype=torch.uint8)
+        keep.append(buf)
+        packed = tuple(PackedBox(n, box, buf.data_ptr() + off, nb) for n, box, off, nb in items)
+        docs[r] = TrainerDoc(r, f"t{r}", b"", "DRAM", 0, tuple(_storages([*t.values(), buf])),
+                             {n: RemoteTensor(x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype_name(x.dtype),
+                                              x.element_size()) for n, x in t.items()},
+                             0, layout_digest(planner.src.layout(r)), "sync", packed)
+    live = _tensors(planner.dst.layout(rank), contiguous)
     rx = NixlReceiver(TransportOptions("nixl"))
     rx.ctx = ReceiverContext(None, None, instance, rank, planner, plans, live, torch.device("cpu"))
-    rx.agent, rx.peer_ranks, rx.slots, rx.slot_regs, rx.programs = RecordingAgent(), peers, [], [], {}
+    rx.agent, rx.peer_ranks, rx.slots, rx.programs = RecordingAgent(), peers, [], {}
+    rx.registry = _Registry(rx.agent)
     rx.peers = {r: rx._check_and_plan(r, docs[r]) for r in peers}
     rx.remote = {r: f"t{r}" for r in peers}
     rx._program(live)
@@ -240,23 +280,44 @@ def nixl_program_counts(planner: Planner, instance: int, rank: int) -> tuple[int
     return sum(len(d) for d in remote_lists), len(rx.agent.transfers)
 
 
-@pytest.mark.parametrize("model,train,infer,instances,bucket", [
-    ("tiny-qwen3", "hf", "vllm:tp=2", 2, 4096),  # fused qkv / gate_up in place
+CASES = [
+    ("tiny-qwen3", "hf", "vllm:tp=2", 2, 4096),  # fused qkv / gate_up in place; row-parallel halves packed
     ("tiny-llama3", "megatron:tp=2", "hf", 1, 4096),  # TP halves joined: staged, many small buckets
     ("tiny-qwen3", "fsdp:dp=2,fp32=1", "vllm:tp=2", 1, 1 << 20),  # fp32 on the wire into bf16: staged
-    ("tiny-qwen3-moe", "megatron:ep=2,dp=2", "vllm:tp=2", 1, 4096),  # experts' column halves: a run a row
+    ("tiny-qwen3-moe", "megatron:ep=2,dp=2", "vllm:tp=2", 1, 4096),  # experts' column halves: packed
     ("tiny-qwen3", "megatron:tp=2,pp=2", "vllm:tp=1", 1, 1 << 20),
-])
-def test_descriptor_count_is_what_nixl_prepares(model, train, infer, instances, bucket):
+]
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("model,train,infer,instances,bucket", CASES)
+def test_descriptor_count_is_what_nixl_prepares(model, train, infer, instances, bucket, pack):
     spec = load_spec(model)
     planner = Planner(make_layout(spec, train), make_layout(spec, infer), instances, bucket_bytes=bucket)
     plans = {}
     for i in range(instances):
         for r in range(planner.dst.world_size):
             plans.update(planner.recv_plan(i, r))
-    counts = {(c.instance, c.rank): c for c in count_workers(planner, plans)}
+    counts = {(c.instance, c.rank): c for c in count_workers(planner, plans, pack=pack)}
     for (i, r), c in counts.items():
-        assert (c.nixl_descriptors, c.nixl_transfers) == nixl_program_counts(planner, i, r), (i, r)
+        assert (c.nixl_descriptors, c.nixl_transfers) == nixl_program_counts(planner, i, r, pack), (i, r)
+
+
+@pytest.mark.parametrize("model,train,infer,instances,bucket", [CASES[0], CASES[3], CASES[4]])
+def test_descriptor_count_contiguous_is_what_nixl_prepares(model, train, infer, instances, bucket):
+    """Each process's tensors back to back in one registration: reads join across tensors wherever both
+    sides continue (descriptors.Counter(contiguous=True) against nixl.py on flat CPU buffers)."""
+    spec = load_spec(model)
+    planner = Planner(make_layout(spec, train), make_layout(spec, infer), instances, bucket_bytes=bucket)
+    plans = {}
+    for i in range(instances):
+        for r in range(planner.dst.world_size):
+            plans.update(planner.recv_plan(i, r))
+    apart = {(c.instance, c.rank): c for c in count_workers(planner, plans)}
+    for c in count_workers(planner, plans, contiguous=True):
+        got = nixl_program_counts(planner, c.instance, c.rank, contiguous=True)
+        assert (c.nixl_descriptors, c.nixl_transfers) == got, (c.instance, c.rank)
+        assert c.nixl_descriptors <= apart[c.instance, c.rank].nixl_descriptors
 
 
 def test_span_counts_box_runs():

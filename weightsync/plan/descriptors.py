@@ -5,23 +5,31 @@ needs the counts the transports really post. They are re-derived here from the p
 no addresses, no NIXL), in time linear in the plan's segments, because the transports build them inside
 their set-up methods, not in a reusable function.
 
-NIXL, as ``weightsync/transport/nixl.py`` builds a worker's program today (``NixlReceiver._check_and_plan``
-and ``NixlReceiver._program``):
+NIXL, as ``weightsync/transport/nixl.py`` builds a worker's program today (``pack_layout``,
+``NixlReceiver._check_and_plan`` and ``NixlReceiver._program``):
 
 1. Per peer training rank, its buckets in pair order (empty buckets skipped); each bucket's copies merged
    into :func:`weightsync.plan.messages.segments`.
 2. A segment's remote byte runs are ``nixl_wire.box_runs`` of its source box in the trainer's tensor: one
    run per index of the dimensions before the last one the box does not cover whole (a column half of a
    matrix: one run per row). The trainer's tensors are contiguous, so runs never continue each other.
+   **Packed**: a box of more than one run is packed by its trainer every step (``nixl.pack_layout``: every
+   strided box of its plan, copied into one registered pack region before the step is announced) and read
+   as ONE run; the reader keeps each packed box a region of its own, so it never joins a neighbour.
 3. A segment lands *in place* (``_in_place``) when its destination box is contiguous in the worker's tensor
    and that tensor has the wire dtype; else it is *staged* through a slot.
-4. All in-place segments of one peer go into ONE descriptor list and one prepared transfer; each staged
-   bucket (its staged segments back to back in a slot) is a list and a transfer of its own.
+4. All in-place segments of one peer go into ONE descriptor list, posted as transfers of at most
+   :data:`POST_CHUNK` descriptors, one after another; each staged bucket (its staged segments back to back in
+   a slot) is a list and a transfer of its own.
 5. ``nixl_wire.merge_pairs`` joins consecutive descriptors that continue each other on both sides and lie
-   in one registered region. Every tensor is its own registration (``_storages``: the bench's and the
-   engines' parameters are separate allocations), so only runs of the same source tensor (and, in place,
-   the same destination tensor) can join: inside a segment none do (its runs do not continue remotely),
-   so a join happens only where one segment's last run meets the next one's first.
+   in one registered region. Counted here with every tensor its own registration (``_storages``: the CPU's
+   tensors, and a GPU's tensors of 10 MB and more, each its own ``cudaMalloc``): only runs of the same source
+   tensor (and, in place, the same destination tensor) can join: inside a segment none do (its runs do not
+   continue remotely), so a join happens only where one segment's last run meets the next one's first.
+   On a GPU the transport registers whole allocator segments (``nixl._regions``), so smaller tensors that
+   share a segment may join too: there the count is an upper bound. With ``contiguous=True`` the count
+   takes each process's tensors back to back in one registration, in layout order (a flat parameter
+   buffer): then a join happens wherever both sides continue.
 6. Every step also reads each peer's small header: one more transfer of one descriptor per peer (sync
    ``receive`` reads it once; an async ``pull`` twice).
 
@@ -34,6 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from weightsync.dtypes import itemsize
 from weightsync.errors import PlanError
 from weightsync.layout.box import Box
 from weightsync.plan.messages import messages, segments
@@ -70,6 +79,10 @@ def span(shape: tuple[int, ...], box: Box) -> Span:
     return Span(runs, first, last + block, numel)
 
 
+#: a peer's in-place reads are posted as transfers of at most this many descriptors (transport/nixl.py)
+POST_CHUNK = 64
+
+
 @dataclass(frozen=True)
 class WorkerCounts:
     """What one receiving worker posts in one step (see the module docstring for how each is counted)."""
@@ -85,6 +98,9 @@ class WorkerCounts:
     nixl_transfers: int  # prepared transfers posted (one per peer with in-place reads + one per staged bucket)
     staged_bytes: int  # bytes that go through a slot (unpacked after the read)
     nbytes: int
+    packed_segments: int = 0  # segments read from their trainers' pack regions (one descriptor each)
+    #: (training rank, bytes this worker reads from its pack region): the trainer copies them every step
+    packed_bytes: tuple[tuple[int, int], ...] = ()
 
     @property
     def nixl_descriptors(self) -> int:
@@ -113,10 +129,15 @@ class _Chain:
 
 
 class Counter:
-    """Counts workers' steps from their plans; caches the training tensors' shapes and the boxes' spans."""
+    """Counts workers' steps from their plans; caches the training tensors' shapes and the boxes' spans.
+    ``pack``: the trainers pack their strided boxes (the transport's default; ``WEIGHTSYNC_NIXL_PACK=0`` off);
+    ``contiguous``: each process's tensors back to back in one registration (module docstring, rule 5)."""
 
-    def __init__(self, planner: Planner):
+    def __init__(self, planner: Planner, pack: bool = True, contiguous: bool = False):
         self.planner = planner
+        self.pack = pack
+        self.contiguous = contiguous
+        self._offsets: dict[object, dict[str, int]] = {}  # contiguous: element offset of each tensor
         self._shapes: dict[tuple[int, str], tuple[int, ...]] = {}  # (training rank, its tensor) -> shape
         self._spans: dict[tuple, Span] = {}
 
@@ -151,13 +172,34 @@ class Counter:
             got = self._spans[key] = span(shape, box)
         return got
 
+    def _offset(self, key: object, tensors: Mapping, name: str) -> int:
+        """Element offset of tensor ``name`` in its process's flat registration (``contiguous``): the
+        tensors back to back in layout order, counted in bytes / 1 so dtypes may differ."""
+        got = self._offsets.get(key)
+        if got is None:
+            got, at = {}, 0
+            for n, t in tensors.items():
+                got[n] = at
+                at += math.prod(t.shape) * itemsize(t.dtype)
+            self._offsets[key] = got
+        return got[name]
+
+    def _src_layout(self, rank: int):
+        key = ("src-layout", rank)
+        got = self._offsets.get(key)
+        if got is None:
+            got = self._offsets[key] = self.planner.src.layout(rank).tensors
+        return got
+
     def worker(self, instance: int, rank: int, plans: Mapping[Pair, list[Bucket]]) -> WorkerCounts:
         """The counts of worker ``(instance, rank)`` whose plan is ``plans`` (its pairs only)."""
         dst = self.planner.dst_layout(rank).tensors
         pairs = sorted(p for p in plans if p[1:] == (instance, rank))  # one pair per peer training rank
-        buckets = nsegs = nmsgs = direct = staged = transfers = staged_bytes = nbytes = 0
+        buckets = nsegs = nmsgs = direct = staged = transfers = staged_bytes = nbytes = npacked = 0
+        packed_by: dict[int, int] = {}
         for pair in pairs:
             chain = _Chain()  # one descriptor list for every in-place read from this peer (nixl.py _program)
+            inplace: list[tuple] = []  # (remote order, src, span, dst, start, end): sorted as nixl.py does
             for b in plans[pair]:
                 if b.nbytes == 0:
                     continue
@@ -168,29 +210,54 @@ class Counter:
                 at = 0
                 for seg in segments(b):
                     nsegs += 1
-                    s = self._span(self._src_shape(pair[0], seg.src_tensor, b), seg.src_box)
+                    shape = self._src_shape(pair[0], seg.src_tensor, b)
+                    s = self._span(shape, seg.src_box)
+                    src: object = seg.src_tensor
+                    if self.pack and s.runs > 1:  # packed by the trainer: one run, a region of its own
+                        src, s = ("packed", seg.src_tensor, seg.src_box), Span(1, 0, 1, 1)
+                        npacked += 1
+                        packed_by[pair[0]] = packed_by.get(pair[0], 0) + seg.nbytes
+                    elif self.contiguous:  # one registration: byte offsets in the trainer's flat layout
+                        isz = seg.nbytes // max(s.numel, 1)
+                        base = self._offset(("src", pair[0]), self._src_layout(pair[0]), seg.src_tensor)
+                        src, s = ("src", pair[0]), Span(s.runs, base + s.first * isz, base + s.last_end * isz, s.numel)
                     t = dst[seg.dst_tensor]
                     d = self._span(t.shape, seg.dst_box)
                     if t.dtype == seg.dtype and d.runs <= 1:  # nixl.py _in_place: contiguous, in the wire dtype
-                        chain.add(seg.src_tensor, s, seg.dst_tensor, d.first, d.first + d.numel)
+                        # nixl.py sorts these by remote address: a packed box (its own region) joins nothing
+                        # wherever it goes; one registration per tensor: what joins is a tensor's consecutive
+                        # boxes, which (tensor, offset) keeps together; contiguous: the flat offset
+                        order = ((2, "", 0) if isinstance(src, tuple) and src[0] == "packed"
+                                 else (1, "", s.first) if self.contiguous else (1, seg.src_tensor, s.first))
+                        if self.contiguous:
+                            isz = itemsize(t.dtype)
+                            base = self._offset(("dst", rank), dst, seg.dst_tensor)
+                            inplace.append((order, src, s, "dst", base + d.first * isz, base + (d.first + d.numel) * isz))
+                        else:
+                            inplace.append((order, src, s, seg.dst_tensor, d.first, d.first + d.numel))
                     else:
-                        batch.add(seg.src_tensor, s, "slot", at, at + seg.nbytes)
+                        batch.add(src, s, "slot", at, at + seg.nbytes)
                         at += seg.nbytes
                 if at:
                     staged += batch.count
                     staged_bytes += at
                     transfers += 1
+            inplace.sort(key=lambda x: x[0])  # stable, as Python's sorted in nixl.py
+            for _, src, s, where, start, end in inplace:
+                chain.add(src, s, where, start, end)
             direct += chain.count
-            transfers += 1 if chain.count else 0
+            transfers += -(-chain.count // POST_CHUNK)
         return WorkerCounts(instance, rank, len(pairs), buckets, nsegs, nmsgs, direct, staged, transfers,
-                            staged_bytes, nbytes)
+                            staged_bytes, nbytes, npacked, tuple(sorted(packed_by.items())))
 
 
-def count_workers(planner: Planner, plans: Mapping[Pair, list[Bucket]]) -> list[WorkerCounts]:
-    """Every receiving worker's counts in ``plans`` (a job's or one rank's pairs)."""
+def count_workers(planner: Planner, plans: Mapping[Pair, list[Bucket]], pack: bool = True,
+                  contiguous: bool = False) -> list[WorkerCounts]:
+    """Every receiving worker's counts in ``plans`` (a job's or one rank's pairs); ``pack`` and
+    ``contiguous`` as :class:`Counter`'s."""
     by_worker: dict[tuple[int, int], dict[Pair, list[Bucket]]] = {}
     for pair, bs in plans.items():
         by_worker.setdefault(pair[1:], {})[pair] = bs
-    counter = Counter(planner)
+    counter = Counter(planner, pack, contiguous)
     return [counter.worker(i, r, ps) for (i, r), ps in sorted(by_worker.items())]
 

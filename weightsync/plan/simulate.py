@@ -198,6 +198,7 @@ class StepPrediction:
     wire_bytes: int  # every bucket's bytes on the wire, summed
     descriptors: int  # nixl: the busiest worker's descriptors a step (data + header reads)
     messages: int  # p2p: the busiest worker's messages a step
+    pack_s: float = 0.0  # nixl: the busiest trainer's copy of its strided boxes into its pack region, a step
 
 
 _FP8 = re.compile(r"(^|\.)[a-z0-9_]*proj(_with_mqa)?\.weight$")
@@ -259,9 +260,22 @@ def predict_step(
     else:  # the program's reads (fp8: assumed the same runs as full), plus one header read a peer
         descriptors = max((c.nixl_descriptors + c.peers for c in counts), default=0)
     msgs = max((c.messages for c in counts), default=0)
+    pack_s = 0.0
     if d.transport == "nixl":
         post_s = descriptors * cost.nixl_descriptor_s
         move_s = max(post_s, data_s) if cost.nixl_posting_overlaps else post_s + data_s
+        # the trainers pack their strided boxes before they announce the step (transport/nixl.py pack_layout):
+        # each packs what one instance reads from it (instances alike read the same boxes), at the device
+        # copy's rate; the busiest trainer's copy adds to the step
+        packed: dict[tuple[int, int], int] = defaultdict(int)  # (training rank, instance) -> bytes
+        for c in counts:
+            for r, n in c.packed_bytes:
+                packed[r, c.instance] += n
+        most: dict[int, int] = defaultdict(int)
+        for (r, _), n in packed.items():
+            most[r] = max(most[r], n)
+        pack_s = max(most.values(), default=0) / links.hbm_copy_bytes_per_s
+        move_s += pack_s
     elif d.transport == "p2p":
         post_s = msgs * cost.nccl_message_s
         move_s = max(post_s, data_s)  # the CPU posts the whole step at once; the GPU pipelines
@@ -286,4 +300,5 @@ def predict_step(
     receiver_s = {"faithful": cost.faithful_call_s, "vllm": cost.vllm_trips * cost.vllm_trip_s,
                   "sglang": cost.sglang_step_s}[d.receiver]
     seconds = signal_s + receiver_s + move_s + codec_s
-    return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, sum(sizes), descriptors, msgs)
+    return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, sum(sizes), descriptors, msgs,
+                          pack_s)

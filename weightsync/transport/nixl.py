@@ -7,21 +7,27 @@ descriptor document (:mod:`weightsync.transport.nixl_wire`) and, per step, only 
 header. An instance that joins needs nobody's help: it looks the documents up, plans its own reads,
 and starts at the next step; one that leaves or dies costs the trainers nothing.
 
-Trainer (:class:`NixlSender`), per connect: a NIXL agent; every storage under its tensors (sync: the
-live weights; async: a snapshot of them, allocated once) and a DRAM header registered; the document
-published. Per step: sync, wait for the device, stamp ``header = (seq + 2, step)``; the writer then
+Trainer (:class:`NixlSender`), per connect: a NIXL agent; the memory under its tensors (sync: the
+live weights; async: a snapshot of them, allocated once) registered -- on a GPU whole allocator segments
+(:func:`_regions`), so tensors that share one are read as one descriptor -- and a DRAM header; every
+strided box of its plan (a column half of a row-parallel weight: one byte run a row) gets a place in a
+registered *pack region* (:func:`pack_layout`); the document published. Per step: sync, wait for the
+device, copy the strided boxes into the pack region, stamp ``header = (seq + 2, step)``; the writer then
 announces the step and (sync) keeps the weights still until every instance holds it. Async, stage the
-snapshot under a sequence lock (``seq`` odd while copying). ``check`` refuses to record a step whose
-tensors were reallocated since they were registered.
+snapshot (and pack from it) under a sequence lock (``seq`` odd while copying). ``check`` refuses to
+record a step whose tensors were reallocated since they were registered.
 
 Worker (:class:`NixlReceiver`), per connect: load each peer trainer's document, check every planned
 piece against it (tensor, dtype, shape as the planner expects, bounds inside a registered region)
 before any byte moves, and compute each piece's remote byte runs. Per target set (live tensors, or a
-staged reader's copy; prepared on first use): register the local storages; every segment whose
-destination is contiguous and in the wire dtype is read in place, the others through two registered
-staging slots (each as large as the most one bucket stages) and unpacked (converting dtype). Runs
-that continue each other on both sides are merged into one descriptor, the lists prepared once
-(``prep_xfer_dlist``) and every step replayed (``make_prepped_xfer`` handles, re-posted). A step's
+staged reader's copy; prepared on first use): register the local memory (GPU: allocator segments);
+every segment whose destination is contiguous and in the wire dtype is read in place, the others
+through two registered staging slots (each as large as the most one bucket stages) and unpacked
+(converting dtype). A packed box is one run; the in-place reads are ordered by remote address and runs
+that continue each other on both sides (inside one registration) merged into one descriptor, the lists
+prepared once (``prep_xfer_dlist``) and every step replayed (``make_prepped_xfer`` handles, re-posted;
+a peer's in-place reads as transfers of at most ``POST_CHUNK`` descriptors, so the first copies run
+while the CPU posts the rest). A step's
 reads wait, per peer, for the header afterwards: sync, it must name the step; async, a header that
 changed during the read means the snapshot was re-staged: the pull reports a mix (step -1) and the
 reader pulls again, so only a whole step is ever reported.
@@ -55,6 +61,7 @@ from weightsync.errors import TransportError, WeightsMoved
 from weightsync.layout.box import fmt_box, slices
 from weightsync.layout.layout import layout_digest
 from weightsync.layout.materialize import TORCH_DTYPES
+from weightsync.plan.descriptors import POST_CHUNK  # in-place reads posted as transfers of at most this many
 from weightsync.plan.messages import Segment, segments
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.transport.base import (
@@ -69,6 +76,7 @@ from weightsync.transport.base import (
 )
 from weightsync.transport.nixl_wire import (
     HEADER_WORDS,
+    PackedBox,
     RemoteTensor,
     TrainerDoc,
     box_runs,
@@ -115,6 +123,100 @@ def _storages(tensors) -> list[tuple[int, int]]:
     return sorted(seen.items())
 
 
+def _allocator_segments(device: torch.device) -> list[tuple[int, int]]:
+    """The CUDA caching allocator's segments on ``device`` (each one ``cudaMalloc`` allocation), sorted:
+    what one registration may cover. Expandable segments are left out (their pages are separate driver
+    allocations, which CUDA IPC maps one at a time), and so is everything when the snapshot is unavailable
+    (another allocator backend)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        snap = torch.cuda.memory_snapshot()
+    except Exception:  # noqa: BLE001 - cudaMallocAsync backend, or no allocator: per-storage registrations
+        return []
+    return sorted((int(s["address"]), int(s["total_size"])) for s in snap
+                  if s.get("device") == index and not s.get("is_expandable", False))
+
+
+def _cover(storages: list[tuple[int, int]], segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each storage replaced by the allocator segment that holds it (a storage in none stays itself),
+    distinct and sorted: tensors of one segment then lie in one registration, so reads of adjacent
+    tensors merge into one descriptor."""
+    import bisect
+
+    starts = [a for a, _ in segments]
+    out = set()
+    for a, n in storages:
+        k = bisect.bisect_right(starts, a) - 1
+        if k >= 0 and a + n <= segments[k][0] + segments[k][1]:
+            out.add(segments[k])
+        else:
+            out.add((a, n))
+    return sorted(out)
+
+
+def _regions(tensors) -> list[tuple[int, int]]:
+    """What to register for ``tensors``: on a GPU the allocator segments that hold their storages (set
+    ``WEIGHTSYNC_NIXL_SEGMENTS=0`` for one registration per storage), elsewhere their storages. A segment
+    may also hold other tensors of the process: registering exposes them to one-sided reads by the job's
+    peers, which read only the boxes their plan names (each checked against the document first)."""
+    tensors = list(tensors)
+    storages = _storages(tensors)
+    if not storages or tensors[0].device.type != "cuda" or os.environ.get("WEIGHTSYNC_NIXL_SEGMENTS", "1") == "0":
+        return storages
+    return _cover(storages, _allocator_segments(tensors[0].device))
+
+
+class _Registry:
+    """An agent's registered regions: each registered once (a segment can hold tensors of several uses:
+    targets, slots, scratch), deregistered together at close."""
+
+    def __init__(self, agent):
+        self.agent, self.done, self.regs = agent, set(), []
+
+    def add(self, regions: list[tuple[int, int]], mem: str, dev: int) -> None:
+        new = [r for r in regions if (mem, r) not in self.done]
+        if new:
+            self.regs.append(_register(self.agent, new, mem, dev))
+            self.done.update((mem, r) for r in new)
+
+    def close(self) -> None:
+        for reg in self.regs:
+            if reg is not None:
+                _quietly(lambda reg=reg: self.agent.deregister_memory(reg))
+        self.regs, self.done = [], set()
+
+
+PACK_ALIGN = 256  # each packed box's offset in the pack region
+
+
+def pack_layout(plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, tuple, int, int]]:
+    """The source boxes a training rank packs every step, ``(tensor, box, offset, nbytes)``: every distinct
+    segment of its plan whose box is strided in its tensor (more than one byte run: a column half of a
+    row-parallel weight), back to back at ``PACK_ALIGN``. A reader then reads each as ONE descriptor
+    instead of one per row (Kimi-K2's o_proj / down_proj halves: ~875k descriptors a worker)."""
+    from weightsync.transport.nixl_wire import box_runs
+
+    seen: set = set()
+    out, at = [], 0
+    for p in sorted(plans):
+        for b in sorted(plans[p], key=lambda b: b.index):
+            for seg in segments(b):
+                key = (seg.src_tensor, seg.src_box)
+                if key in seen or seg.nbytes == 0:
+                    continue
+                seen.add(key)
+                t = tensors[seg.src_tensor]
+                if len(box_runs(0, t.shape, t.stride(), t.element_size(), seg.src_box)) <= 1:
+                    continue
+                out.append((seg.src_tensor, tuple(seg.src_box), at, seg.nbytes))
+                at += -(-seg.nbytes // PACK_ALIGN) * PACK_ALIGN
+    return out
+
+
+def _packing() -> bool:
+    return os.environ.get("WEIGHTSYNC_NIXL_PACK", "1") != "0"
+
+
 #: UCX settings this transport needs, applied unless the user set them (before the first agent of the
 #: process starts UCX). cuda_ipc's zero-copy get -- a READ of another process's VRAM on this host -- is
 #: "auto" in UCX: off wherever UCX sees no NVLink between GPUs (a one-GPU host, PCIe hosts), and a READ
@@ -122,13 +224,17 @@ def _storages(tensors) -> list[tuple[int, int]]:
 UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
-def _agent(nixl, role: str):
+def _agent(nixl, role: str, progress_thread: bool = True):
+    """A NIXL agent on UCX. ``progress_thread``: NIXL's UCX progress thread, which polls the worker all the
+    time; a reader that polls its own transfers (``_wait``) can do without (``WEIGHTSYNC_NIXL_RX_PROGRESS_THREAD=0``):
+    then no second thread takes the worker's lock and the CUDA driver's while the reader posts."""
     for key, value in UCX_DEFAULTS.items():
         if key not in os.environ:
             os.environ[key] = value
             log.info("NIXL: %s=%s (set it to override)", key, value)
     name = f"ws-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"])), name
+    config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    return nixl.nixl_agent(name, config), name
 
 
 def _register(agent, regions: list[tuple[int, int]], mem: str, dev: int):
@@ -141,10 +247,13 @@ class NixlSender(Sender):
     modes = frozenset({"sync", "async"})
 
     def memory(self, ctx: SenderContext) -> Buffers:
+        # the pack region (strided boxes packed every step) is reported with the codec's memory: both are
+        # what this rank keeps beyond its weights
+        packed = sum(-(-n // PACK_ALIGN) * PACK_ALIGN for *_, n in pack_layout(ctx.plans, ctx.tensors)) if _packing() else 0
         if not self.options.framed:
-            return Buffers()
+            return Buffers(codec=packed)
         encoder, _, _, size = self._frames_layout(ctx)  # what the codec keeps, and the registered region
-        return Buffers(codec=encoder.memory() + size)
+        return Buffers(codec=encoder.memory() + size + packed)
 
     def _frames_layout(self, ctx: SenderContext):
         """A framed codec's encoder, the distinct buckets it encodes (one per source layout, ordered by
@@ -170,10 +279,12 @@ class NixlSender(Sender):
         self.served = {n: torch.empty_like(t) for n, t in self.live.items()} if self.asynchronous else self.live
         self.header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
         self.agent, name = _agent(nixl, f"t{ctx.rank}")
+        self.registry = _Registry(self.agent)
         mem, dev = _mem(self.device)
-        regions = _storages(self.served.values())
-        self.regs = [_register(self.agent, regions, mem, dev),
-                     _register(self.agent, [(self.header.data_ptr(), self.header.numel() * 8)], "DRAM", 0)]
+        # strided boxes of the plan, packed every step into one region: one descriptor each for the readers
+        self.packed = pack_layout(ctx.plans, self.served) if _packing() else []
+        size = sum(-(-n // PACK_ALIGN) * PACK_ALIGN for *_, n in self.packed)
+        self.pack = torch.empty(size, dtype=torch.uint8, device=self.device) if self.packed else None
         served = dict(self.served)
         self.encoder = None
         if self.options.framed:  # encoded into a registered region: sync from the live weights, async the snapshot
@@ -184,16 +295,25 @@ class NixlSender(Sender):
             for k, b in enumerate(self.distinct):
                 self.index[HEAD + SLOT * k : HEAD + SLOT * k + 3] = torch.tensor([self.encoder.key(b), self.offsets[k],
                                                                                   WHOLE])
-            self.regs += [_register(self.agent, _storages([self.region]), mem, dev),
-                          _register(self.agent, _storages([self.index]), "DRAM", 0)]
             served[REGION], served[INDEX] = self.region, self.index
+        # every region of this device at once (a segment may hold weights, the pack and the frames alike)
+        local = [*self.served.values(), *([self.pack] if self.pack is not None else []),
+                 *([self.region] if self.encoder is not None else [])]
+        regions = _regions(local)
+        self.registry.add(regions, mem, dev)
+        self.registry.add([(self.header.data_ptr(), self.header.numel() * 8)], "DRAM", 0)
+        if self.encoder is not None:
+            self.registry.add(_storages([self.index]), "DRAM", 0)
+        packed = tuple(PackedBox(n, box, self.pack.data_ptr() + off, nb) for n, box, off, nb in self.packed)
         doc = TrainerDoc(ctx.rank, name, self.agent.get_agent_metadata(), mem, dev, tuple(regions),
                          {n: RemoteTensor(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype),
                                           t.element_size()) for n, t in served.items()},
-                         self.header.data_ptr(), layout_digest(ctx.planner.src.layout(ctx.rank)), self.options.mode)
+                         self.header.data_ptr(), layout_digest(ctx.planner.src.layout(ctx.rank)), self.options.mode,
+                         packed)
         size = publish_doc(ctx.client, doc)
-        log.info("training rank %d: NIXL agent %s registered %d regions (%s), descriptors %d chars",
-                 ctx.rank, name, len(regions), mem, size)
+        log.info("training rank %d: NIXL agent %s registered %d regions (%s) for %d tensors, %d strided boxes "
+                 "packed (%d bytes), descriptors %d chars", ctx.rank, name, len(regions), mem, len(self.served),
+                 len(self.packed), 0 if self.pack is None else self.pack.numel(), size)
 
     def send(self, step: int) -> StepStats | None:
         t0 = time.perf_counter()
@@ -202,6 +322,7 @@ class NixlSender(Sender):
         if self.asynchronous:
             self._stage(step)
             return None
+        self._pack()
         if self.encoder is not None:  # before the step is announced: workers read the index after it
             self._encode(step)
         self.header[1] = step
@@ -214,12 +335,26 @@ class NixlSender(Sender):
         with torch.no_grad():
             for n, t in self.live.items():
                 self.served[n].copy_(t)
+        self._pack()  # from the snapshot, inside the odd window
+        with torch.no_grad():
             if self.encoder is not None:  # against the snapshot staged before, inside the odd window
                 self._encode(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.header[1] = step
         self.header[0] += 1
+
+    def _pack(self) -> None:
+        """Copy every strided box of the plan into the pack region (row-major), finished before the step is
+        announced (sync) or the snapshot's window closes (async)."""
+        if not self.packed:
+            return
+        with torch.no_grad():
+            for name, box, off, n in self.packed:
+                src = self.served[name][slices(box)]
+                self.pack[off : off + n].view(src.dtype).view(src.shape).copy_(src)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _encode(self, step: int) -> None:
         """Encode this step's frames into the region and stamp the index (the tensors are still: the
@@ -264,10 +399,8 @@ class NixlSender(Sender):
         agent = getattr(self, "agent", None)
         if agent is None:
             return
-        for reg in self.regs:
-            if reg is not None:
-                _quietly(lambda reg=reg: agent.deregister_memory(reg))
-        self.regs, self.agent = [], None
+        self.registry.close()
+        self.registry, self.agent = None, None
         _release(agent)
 
 
@@ -312,7 +445,6 @@ class Program:
         self.direct: list[tuple[Pair, object]] = []  # (first pair of the peer, handle)
         self.staged: list[tuple[Batch, object, int]] = []  # (batch, handle, slot)
         self.dlists: list = []
-        self.regs: list = []
 
 
 class NixlReceiver(Receiver):
@@ -335,14 +467,15 @@ class NixlReceiver(Receiver):
         self.ctx, self.nixl = ctx, nixl
         self.timeout_s = self.options.timeout_s
         self.client = ctx.link.client(self.timeout_s)
-        self.agent, self.name = _agent(nixl, f"i{ctx.instance}r{ctx.rank}")
+        progress = os.environ.get("WEIGHTSYNC_NIXL_RX_PROGRESS_THREAD", "1") != "0"
+        self.agent, self.name = _agent(nixl, f"i{ctx.instance}r{ctx.rank}", progress)
+        self.registry = _Registry(self.agent)
         self.peer_ranks = sorted({p[0] for p in ctx.plans})
         self.peers: dict[int, PeerReads] = {}
         self.remote: dict[int, str] = {}
         self.header_bufs = {r: torch.full((HEADER_WORDS,), -1, dtype=torch.int64) for r in self.peer_ranks}
-        self.header_reg = _register(self.agent, _storages(self.header_bufs.values()), "DRAM", 0)
+        self.registry.add(_storages(self.header_bufs.values()), "DRAM", 0)
         self.slots: list[torch.Tensor] = []
-        self.slot_regs: list = []
         self.programs: dict[tuple, Program] = {}
         self.header_handles: list[tuple[int, object]] = []
         self.header_dlists: list = []
@@ -381,8 +514,11 @@ class NixlReceiver(Receiver):
                                  f"{doc.layout_digest[:12]}, this plan expects {layout_digest(want)[:12]}): "
                                  "the trainer and this worker planned different jobs; restart both from one job",
                                  pair=(r, ctx.instance, ctx.rank))
+        import numpy as np
+
         direct, batches = [], []
         nbytes = buckets = 0
+        packed = doc.packed_at()
         for pair, bs in sorted((p, b) for p, b in ctx.plans.items() if p[0] == r):
             for b in bs:
                 if b.nbytes == 0:
@@ -392,7 +528,11 @@ class NixlReceiver(Receiver):
                 staged, rel, runs, at = [], [], [], 0
                 for seg in segments(b):
                     rt = self._remote_tensor(pair, b, seg, doc, want)
-                    got = box_runs(rt.addr, rt.shape, rt.stride, rt.itemsize, seg.src_box)
+                    pk = packed.get((seg.src_tensor, tuple(seg.src_box)))
+                    if pk is not None and pk.nbytes == seg.nbytes:  # the trainer packs this box: one run
+                        got = np.array([[pk.addr, pk.nbytes]], dtype=np.int64)
+                    else:
+                        got = box_runs(rt.addr, rt.shape, rt.stride, rt.itemsize, seg.src_box)
                     self._inside(pair, seg, got, doc)
                     region = ctx.tensors[seg.dst_tensor][slices(seg.dst_box)]
                     if _in_place(region, seg):
@@ -403,8 +543,6 @@ class NixlReceiver(Receiver):
                         staged.append(replace(seg, offset=at))
                         at += seg.nbytes
                 if staged:
-                    import numpy as np
-
                     batches.append(Batch(pair, b.index, tuple(staged), np.concatenate(runs), np.concatenate(rel), at))
         return PeerReads(r, doc, direct, batches, nbytes, buckets)
 
@@ -448,32 +586,36 @@ class NixlReceiver(Receiver):
         prog = Program()
         device = next(iter(targets.values())).device
         mem, dev = _mem(device)
-        local_regions = _storages(targets.values())
-        prog.regs.append(_register(self.agent, local_regions, mem, dev))
         need = max((bt.nbytes for p in self.peers.values() for bt in p.batches), default=0)
         if need and (not self.slots or self.slots[0].numel() < need or self.slots[0].device != device):
             self.slots = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
-            self.slot_regs.append(_register(self.agent, _storages(self.slots), mem, dev))
-        local_regions = sorted(local_regions + _storages(self.slots))
+        # targets and slots at once: on a GPU one allocator segment may hold both
+        local_regions = _regions([*targets.values(), *self.slots])
+        self.registry.add(local_regions, mem, dev)
         k = 0
         for r, reads in self.peers.items():
             peer = self.remote[r]
+            # a descriptor never crosses a registration, nor the edge of a packed box
+            remote_regions = sorted(set(reads.doc.regions) | {(p.addr, p.nbytes) for p in reads.doc.packed})
             local, remote, parts = [], [], []  # parts: (kind, start, count, extra)
             if reads.direct:
                 loc, rem = [], []
-                for d in reads.direct:
+                # by remote address (one transfer: any order will do): reads of tensors that lie back to
+                # back on both sides end up next to each other, and merge
+                for d in sorted(reads.direct, key=lambda d: int(d.runs[0, 0]) if len(d.runs) else 0):
                     start = targets[d.segment.dst_tensor][slices(d.segment.dst_box)].data_ptr()
                     loc.append(np.stack([start + _cumulative(d.runs), d.runs[:, 1]], axis=1))
                     rem.append(d.runs)
-                loc_a, rem_a = merge_pairs(np.concatenate(loc), np.concatenate(rem), local_regions, reads.doc.regions)
-                parts.append(("direct", len(local), len(loc_a), reads.direct[0].pair))
+                loc_a, rem_a = merge_pairs(np.concatenate(loc), np.concatenate(rem), local_regions, remote_regions)
+                for at in range(0, len(loc_a), POST_CHUNK):  # posted one after another (_read)
+                    parts.append(("direct", len(local) + at, min(POST_CHUNK, len(loc_a) - at), reads.direct[0].pair))
                 local.extend(_descs(loc_a, dev))
                 remote.extend(_descs(rem_a, reads.doc.device))
             for bt in reads.batches:
                 slot = k % SLOTS
                 k += 1
                 loc_a, rem_a = merge_pairs(np.stack([self.slots[slot].data_ptr() + bt.rel, bt.runs[:, 1]], axis=1),
-                                           bt.runs, local_regions, reads.doc.regions)
+                                           bt.runs, local_regions, remote_regions)
                 parts.append(("staged", len(local), len(loc_a), (bt, slot)))
                 local.extend(_descs(loc_a, dev))
                 remote.extend(_descs(rem_a, reads.doc.device))
@@ -560,9 +702,11 @@ class NixlReceiver(Receiver):
 
         prog = self._program(targets)
         pending = [(h, pair, None) for pair, h in prog.direct]
-        for h, pair, _ in pending:  # every in-place read in flight at once
+        started = None
+        for h, pair, _ in pending:  # every in-place read in flight at once, in chunks (POST_CHUNK)
             self._post(h, pair, None)
-        started = time.perf_counter() - t0
+            if started is None:  # the first chunk's copies run from here while the rest are posted
+                started = time.perf_counter() - t0
         window: list[tuple[Batch, object, int]] = []
 
         on_gpu = bool(targets) and next(iter(targets.values())).device.type == "cuda"
@@ -577,6 +721,8 @@ class NixlReceiver(Receiver):
             if len(window) == SLOTS:
                 finish(*window.pop(0))  # frees this batch's slot
             self._post(h, bt.pair, bt.bucket)
+            if started is None:
+                started = time.perf_counter() - t0
             window.append((bt, h, slot))
         posted = time.perf_counter() - t0
         for item in window:
@@ -584,7 +730,7 @@ class NixlReceiver(Receiver):
         self._wait(pending)
         peers = self.peers.values()
         return StepStats(sum(p.buckets for p in peers), sum(p.nbytes for p in peers), time.perf_counter() - t0,
-                         posted, started)
+                         posted, posted if started is None else started)
 
     def _post(self, h, pair: Pair, bucket: int | None) -> None:
         try:
@@ -636,8 +782,8 @@ class NixlReceiver(Receiver):
             self.frames.close()
         self._release_handles(agent)
         self.programs, self.header_handles, self.header_dlists = {}, [], []
-        self.header_reg, self.slot_regs, self.slots, self.remote, self.peers = None, [], [], {}, {}
-        self.agent = None
+        self.slots, self.remote, self.peers = [], {}, {}
+        self.registry, self.agent = None, None
         _release(agent)
 
     def _release_handles(self, agent) -> None:
@@ -648,10 +794,8 @@ class NixlReceiver(Receiver):
         handles += getattr(self, "header_dlists", [])
         for h in handles:  # transfers before the lists they were made from
             _quietly(h.release)
-        regs = [reg for prog in getattr(self, "programs", {}).values() for reg in prog.regs]
-        for reg in [*regs, getattr(self, "header_reg", None), *getattr(self, "slot_regs", [])]:
-            if reg is not None:
-                _quietly(lambda reg=reg: agent.deregister_memory(reg))
+        if getattr(self, "registry", None) is not None:
+            self.registry.close()
         for name in getattr(self, "remote", {}).values():
             _quietly(lambda name=name: agent.remove_remote_agent(name))
 
@@ -707,7 +851,6 @@ class FrameReads:
         self.largest = max((b.nbytes for b in self.buckets), default=0)
         self._scratch: torch.Tensor | None = None
         self._slot: torch.Tensor | None = None
-        self._regs: list = []
         self._index: dict[int, torch.Tensor] = {}
         self._heads: dict[int, tuple[int, int]] = {}  # each peer's index (seq, step) the plan was proven on
 
@@ -739,7 +882,7 @@ class FrameReads:
         self._scratch = torch.empty(n, dtype=torch.uint8, device=device)
         self._slot = torch.empty(n, dtype=torch.uint8, device=device)
         mem, dev = _mem(device)
-        self._regs.append(_register(self.rx.agent, _storages([self._scratch]), mem, dev))
+        self.rx.registry.add(_regions([self._scratch]), mem, dev)
 
     def _read_indexes(self) -> dict[int, torch.Tensor] | None:
         """Every peer's index, read at once (None: a peer runs no framed codec)."""
@@ -751,7 +894,7 @@ class FrameReads:
             buf = self._index.get(r)
             if buf is None:
                 buf = self._index[r] = torch.zeros(rt.shape[0], dtype=torch.int64)
-                self._regs.append(_register(self.rx.agent, _storages([buf]), "DRAM", 0))
+                self.rx.registry.add(_storages([buf]), "DRAM", 0)
             buf.fill_(0)
             n = buf.numel() * 8
             reads.append(Read(r, [(buf.data_ptr(), n, 0)], "DRAM", [(rt.addr, n, 0)], "DRAM"))
@@ -867,11 +1010,7 @@ class FrameReads:
                 _quietly(h.release)
 
     def close(self) -> None:
-        agent = getattr(self.rx, "agent", None)
-        for reg in self._regs:
-            if reg is not None and agent is not None:
-                _quietly(lambda reg=reg: agent.deregister_memory(reg))
-        self._regs = []
+        """Its buffers are registered in the receiver's registry, deregistered with the rest at its close."""
 
 
 def _quietly(fn) -> None:

@@ -63,6 +63,16 @@ class RemoteTensor:
 
 
 @dataclass(frozen=True)
+class PackedBox:
+    """A source box a training rank copies, every step, into its registered pack region (row-major, one run)."""
+
+    tensor: str
+    box: tuple[tuple[int, int], ...]
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class TrainerDoc:
     """What one training rank publishes for its readers (see the module docstring)."""
 
@@ -76,6 +86,13 @@ class TrainerDoc:
     header: int  # address of the DRAM header (HEADER_WORDS int64)
     layout_digest: str
     mode: str
+    #: source boxes the trainer packs every step (each one run in a registered pack region): a box it holds
+    #: strided -- a column half of a row-parallel weight -- is one descriptor instead of one per row
+    packed: tuple[PackedBox, ...] = ()
+
+    def packed_at(self) -> dict[tuple[str, tuple[tuple[int, int], ...]], PackedBox]:
+        """The packed boxes by (tensor, box)."""
+        return {(p.tensor, p.box): p for p in self.packed}
 
     def to_json(self) -> str:
         return json.dumps({
@@ -83,6 +100,7 @@ class TrainerDoc:
             "mem": self.mem, "device": self.device, "regions": [list(r) for r in self.regions],
             "tensors": {n: [t.addr, list(t.shape), list(t.stride), t.dtype, t.itemsize] for n, t in self.tensors.items()},
             "header": self.header, "layout_digest": self.layout_digest, "mode": self.mode,
+            "packed": [[p.tensor, [list(d) for d in p.box], p.addr, p.nbytes] for p in self.packed],
         }, separators=(",", ":"))
 
     @staticmethod
@@ -93,6 +111,8 @@ class TrainerDoc:
             tuple((int(a), int(n)) for a, n in d["regions"]),
             {n: RemoteTensor(int(a), tuple(s), tuple(st), str(dt), int(sz)) for n, (a, s, st, dt, sz) in d["tensors"].items()},
             int(d["header"]), str(d["layout_digest"]), str(d["mode"]),
+            tuple(PackedBox(str(n), tuple((int(o), int(e)) for o, e in box), int(a), int(b))
+                  for n, box, a, b in d.get("packed", [])),
         )
 
 
