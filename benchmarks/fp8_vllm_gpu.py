@@ -4,7 +4,7 @@
 
 ``sync``: a tiny Qwen3 (``tiny-qwen3-fp8``: 2 layers, hidden 256, head_dim 128, every linear a whole number of
 128 x 128 blocks). Two FP8 checkpoints written by ``save_checkpoint(dir, quant="fp8")`` from bf16 weights of seeds
-1 and 2 (``tests/vllm_harness.weights``). Two real vLLM engines on the same GPU, CUDA graphs on: X fresh on the
+1 and 2 (``tests/vllm_harness.weights``). Two real vLLM engines on the same GPU (eager; ``--graphs``: CUDA graphs): X fresh on the
 seed-1 checkpoint, Y fresh on seed 2; what each computes with (:func:`weightsync.quant.engine_check.computed`:
 every parameter's bits -- e4m3 weights, fp32 ``weight_scale_inv``, bf16 norms and embeddings -- and every linear's
 output on a fixed bf16 input) and its greedy tokens are the references. A training process (transformers' layout,
@@ -42,9 +42,11 @@ MODEL = "tiny-qwen3-fp8"
 STEPS = [(1, 2), (2, 1)]  # (step, seed): each step changes every weight
 
 
-def _llm_kw() -> dict:
-    return dict(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
-                gpu_memory_utilization=0.1, kv_cache_memory_bytes=256 << 20, max_num_seqs=8)
+def _llm_kw(graphs: bool) -> dict:
+    kw = dict(gpu_memory_utilization=0.1, kv_cache_memory_bytes=256 << 20, max_num_seqs=8)
+    if graphs:  # torch.compile + CUDA graphs: tens of seconds more per engine start
+        return dict(kw, enforce_eager=False, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+    return dict(kw, enforce_eager=True)
 
 
 def save_fp8(seed: int, directory: Path) -> Path:
@@ -100,7 +102,7 @@ def trainer_main(meta: str, job: str, q) -> None:
         raise
 
 
-def sync(out: Path) -> dict:
+def sync(out: Path, graphs: bool = False) -> dict:
     import torch
     from vllm_harness import generate, start_llm, stop_llm, weights
 
@@ -122,8 +124,9 @@ def sync(out: Path) -> dict:
     try:
         with MetaServer().start() as meta:
             t0 = time.perf_counter()
-            llms["X"] = start_llm(paths[1], backend=True, **_llm_kw())
-            llms["Y"] = start_llm(paths[2], backend=True, **_llm_kw())
+            llms["X"] = start_llm(paths[1], backend=True, **_llm_kw(graphs))
+            llms["Y"] = start_llm(paths[2], backend=True, **_llm_kw(graphs))
+            result["cuda_graphs"] = graphs
             result["startup_s"] = time.perf_counter() - t0
             insts = {n: VLLMInstance(llm) for n, llm in llms.items()}
             result["engine_string"] = insts["X"].engine
@@ -198,6 +201,7 @@ def main() -> int:
     p.add_argument("--bench", default="", help="also run the colo-1gpu FP8 bench (bf16 beside it) on this model")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--skip-sync", action="store_true")
+    p.add_argument("--graphs", action="store_true", help="engines with torch.compile + CUDA graphs (default eager)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,7 +210,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ok = True
     if not a.skip_sync:
-        r = sync(out)
+        r = sync(out, a.graphs)
         with open(out / "fp8_sync.json", "w") as f:
             json.dump(r, f, indent=1, default=str)
         print(f"[fp8] sync verified {r['verified']}; errors {r['errors'][:1]}", flush=True)
