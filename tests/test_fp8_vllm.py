@@ -13,8 +13,8 @@ import torch
 
 from helpers import tiny
 
-pytestmark = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
-                                reason="vllm-cpu 0.32 serves block FP8 only with AMX tiles (docs/fp8.md)")
+amx = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                         reason="vllm-cpu 0.32 serves block FP8 only with AMX tiles (docs/fp8.md)")
 
 
 def _quant_methods(self) -> dict[str, str]:
@@ -23,6 +23,7 @@ def _quant_methods(self) -> dict[str, str]:
             if getattr(m, "quant_method", None) is not None}
 
 
+@amx
 def test_vllm_cpu_loads_and_decodes_a_weightsync_fp8_checkpoint(tmp_path):
     pytest.importorskip("vllm")  # here, not at import: importing vLLM takes seconds to minutes on CI's 2 cores
     from vllm_harness import generate, start_llm, stop_llm
@@ -50,3 +51,88 @@ def test_vllm_cpu_loads_and_decodes_a_weightsync_fp8_checkpoint(tmp_path):
         finally:
             stop_llm(llm)
     assert tokens[0] == tokens[1] and all(len(t) > 0 for t in tokens[0])
+
+
+def test_the_engines_quantization_is_read_from_its_model_config_and_refused_by_name():
+    """weightsync.vllm.config.quantization: vLLM's model config says what the engine serves; block FP8 128 x 128
+    becomes ``quant=fp8`` in its engine string, anything else is refused before any byte moves. (Stand-in config
+    objects with the two attributes vLLM has: ``quantization`` and ``hf_config.quantization_config``.)"""
+    from types import SimpleNamespace as NS
+
+    from weightsync.errors import ConfigError
+    from weightsync.quant.config import BlockFP8
+    from weightsync.vllm.config import quantization
+
+    assert quantization(NS(quantization=None, hf_config=NS())) is None
+    assert quantization(NS(quantization="fp8", hf_config=NS(quantization_config=BlockFP8().hf_config()))) == BlockFP8()
+    cases = [(None, "fp8", "quantizes a checkpoint that is not quantized itself"),
+             ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8", "per-tensor FP8"),
+             ({"quant_method": "awq"}, "awq", "INT4 AWQ"),
+             ({**BlockFP8().hf_config(), "weight_block_size": [64, 64]}, "fp8", r"weight_block_size \[64, 64\]"),
+             ({**BlockFP8().hf_config(), "ignored_layers": ["model.layers.0.mlp.down_proj"]}, "fp8", "ignored_layers")]
+    for qc, method, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            quantization(NS(quantization=method, hf_config=NS(quantization_config=qc)))
+
+
+def test_live_model_takes_fp8_linears_in_place_only_on_kernels_that_keep_the_checkpoint_form():
+    """weightsync.vllm.live.LiveModel on stand-in modules shaped as vLLM 0.26 builds them: an ``Fp8LinearMethod``
+    whose kernel keeps ``Fp8BlockScaledMMLinearKernel.process_weights_after_loading`` (CUTLASS) is in place, its
+    e4m3 weight and fp32 scale handed to the reader; one on a kernel that overrides it (DeepGEMM) or with Marlin is
+    refused naming the layer; so is an FP8 engine under a layout that is not quant=fp8. Stand-ins, not vLLM: the
+    real engine is checked on the GPU host (benchmarks/fp8_vllm_gpu.py)."""
+    pytest.importorskip("vllm")
+    from weightsync.engines import make_layout
+    from weightsync.errors import ConfigError
+    from weightsync.quant.layout import fp8_layout
+    from weightsync.spec import load_spec
+    from weightsync.vllm.live import LiveModel
+
+    class Fp8BlockScaledMMLinearKernel:
+        def process_weights_after_loading(self, layer):
+            pass
+
+    class CutlassFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
+        pass
+
+    class DeepGemmFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
+        def process_weights_after_loading(self, layer):
+            pass
+
+    class Fp8LinearMethod:
+        def __init__(self, kernel, marlin=False):
+            self.fp8_linear, self.block_quant, self.weight_block_size = kernel, True, [128, 128]
+            self.use_marlin, self.is_scale_e8m0 = marlin, False
+
+    spec = load_spec("tiny-qwen3-fp8")
+    engine = "vllm:quant=fp8"
+    layout = fp8_layout(make_layout(spec, engine)).layout(0)
+
+    def model(kernel, marlin=False):
+        root = torch.nn.Module()
+        for name, t in layout.tensors.items():
+            mname, local = name.rsplit(".", 1)
+            mod = root
+            for part in mname.split("."):
+                if not hasattr(mod, part):
+                    mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            from weightsync.layout.materialize import TORCH_DTYPES
+
+            mod.register_parameter(local, torch.nn.Parameter(torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype]),
+                                                             requires_grad=False))
+            if local == "weight_scale_inv":
+                mod.quant_method = Fp8LinearMethod(kernel(), marlin)
+        return root
+
+    live = LiveModel(model(CutlassFp8BlockScaledMMKernel), layout, torch.device("cuda"), "stand-in")
+    assert set(live.tensors) == set(layout.tensors) and live.report.counts() == {"in-place": len(live.report.layers)}
+    assert any(t.dtype == torch.float8_e4m3fn for t in live.tensors.values())
+    with pytest.raises(ConfigError, match=r"self_attn\.qkv_proj: Module with Fp8LinearMethod on "
+                                          r"DeepGemmFp8BlockScaledMMKernel: .*re-lays or requantizes"):
+        LiveModel(model(DeepGemmFp8BlockScaledMMKernel), layout, torch.device("cuda"), "stand-in")
+    with pytest.raises(ConfigError, match="Marlin repacks the weight"):
+        LiveModel(model(CutlassFp8BlockScaledMMKernel, marlin=True), layout, torch.device("cuda"), "stand-in")
+    bf16 = make_layout(spec, "vllm").layout(0)
+    with pytest.raises(ConfigError, match="the job's layout for this engine is not quant=fp8"):
+        LiveModel(model(CutlassFp8BlockScaledMMKernel), bf16, torch.device("cuda"), "stand-in")
