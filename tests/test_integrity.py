@@ -275,8 +275,9 @@ def test_participants_disagreeing_on_the_cadence_are_refused_at_set_up_on_both_s
 
 
 def test_integrity_zero_makes_no_part_on_either_side():
-    """integrity=0 costs nothing on the hot path: neither side makes an integrity part (the writer's step 4
-    and the reader's verify are skipped on a None), and a worker planned without one refuses a verify."""
+    """integrity=0: neither side makes an integrity part (the session's SentCheck is None, so the writer's
+    step 4 does nothing; a worker reader has no LandedCheck), and a worker planned without one refuses a
+    verify rather than checking nothing."""
     from types import SimpleNamespace
 
     from weightsync.integrity.check import SentCheck
