@@ -4,26 +4,35 @@
 # updates against pause/flush/continue, in one engine), then `make test-gpu` with the kit on the path, its tests
 # spread over xdist workers. Run from the repo root on the device, carrying .sgkit, .nixlwhl and .snap_sglang
 # (src.tar.gz: `git archive` of the commit, commit: its hash, *.whl: pytest-xdist and execnet):
-#   bash .snap_sglang/sglang_gpu.sh      (results under $OUT)
+#   bash .snap_sglang/sglang_gpu.sh      (results under $OUT; STAGES="bench overhead test" picks stages)
+# (go.sh sets S: this script's own folder variable is SNAP.)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-R=$PWD; S=$R/.snap_sglang; W=/tmp/ws; T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-rm -rf $W && mkdir -p $W /tmp/nixlsite /tmp/xd /tmp/sgk-jit && tar -xzf $S/src.tar.gz -C $W || exit 3
+R=$PWD; SNAP=$R/.snap_sglang; W=/tmp/ws; T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+rm -rf $W && mkdir -p $W /tmp/nixlsite /tmp/xd /tmp/sgk-jit && tar -xzf $SNAP/src.tar.gz -C $W || exit 3
 tar -xJf $R/.nixlwhl/nixl_cu13_cp312_ucx.tar.xz -C /tmp/nixlsite || exit 4
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/xd $S/*.whl || exit 5
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/xd $SNAP/*.whl || exit 5
 tar -xzf $R/.sgkit/sgkit-jit-h200-qwen3-8b.tgz -C /tmp/sgk-jit  # SGLang's JIT kernels built on the H200 (qwen3-8b's too)
 . $R/.sgkit/go.sh
-export PYTHONPATH=/tmp/nixlsite:/tmp/xd:$PYTHONPATH WEIGHTSYNC_COMMIT=$(cat $S/commit) WEIGHTSYNC_GPU_OUT=$OUT/test-gpu
+export PYTHONPATH=/tmp/nixlsite:/tmp/xd:$PYTHONPATH WEIGHTSYNC_COMMIT=$(cat $SNAP/commit) WEIGHTSYNC_GPU_OUT=$OUT/test-gpu
 python3 -c "import sys,torch,sglang;print(sys.version.split()[0], torch.__version__, sglang.__version__, torch.cuda.get_device_name(0))"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 cd $W
+has() { case " ${STAGES:-bench overhead test} " in *" $1 "*) return 0;; esac; return 1; }
+if has bench; then
 echo "== $(el) s bench colo-1gpu (sglang, faithful)"
 stage bench "${BENCH_LIMIT:-140}" python3 benchmarks/sglang_gpu.py bench --out $OUT --scenarios colo-1gpu > $OUT/bench.log 2>&1
 grep "\[bench\]" $OUT/bench.log | cut -c1-400
+fi
+if has overhead; then
 echo "== $(el) s overhead A/B"
 stage overhead "${OVERHEAD_LIMIT:-80}" python3 benchmarks/sglang_gpu.py overhead --out $OUT > $OUT/overhead.log 2>&1
 grep "workers ms\|FAILED" $OUT/overhead.log | cut -c1-600
+fi
+if has test; then
 echo "== $(el) s make test-gpu (SGLang kit on the path, -n ${WORKERS:-6})"
-PYTEST_ADDOPTS="-n ${WORKERS:-6} --dist loadgroup" stage testgpu "${TEST_LIMIT:-290}" make test-gpu > $OUT/test-gpu.log 2>&1
-echo "test-gpu at $(el) s"; grep -v "^SKIPPED" $OUT/test-gpu.log | tail -n 30; grep "^SKIPPED" $OUT/test-gpu.log | cut -c1-220
+# -v: each test's name as it ends (a stage cut by its time limit still says which passed)
+PYTEST_ADDOPTS="-v -n ${WORKERS:-6} --dist loadgroup --durations=15" stage testgpu "${TEST_LIMIT:-420}" make test-gpu > $OUT/test-gpu.log 2>&1
+echo "test-gpu at $(el) s"; grep -v "Benchmark\|warner" $OUT/test-gpu.log | grep "FAILED\|ERROR\|node down\|crashed\|passed\|failed\|s call" | cut -c1-240 | tail -n 60
+fi
 ps -eo pid,etime,cmd | grep -c "sglang\|python3" || true

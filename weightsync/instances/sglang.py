@@ -279,6 +279,7 @@ class Flushed:
 
     value: Any
     flushed: bool | None
+    seconds: float = 0.0  # the flush itself, in the scheduler
 
 
 def _scheduler_flush() -> Callable[..., bool] | None:
@@ -308,6 +309,7 @@ def _then_flush(ctx: WorkerContext, empty_cache: bool, fn: Callable[..., Any], *
     flush = _scheduler_flush()
     if flush is None:
         return Flushed(value, None)
+    t0 = time.perf_counter()
     try:
         try:
             done = flush(empty_cache=empty_cache)
@@ -315,8 +317,8 @@ def _then_flush(ctx: WorkerContext, empty_cache: bool, fn: Callable[..., Any], *
             done = flush()
     except Exception as e:  # noqa: BLE001 -- the control process flushes the usual way instead
         log.warning("weightsync: the scheduler's flush_cache after a call failed: %s: %s", type(e).__name__, e)
-        return Flushed(value, False)
-    return Flushed(value, bool(done))
+        return Flushed(value, False, time.perf_counter() - t0)
+    return Flushed(value, bool(done), time.perf_counter() - t0)
 
 
 # audited quant methods: their process_weights_after_loading keeps the loaded form on CUDA (§2)
@@ -830,6 +832,8 @@ class SGLangInstance:
             raise rebuild_error(errors[first], first, repr(self))
         if quiet:
             self._flushed = all(isinstance(r, Flushed) and r.flushed for r in results)
+            self.last_timing["flush_in_calls"] = self.last_timing.get("flush_in_calls", 0.0) + max(
+                (r.seconds for r in results if isinstance(r, Flushed)), default=0.0)
             results = [r.value if isinstance(r, Flushed) else r for r in results]
         return results
 
