@@ -397,14 +397,15 @@ def bench(out: Path, model: str, scenarios: list[str], steps: int) -> dict:
 def overhead(out: Path, steps: int = 12) -> dict:
     """Where an update's time goes in SGLang's call path (tiny Llama, co-located trainer), A/B in one run: per
     step the reader's phases and ``SGLangInstance.last_timing``, odd steps with ``quiet_updates=False`` (pause,
-    call, flush, continue: four round trips), even steps quiet (the call alone, flushing in its own request);
+    call, flush, continue: four round trips), even steps quiet (the call alone, flushing in its own request,
+    ``flush_in_calls``); a greedy generate after every step, so every update has KV to flush;
     then bare calls (a ping there and back) with the message in a tensor and in the name, ``Engine.flush_cache()``,
     and ``torch.cuda.empty_cache()`` inside the scheduler."""
     import statistics
 
     from weightsync.meta.server import MetaServer
     from weightsync.runtime.reader import WeightReader
-    from weightsync.sglang.engine import EngineOptions, start
+    from weightsync.sglang.engine import EngineOptions, generate, start
     from weightsync.sglang.verify import empty_cache_seconds, ping
 
     res: dict = {"stage": "overhead", "steps": [], "errors": []}
@@ -429,6 +430,7 @@ def overhead(out: Path, steps: int = 12) -> dict:
                        "instance_ms": {k: v * 1e3 for k, v in inst.last_timing.items()}}
                 res["steps"].append(rec)
                 log(f"[overhead] {rec}")
+                generate(own.engine)  # as an RL loop does: KV in the cache, so the next update must flush it
             reader.close()
             res["trainer"] = trainer.result()
         timed = res["steps"][2:]  # steps 1-2 open handles and compile

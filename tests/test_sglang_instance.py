@@ -720,17 +720,20 @@ def test_a_call_carried_in_the_name_crosses_sglangs_unpickler_without_a_descript
 
 
 class SchedulerStandIn:
-    """0.5.14's ``SchedulerWeightUpdaterManager``: ``update_weights_from_tensor`` runs the worker's custom loader;
-    its ``flush_cache(empty_cache)`` (the scheduler's) flushes only when ``is_fully_idle()``, else answers False."""
+    """0.5.14's ``SchedulerWeightUpdaterManager`` of one TP rank: ``update_weights_from_tensor`` runs the worker's
+    custom loader; its ``flush_cache(empty_cache)`` (the scheduler's) flushes only when ``is_fully_idle()``, else
+    answers False; ``scheduler.forward_ct`` counts the batches run (``Scheduler.run_batch``)."""
 
-    def __init__(self, engine):
-        self.engine, self.idle = engine, True
+    def __init__(self, engine, rank):
+        self.engine, self.rank, self.idle, self.forward_ct = engine, rank, True, 0
+        self.scheduler = self
+        self.server_args = types.SimpleNamespace(enable_hierarchical_cache=False)
 
     def is_fully_idle(self):
         return self.idle
 
     def flush_cache(self, empty_cache=True):
-        self.engine.log.append(("scheduler flush", self.idle, empty_cache))
+        self.engine.log.append(("scheduler flush", self.rank, self.idle, empty_cache))
         return self.idle
 
     def update_weights_from_tensor(self, model, named):
@@ -755,7 +758,12 @@ class StandInEngineQuiet(StandInEngine0514):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.tokenizer_manager = TokenizerManagerQuiet(self)
-        self.scheduler = SchedulerStandIn(self)
+        self.schedulers = [SchedulerStandIn(self, r) for r in range(len(self.models))]
+
+    def run_batch(self):
+        """A batch runs on every rank (generation between updates): KV enters the radix cache."""
+        for sch in self.schedulers:
+            sch.forward_ct += 1
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         assert load_format == S.RPC_LOADER and flush_cache is False
@@ -764,7 +772,7 @@ class StandInEngineQuiet(StandInEngine0514):
             S._tp_rank = lambda rank=rank: rank  # noqa: B023
             buf = io.BytesIO()
             ForkingPickler(buf).dump(named_tensors)
-            self.scheduler.update_weights_from_tensor(model, RestrictedUnpickler(io.BytesIO(buf.getvalue())).load())
+            self.schedulers[rank].update_weights_from_tensor(model, RestrictedUnpickler(io.BytesIO(buf.getvalue())).load())
         return True, "Success"
 
 
@@ -784,26 +792,37 @@ def _exact(layout, eng, canonical):
 
 def test_a_quiet_update_neither_pauses_nor_continues_and_flushes_inside_its_calls(tmp_path, fake_sglang, monkeypatch):
     """Nothing in flight (the tokenizer manager's rid_to_state empty): no pause_generation, no flush_cache and no
-    continue_generation round trips; every call of the update flushes in its own request (the scheduler's own
-    flush_cache, found on the loader's call stack); bit-exact; the payload rides in the name (empty tensor)."""
+    continue_generation round trips; a call of the update flushes every rank's cache in its own request (the
+    scheduler's own flush_cache, found on the loader's call stack) unless no batch ran on that rank since its last
+    flush; bit-exact; the payload rides in the name (empty tensor)."""
     spec, layout, eng, inst = _quiet(tmp_path, monkeypatch, empty_cache_on_resume=False)
     try:
         eng.log.clear()
         canonical = random_canonical(spec, seed=5)
         inst.pause()
         assert inst.call(write_canonical, canonical, preset("tiny-qwen3"), inst.engine) == [0, 1]
-        inst.after_update()  # post_load_weights: one more call, which flushes too
+        inst.after_update()  # post_load_weights: one more call; nothing ran since the flush: no second flush
         inst.resume()
         inst.set_version(2)
         assert inst.last_quiet and inst.served_version == "2"
-        assert eng.log == [("update", 0), ("scheduler flush", True, False), ("scheduler flush", True, False),
-                           ("update", 0), ("scheduler flush", True, False), ("scheduler flush", True, False)]
+        assert eng.log == [("update", 0), ("scheduler flush", 0, True, False), ("scheduler flush", 1, True, False),
+                           ("update", 0)]
         _exact(layout, eng, canonical)
         # outside an update a call does not flush
         eng.log.clear()
         assert inst.call(rank_and_count) == [(0, len(layout.layout(0).tensors), None),
                                              (1, len(layout.layout(1).tensors), None)]
         assert eng.log == [("update", 0)]
+        # the next update with no generation in between: nothing to flush; after a batch ran: flushed again
+        eng.log.clear()
+        for ran in (False, True):
+            if ran:
+                eng.run_batch()
+            inst.pause()
+            inst.call(write_canonical, canonical, preset("tiny-qwen3"), inst.engine)
+            inst.resume()
+        assert eng.log == [("update", 0), ("update", 0), ("scheduler flush", 0, True, False),
+                           ("scheduler flush", 1, True, False)]
     finally:
         inst.close()
 
@@ -811,12 +830,13 @@ def test_a_quiet_update_neither_pauses_nor_continues_and_flushes_inside_its_call
 def test_a_quiet_update_whose_scheduler_was_not_idle_flushes_after_waiting(tmp_path, fake_sglang, monkeypatch):
     spec, layout, eng, inst = _quiet(tmp_path, monkeypatch)
     try:
-        eng.scheduler.idle = False  # the overlap scheduler still holds the last finished request's batch
+        for sch in eng.schedulers:  # the overlap scheduler still holds the last finished request's batch
+            sch.idle = False
         eng.log.clear()
         inst.pause()
         inst.call(write_canonical, random_canonical(spec, seed=6), preset("tiny-qwen3"), inst.engine)
         inst.resume()
-        assert eng.log == [("update", 0), ("scheduler flush", False, True), ("scheduler flush", False, True),
+        assert eng.log == [("update", 0), ("scheduler flush", 0, False, True), ("scheduler flush", 1, False, True),
                            ("flush waiting", 30.0)]
     finally:
         inst.close()

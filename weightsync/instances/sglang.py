@@ -57,15 +57,17 @@ taken for a later call's.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import logging
 import os
-import base64
 import pickle
 import shutil
 import sys
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
@@ -280,44 +282,67 @@ class Flushed:
     value: Any
     flushed: bool | None
     seconds: float = 0.0  # the flush itself, in the scheduler
+    skipped: bool = False  # nothing ran since this worker's last flush: the cache holds nothing to drop
 
 
-def _scheduler_flush() -> Callable[..., bool] | None:
-    """The scheduler's own ``flush_cache`` of the request this loader runs in, found on the call stack.
+#: per scheduler: its ``forward_ct`` when :func:`_then_flush` last flushed its cache
+_FLUSHED_AT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def _scheduler_owner() -> Any | None:
+    """The object whose ``update_weights_from_tensor`` runs the loader we are in, if it holds the scheduler's own
+    ``flush_cache`` and ``is_fully_idle``.
 
     0.5.14: ``managers/scheduler_components/weight_updater.py:SchedulerWeightUpdaterManager.
-    update_weights_from_tensor`` calls the worker, whose custom loader we are; its ``self`` holds
-    ``flush_cache`` (``scheduler.py:Scheduler.flush_cache(empty_cache)``: resets the radix tree and the KV pools
-    when ``is_fully_idle()``, else returns False) and ``is_fully_idle``. That is the call the request's own
-    ``flush_cache=True`` makes after the loader (``flush_cache_after_weight_update``), except that there a
-    refusal is an ``assert`` that ends the scheduler process; called from here, a refusal is an answer."""
+    update_weights_from_tensor`` calls the worker, whose custom loader we are; its ``self`` holds ``flush_cache``
+    (``scheduler.py:Scheduler.flush_cache(empty_cache)``: resets the radix tree and the KV pools when
+    ``is_fully_idle()``, else returns False), ``is_fully_idle`` and ``scheduler`` (``scheduler.py:1661``). That
+    flush is the call the request's own ``flush_cache=True`` makes after the loader
+    (``flush_cache_after_weight_update``), except that there a refusal is an ``assert`` that ends the scheduler
+    process; called from here, a refusal is an answer."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "update_weights_from_tensor":
             owner = frame.f_locals.get("self")
-            flush = getattr(owner, "flush_cache", None)
-            if callable(flush) and callable(getattr(owner, "is_fully_idle", None)):
-                return flush
+            if callable(getattr(owner, "flush_cache", None)) and callable(getattr(owner, "is_fully_idle", None)):
+                return owner
         frame = frame.f_back
     return None
 
 
 def _then_flush(ctx: WorkerContext, empty_cache: bool, fn: Callable[..., Any], *args: Any) -> Flushed:
     """Run ``fn(ctx, *args)``, then flush the scheduler's cache in the same request (a quiet update: nothing
-    runs in the engine, so the flush finds it idle): one round trip instead of a call and a flush."""
+    runs in the engine, so the flush finds it idle): one round trip instead of a call and a flush.
+
+    No flush is needed where the scheduler ran no batch since this function last flushed it (its ``forward_ct``,
+    counted in ``scheduler.py:Scheduler.run_batch``, unchanged): KV enters the radix cache only from a batch's
+    forward, so the cache holds nothing computed since, with any weights. Not with SGLang's hierarchical cache
+    (its host copy is not ours to reason about): flushed every time there."""
     value = fn(ctx, *args)
-    flush = _scheduler_flush()
-    if flush is None:
+    owner = _scheduler_owner()
+    if owner is None:
         return Flushed(value, None)
+    sched = getattr(owner, "scheduler", None)
+    count = getattr(sched, "forward_ct", None)
+    plain = not getattr(getattr(sched, "server_args", None), "enable_hierarchical_cache", False)
+    try:
+        last = _FLUSHED_AT.get(sched) if plain and isinstance(count, int) else None
+    except TypeError:  # not weak-referenceable: flush every time
+        last = None
+    if last is not None and last == count:
+        return Flushed(value, True, 0.0, skipped=True)
     t0 = time.perf_counter()
     try:
         try:
-            done = flush(empty_cache=empty_cache)
+            done = owner.flush_cache(empty_cache=empty_cache)
         except TypeError:  # a flush_cache without the argument
-            done = flush()
+            done = owner.flush_cache()
     except Exception as e:  # noqa: BLE001 -- the control process flushes the usual way instead
         log.warning("weightsync: the scheduler's flush_cache after a call failed: %s: %s", type(e).__name__, e)
         return Flushed(value, False, time.perf_counter() - t0)
+    if done and isinstance(count, int):
+        with contextlib.suppress(TypeError):
+            _FLUSHED_AT[sched] = count
     return Flushed(value, bool(done), time.perf_counter() - t0)
 
 
