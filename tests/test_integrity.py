@@ -591,3 +591,68 @@ def test_the_exchange_moves_on_and_the_answerer_answers_only_its_armed_step():
                 exchange.fetch(client, [0], 5, 1.5, kind=exchange.COPIES)
         finally:
             answerer.close()
+
+
+def test_nixl_async_pulls_are_checked_against_the_staged_step_while_training_moves_on():
+    """Async over nixl with delta (real NIXL agents on loopback, a real MetaServer, the elastic session,
+    worker threads), integrity=1, a live and a staged reader. The trainer's sums are of what write()
+    staged -- taken from its live weights inside the same call -- so pulls made after training moved the
+    live weights on are checked clean and hold the staged step bit for bit; a bit flipped in a worker's
+    landing fails that pull naming the tensor (staged: the previous step kept and served; live: no
+    version, the instance withheld); the next pull of the same snapshot heals and is checked clean."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import nixl_missing
+    from test_elastic import ThreadInstance, TrainRank, canonical, exact
+
+    from weightsync.errors import IntegrityError
+    from weightsync.layout.materialize import fill_from, scatter
+    from weightsync.meta.server import MetaServer
+    from weightsync.runtime.reader import WeightReader
+    from weightsync.runtime.writer import WeightWriter
+
+    missing = nixl_missing()
+    if missing is not None:
+        pytest.skip(f"nixl not importable: {missing}")
+    spec = load_spec("tiny-qwen3")
+    engine = make_layout(spec, "hf")
+    ranks = [TrainRank(engine, r, engine.layout(r), scatter(engine.layout(r), canonical(spec, 0)), spec)
+             for r in range(engine.world_size)]
+    instances = [ThreadInstance(spec, "vllm:tp=2") for _ in range(2)]
+    withheld = {0: [], 1: []}
+    for i, inst in enumerate(instances):
+        inst.withhold = withheld[i].append
+    with MetaServer().start() as server:
+        kw = dict(meta=server.url, job="nixl-async-integrity", transport="nixl", mode="async", delta=True,
+                  integrity=1, bucket_bytes=32 << 10, timeout_s=20.0)
+        writers = [WeightWriter(r, **kw) for r in ranks]
+        readers = [WeightReader(inst, instance_id=i, instances=2, staged=i == 1, **kw)
+                   for i, inst in enumerate(instances)]
+        with ThreadPoolExecutor(4) as pool:
+            for f in [pool.submit(x.connect) for x in [*readers, *writers]]:
+                f.result(timeout=120)
+        try:
+            for step in (1, 2):
+                for r, w in zip(ranks, writers):
+                    with torch.no_grad():
+                        fill_from(r.layout, r.tensors, canonical(spec, step))
+                    assert w.write(step) is None and w.last_integrity.step == step
+                    with torch.no_grad():  # training goes on: the live weights leave the staged step
+                        fill_from(r.layout, r.tensors, canonical(spec, 100 + step))
+                if step == 2:  # worker 1 of each instance flips bit 5 of one element after its pull landed
+                    flips = [next(f for f in inst.call(_flip_next_landing, 1, 5) if f is not None)
+                             for inst in instances]
+                    for i, (r, flipped) in enumerate(zip(readers, flips)):
+                        want = re.escape(f"step 2: {flipped.tensor} differs from what was sent") + ".*" + \
+                            re.escape(f"element {list(flipped.index)}, bit 5")
+                        with pytest.raises(IntegrityError, match=want):
+                            r.pull()
+                    assert readers[0].version is None and withheld[0]  # live: torn, served no more
+                    assert readers[1].version == 1 and exact(spec, instances[1], 1) and not withheld[1]
+                for i, r in enumerate(readers):
+                    assert r.pull() == step and exact(spec, instances[i], step), (i, step)
+                    assert r.last_timing is not None
+        finally:
+            for x in [*readers, *writers]:
+                x.close()
