@@ -124,8 +124,10 @@ def sync(out: Path, graphs: bool = False) -> dict:
     try:
         with MetaServer().start() as meta:
             t0 = time.perf_counter()
-            llms["X"] = start_llm(paths[1], backend=True, **_llm_kw(graphs))
-            llms["Y"] = start_llm(paths[2], backend=True, **_llm_kw(graphs))
+            # the worker extension's entry (VLLMInstance); the "weightsync" weight-transfer plug-in is registered
+            # by weightsync's entry point, which a snapshot run without installing weightsync does not have
+            llms["X"] = start_llm(paths[1], backend=False, **_llm_kw(graphs))
+            llms["Y"] = start_llm(paths[2], backend=False, **_llm_kw(graphs))
             result["cuda_graphs"] = graphs
             result["startup_s"] = time.perf_counter() - t0
             insts = {n: VLLMInstance(llm) for n, llm in llms.items()}
