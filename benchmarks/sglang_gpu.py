@@ -18,7 +18,9 @@ process starts the engine under test on seed 0 with weightsync's loader. Then:
 3. bad input (first model only): a trainer of another model against this engine (refused at set-up; the
    engine still serves the previous step's weights, tokens checked), and in its own process an engine
    started without weightsync's loader and in float16 (``bad``: ``SGLangInstance`` refuses in one line; the
-   engine keeps generating).
+   engine keeps generating);
+4. validation through SGLang's own loader (first model only): ``validate_via="sglang-loader"`` against the
+   held checkpoint, then with one element flipped (named) and flipped back.
 
 ``bench``: ``weightsync.bench.run.run(scenario, model, receiver="sglang")`` then ``receiver="faithful"``,
 each with its device-copy ceiling measured in the same run. Every stage records what failed instead of
@@ -306,6 +308,36 @@ def _mismatch(own, spec, cfg, refs, held_seed: int, root: Path, meta, result: di
     result["mismatch"] = rec
 
 
+def _validate_by_loader(own, checkpoint: Path, result: dict) -> None:
+    """WeightReader.validate's path through SGLang's own loader (``validate_via="sglang-loader"``) against the
+    checkpoint the engine holds: every tensor equal; then one element flipped (and flipped back): named."""
+    from weightsync.sglang.verify import flip
+    from weightsync.validate import validate
+
+    inst = own.instance
+    rec: dict = {}
+    try:
+        inst.validate_via = "sglang-loader"
+        t0 = time.perf_counter()
+        report = validate(inst, checkpoint)
+        rec.update(via=report.via, ok=report.ok, tensors=len(report.checks), seconds=time.perf_counter() - t0,
+                   mismatched=[f"{c.rank}:{c.name}" for c in report.mismatched()][:10])
+        name = next(n for n, _ in inst.engine_layout.layout(0).tensors.items())
+        rec["flipped"], old = inst.call(flip, name)[0]
+        try:
+            bad = validate(inst, checkpoint)
+        finally:
+            inst.call(flip, name, old)
+        rec["flipped_found"] = [f"{c.rank}:{c.name}" for c in bad.mismatched()]
+        rec["ok_after_undo"] = validate(inst, checkpoint).ok
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    finally:
+        inst.validate_via = "layout"
+    log(f"[validate] via SGLang's loader: {str(rec)[:600]}")
+    result["validate"] = rec
+
+
 def colo(out: Path, models: list[str], first_extras: bool = True) -> dict:
     from weightsync.meta.server import MetaServer
     from weightsync.sglang.engine import EngineOptions, start
@@ -355,6 +387,7 @@ def colo(out: Path, models: list[str], first_extras: bool = True) -> dict:
                         _sync_steps(own, spec, cfg, cfg_path, refs, meta, f"{name}-nixl", [(4, 2), (5, 1)], False,
                                     "nixl", res)
                         _mismatch(own, spec, cfg, refs, res["steps"][-1]["seed"], d, meta, res)
+                        _validate_by_loader(own, paths[res["steps"][-1]["seed"]], res)
                 finally:
                     own.close()
                 if bad is not None:

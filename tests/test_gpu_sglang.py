@@ -53,11 +53,17 @@ def _assert_steps(res: dict, jobs: set[str]) -> None:
         assert s["loaded_exact"] and s["computed_equal"] and s["tokens_equal"] and s["version_ok"], s
 
 
-def test_llama_colocated_cuda_ipc_then_nixl_then_bad_input():
+@pytest.fixture(scope="module")
+def llama() -> dict:
+    return _colo("llama")
+
+
+@pytest.mark.xdist_group("sglang-llama")  # one worker runs the fixture's engines once (make test-gpu -n N)
+def test_llama_colocated_cuda_ipc_then_nixl_then_bad_input(llama):
     """Co-located (CUDA IPC into the live parameters, steps 1-3), then a separated trainer over NIXL (steps 4-5),
     all bit-exact to fresh engines; a trainer of another model is refused at set-up and the engine still serves
     the previous weights; an engine started without weightsync's loader and in float16 is refused in one line."""
-    r = _colo("llama")
+    r = llama
     res = r["models"]["llama"]
     _assert_steps(res, {"llama-colo", "llama-nixl"})
     assert res["api"] == "0.5.14" or r["sglang"] != "0.5.14"
@@ -66,6 +72,18 @@ def test_llama_colocated_cuda_ipc_then_nixl_then_bad_input():
     bad = res["bad_engine"]
     assert "custom_weight_loader" in bad["refused"] and "dtype mismatch" in bad["refused"], bad
     assert "\n" not in bad["refused"] and bad["serves_after"], bad
+
+
+@pytest.mark.xdist_group("sglang-llama")
+def test_validate_through_sglangs_own_loader_finds_a_flipped_element(llama):
+    """``validate_via="sglang-loader"``: every tensor the engine computes with equals a fresh model SGLang's own
+    loader builds from the held checkpoint in the worker; one flipped element is named, and gone once undone."""
+    v = llama["models"]["llama"].get("validate")
+    assert v and "error" not in v, v
+    assert v["via"] == "sglang-loader" and v["ok"] and v["tensors"] >= 16, v
+    assert len(v["flipped_found"]) == 1 and v["flipped"].split(": ")[1].startswith(
+        v["flipped_found"][0].split(":", 1)[1].removeprefix("param:")), v
+    assert v["ok_after_undo"], v
 
 
 @pytest.fixture(scope="module")

@@ -932,3 +932,60 @@ def test_only_separated_real_sglang_over_nixl_shares_the_trainers_gpus():
 
     if torch.cuda.device_count() < 2:  # one trainer GPU + one engine GPU do not fit here
         assert shares_gpus(_real_demo(device="cuda", transport="nixl"))
+
+
+# -- WeightReader.validate through SGLang's own loader (opt-in, weightsync.sglang.validate) --------------------------
+
+
+class ModelRunnerStandIn:
+    """0.5.14's ``ModelRunner``: its ``update_weights_from_tensor`` calls the custom loader with the live model."""
+
+    def __init__(self, model):
+        self.model, self.model_config, self.load_config, self.gpu_id, self.device = model, object(), object(), 0, "cpu"
+
+    def update_weights_from_tensor(self, named):
+        S.rpc_loader(self.model, named)
+
+
+def test_validate_via_sglangs_loader_compares_every_tensor_with_a_fresh_load_and_names_a_flipped_one(
+        tmp_path, fake_sglang, monkeypatch):
+    """The plumbing of ``validate_via="sglang-loader"`` (a test aid: SGLang's loader itself runs on the GPU host only):
+    ``WeightReader.validate`` dispatches to ``check_sglang`` in every worker, which finds the model runner on the
+    loader's call stack and compares every parameter with the model its loader builds from the checkpoint -- here a
+    stand-in loader that places the checkpoint by the layout."""
+    import weightsync.sglang.validate as V
+    from hf_models import save_checkpoint
+
+    from weightsync.validate import validate
+
+    spec, layout, eng, inst = _quiet(tmp_path, monkeypatch, validate_via="sglang-loader")
+    for sch, m in zip(eng.schedulers, eng.models):  # the scheduler calls the runner, which calls our loader
+        runner = ModelRunnerStandIn(m)
+        sch.update_weights_from_tensor = lambda model, named, runner=runner: runner.update_weights_from_tensor(named)
+    canonical = random_canonical(spec, seed=9)
+    ckpt = save_checkpoint(spec, canonical, tmp_path / "ckpt")
+
+    def fresh_by_layout(runner, checkpoint):
+        assert isinstance(runner, ModelRunnerStandIn) and checkpoint == str(ckpt)
+        rank = eng.models.index(runner.model)
+        tensors = {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype])
+                   for n, t in layout.layout(rank).tensors.items()}
+        fill_from(layout.layout(rank), tensors, canonical)
+        return Model(tensors)
+
+    monkeypatch.setattr(V, "load_fresh", fresh_by_layout)
+    try:
+        inst.pause()
+        inst.call(write_canonical, canonical, preset("tiny-qwen3"), inst.engine)
+        inst.resume()
+        report = validate(inst, ckpt)
+        assert report.via == "sglang-loader" and report.ok
+        assert len(report.checks) == sum(len(layout.layout(r).tensors) for r in range(2))
+        name = next(iter(eng.models[1]._p))
+        eng.models[1]._p[name].data.view(-1)[0] += 1
+        bad = validate(inst, ckpt)
+        assert not bad.ok and [(c.rank, c.name) for c in bad.mismatched()] == [(1, f"param:{name}")]
+        # the default stays the layout, labelled
+        assert S.SGLangInstance(eng, timeout_s=30).validate_via == "layout"
+    finally:
+        inst.close()

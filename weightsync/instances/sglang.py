@@ -514,7 +514,7 @@ class SGLangInstance:
     """``sglang.Engine`` as an :class:`~weightsync.runtime.instance.InferenceInstance` (see the module docstring)."""
 
     def __init__(self, engine: Any, *, timeout_s: float = 600.0, pause_mode: str = "retract",
-                 empty_cache_on_resume: bool = True, quiet_updates: bool = True):
+                 empty_cache_on_resume: bool = True, quiet_updates: bool = True, validate_via: str = "layout"):
         import sglang  # noqa: F401 -- fail here, clearly, where SGLang is missing
 
         if pause_mode not in PAUSE_MODES:
@@ -528,6 +528,12 @@ class SGLangInstance:
         #: ``continue_generation(torch_empty_cache=...)`` (0.5.14 ``ContinueGenerationReqInput``; SGLang's default
         #: True returns the allocator's cached blocks to the driver before generation resumes)
         self.empty_cache_on_resume = empty_cache_on_resume
+        #: what ``WeightReader.validate`` compares with: ``"layout"`` (the checkpoint placed by weightsync's layout,
+        #: labelled so) or ``"sglang-loader"`` (a fresh model loaded by SGLang's own loader in each worker,
+        #: :mod:`weightsync.sglang.validate`; opt-in until it has run on the GPU host)
+        if validate_via not in ("layout", "sglang-loader"):
+            raise ConfigError(f"sglang: validate_via={validate_via!r}; use 'layout' or 'sglang-loader'")
+        self.validate_via = validate_via
         #: an update that finds nothing running in the engine neither pauses nor continues it, and each of its
         #: calls flushes the cache in its own request (:meth:`pause`); False: always pause, flush, continue
         self.quiet_updates = quiet_updates

@@ -87,10 +87,22 @@ def empty_cache_seconds(ctx: Any) -> float:
     return time.perf_counter() - t0
 
 
+def flip(ctx: Any, name: str, restore: float | None = None) -> tuple[str, float]:
+    """Change the first element of parameter ``name`` on this worker (add 1), or put ``restore`` back there: a
+    known wrong tensor for a validation to find (benchmarks/sglang_gpu.py), and its undoing (exact: the old value
+    is returned as a Python float, which holds any bf16/fp16/fp32 value)."""
+    p = dict(_model(ctx).named_parameters())[name]
+    flat = p.data.view(-1)
+    old = float(flat[0])
+    flat[0] = old + 1 if restore is None else restore
+    return f"rank {ctx.rank}: {name}[0]", old
+
+
 def differences(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
     """Names whose digests differ (or that one side lacks)."""
     return sorted(f"{n}: {'only in one' if n not in a or n not in b else 'differs'}"
                   for n in set(a) | set(b) if a.get(n) != b.get(n))
 
 
-__all__ = ["computed", "digests", "computed_digests", "loaded_problems", "differences", "ping", "empty_cache_seconds"]
+__all__ = ["computed", "digests", "computed_digests", "loaded_problems", "differences", "ping", "empty_cache_seconds",
+           "flip"]

@@ -44,6 +44,8 @@ def via_of(instance: Any) -> str:
         return VIA_HF
     if kind == "VLLMInstance":
         return VIA_VLLM
+    if kind == "SGLangInstance" and getattr(instance, "validate_via", None) == "sglang-loader":
+        return "sglang-loader"  # weightsync.sglang.validate (opt-in until it has run on the GPU host)
     return VIA_LAYOUT
 
 
@@ -66,6 +68,10 @@ def validate(instance: Any, checkpoint: str | os.PathLike, *, step: int | None =
         from weightsync.validate.vllm import check_vllm
 
         checks = [c for cs in instance.call(check_vllm, path, timeout_s=timeout_s) for c in cs]
+    elif via == "sglang-loader":
+        from weightsync.sglang.validate import check_sglang
+
+        checks = [c for cs in instance.call(check_sglang, path, timeout_s=timeout_s) for c in cs]
     else:
         from weightsync.validate.layout import check_layout
 
