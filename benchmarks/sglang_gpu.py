@@ -20,7 +20,9 @@ process starts the engine under test on seed 0 with weightsync's loader. Then:
    started without weightsync's loader and in float16 (``bad``: ``SGLangInstance`` refuses in one line; the
    engine keeps generating);
 4. validation through SGLang's own loader (first model only): ``validate_via="sglang-loader"`` against the
-   held checkpoint, then with one element flipped (named) and flipped back.
+   held checkpoint, then with one element flipped (named) and flipped back;
+5. a trainer killed with its step announced (first model only; co-located, then NIXL): a staged reader takes the
+   step whole or fails within its deadline; the engine serves exactly one of the two steps after.
 
 ``bench``: ``weightsync.bench.run.run(scenario, model, receiver="sglang")`` then ``receiver="faithful"``,
 each with its device-copy ceiling measured in the same run. Every stage records what failed instead of
@@ -155,8 +157,10 @@ def bad_main(path: str, out: str) -> int:
 
 
 def trainer_main(cfg_path: str, meta: str, job: str, steps: list, colocate: bool, transport: str, timeout: float,
-                 port: int, q) -> None:
-    """A training process on cuda:0: transformers weights filled per step with a seed's, written by a WeightWriter."""
+                 port: int, q, die_after_written: int | None = None) -> None:
+    """A training process on cuda:0: transformers weights filled per step with a seed's, written by a WeightWriter.
+    ``die_after_written``: SIGKILL itself right after the MetaServer recorded that step written (the fault case:
+    its weights announced, the instance not yet holding them)."""
     try:
         import datetime
 
@@ -175,6 +179,21 @@ def trainer_main(cfg_path: str, meta: str, job: str, steps: list, colocate: bool
         bound = build_trainer(spec, "hf", 0, 1, same_start=False, device="cuda").bound
         writer = WeightWriter(bound, meta=meta, job=job, timeout_s=timeout, colocate=colocate,
                               transport=transport).connect()
+        if die_after_written is not None:
+            import os
+            import signal
+
+            real = writer.client.written
+
+            def written(step, *a, **k):
+                out = real(step, *a, **k)
+                if step == die_after_written:
+                    q.put(("killed", f"after written({step})"))
+                    time.sleep(0.2)  # the queue's feeder thread hands the line over
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return out
+
+            writer.client.written = written
         for step, seed in steps:
             with torch.no_grad():
                 fill_from(bound.layout, bound.tensors, weights(spec, seed))
@@ -207,7 +226,7 @@ def _wait_json(p: subprocess.Popen, out: Path, log_path: Path, timeout: float) -
 
 class Trainer:
     def __init__(self, cfg_path: Path, meta: str, job: str, steps: list, colocate: bool, transport: str = "p2p",
-                 timeout: float = 120.0):
+                 timeout: float = 120.0, die_after_written: int | None = None):
         import multiprocessing as mp
 
         from weightsync.transport.group import free_port
@@ -215,7 +234,7 @@ class Trainer:
         ctx = mp.get_context("spawn")
         self.q = ctx.Queue()
         self.p = ctx.Process(target=trainer_main, args=(str(cfg_path), meta, job, steps, colocate, transport, timeout,
-                                                       free_port(), self.q), daemon=True)
+                                                       free_port(), self.q, die_after_written), daemon=True)
         self.p.start()
 
     def result(self, timeout: float = 60.0):
@@ -308,6 +327,50 @@ def _mismatch(own, spec, cfg, refs, held_seed: int, root: Path, meta, result: di
     result["mismatch"] = rec
 
 
+def _killed_trainer(own, spec, cfg, cfg_path: Path, refs: dict, meta, colocate: bool, result: dict) -> None:
+    """A trainer SIGKILLed right after its step 2 is recorded written (its weights announced, this engine not yet
+    holding them), against a staged reader: ``update(2)`` either takes the step whole or fails with a weightsync
+    error within its deadline; either way the engine keeps serving, every tensor it computes with equal to a fresh
+    engine's on exactly one of the two steps (never a mix), greedy tokens equal."""
+    from weightsync.errors import WeightSyncError
+    from weightsync.runtime.reader import WeightReader
+
+    job = "killed-" + ("colo" if colocate else "nixl")
+    trainer = Trainer(cfg_path, meta.url, job, [(1, 2), (2, 1)], colocate, "p2p" if colocate else "nixl",
+                      timeout=15.0, die_after_written=2)
+    rec: dict = {"job": job}
+    reader = None
+    try:
+        reader = WeightReader(own.instance, meta=meta.url, job=job, instance_id=0, instances=1, timeout_s=15,
+                              colocate=colocate, transport="p2p" if colocate else "nixl", staged=True).connect()
+        reader.update(1)
+        rec["step1"] = _check(own, spec, cfg, refs[2], 2, 1)
+        t0 = time.perf_counter()
+        try:
+            reader.update(2)
+            rec["update2"] = "held"
+        except WeightSyncError as e:
+            rec["update2"] = f"{type(e).__name__}: {e}"[:800]
+        rec["update2_seconds"] = time.perf_counter() - t0
+        rec["trainer"] = trainer.result(10)
+        held = 1 if rec["update2"] == "held" else 2  # the seed the engine should hold
+        after = _check(own, spec, cfg, refs[held], held, 2 if held == 1 else 1)
+        rec["after"] = {k: after[k] for k in ("computed_equal", "tokens_equal", "computed_diff")}
+        rec["held_seed"] = held
+        rec["ok"] = bool(rec["step1"]["computed_equal"] and after["computed_equal"] and after["tokens_equal"]
+                         and rec["update2_seconds"] < 2 * 15 + 5)
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    finally:
+        if reader is not None:
+            try:
+                reader.close()
+            except Exception as e:  # noqa: BLE001
+                rec["close"] = f"{type(e).__name__}: {e}"[:400]
+    log(f"[{job}] {str(rec)[:700]}")
+    result.setdefault("killed_trainer", []).append(rec)
+
+
 def _validate_by_loader(own, checkpoint: Path, result: dict) -> None:
     """WeightReader.validate's path through SGLang's own loader (``validate_via="sglang-loader"``) against the
     checkpoint the engine holds: every tensor equal; then one element flipped (and flipped back): named."""
@@ -388,6 +451,8 @@ def colo(out: Path, models: list[str], first_extras: bool = True) -> dict:
                                     "nixl", res)
                         _mismatch(own, spec, cfg, refs, res["steps"][-1]["seed"], d, meta, res)
                         _validate_by_loader(own, paths[res["steps"][-1]["seed"]], res)
+                        for colocate in (True, False):
+                            _killed_trainer(own, spec, cfg, cfg_path, refs, meta, colocate, res)
                 finally:
                     own.close()
                 if bad is not None:

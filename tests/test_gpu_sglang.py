@@ -86,6 +86,19 @@ def test_validate_through_sglangs_own_loader_finds_a_flipped_element(llama):
     assert v["ok_after_undo"], v
 
 
+@pytest.mark.xdist_group("sglang-llama")
+@pytest.mark.parametrize("job", ["killed-colo", "killed-nixl"])
+def test_a_trainer_killed_with_its_step_announced_leaves_the_engine_serving_one_whole_step(llama, job):
+    """The trainer SIGKILLs itself right after its step 2 is recorded written; the staged reader's update(2) takes
+    the step whole or fails within its deadline, and the engine keeps serving exactly one of the two steps
+    (every tensor it computes with equal to a fresh engine's on it, greedy tokens equal)."""
+    recs = {r["job"]: r for r in llama["models"]["llama"].get("killed_trainer", [])}
+    r = recs.get(job)
+    assert r and "error" not in r, r
+    assert r["trainer"][0] == "killed", r
+    assert r["ok"], r
+
+
 @pytest.fixture(scope="module")
 def others() -> dict:
     return _colo("qwen3,qwen2,qwen3moe", "--no-extras")
