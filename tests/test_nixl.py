@@ -247,8 +247,8 @@ def _native_threads() -> set[int]:
 
 def test_close_releases_every_agent(meta, caplog):
     """close() lets each agent go (NIXL has no destroy call: an agent goes with its last reference, every
-    prepared list and transfer handle included), and with it the UCX progress thread, which would poll on
-    (~0.15 CPU s a second each) until the process exits; none is left referenced (no warning)."""
+    prepared list and transfer handle included), and with it the UCX progress thread (a trainer's), which
+    would poll on (~0.15 CPU s a second each) until the process exits; none is left referenced (no warning)."""
     import weakref
 
     before = _native_threads()
@@ -258,7 +258,8 @@ def test_close_releases_every_agent(meta, caplog):
         assert rx.pull(job.targets[k]).steps == {1}
     assert not job.wrong(1)
     started = _native_threads() - before
-    assert len(started) >= len(job.senders) + len(job.receivers), "each agent runs a progress thread"
+    # each trainer's agent runs NIXL's progress thread (readers poll their own transfers: nixl._agent)
+    assert len(started) >= len(job.senders), "each trainer's agent runs a progress thread"
     agents = [weakref.ref(x.agent) for x in [*job.senders.values(), *job.receivers.values()]]
     with caplog.at_level("WARNING", logger="weightsync.transport.nixl"):
         job.close()

@@ -10,7 +10,9 @@ number was measured here and says where:
   copy kernel (a fixed set-up, then one graph of copies at a fraction of the device-copy rate); p2p NCCL
   (a CPU cost per message, posted while earlier buckets move); NIXL READ (a CPU cost per descriptor,
   counted exactly as ``transport/nixl.py`` builds them, :mod:`weightsync.plan.descriptors`; on the
-  H200 the copies did not overlap the posting, so the two add);
+  H200, with the reader's NIXL progress thread off, the copies run while the CPU posts; with it, they
+  waited and the two added: :meth:`CostModel.reader_progress_thread`), and the trainers' copy of their
+  strided boxes into their pack regions;
 - per step, the signals: ``written`` by a doorbell in host shared memory (co-located sync jobs) or
   through the MetaServer (whose CPU per request bounds a large job's round);
 - per receiver, the trips into the engine: a layout-faithful worker answers one pipe call; a real vLLM
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from weightsync.errors import ConfigError
-from weightsync.plan.descriptors import WorkerCounts
+from weightsync.plan.descriptors import POST_CHUNK, WorkerCounts
 from weightsync.plan.planner import Bucket
 from weightsync.plan.topology import Topology
 
@@ -120,11 +122,16 @@ class CostModel:
     # p2p: CPU per NCCL message posted, overlapped with the transfers: sep-1to1 8B reader.posting 6.51 ms
     # for the worker's 371 messages (weightsync.plan.descriptors counts them)
     nccl_message_s: float = 6.51e-3 / 371
-    # nixl: CPU per descriptor posted, before the copies (they added on the H200: reader.transport -
-    # reader.posting was 6.7-9.2 ms in every nixl-1gpu run, the copy floor 8.0 ms): s10-final nixl
-    # reader.posting 7.795 ms for the worker's 399 descriptors
-    nixl_descriptor_s: float = 7.795e-3 / 399
-    nixl_posting_overlaps: bool = False  # what the H200's cuda_ipc showed; a NIC may overlap (not measured)
+    # nixl: CPU per READ descriptor posted, the copies running meanwhile (a reader without NIXL's progress
+    # thread, the transport's default since session 12): nixl_gpu.py --layout qwen3-8b, nothread_per_tensor_
+    # 1xfer_post_s 3.156 ms for 399 descriptors, every copy done 8.77 ms after the first post against a 7.66 ms
+    # device copy (2026-12-02-h200x1-nixl-layout-qwen3-8b-cc14075.json)
+    nixl_descriptor_s: float = 3.156e-3 / 399
+    nixl_posting_overlaps: bool = True
+    # nixl: before the first copy runs, beyond posting the first transfer's descriptors (the program's look-up,
+    # the first transfer() call): reader.started 0.942 ms, less 64 descriptors at nixl_descriptor_s
+    # (2026-12-02-h200x1-qwen3-8b-nixl-1gpu-issue26-new-nothread-cc14075.json)
+    nixl_setup_s: float = 0.942e-3 - 64 * 3.156e-3 / 399
     # signals: a step's fixed cost outside the workers' call with a doorbell (writer.send, the ring, the
     # reader's bookkeeping, held): s10-final colo median_seconds - reader.workers = 9.23 - 8.99 ms
     step_round_s: float = 0.24e-3
@@ -154,6 +161,14 @@ class CostModel:
         _rates(0.01, 59.539e-3, 25.809e-3, 24.004e-3),
         _rates(0.1, 155.702e-3, 22.850e-3, 73.365e-3),
     )
+
+    @classmethod
+    def reader_progress_thread(cls, **changes) -> CostModel:
+        """The costs of a NIXL reader WITH NIXL's progress thread (every nixl-1gpu run before session 12):
+        every descriptor ~19.5 us that the copies waited on, the two adding (s10-final nixl reader.posting
+        7.795 ms for 399 descriptors; reader.transport - reader.posting 6.7-9.2 ms against an 8.0 ms floor)."""
+        return cls(**{"nixl_descriptor_s": 7.795e-3 / 399, "nixl_posting_overlaps": False, "nixl_setup_s": 0.0,
+                      **changes})
 
     def delta_at(self, fraction: float) -> DeltaRates:
         """The measured rates at ``fraction`` (the nearest measured fraction, by ratio)."""
@@ -199,6 +214,7 @@ class StepPrediction:
     descriptors: int  # nixl: the busiest worker's descriptors a step (data + header reads)
     messages: int  # p2p: the busiest worker's messages a step
     pack_s: float = 0.0  # nixl: the busiest trainer's copy of its strided boxes into its pack region, a step
+    move_s: float = 0.0  # the transport's part: posting, set-up and data as they combine (pack_s included)
 
 
 _FP8 = re.compile(r"(^|\.)[a-z0-9_]*proj(_with_mqa)?\.weight$")
@@ -263,7 +279,11 @@ def predict_step(
     pack_s = 0.0
     if d.transport == "nixl":
         post_s = descriptors * cost.nixl_descriptor_s
-        move_s = max(post_s, data_s) if cost.nixl_posting_overlaps else post_s + data_s
+        if cost.nixl_posting_overlaps:  # copies start once the first transfer is posted; the rest posts meanwhile
+            first = min(descriptors, POST_CHUNK) * cost.nixl_descriptor_s
+            move_s = cost.nixl_setup_s + max(post_s, first + data_s)
+        else:
+            move_s = cost.nixl_setup_s + post_s + data_s
         # the trainers pack their strided boxes before they announce the step (transport/nixl.py pack_layout):
         # each packs what one instance reads from it (instances alike read the same boxes), at the device
         # copy's rate; the busiest trainer's copy adds to the step
@@ -301,4 +321,4 @@ def predict_step(
                   "sglang": cost.sglang_step_s}[d.receiver]
     seconds = signal_s + receiver_s + move_s + codec_s
     return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, sum(sizes), descriptors, msgs,
-                          pack_s)
+                          pack_s, move_s)
