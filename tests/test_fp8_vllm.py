@@ -136,3 +136,26 @@ def test_live_model_takes_fp8_linears_in_place_only_on_kernels_that_keep_the_che
     bf16 = make_layout(spec, "vllm").layout(0)
     with pytest.raises(ConfigError, match="the job's layout for this engine is not quant=fp8"):
         LiveModel(model(CutlassFp8BlockScaledMMKernel), bf16, torch.device("cuda"), "stand-in")
+
+
+def test_what_an_fp8_worker_computes_with_travels_back_and_is_compared_by_bits():
+    """weightsync.quant.engine_check.computed answers through pickle (weightsync.vllm.rpc): a pickled float8 tensor
+    does not load back (torch 2.11 on the GPU host, 2.13 here: UntypedStorage has no dtype), so FP8 parameters go as
+    their bytes under a name carrying the dtype; differences compares bits. (A stand-in model: the parameters only.)"""
+    import pickle
+    from types import SimpleNamespace as NS
+
+    from weightsync.quant.engine_check import computed, differences
+
+    def model(shift: float):
+        m = torch.nn.Module()
+        g = torch.Generator().manual_seed(0)
+        m.register_parameter("w", torch.nn.Parameter(torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn),
+                                                     requires_grad=False))
+        m.register_parameter("n", torch.nn.Parameter(torch.randn(4, generator=g).bfloat16() + shift,
+                                                     requires_grad=False))
+        return NS(state={"model": m})
+
+    got = pickle.loads(pickle.dumps(computed(model(0.0))))
+    assert sorted(got) == ["param:n", "param:w:float8_e4m3fn"] and not differences(got, computed(model(0.0)))
+    assert differences(got, computed(model(1.0))) == ["param:n: differs"]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 _BYTES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -28,8 +29,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def computed(ctx: Any) -> dict[str, torch.Tensor]:
-    """What this worker computes with: ``param:NAME`` (every non-empty parameter) and ``gemm:LAYER`` (each
-    quantized or unquantized linear's output on a fixed input in the model dtype), on CPU."""
+    """What this worker computes with: ``param:NAME`` (every non-empty parameter; an FP8 one as its bytes, under
+    ``param:NAME:float8_e4m3fn``: a pickled float8 tensor does not load back, which the first GPU run showed) and
+    ``gemm:LAYER`` (each quantized or unquantized linear's output on a fixed input in the model dtype), on CPU."""
     model = ctx.state["model"]
     dtype = next((p.dtype for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16, torch.float32)),
                  torch.bfloat16)
@@ -37,7 +39,11 @@ def computed(ctx: Any) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.numel():
-                out[f"param:{name}"] = p.detach().cpu().clone()
+                t = p.detach().cpu().clone()
+                if t.dtype in _FP8:  # pickle cannot carry them back (torch 2.11-2.13: the load fails): their bytes
+                    out[f"param:{name}:{str(t.dtype).removeprefix('torch.')}"] = t.view(torch.uint8)
+                else:
+                    out[f"param:{name}"] = t
         for name, mod in model.named_modules():
             qm = getattr(mod, "quant_method", None)
             w = getattr(mod, "weight", None)
