@@ -268,3 +268,45 @@ def test_plan_stats_count_the_fp8_bytes_the_codec_sends():
     assert 0.5 < s.fp8_bytes_sent / s.bytes_sent < 0.6
     assert "fp8 bytes sent" in format_stats(s)
     assert job_stats(Planner(make_layout(DENSE, "fsdp:dp=2"), make_layout(DENSE, "vllm:tp=2"), 1)).fp8_bytes_sent == 0
+
+
+def test_the_file_transport_writes_fp8_payloads_as_the_pairs_one_file(tmp_path):
+    """FileTransport with the fp8 codec (needs no base): each pair's one file holds the encoded payloads and their
+    headers (weightsync.encoded/1); read back into NaN-poisoned FP8 targets it is the FP8 checkpoint bit for bit; a
+    reader of the full codec meeting it refuses it by its format; a reader whose plan differs refuses it by the pair
+    hash."""
+    from weightsync.codec.fp8 import fp8_options
+    from weightsync.engines import make_layout
+    from weightsync.errors import TransportError
+    from weightsync.layout.materialize import TORCH_DTYPES, fill_from
+    from weightsync.plan.planner import Planner
+    from weightsync.quant.layout import fp8_layout
+    from weightsync.testing import random_canonical
+    from weightsync.transport.base import TransportOptions
+    from weightsync.transport.file import FileTransport
+
+    infer = "vllm:tp=2,quant=fp8"
+    src, base = make_layout(DENSE, "hf"), make_layout(DENSE, infer)
+    layout = fp8_layout(base)
+    codec = fp8_options(TransportOptions(), infer, DENSE).codec
+    planner = Planner(src, base, 1, bucket_bytes=256 << 10)
+    canonical = random_canonical(DENSE, seed=5)
+    sources = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype]) for n, t in src.layout(0).tensors.items()}
+    fill_from(src.layout(0), sources, canonical)
+    send = planner.send_plan(0)
+    stats = FileTransport(tmp_path).send_frames(3, send, sources, codec.encoder(send, torch.device("cpu")), codec)
+    assert stats.bytes < 0.6 * stats.full_bytes
+    for j in range(2):
+        plans = planner.recv_plan(0, j)
+        targets = {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype])
+                   for n, t in layout.layout(j).tensors.items()}
+        reader = FileTransport(tmp_path, consume=False, timeout_s=5)
+        reader.recv_frames(3, plans, targets, codec.decoder(plans), codec)
+        want = expected_fp8(layout, canonical, j)
+        for n in want:
+            assert torch.equal(bits(targets[n]), bits(want[n])), (j, n)
+    with pytest.raises(TransportError, match=r"has format 'weightsync.encoded/1', expected 'weightsync.file/1'"):
+        FileTransport(tmp_path, consume=False, timeout_s=5).recv(planner.recv_plan(0, 0), targets, step=3)
+    other = Planner(src, base, 1, bucket_bytes=64 << 10).recv_plan(0, 0)
+    with pytest.raises(TransportError, match="two ends built different plans"):
+        FileTransport(tmp_path, consume=False, timeout_s=5).recv_frames(3, other, targets, codec.decoder(other), codec)
