@@ -265,7 +265,8 @@ def test_participants_disagreeing_on_the_cadence_are_refused_at_set_up_on_both_s
 
     people = [person("train", 1), person("infer", 1000)]
     for mine in (terms(1), terms(1000)):  # the writer's set-up, the reader's
-        with pytest.raises(JobMismatch, match=r"integrity cadence .*1: training rank 0; 1000: inference rank 0 of instance 0"):
+        with pytest.raises(JobMismatch,
+                           match=r"integrity cadence .*1: training rank 0; 1000: inference rank 0 of instance 0"):
             job_shape(people, mine)
     agreed = [person("train", 1000), person("infer", 1000)]
     assert job_shape(agreed, terms(1000)).train == "hf"
