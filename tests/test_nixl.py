@@ -394,6 +394,35 @@ def test_strided_boxes_packed_one_descriptor_each(meta, monkeypatch):
         assert got["1"][k] * 4 < got["0"][k], (k, got)
 
 
+def test_readers_poll_without_the_progress_thread(meta, monkeypatch):
+    """Readers start their agent without NIXL's progress thread unless WEIGHTSYNC_NIXL_RX_PROGRESS_THREAD=1
+    (on one H200 the thread cost every READ descriptor ~15 us); trainers keep theirs. Bit-exact both ways."""
+    import weightsync.transport.nixl as nx
+
+    real, seen = nx._agent, []
+
+    def agent(nixl, role, progress_thread=True):
+        seen.append((role[0], progress_thread))
+        return real(nixl, role, progress_thread)
+
+    monkeypatch.setattr(nx, "_agent", agent)
+    for env, want in ((None, False), ("1", True)):
+        if env is None:
+            monkeypatch.delenv("WEIGHTSYNC_NIXL_RX_PROGRESS_THREAD", raising=False)
+        else:
+            monkeypatch.setenv("WEIGHTSYNC_NIXL_RX_PROGRESS_THREAD", env)
+        seen.clear()
+        job = Job(meta, model="tiny-qwen3", train="hf", infer="vllm:tp=2")
+        try:
+            job.write(1)
+            for k, rx in job.receivers.items():
+                rx.receive(1, job.targets[k])
+            assert not job.wrong(1)
+            assert {p for r, p in seen if r == "i"} == {want} and {p for r, p in seen if r == "t"} == {True}, seen
+        finally:
+            job.close()
+
+
 def test_allocator_segments_cover_their_tensors():
     """On a GPU each storage is registered as the allocator segment that holds it (adjacent tensors of one
     segment then merge); a storage in no known segment stays itself; segments are registered once."""
