@@ -159,3 +159,17 @@ def test_what_an_fp8_worker_computes_with_travels_back_and_is_compared_by_bits()
     got = pickle.loads(pickle.dumps(computed(model(0.0))))
     assert sorted(got) == ["param:n", "param:w:float8_e4m3fn"] and not differences(got, computed(model(0.0)))
     assert differences(got, computed(model(1.0))) == ["param:n: differs"]
+
+
+def test_an_engine_whose_quantization_is_not_the_jobs_is_refused():
+    """weightsync.vllm.engine.start checks the started engine's own engine string (read from its model config)
+    against the job's --infer: quant=fp8 expected and bf16 served, or the reverse, is refused before any byte moves."""
+    from weightsync.errors import ConfigError
+    from weightsync.vllm.engine import check_quant
+
+    check_quant("vllm:tp=2", "vllm:tp=2")
+    check_quant("vllm:tp=1,quant=fp8", "vllm:tp=1,quant=fp8")
+    with pytest.raises(ConfigError, match=r"expects vllm:tp=1,quant=fp8 but the engine serves vllm:tp=1 "):
+        check_quant("vllm:tp=1,quant=fp8", "vllm:tp=1")
+    with pytest.raises(ConfigError, match=r"expects vllm:tp=2 but the engine serves vllm:tp=2,quant=fp8"):
+        check_quant("vllm:tp=2", "vllm:tp=2,quant=fp8")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.engines import make_layout
+from weightsync.engines.config import parse_engine
 from weightsync.errors import ConfigError
 from weightsync.spec.model import spec_from_config
 from weightsync.vllm.extension import EXTENSION
@@ -160,6 +161,17 @@ def check_engine(model_config: dict[str, Any], engine: str, device: str = "cpu")
     return cfg.tp
 
 
+def check_quant(expected: str, served: str) -> None:
+    """Refuse an engine whose own quantization (``served``: its engine string, read from its model config by
+    :func:`weightsync.vllm.config.describe`) is not what the job was told (``expected``: ``--infer``'s), before any
+    byte moves: bf16 bytes into an FP8 engine, or FP8 into a bf16 one, would land in the wrong form."""
+    want, got = (getattr(parse_engine(e), "quant", 0) for e in (expected, served))
+    if want != got:
+        raise ConfigError(f"vllm: the job expects {expected} but the engine serves {served} (read from its model "
+                          "config): start it on a checkpoint of that quantization (save_checkpoint(dir, quant='fp8') "
+                          "for quant=fp8), or change the job's --infer to match")
+
+
 def _cpu_head_sizes() -> list[int]:
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -214,7 +226,9 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
     startup = time.perf_counter() - t0
     log.info("vLLM %s started in %.1f s on %s", engine, startup, "dummy weights" if workdir else checkpoint)
     try:
-        return OwnedEngine(llm, workdir, startup)
+        owned = OwnedEngine(llm, workdir, startup)
+        check_quant(engine, owned.instance.engine)
+        return owned
     except Exception:
         stop(llm)
         if workdir:
@@ -222,5 +236,5 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
         raise
 
 
-__all__ = ["EngineOptions", "OwnedEngine", "start", "stop", "check_engine", "config_dir", "PROMPTS",
+__all__ = ["EngineOptions", "OwnedEngine", "start", "stop", "check_engine", "check_quant", "config_dir", "PROMPTS",
            "MAX_TOKENS"]
