@@ -35,7 +35,8 @@ class CopyGraphs:
     """Batched copies and their graphs, keyed by the caller, valid while the tensors stay where they are."""
 
     def __init__(self) -> None:
-        self._graphs: dict[tuple[int, Hashable], tuple[object, Callable[[], None], torch.cuda.CUDAGraph | None]] = {}
+        self._graphs: dict[tuple[int, Hashable], tuple[object, tuple[BatchedCopy, Callable[[], None] | None],
+                                                        torch.cuda.CUDAGraph | None]] = {}
         self._memo: dict[tuple[int, Hashable], tuple[object, object]] = {}
         self._where: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._opened: tuple[Mapping[str, torch.Tensor], ...] = ()
@@ -77,15 +78,14 @@ class CopyGraphs:
             built = pairs()
             landing = built if isinstance(built, Landing) else Landing(built)
             batch = BatchedCopy(landing.copies, programs=programs)  # built outside the capture: it uploads its table
-            step = batch.run if landing.work is None else _then(batch.run, landing.work)
             if device.type == "cuda" and landing.work is not None:
                 landing.work()  # compiles what it launches (no compilation mid-capture)
-            graph = self._capture(step, device) if device.type == "cuda" else None
-            got = self._graphs[key] = (owner, step, graph)
+            graph = self._capture(lambda: _run(batch, landing.work), device) if device.type == "cuda" else None
+            got = self._graphs[key] = (owner, (batch, landing.work), graph)
         if got[2] is not None:
             got[2].replay()
         else:
-            got[1]()
+            _run(*got[1])
 
     def memo(self, owner: object, tag: Hashable, build: Callable[[], T]) -> T:
         """``build()`` -- something derived from the tensors' addresses, such as views into them -- kept
@@ -116,9 +116,8 @@ class CopyGraphs:
         return len(self._graphs)
 
 
-def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
-    def both() -> None:
-        first()
-        second()
-
-    return both
+def _run(batch: BatchedCopy, work: Callable[[], None] | None) -> None:
+    """The copies, then the codec's work (``batch.run`` looked up at each call, as before: tests hook it)."""
+    batch.run()
+    if work is not None:
+        work()
