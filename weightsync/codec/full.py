@@ -17,6 +17,7 @@ dtype, as loading a checkpoint converts it (an fp32 master into a bf16 engine) -
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,7 @@ from weightsync.transport.pack import Landing, Pairs, copy_pairs, direct_pairs, 
 Direct = tuple[Bucket, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
 
 
+@dataclass(frozen=True, eq=False)  # a record: it travels in a signed call (runtime/wire admits weightsync's records)
 class FullCodec(Codec):
     name = "full"
     needs = frozenset()

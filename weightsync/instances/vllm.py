@@ -6,15 +6,21 @@ Start the engine with weightsync's worker extension, then hand it to an unchange
     reader = WeightReader(VLLMInstance(llm), meta=url, job="job", instance_id=0, instances=1)
     reader.update(step)          # every step; generate() between steps
 
-- ``call(fn, *args)`` pickles ``(fn, args)`` into bytes for the extension's ``weightsync_call``, called
-  by name through ``collective_rpc``; each worker answers bytes, an exception comes back as itself
-  (:mod:`weightsync.vllm.rpc`). Workers run ``fn`` on their loaded-form tensors
-  (:mod:`weightsync.vllm.live`, decided per layer at construction and logged, ``self.reports``).
-- ``after_update`` re-runs the post-load transforms (CPU re-packs, expert prepack) from the loaded form;
-  where every layer is in place (GPU, unquantized) there is none, and no call is made.
+- ``call(fn, *args)`` signs ``(fn, args)`` into bytes (:mod:`weightsync.vllm.rpc`) and sends them to every
+  worker through the instance's **call mailbox** (:mod:`weightsync.runtime.mailbox`: FIFOs in the instance's
+  private directory, served by a thread of each worker that one ``collective_rpc("weightsync_mailbox")`` at
+  construction started), so a step's calls make no trip through vLLM's engine core; without the mailbox
+  (``mailbox=False``, or where it could not start: logged) through the extension's ``weightsync_call`` by
+  ``collective_rpc``. Either way each worker checks the signature, runs ``fn`` on its loaded-form tensors
+  (:mod:`weightsync.vllm.live`, decided per layer at construction and logged, ``self.reports``) and answers
+  bytes; an exception comes back as itself.
+- ``after_update`` re-runs the post-load transforms (CPU re-packs, expert prepack) from the loaded form, as a
+  call; where every layer is in place (GPU, unquantized) there is none, and no call is made.
 - ``pause``: ``AsyncLLM.pause_generation(mode=pause_mode)`` (``"keep"`` freezes in-flight requests);
-  the offline ``LLM`` generates only inside ``generate()``, so there is nothing to pause.
-  ``resume``: ``reset_prefix_cache()`` (cached KV of the old weights), then ``resume_generation``.
+  the offline ``LLM`` generates only inside ``generate()``, so there is nothing to pause. With the mailbox
+  up, ``pause`` also starts ``reset_prefix_cache()`` (cached KV of the old weights: an engine-core trip that
+  touches no worker, ``v1/core/sched/scheduler.py`` ``reset_prefix_cache``, 0.26) beside the receive, and
+  ``resume`` waits for it; without the mailbox ``resume`` resets. Then ``resume_generation``.
 - ``set_version(step)``: ``update_weight_version(str(step))``, readable with ``get_weight_version()``
   (vLLM >= 0.32; 0.26 has no weight version: there ``get_version`` answers the last step set here).
 - ``withhold(reason)``: after a failed non-staged update (the weights a mix of two steps) the engine serves
@@ -25,19 +31,38 @@ Start the engine with weightsync's worker extension, then hand it to an unchange
 An ``AsyncLLM`` runs on an asyncio loop: pass it as ``loop``; the reader must then run on another
 thread (the calls are made with ``asyncio.run_coroutine_threadsafe``).
 
+**Why a call on a worker thread cannot race a forward pass.** The mailbox thread writes the live parameters
+while vLLM's own worker thread is idle in its RPC loop: an ``AsyncLLM`` is paused first, and
+``pause_generation`` returns only once the engine core has no step in flight (``EngineCoreProc.pause_scheduler``
+completes on the idle callback; ``has_work`` counts ``batch_queue``, ``v1/engine/core.py`` 0.26); the
+offline ``LLM`` runs steps only inside ``generate()``, which the thread that drives the reader is not in (the
+reader and ``generate`` must not run at once from two threads). The one forward that may still run is a step
+dispatched for a request already finished (async scheduling schedules one past an unforeseen stop): its
+output is discarded, and it only reads weights. The thread synchronizes the worker's device before the call
+(kernels still queued finish first) and after it (the answer says the copies are done), so generation resumed
+after ``update`` returns sees every byte.
+
 If a ``collective_rpc`` itself fails the instance is marked broken and every later call raises
 :class:`~weightsync.errors.InstanceError`: a worker died (``EngineDeadError``: :class:`WorkerDied`), or the
 call overran its deadline (:class:`WorkerTimeout`, naming the call and the deadline; vLLM's executor then
 reads the late answer as the reply to its next call, model steps included, so the engine must restart).
 weightsync's own calls never overrun: a worker's transfer returns within the reader's ``timeout_s``
-(:func:`weightsync.runtime.worker.call_timeout` gives the RPC a margin beyond it).
+(:func:`weightsync.runtime.worker.call_timeout` gives the RPC a margin beyond it). Through the mailbox the same
+errors, with the same deadline: a worker process that dies (or whose mailbox thread ends) closes its pipe and
+raises :class:`WorkerDied` at once; a call past its deadline raises :class:`WorkerTimeout` naming it (vLLM's
+executor is not out of step then, but the worker thread still runs the call: the instance is unusable all
+the same); an engine core that dies takes its workers with it (and a prefix-cache reset that fails raises
+``WorkerDied``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import itertools
 import logging
+import queue
 import shutil
 import threading
 import uuid
@@ -59,7 +84,7 @@ class VLLMInstance:
     """``vllm.LLM`` / ``AsyncLLM`` behind :class:`~weightsync.runtime.instance.InferenceInstance`."""
 
     def __init__(self, engine: Any, *, loop: asyncio.AbstractEventLoop | None = None, pause_mode: str = "keep",
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, mailbox: bool = True):
         import vllm  # noqa: F401 -- fail here, clearly, where vLLM is missing
 
         if pause_mode not in PAUSE_MODES:
@@ -82,6 +107,12 @@ class VLLMInstance:
         self._paused = False
         self._withheld: str | None = None  # why a failed non-staged update left the weights torn (withhold)
         self._version = "default"  # vLLM's own initial weight version
+        self._mailbox = None  # the call mailbox, once up
+        self._client = threading.Lock()  # one call at a time through the offline LLM's engine client
+        self._reset: concurrent.futures.Future | None = None  # the prefix-cache reset started by pause()
+        self._background: _Background | None = None
+        #: engine-core trips made through collective_rpc (set-up and fallback calls; none a step with the mailbox)
+        self.trips = 0
         #: per worker: which path each layer takes (in place, re-packed, staged), decided once here
         self.reports: list[LiveReport] = self._rpc("weightsync_setup", timeout_s=timeout_s)
         for r in self.reports:
@@ -93,25 +124,74 @@ class VLLMInstance:
         key_dir, key = wire.new_key_dir(wire.VLLM_DIR_PREFIX)
         self._channel = CallChannel(uuid.uuid4().hex, key_dir, key)
         self._seq = itertools.count(1)
+        if mailbox:
+            self._open_mailbox()
+
+    @property
+    def mailbox(self) -> bool:
+        """Whether calls go through the call mailbox (else through ``collective_rpc``)."""
+        return self._mailbox is not None
+
+    def _open_mailbox(self) -> None:
+        """One ``collective_rpc`` starts every worker's mailbox thread; a refusal leaves ``collective_rpc`` in use."""
+        from weightsync.runtime.mailbox import Mailbox, MailboxError
+
+        box = None
+        try:
+            box = Mailbox(self._channel.dir, self.world_size)
+            self._rpc("weightsync_mailbox", box.address.directory)
+            box.connect()
+        except (WorkerDied, WorkerTimeout):
+            if box is not None:
+                box.close("set-up failed")
+            raise
+        except (MailboxError, OSError, InstanceError, wire.WireError) as e:  # e.g. a worker on another host
+            if box is not None:
+                box.close("set-up failed")
+            log.warning("%s: the call mailbox did not start (%s: %s); calls go through collective_rpc (an "
+                        "engine-core trip each)", self.engine, type(e).__name__, e)
+            return
+        self._mailbox = box
+        self._background = _Background(f"weightsync-vllm-reset-{self._channel.instance[:8]}")
 
     # -- the protocol ---------------------------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
-        return self._rpc("weightsync_call", pack_call(self._channel, next(self._seq), fn, args), timeout_s=timeout_s,
-                         what=f"weightsync_call({getattr(fn, '__qualname__', fn)})")
+        what = f"weightsync_call({getattr(fn, '__qualname__', fn)})"
+        payload = pack_call(self._channel, next(self._seq), fn, args)
+        if self._mailbox is not None:
+            return self._mail(payload, timeout_s or self.timeout_s, what)
+        return self._rpc("weightsync_call", payload, timeout_s=timeout_s, what=what)
 
     def after_update(self) -> None:
-        if self.refreshes:
+        if not self.refreshes:
+            return
+        if self._mailbox is not None:
+            from weightsync.vllm.side import refresh
+
+            self.call(refresh)
+        else:
             self._rpc("weightsync_refresh")
 
     def pause(self) -> None:
         if self.is_async:
             self._run(self.llm.pause_generation(mode=self.pause_mode, clear_cache=self.pause_mode != "keep"))
             self._paused = True
+        if self._mailbox is not None and self._broken is None and self._reset is None:
+            # nothing generates until resume() (offline: idle; AsyncLLM: paused), so the reset may run beside the
+            # receive: the update's calls go through the mailbox, not the engine client
+            if self.is_async:
+                self._reset = asyncio.run_coroutine_threadsafe(self.llm.reset_prefix_cache(), self.loop)
+            else:
+                self._reset = self._background.submit(self._locked, self.llm.reset_prefix_cache)
 
     def resume(self) -> None:
+        pending, self._reset = self._reset, None
         if self._broken is not None:
             return
-        reset = self._run(self.llm.reset_prefix_cache()) if self.is_async else self.llm.reset_prefix_cache()
+        if pending is not None:
+            reset = self._wait_reset(pending)
+        else:
+            reset = self._run(self.llm.reset_prefix_cache()) if self.is_async else self._locked(self.llm.reset_prefix_cache)
         if not reset:
             log.warning("%s: the prefix cache was not reset: requests still running hold KV blocks computed with "
                         "the previous weights", self.engine)
@@ -154,6 +234,14 @@ class VLLMInstance:
         return self._run(self.llm.get_weight_version()) if self.is_async else self.llm.get_weight_version()
 
     def close(self) -> None:
+        pending, self._reset = self._reset, None
+        if pending is not None:
+            with contextlib.suppress(Exception):  # closing: the engine may be gone
+                pending.result(timeout=self.timeout_s)
+        if self._mailbox is not None:
+            self._mailbox.close()
+        if self._background is not None:
+            self._background.stop()
         if self._broken is None:
             try:
                 self._rpc("weightsync_close")
@@ -176,16 +264,58 @@ class VLLMInstance:
                               "WeightReader in another thread (e.g. loop.run_in_executor)")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+    def _locked(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (a call through the offline LLM's engine client) while no other thread uses the client."""
+        with self._client:
+            return fn()
+
+    def _wait_reset(self, pending: concurrent.futures.Future) -> bool:
+        """The prefix-cache reset pause() started, within the instance's deadline."""
+        try:
+            return pending.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError as e:
+            self._broken = f"reset_prefix_cache did not answer within {self.timeout_s:g} s"
+            raise WorkerTimeout(f"{self.engine}: vLLM's engine core did not answer reset_prefix_cache within "
+                                f"{self.timeout_s:g} s: restart the engine") from e
+        except Exception as e:
+            self._broken = f"reset_prefix_cache failed in vLLM: {e}"
+            raise WorkerDied(f"{self.engine}: reset_prefix_cache failed inside vLLM ({type(e).__name__}: {e}); "
+                             "the engine core died or shut down: restart the engine") from e
+
+    def _mail(self, payload: bytes, timeout: float, what: str) -> list[Any]:
+        """One call through the mailbox: the same answers as ``collective_rpc`` gives, the same errors."""
+        from weightsync.runtime.mailbox import MailboxDied, MailboxError, MailboxTimeout
+
+        if self._broken is not None:
+            raise InstanceError(f"{self!r} is unusable: {self._broken}")
+        try:
+            answers = self._mailbox.call([payload] * self.world_size, timeout, what)
+        except MailboxTimeout as e:
+            self._broken = f"{what} did not answer within its {timeout:g} s deadline (a worker thread still runs it)"
+            raise WorkerTimeout(f"{self.engine}: the vLLM workers did not answer {what} within its {timeout:g} s "
+                                f"deadline ({e}; no worker is known to have died: one hangs, and still runs the "
+                                "call): this instance is unusable: restart the engine") from e
+        except MailboxDied as e:
+            self._broken = f"{what} failed: rank {e.rank}'s worker died"
+            raise WorkerDied(f"{self.engine}: {what} failed: {e}; a worker died or the engine shut down: restart "
+                             "the engine") from e
+        except MailboxError as e:
+            self._broken = f"{what} failed in the worker's mailbox: {e}"
+            raise WorkerDied(f"{self.engine}: {what} failed outside weightsync's call: {e}: restart the "
+                             "engine") from e
+        return [result(a, rank, self.engine) for rank, a in enumerate(answers)]
+
     def _rpc(self, method: str, *args: Any, timeout_s: float | None = None, what: str | None = None) -> list[Any]:
         if self._broken is not None:
             raise InstanceError(f"{self!r} is unusable: {self._broken}")
         timeout = timeout_s or self.timeout_s
         what = what or method
+        self.trips += 1
         try:
             if self.is_async:
                 answers = self._run(self.llm.collective_rpc(method, timeout=timeout, args=args))
             else:
-                answers = self.llm.collective_rpc(method, timeout=timeout, args=args)
+                answers = self._locked(lambda: self.llm.collective_rpc(method, timeout=timeout, args=args))
         except Exception as e:
             if not timed_out(e):  # a dead worker: EngineDeadError / "Executor failed" / a failed RPC
                 self._broken = f"{what} failed in vLLM: {e}"
@@ -199,6 +329,32 @@ class VLLMInstance:
                                 "the late answer for the reply to its next call, so this instance and the engine "
                                 "are unusable: restart the engine") from e
         return [result(a, rank, self.engine) for rank, a in enumerate(answers)]
+
+
+class _Background:
+    """One daemon thread running submitted functions in order (a hung engine call never blocks exit)."""
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((f, fn, args))
+        return f
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    def _loop(self) -> None:
+        while (item := self._q.get()) is not None:
+            f, fn, args = item
+            if f.set_running_or_notify_cancel():
+                try:
+                    f.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 -- handed to the waiter
+                    f.set_exception(e)
 
 
 def timed_out(e: BaseException) -> bool:

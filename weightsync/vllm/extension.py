@@ -37,6 +37,19 @@ class WeightSyncExtension:
 
         return answer(run)
 
+    def weightsync_mailbox(self, directory: str) -> bytes:
+        """Serve the instance's call mailbox (:mod:`weightsync.runtime.mailbox`, FIFOs in its private key directory
+        ``directory``) on a thread of this worker: after this one call, the instance's calls reach the worker
+        without a trip through vLLM's engine core. Each is checked and run as :meth:`weightsync_call` runs it."""
+        def run():
+            from weightsync.vllm.side import serve_mailbox
+
+            serve_mailbox(self._weightsync_worker(), str(directory),
+                          self.__dict__.setdefault("_weightsync_last_seq", {}))
+            return True
+
+        return answer(run)
+
     def weightsync_refresh(self) -> bytes:
         """Re-run the post-load transforms from the loaded form (after an update)."""
         return answer(lambda: self._weightsync_worker().refresh())

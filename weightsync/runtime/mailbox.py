@@ -1,0 +1,396 @@
+"""A call mailbox into an engine's worker processes: one step's call without a trip through the engine.
+
+Why: a real engine's own way into its workers is a trip through its scheduler process (vLLM: msgpack over
+ZeroMQ to the engine core, which hands the call to every worker between model steps): 1.81 ms a trip on
+an H200 host, measured (BENCHMARKS.md, "Real vLLM on GPU"), against an 8 ms step. After set-up (one engine
+call that starts :func:`serve` on every worker) the control process sends each call straight to the
+workers' mailboxes; nothing of the engine is in the way.
+
+**Pipes, not polled bells.** Each worker has a request pipe and an answer pipe: named pipes (FIFOs, mode
+0600) in the instance's private 0700 directory (:func:`weightsync.runtime.wire.new_key_dir`). A pipe wakes
+its reader from the kernel within microseconds and costs no CPU while it waits (a shared-memory
+:mod:`~weightsync.runtime.doorbell` is either spun on, a core, or slept on in 50 us naps, and says nothing
+when its peer dies); and a pipe reports its other end closing: a worker process that dies, or a worker
+thread that ends, is seen by the control process at once (``POLLHUP``), a control process that dies by the
+workers' threads (which then end). A call still running at its deadline raises :class:`MailboxTimeout`
+and closes the mailbox (a late answer is never read as the next call's).
+
+**What travels** is bytes both ways, framed ``kind | seq | length``; the engine adapter decides what the
+bytes mean. weightsync's engine adapters send a signed :mod:`~weightsync.runtime.wire` message (HMAC-checked
+before anything is decoded, a restricted unpickler, each call number run at most once) and answer what the
+engine's own call method would (``weightsync.vllm.rpc.answer``). A worker opens only a FIFO of its own uid,
+mode 0600, in a private weightsync directory, never through a link.
+
+**Devices.** The serving thread runs with the worker's device current (``torch.cuda.set_device``), and
+synchronizes it before running a call and again before answering: the answer is sent only once every
+kernel the call launched has finished, on whatever stream, so the control process that reads it (and
+resumes generation after it) never races a copy still in flight. What keeps the engine's own forward
+passes away from a call is the engine adapter's business (vLLM: ``weightsync.instances.vllm``).
+
+Engine-independent: nothing here knows vLLM or SGLang.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("weightsync.runtime.mailbox")
+
+#: a frame: kind (1 byte), call number (8), payload length (8), then the payload
+_FRAME = struct.Struct(">BQQ")
+CALL, ANSWER, FAILED = 1, 2, 3
+_CHUNK = 1 << 20
+#: the names a mailbox directory may carry (weightsync.runtime.wire.DIR_PREFIXES, repeated: no import of torch here)
+DIR_PREFIXES = ("weightsync-sglang-", "weightsync-vllm-")
+
+
+class MailboxError(RuntimeError):
+    """The mailbox could not carry a call (set-up refused, a protocol error, or the worker's device failed)."""
+
+
+class MailboxDied(MailboxError):
+    """A worker's end of the mailbox closed: its process died, or its serving thread ended."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
+class MailboxTimeout(MailboxError):
+    """Workers did not answer a call within its deadline (the mailbox is closed: the call may still be running)."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+@dataclass(frozen=True)
+class MailboxAddress:
+    """Where the workers' mailboxes are: the instance's private directory (named ``weightsync-<engine>-*``)."""
+
+    directory: str
+
+    def request(self, rank: int) -> str:
+        return os.path.join(self.directory, f"mailbox-call.{int(rank)}")
+
+    def answer(self, rank: int) -> str:
+        return os.path.join(self.directory, f"mailbox-answer.{int(rank)}")
+
+
+def _check_directory(d: str) -> None:
+    """``d`` is a private weightsync directory of this user (0700 or tighter, not a link)."""
+    if not isinstance(d, str) or not os.path.isabs(d) or not os.path.basename(d).startswith(DIR_PREFIXES):
+        raise MailboxError(f"mailbox directory {d!r} is not a weightsync instance directory ({DIR_PREFIXES})")
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise MailboxError(f"mailbox directory {d!r} is not a private directory of uid {os.geteuid()} (mode "
+                           f"{oct(st.st_mode & 0o777)}, owner {st.st_uid})")
+
+
+def _open_fifo(path: str, flags: int) -> int:
+    """Open a mailbox FIFO (non-blocking), refusing anything but a 0600 FIFO of this user (no link)."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise MailboxError(f"{path} is not a private mailbox FIFO of uid {os.geteuid()}: refusing it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _frame(kind: int, seq: int, payload: bytes) -> bytes:
+    return _FRAME.pack(kind, seq, len(payload)) + payload
+
+
+class _Reader:
+    """Accumulates one frame from a non-blocking fd."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.want = _FRAME.size
+
+    def feed(self, fd: int) -> bool:
+        """Read what is there; True once the frame is whole. Raises EOFError when the writer closed."""
+        while len(self.buf) < self.want:
+            try:
+                chunk = os.read(fd, min(_CHUNK, self.want - len(self.buf)))
+            except BlockingIOError:
+                return False
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+            if len(self.buf) == _FRAME.size and self.want == _FRAME.size:
+                self.want += _FRAME.unpack(self.buf)[2]
+        return True
+
+    def frame(self) -> tuple[int, int, bytes]:
+        kind, seq, _ = _FRAME.unpack_from(self.buf)
+        return kind, seq, bytes(self.buf[_FRAME.size:])
+
+
+class Mailbox:
+    """The control process's end: ``call`` sends one request to each worker and returns their answers.
+
+    Made before the workers serve (it creates the FIFOs and opens the answer ends), :meth:`connect`\\ ed after
+    (the request ends open only while a worker reads). One call at a time."""
+
+    def __init__(self, directory: str, ranks: int):
+        _check_directory(directory)
+        self.address = MailboxAddress(directory)
+        self.ranks = ranks
+        self._answers: list[int] = []
+        self._requests: list[int] = []
+        self._seq = 0
+        self.closed: str | None = None
+        try:
+            for r in range(ranks):
+                for path in (self.address.request(r), self.address.answer(r)):
+                    os.mkfifo(path, 0o600)
+                    os.chmod(path, 0o600)  # a umask never widens it; this only undoes one that narrowed it
+                # open now, before any writer: a reader opens a FIFO without waiting
+                self._answers.append(_open_fifo(self.address.answer(r), os.O_RDONLY))
+        except BaseException:
+            self.close("set-up failed")
+            raise
+
+    def connect(self) -> None:
+        """Open every worker's request end; :class:`MailboxError` where a worker does not serve its mailbox."""
+        for r in range(self.ranks):
+            try:
+                self._requests.append(_open_fifo(self.address.request(r), os.O_WRONLY))
+            except OSError as e:
+                self.close("not connected")
+                why = "no thread reads it" if e.errno == errno.ENXIO else e.strerror
+                raise MailboxError(f"rank {r}'s mailbox cannot be opened ({why})") from e
+
+    def call(self, requests: Sequence[bytes], timeout_s: float, what: str = "the call") -> list[bytes]:
+        """Send ``requests[r]`` to rank r, every rank at once; each rank's answer, in rank order.
+
+        :class:`MailboxDied` when a worker's end closes (process dead, thread ended), :class:`MailboxTimeout` at
+        the deadline, :class:`MailboxError` when a worker's serving failed outside the call (its device); after
+        the first two the mailbox is closed."""
+        if self.closed is not None:
+            raise MailboxError(f"the mailbox is closed ({self.closed})")
+        if len(requests) != self.ranks or len(self._requests) != self.ranks:
+            raise MailboxError(f"{len(requests)} requests for {self.ranks} ranks, {len(self._requests)} connected")
+        self._seq += 1
+        seq = self._seq
+        deadline = time.monotonic() + timeout_s
+        out = {self._requests[r]: (r, memoryview(_frame(CALL, seq, requests[r]))) for r in range(self.ranks)}
+        readers = {self._answers[r]: (r, _Reader()) for r in range(self.ranks)}
+        answers: dict[int, tuple[int, bytes]] = {}
+        poller = select.poll()
+        for fd in out:
+            poller.register(fd, select.POLLOUT)
+        for fd in readers:
+            poller.register(fd, select.POLLIN)
+        try:
+            while out or readers:
+                for fd in list(out):  # write what the pipes take without waiting
+                    r, data = out[fd]
+                    try:
+                        n = os.write(fd, data[:_CHUNK])
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:
+                        raise MailboxDied(f"rank {r}'s mailbox closed before {what} was sent (the worker "
+                                          "process died, or its mailbox thread ended)", r) from None
+                    if n == len(data):
+                        del out[fd]
+                        poller.unregister(fd)
+                    else:
+                        out[fd] = (r, data[n:])
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted({r for r, _ in readers.values()} | {r for r, _ in out.values()})
+                    raise MailboxTimeout(f"ranks {missing} did not answer {what} within its {timeout_s:g} s deadline",
+                                         missing)
+                for fd, ev in poller.poll(max(1, int(left * 1000) + 1) if left < 3600 else 3_600_000):
+                    if fd not in readers:
+                        continue
+                    r, rd = readers[fd]
+                    try:
+                        whole = rd.feed(fd)
+                    except EOFError:
+                        raise MailboxDied(f"rank {r}'s mailbox closed during {what} (the worker process died, or "
+                                          "its mailbox thread ended)", r) from None
+                    if whole:
+                        kind, got, body = rd.frame()
+                        answers[r] = (kind, body)
+                        if got != seq:
+                            raise MailboxError(f"rank {r} answered call {got}, not {seq}: out of step")
+                        del readers[fd]
+                        poller.unregister(fd)
+        except (MailboxDied, MailboxTimeout, MailboxError) as e:
+            self.close(str(e))
+            raise
+        failed = [f"rank {r}: {body.decode(errors='replace')}" for r, (kind, body) in sorted(answers.items())
+                  if kind == FAILED]
+        if failed:
+            raise MailboxError(f"{what}: the worker's mailbox failed outside the call: " + "; ".join(failed))
+        return [answers[r][1] for r in range(self.ranks)]
+
+    def close(self, why: str = "closed") -> None:
+        """Close this end; the workers' threads see it and end."""
+        if self.closed is None:
+            self.closed = why
+        for fd in self._requests + self._answers:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._requests, self._answers = [], []
+
+
+class MailboxServer:
+    """A worker's end: a daemon thread that answers each request with ``handle(payload)`` (see :func:`serve`)."""
+
+    def __init__(self, address: MailboxAddress, rank: int, handle: Callable[[bytes], bytes], device: Any = None,
+                 name: str = "weightsync-mailbox"):
+        _check_directory(address.directory)
+        self.address, self.rank, self.handle, self.device = address, rank, handle, device
+        self.calls = 0
+        self._req = _open_fifo(address.request(rank), os.O_RDONLY)
+        try:
+            self._ans = _open_fifo(address.answer(rank), os.O_WRONLY)  # the control process reads it already
+        except OSError as e:
+            os.close(self._req)
+            raise MailboxError(f"rank {rank}: the control process does not read {address.answer(rank)} "
+                               f"({e.strerror})") from e
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, name=f"{name}-{rank}", daemon=True)
+        self.thread.start()
+
+    # -- the thread ------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            self._set_device()
+            while True:
+                kind, seq, payload = self._next()
+                if kind is None:
+                    return
+                try:
+                    self._sync()
+                    reply, rkind = self.handle(payload), ANSWER
+                    self._sync()  # every kernel the call launched is done before the answer says so
+                except BaseException as e:  # noqa: BLE001 -- answered; the handler itself never raises
+                    reply, rkind = f"{type(e).__name__}: {e}".encode(), FAILED
+                self.calls += 1
+                if not self._send(_frame(rkind, seq, reply)):
+                    return
+        except BaseException as e:  # noqa: BLE001 -- the thread ends; the control process sees its end close
+            self.error = e
+            log.warning("rank %d: the weightsync mailbox thread ended: %s: %s", self.rank, type(e).__name__, e)
+        finally:
+            self._close()
+
+    def _set_device(self) -> None:
+        dev = self.device
+        if dev is not None and getattr(dev, "type", None) == "cuda":
+            import torch
+
+            torch.cuda.set_device(dev)
+
+    def _sync(self) -> None:
+        dev = self.device
+        if dev is not None and getattr(dev, "type", None) == "cuda":
+            import torch
+
+            torch.cuda.synchronize(dev)
+
+    def _next(self) -> tuple[int | None, int, bytes]:
+        """The next request frame, or (None, ...) when the control process closed its end or stop() was called."""
+        poller = select.poll()
+        poller.register(self._req, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        rd = _Reader()
+        while True:
+            events = dict(poller.poll())
+            if self._wake_r in events or self._stopping:
+                return None, 0, b""
+            if self._req in events:
+                try:
+                    if rd.feed(self._req):
+                        kind, seq, payload = rd.frame()
+                        if kind != CALL:
+                            raise MailboxError(f"rank {self.rank}: a frame of kind {kind} where a call was expected")
+                        return kind, seq, payload
+                except EOFError:  # every writer closed: the control process closed the mailbox, or died
+                    return None, 0, b""
+
+    def _send(self, data: bytes) -> bool:
+        view = memoryview(data)
+        poller = select.poll()
+        poller.register(self._ans, select.POLLOUT)
+        poller.register(self._wake_r, select.POLLIN)
+        while view:
+            try:
+                n = os.write(self._ans, view[:_CHUNK])
+                view = view[n:]
+                continue
+            except BlockingIOError:
+                pass
+            except BrokenPipeError:  # the control process closed the mailbox (a deadline passed) or died
+                return False
+            events = dict(poller.poll())
+            if self._wake_r in events:
+                return False
+        return True
+
+    def _close(self) -> None:
+        for fd in (self._req, self._ans):  # the wake pipe is stop()'s: closed there, once the thread is gone
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -- the worker's main thread ------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread (after the call it runs, if any)."""
+        self._stopping = True
+        if self._wake_w < 0:  # stopped before
+            return
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
+        if not self.thread.is_alive():
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_r = self._wake_w = -1
+
+
+def serve(address: MailboxAddress, rank: int, handle: Callable[[bytes], bytes], device: Any = None,
+          name: str = "weightsync-mailbox") -> MailboxServer:
+    """Serve rank ``rank``'s mailbox on a daemon thread of this (worker) process: each request's bytes go to
+    ``handle`` (which must not raise: answer its errors as bytes), its result back as the answer. ``device``: the
+    worker's device, current in the thread and synchronized around every call. Returns once the FIFOs are open
+    (the control process may :meth:`Mailbox.connect` then)."""
+    return MailboxServer(address, rank, handle, device, name)
+
+
+__all__ = ["Mailbox", "MailboxAddress", "MailboxServer", "MailboxError", "MailboxDied", "MailboxTimeout", "serve",
+           "DIR_PREFIXES"]
