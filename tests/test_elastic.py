@@ -178,6 +178,9 @@ def test_join_leave_die_rejoin_bit_exact(server, tmp_path, transport, infer):
         assert job.client.summary()["topology_version"] == 2
         seconds, ok = job.step(1, [0, 1])
         assert ok == {0: True, 1: True}
+        # readers that copy out of the trainers' memory (nixl) wait for `written` on the trainers' doorbells
+        # on this host, not on the MetaServer; file readers wait for the files
+        assert all((r.session.written_bells is not None) == (transport == "nixl") for r, _ in job.readers.values())
 
         # join: instance 2 (beyond the two the job started with) plans for itself alone
         joiner, _ = job.reader(2)

@@ -304,8 +304,9 @@ class TrainerSession(JobSession):
         return [(self.who, self.sender.memory(self.context))]
 
     def publish_bells(self) -> None:
-        # co-located readers wait for our `written` on this bell rather than on the MetaServer
-        if self.options.colocate and self.options.mode == "sync":
+        # readers that copy out of our memory (co-located, nixl) wait for our `written` on this bell rather
+        # than on the MetaServer, where they run on this host (open_bells: others long-poll as before)
+        if self.options.mode == "sync" and receiver_class(self.options.transport_name).reads_after_written:
             self.written_bell = Doorbell()
             self.client.publish(f"bell.written.{self.train.rank}", self.written_bell.address, replace=True)
 
@@ -437,8 +438,8 @@ class InstanceSession(JobSession):
         from weightsync.runtime import worker
 
         opts = self.options
-        # co-located: the trainers' `written` bells, when every trainer is on this host
-        if opts.colocate and opts.mode == "sync":
+        # co-located or nixl: the trainers' `written` bells, when every trainer is on this host
+        if opts.mode == "sync" and self.reads_after_written:
             names = [f"bell.written.{t}" for t in range(self.shape.train_world)]
             self.written_bells = open_bells(self.client, names, opts.timeout_s)
         self.instance.call(worker.connect, self.link, timeout_s=worker.call_timeout(opts.timeout_s))
