@@ -103,6 +103,9 @@ def test_answers_in_rank_order_and_large_frames(workers):
     assert got == [b"rank-answer:" + req[::-1]] * 2
     big = box.call([b"big:%d" % (5 << 20)] * 2, 60)
     assert all(b == bytes(range(256)) * ((5 << 20) // 256) for b in big)
+    assert box.call([b"sleep:0.2", b"x"], 30) == [b"slept", b"rank-answer:x"]
+    t = box.last  # the answer carries the worker's own time in the handler: the round trip is the rest
+    assert 0.2 <= t.handler <= t.seconds and t.synced >= 0.0
     for i in range(50):  # many calls in a row, each its own call number
         assert box.call([b"%d" % i] * 2, 30) == [b"rank-answer:" + (b"%d" % i)[::-1]] * 2
 
@@ -352,6 +355,7 @@ class TestRealVLLM:
                     assert len(spy.resets) == resets + 1
                     start, _ = spy.resets[-1]
                     assert t0 <= start <= t1
+                    assert inst.last_call is not None and inst.last_call.handler <= inst.last_call.seconds
                     real.check("X", seed)  # loaded form, computed tensors, greedy tokens: all bit-exact
                     assert llm.get_weight_version() == str(step)
             finally:

@@ -65,6 +65,7 @@ import logging
 import queue
 import shutil
 import threading
+import time
 import uuid
 from typing import Any, Callable
 
@@ -113,6 +114,10 @@ class VLLMInstance:
         self._background: _Background | None = None
         #: engine-core trips made through collective_rpc (set-up and fallback calls; none a step with the mailbox)
         self.trips = 0
+        #: the last mailbox call's timing (:class:`~weightsync.runtime.mailbox.CallTiming`), and the seconds the last
+        #: resume() waited for the prefix-cache reset pause() started (0 when it was done by then)
+        self.last_call = None
+        self.reset_wait = 0.0
         #: per worker: which path each layer takes (in place, re-packed, staged), decided once here
         self.reports: list[LiveReport] = self._rpc("weightsync_setup", timeout_s=timeout_s)
         for r in self.reports:
@@ -189,7 +194,9 @@ class VLLMInstance:
         if self._broken is not None:
             return
         if pending is not None:
+            t0 = time.perf_counter()
             reset = self._wait_reset(pending)
+            self.reset_wait = time.perf_counter() - t0
         else:
             reset = self._run(self.llm.reset_prefix_cache()) if self.is_async else self._locked(self.llm.reset_prefix_cache)
         if not reset:
@@ -290,6 +297,7 @@ class VLLMInstance:
             raise InstanceError(f"{self!r} is unusable: {self._broken}")
         try:
             answers = self._mailbox.call([payload] * self.world_size, timeout, what)
+            self.last_call = self._mailbox.last
         except MailboxTimeout as e:
             self._broken = f"{what} did not answer within its {timeout:g} s deadline (a worker thread still runs it)"
             raise WorkerTimeout(f"{self.engine}: the vLLM workers did not answer {what} within its {timeout:g} s "

@@ -46,8 +46,10 @@ from typing import Any
 
 log = logging.getLogger("weightsync.runtime.mailbox")
 
-#: a frame: kind (1 byte), call number (8), payload length (8), then the payload
+#: a request frame: kind (1 byte), call number (8), payload length (8), then the payload; an answer frame also
+#: carries the seconds the worker spent in the handler and in the two device syncs (:class:`CallTiming`)
 _FRAME = struct.Struct(">BQQ")
+_ANSWER = struct.Struct(">BQQdd")
 CALL, ANSWER, FAILED = 1, 2, 3
 _CHUNK = 1 << 20
 #: the names a mailbox directory may carry (weightsync.runtime.wire.DIR_PREFIXES, repeated: no import of torch here)
@@ -72,6 +74,18 @@ class MailboxTimeout(MailboxError):
     def __init__(self, message: str, ranks: list[int]):
         super().__init__(message)
         self.ranks = ranks
+
+
+@dataclass(frozen=True)
+class CallTiming:
+    """Where one call's time went (seconds): ``seconds`` from sending the first byte to reading the last answer (the
+    control process's side), ``handler`` the slowest worker's handler (decoding, running, encoding the answer),
+    ``synced`` the slowest worker's two device syncs; the rest (``seconds - handler - synced``) is the mailbox's own
+    round trip: pipes, wake-ups, framing."""
+
+    seconds: float
+    handler: float
+    synced: float
 
 
 @dataclass(frozen=True)
@@ -115,11 +129,12 @@ def _frame(kind: int, seq: int, payload: bytes) -> bytes:
 
 
 class _Reader:
-    """Accumulates one frame from a non-blocking fd."""
+    """Accumulates one frame (``head``: its header's layout) from a non-blocking fd."""
 
-    def __init__(self) -> None:
+    def __init__(self, head: struct.Struct = _FRAME) -> None:
+        self.head = head
         self.buf = bytearray()
-        self.want = _FRAME.size
+        self.want = head.size
 
     def feed(self, fd: int) -> bool:
         """Read what is there; True once the frame is whole. Raises EOFError when the writer closed."""
@@ -131,13 +146,17 @@ class _Reader:
             if not chunk:
                 raise EOFError
             self.buf += chunk
-            if len(self.buf) == _FRAME.size and self.want == _FRAME.size:
-                self.want += _FRAME.unpack(self.buf)[2]
+            if len(self.buf) == self.head.size and self.want == self.head.size:
+                self.want += self.head.unpack(self.buf)[2]
         return True
 
     def frame(self) -> tuple[int, int, bytes]:
-        kind, seq, _ = _FRAME.unpack_from(self.buf)
-        return kind, seq, bytes(self.buf[_FRAME.size:])
+        kind, seq = self.head.unpack_from(self.buf)[:2]
+        return kind, seq, bytes(self.buf[self.head.size:])
+
+    def times(self) -> tuple[float, float]:
+        """An answer's (handler, synced) seconds."""
+        return self.head.unpack_from(self.buf)[3:5]
 
 
 class Mailbox:
@@ -154,6 +173,8 @@ class Mailbox:
         self._requests: list[int] = []
         self._seq = 0
         self.closed: str | None = None
+        #: the last call's :class:`CallTiming`
+        self.last: CallTiming | None = None
         try:
             for r in range(ranks):
                 for path in (self.address.request(r), self.address.answer(r)):
@@ -187,9 +208,11 @@ class Mailbox:
             raise MailboxError(f"{len(requests)} requests for {self.ranks} ranks, {len(self._requests)} connected")
         self._seq += 1
         seq = self._seq
+        t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         out = {self._requests[r]: (r, memoryview(_frame(CALL, seq, requests[r]))) for r in range(self.ranks)}
-        readers = {self._answers[r]: (r, _Reader()) for r in range(self.ranks)}
+        readers = {self._answers[r]: (r, _Reader(_ANSWER)) for r in range(self.ranks)}
+        spent: list[tuple[float, float]] = []
         answers: dict[int, tuple[int, bytes]] = {}
         poller = select.poll()
         for fd in out:
@@ -229,6 +252,7 @@ class Mailbox:
                     if whole:
                         kind, got, body = rd.frame()
                         answers[r] = (kind, body)
+                        spent.append(rd.times())
                         if got != seq:
                             raise MailboxError(f"rank {r} answered call {got}, not {seq}: out of step")
                         del readers[fd]
@@ -236,6 +260,7 @@ class Mailbox:
         except (MailboxDied, MailboxTimeout, MailboxError) as e:
             self.close(str(e))
             raise
+        self.last = CallTiming(time.perf_counter() - t0, max(h for h, _ in spent), max(s for _, s in spent))
         failed = [f"rank {r}: {body.decode(errors='replace')}" for r, (kind, body) in sorted(answers.items())
                   if kind == FAILED]
         if failed:
@@ -283,14 +308,19 @@ class MailboxServer:
                 kind, seq, payload = self._next()
                 if kind is None:
                     return
+                t0 = time.perf_counter()
+                handler = 0.0
                 try:
                     self._sync()
+                    t1 = time.perf_counter()
                     reply, rkind = self.handle(payload), ANSWER
+                    handler = time.perf_counter() - t1
                     self._sync()  # every kernel the call launched is done before the answer says so
                 except BaseException as e:  # noqa: BLE001 -- answered; the handler itself never raises
                     reply, rkind = f"{type(e).__name__}: {e}".encode(), FAILED
+                synced = time.perf_counter() - t0 - handler
                 self.calls += 1
-                if not self._send(_frame(rkind, seq, reply)):
+                if not self._send(_ANSWER.pack(rkind, seq, len(reply), handler, synced) + reply):
                     return
         except BaseException as e:  # noqa: BLE001 -- the thread ends; the control process sees its end close
             self.error = e
@@ -392,5 +422,5 @@ def serve(address: MailboxAddress, rank: int, handle: Callable[[bytes], bytes], 
     return MailboxServer(address, rank, handle, device, name)
 
 
-__all__ = ["Mailbox", "MailboxAddress", "MailboxServer", "MailboxError", "MailboxDied", "MailboxTimeout", "serve",
+__all__ = ["Mailbox", "MailboxAddress", "CallTiming", "MailboxServer", "MailboxError", "MailboxDied", "MailboxTimeout", "serve",
            "DIR_PREFIXES"]
