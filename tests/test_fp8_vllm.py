@@ -173,3 +173,36 @@ def test_an_engine_whose_quantization_is_not_the_jobs_is_refused():
         check_quant("vllm:tp=1,quant=fp8", "vllm:tp=1")
     with pytest.raises(ConfigError, match=r"expects vllm:tp=2 but the engine serves vllm:tp=2,quant=fp8"):
         check_quant("vllm:tp=2", "vllm:tp=2,quant=fp8")
+
+
+def test_loaded_problems_compares_a_worker_with_the_fp8_checkpoint():
+    """weightsync.quant.engine_check.loaded_problems (what the GPU script asks each vLLM worker): a worker holding the
+    FP8 checkpoint of the weights placed by its layout has no problem; one flipped e4m3 byte, or one scale, is named.
+    (A stand-in worker context: the layout-faithful tensors, no engine.)"""
+    from types import SimpleNamespace as NS
+
+    from weightsync.engines import make_layout
+    from weightsync.layout.materialize import TORCH_DTYPES, fill_from
+    from weightsync.quant.engine_check import loaded_problems
+    from weightsync.quant.fp8 import quantize_reference
+    from weightsync.quant.layout import fp8_layout
+    from weightsync.spec import load_spec
+    from weightsync.testing import random_canonical
+
+    spec = load_spec("tiny-qwen3-fp8")
+    layout = fp8_layout(make_layout(spec, "vllm:tp=2,quant=fp8"))
+    canonical = random_canonical(spec, seed=9)
+    quantized = dict(canonical)
+    for w, f in layout.fp8.items():
+        q = quantize_reference(canonical[w])
+        quantized[w], quantized[f.scale.name] = q.weight, q.scale_inv
+    mine = layout.layout(1)
+    tensors = {n: torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype]) for n, t in mine.tensors.items()}
+    fill_from(mine, tensors, quantized)
+    ctx = NS(rank=1, tensors=tensors, state={"live": NS(layout=mine)})
+    assert loaded_problems(ctx, canonical) == []
+    w = "model.layers.1.mlp.down_proj.weight"
+    tensors[w].view(torch.uint8)[3, 5] ^= 1
+    tensors[w + "_scale_inv"][0, 0] *= 2
+    got = loaded_problems(ctx, canonical)
+    assert len(got) == 2 and all(w in p for p in got), got
