@@ -155,7 +155,7 @@ def sync(out: Path, graphs: bool = False) -> dict:
                     rec = {"step": step, "seed": seed, "update_seconds": time.perf_counter() - t0,
                            "transfer_seconds": max(s.seconds for s in reader.last_stats),
                            "bytes": sum(s.bytes for s in reader.last_stats),
-                           "full_bytes": sum(s.full_bytes for s in reader.last_stats)}
+                           "full_bytes": sum(s.stats.full_bytes for s in reader.last_stats)}
                     mine = insts["X"].call(computed)[0]
                     diff = differences(mine, refs[seed][0])
                     rec["computed_equal"] = not diff
