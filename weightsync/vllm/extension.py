@@ -44,8 +44,7 @@ class WeightSyncExtension:
         def run():
             from weightsync.vllm.side import serve_mailbox
 
-            serve_mailbox(self._weightsync_worker(), str(directory),
-                          self.__dict__.setdefault("_weightsync_last_seq", {}))
+            serve_mailbox(self, str(directory), self.__dict__.setdefault("_weightsync_last_seq", {}))
             return True
 
         return answer(run)

@@ -50,8 +50,6 @@ class VLLMWorker:
         self.live = LiveModel(model, layout, self.device, where)
         self.ctx = WorkerContext(self.rank, self.device, self.live.tensors,
                                  state={"model": model, "live": self.live, "vllm_config": vllm_config})
-        #: the call mailboxes' serving threads by directory (:func:`serve_mailbox`): one per instance on this engine
-        self.mailboxes: dict = {}
 
     @property
     def report(self) -> LiveReport:
@@ -72,7 +70,6 @@ class VLLMWorker:
     def close(self) -> None:
         from weightsync.runtime import worker
 
-        stop_mailbox(self)
         worker.disconnect(self.ctx)
 
 
@@ -82,32 +79,42 @@ def refresh(ctx: WorkerContext) -> int:
     return ctx.state["live"].refresh()
 
 
-def serve_mailbox(w: VLLMWorker, directory: str, last_seq: dict[str, int]) -> None:
-    """Serve the instance's call mailbox in ``directory`` on a thread of this worker (replacing one already
-    serving that directory; other instances' mailboxes on this engine keep theirs): each request is a signed
-    call run as ``weightsync_call`` runs it (``last_seq``: the worker's replay record, shared with
-    ``weightsync_call``), answered with the same bytes."""
+_MAILBOXES = "_weightsync_mailboxes"
+
+
+def serve_mailbox(host: Any, directory: str, last_seq: dict[str, int]) -> None:
+    """Serve an instance's call mailbox in ``directory`` on a thread of this vLLM worker ``host`` (the worker
+    object the extension is mixed into), replacing one already serving that directory (each instance on the engine
+    has its own). Each request is a signed call run exactly as ``weightsync_call`` runs it: checked by
+    :func:`~weightsync.vllm.rpc.unpack_call` (``last_seq``: the worker's replay record, shared with
+    ``weightsync_call``), run by ``host._weightsync_worker().run`` -- looked up per call, as ``weightsync_call``
+    does, so a :class:`VLLMWorker` the plug-in's shutdown forgot is rebuilt, not used stale -- and answered with
+    the same bytes. The thread ends when the instance closes its end of the mailbox."""
     from weightsync.runtime.mailbox import MailboxAddress, serve
     from weightsync.vllm.rpc import answer, unpack_call
 
-    stop_mailbox(w, directory)
-    for d in [d for d, server in w.mailboxes.items() if not server.alive]:  # ended (their instance closed): forget
-        del w.mailboxes[d]
+    first = host._weightsync_worker()  # its rank names the FIFOs; its device is the thread's
+    servers = host.__dict__.setdefault(_MAILBOXES, {})
+    stop_mailbox(host, directory)
+    for d in [d for d, server in servers.items() if not server.alive]:  # their instance closed: forget them
+        del servers[d]
 
     def handle(payload: bytes) -> bytes:
         def run():
             fn, args = unpack_call(payload, last_seq, directory)
-            return w.run(fn, args)
+            return host._weightsync_worker().run(fn, args)
 
         return answer(run)
 
-    w.mailboxes[directory] = serve(MailboxAddress(directory), w.rank, handle, w.device, name="weightsync-vllm-mailbox")
+    servers[directory] = serve(MailboxAddress(directory), first.rank, handle, first.device,
+                               name="weightsync-vllm-mailbox")
 
 
-def stop_mailbox(w: VLLMWorker, directory: str | None = None) -> None:
-    """Stop the mailbox thread serving ``directory`` (None: every one)."""
-    for d in list(w.mailboxes) if directory is None else [directory]:
-        server = w.mailboxes.pop(d, None)
+def stop_mailbox(host: Any, directory: str | None = None) -> None:
+    """Stop the mailbox thread of ``host`` serving ``directory`` (None: every one)."""
+    servers = host.__dict__.get(_MAILBOXES, {})
+    for d in list(servers) if directory is None else [directory]:
+        server = servers.pop(d, None)
         if server is not None:
             server.stop()
 
