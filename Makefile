@@ -3,7 +3,7 @@ PY := .venv/bin/python
 # torch 2.13.0 is a local CPU build on our dev/CI machines; the GPU host brings its own torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-gpu venv clean
+.PHONY: demo test test-all test-gpu venv clean
 
 venv: .venv/.installed
 
@@ -22,7 +22,12 @@ demo: venv
 	$(PY) -m weightsync demo
 	$(PY) -m weightsync plan --model qwen3-8b --train megatron:tp=2,pp=2 --infer vllm:tp=4 --instances 2
 
+# make test leaves out the tests marked slow (tests/conftest.py SLOW: each repeats what a faster one shows);
+# make test-all runs them too.
 test: venv
+	$(PY) -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider -m "not slow"
+
+test-all: venv
 	$(PY) -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider
 
 # On the GPU host: its own python3 holds a CUDA torch (the .venv's torch is a CPU build). Wheels carried

@@ -30,6 +30,31 @@ KINDS = {
 }
 
 
+#: ``slow``: left out of ``make test`` (CI's 2-core budget, DEVELOPERS.md) and run by ``make test-all``: each
+#: repeats, at a process or engine start's cost, what a faster test of ``make test`` already shows -- the
+#: reason is beside it. Matched against the test's node id (file::name[params]).
+SLOW = {
+    "test_checkpoint_save.py::test_fsdp2_save[tiny-qwen3-fsdp:dp=4]":
+        "FSDP2 saving is shown by the dp=2,tp=2 case (DTensor shards over two mesh dims); dp=4 adds ranks only",
+    "test_runtime.py::test_end_to_end_bit_exact[tiny-qwen3-fsdp:dp=2-vllm:tp=2x2]":
+        "fsdp:dp=2 -> vllm:tp=2 runs as the -fp32 case; two instances as tiny-qwen2-...x2",
+    "test_runtime.py::test_end_to_end_bit_exact[tiny-deepseek-v3-hf-sglang:tp=2x1]":
+        "the same job runs as the -fp32 case (the harder one: fp32 masters rounded on landing)",
+    "test_runtime.py::test_end_to_end_bit_exact[tiny-llama3-fsdp:dp=2-vllm:tp=8x1]":
+        "KV-head replication and vocab padding are layout facts, checked in process by test_roundtrip",
+    "test_runtime.py::test_end_to_end_bit_exact[tiny-qwen3-megatron:pp=2-vllm:tp=4x1]":
+        "Megatron PP over processes runs in the tp=2,pp=2,pp_first=3 case; the layout in test_roundtrip",
+    "test_demo.py::test_fsdp2_with_tp_trains_and_syncs":
+        "the FSDP2 demo runs in test_fsdp2_deepseek_keeps_its_fp32_router; FSDP2+TP jobs in test_runtime",
+    "test_bench.py::test_every_scenario_rehearses_on_cpu[colo-tp2pp2-tp4]":
+        "co-located PP+TP rehearses as colo-pp2-tp2; this one only adds ranks",
+}
+
+
+def _slow(nodeid: str) -> str | None:
+    return next((why for key, why in SLOW.items() if nodeid.endswith(key)), None)
+
+
 def _kind(module: str) -> str | None:
     for kind, names in KINDS.items():
         if any(module == n or (n.endswith("*") and module.startswith(n[:-1])) for n in names):
@@ -44,6 +69,11 @@ def pytest_collection_modifyitems(config, items):
         if kind is None:
             raise pytest.UsageError(f"{module}: say what kind of test it is in KINDS (tests/conftest.py)")
         item.add_marker(kind)
+        if _slow(item.nodeid) is not None:
+            item.add_marker("slow")
+    missing = [key for key in SLOW if not any(i.nodeid.endswith(key) for i in items)]
+    if missing and len(items) > 500:  # the whole suite collected: a renamed test must not leave SLOW silently
+        raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {missing}")
 
 
 @pytest.fixture(autouse=True)
