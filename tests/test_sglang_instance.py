@@ -173,7 +173,7 @@ def test_a_payload_that_would_run_code_is_refused_and_runs_nothing(tmp_path, mon
 def test_the_key_is_read_only_from_a_private_weightsync_directory(tmp_path):
     from weightsync.sglang import wire
 
-    with pytest.raises(wire.WireError, match="not a weightsync-sglang directory"):
+    with pytest.raises(wire.WireError, match="not a weightsync-sglang"):
         wire.read_key(str(tmp_path))
     loose = tmp_path / "weightsync-sglang-loose"
     loose.mkdir(mode=0o755)

@@ -173,7 +173,7 @@ def test_only_private_fifos_in_a_private_weightsync_directory(tmp_path, box_dir)
     os.chmod(loose, 0o755)
     with pytest.raises(MailboxError, match="not a private directory"):
         Mailbox(str(loose), 1)
-    with pytest.raises(MailboxError, match="not a weightsync instance directory"):
+    with pytest.raises(MailboxError, match="not a weightsync-sglang or weightsync-vllm directory"):
         Mailbox(str(tmp_path), 1)
     # a worker refuses a link where its FIFO should be, and a FIFO others may open
     box = Mailbox(box_dir, 2)

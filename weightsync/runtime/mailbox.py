@@ -44,6 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync.transport.private import check_private_directory
+
 log = logging.getLogger("weightsync.runtime.mailbox")
 
 #: a request frame: kind (1 byte), call number (8), payload length (8), then the payload; an answer frame also
@@ -103,12 +105,7 @@ class MailboxAddress:
 
 def _check_directory(d: str) -> None:
     """``d`` is a private weightsync directory of this user (0700 or tighter, not a link)."""
-    if not isinstance(d, str) or not os.path.isabs(d) or not os.path.basename(d).startswith(DIR_PREFIXES):
-        raise MailboxError(f"mailbox directory {d!r} is not a weightsync instance directory ({DIR_PREFIXES})")
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise MailboxError(f"mailbox directory {d!r} is not a private directory of uid {os.geteuid()} (mode "
-                           f"{oct(st.st_mode & 0o777)}, owner {st.st_uid})")
+    check_private_directory(d, DIR_PREFIXES, MailboxError, "mailbox directory")
 
 
 def _open_fifo(path: str, flags: int) -> int:

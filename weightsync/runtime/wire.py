@@ -47,6 +47,8 @@ from dataclasses import dataclass, is_dataclass
 from enum import Enum
 from typing import Any, Callable
 
+from weightsync.transport.private import check_private_directory
+
 import torch
 
 MAGIC = b"WSRPC1\n"
@@ -94,12 +96,7 @@ def new_key_dir(prefix: str = DIR_PREFIX) -> tuple[str, bytes]:
 
 
 def _private_dir(d: str) -> None:
-    if not isinstance(d, str) or not os.path.isabs(d) or not os.path.basename(d).startswith(DIR_PREFIXES):
-        raise WireError(f"answer directory {d!r} is not a weightsync-sglang directory (nor a weightsync-vllm one)")
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise WireError(f"answer directory {d!r} is not a private directory of uid {os.getuid()} (mode "
-                        f"{oct(st.st_mode & 0o777)}, owner {st.st_uid})")
+    check_private_directory(d, DIR_PREFIXES, WireError, "answer directory")
 
 
 def read_key(d: str) -> bytes:

@@ -14,7 +14,7 @@ import stat
 
 log = logging.getLogger("weightsync.transport.private")
 
-__all__ = ["private_directory", "private_opener"]
+__all__ = ["private_directory", "private_opener", "check_private_directory"]
 
 
 def private_directory(path: str | os.PathLike) -> None:
@@ -39,3 +39,14 @@ def private_directory(path: str | os.PathLike) -> None:
 def private_opener(path: str, flags: int) -> int:
     """For ``open(path, mode, opener=private_opener)``: a file created 0600 (its owner reads and writes it)."""
     return os.open(path, flags | os.O_CLOEXEC, 0o600)
+
+
+def check_private_directory(d: str, prefixes: tuple[str, ...], error: type[Exception], what: str) -> None:
+    """Raise ``error`` unless ``d`` is an absolute path named with one of ``prefixes``, a directory (not a link)
+    of this user, 0700 or tighter: where a weightsync key or call channel may be trusted."""
+    if not isinstance(d, str) or not os.path.isabs(d) or not os.path.basename(d).startswith(prefixes):
+        raise error(f"{what} {d!r} is not a {' or '.join(p.rstrip('-') for p in prefixes)} directory")
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise error(f"{what} {d!r} is not a private directory of uid {os.geteuid()} (mode "
+                    f"{oct(st.st_mode & 0o777)}, owner {st.st_uid})")
