@@ -62,6 +62,25 @@ def _kind(module: str) -> str | None:
     return None
 
 
+def _keep_xdist_groups(config, items) -> None:
+    """Keep ``xdist_group`` groups on one worker under ``--dist loadgroup``. pytest-xdist 3.8 marks a grouped
+    test by appending ``@group`` to ``item._nodeid``, which pytest 9.2 no longer reads (a node's id is
+    ``item._id``): the suffix never landed, every group was spread over the workers, and each worker started
+    its own vLLM engines for the same class (seen: TestQwen3TP1's engines set up on gw0 and gw1). Do here what
+    xdist means to do; a no-op where xdist's own suffix took, or outside a loadgroup worker."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # an older pytest: xdist's own suffix works there
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rpartition(".")[2]
@@ -74,6 +93,7 @@ def pytest_collection_modifyitems(config, items):
     missing = [key for key in SLOW if not any(i.nodeid.endswith(key) for i in items)]
     if missing and len(items) > 500:  # the whole suite collected: a renamed test must not leave SLOW silently
         raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {missing}")
+    _keep_xdist_groups(config, items)
 
 
 @pytest.fixture(autouse=True)
