@@ -39,6 +39,7 @@ exactly as after a failed P2P receive.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,7 +47,7 @@ import re
 import struct
 import time
 import uuid
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -239,7 +240,7 @@ class FileTransport:
         headers: list[list[int]] = []
         held = 0
         full = sum(b.nbytes for b in live)
-        try:
+        with _replacing(tmp, f"step {step}: writing the files of {describe(pair)} to {self.directory}", pair):
             with open(tmp, "wb", opener=private_opener) as f:
                 f.write(_header(step, pair, buckets, pair_hash(buckets)))
                 for b in live:
@@ -260,15 +261,6 @@ class FileTransport:
             if payloads is not None and live:
                 self._save_frames(step, pair, buckets, payloads, headers, codec)
             os.replace(tmp, final)  # after the frames file: a reader seeing this sees that
-        except BaseException as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if isinstance(e, OSError):
-                raise TransportError(f"step {step}: writing the files of {describe(pair)} to {self.directory} "
-                                     f"failed: {e}", pair=pair) from e
-            raise
         framed = sum(p.numel() for p in payloads.values()) if payloads is not None else 0
         return full + framed, full, len(live)
 
@@ -284,7 +276,7 @@ class FileTransport:
         live = [b for b in buckets if b.nbytes > 0]
         sizes = [encoder.bound(b) for b in live]
         words = codec.header_words  # the words a payload that needs no base has (kind, count, bytes)
-        try:
+        with _replacing(tmp, f"step {step}: writing the file of {describe(pair)} to {self.directory}", pair):
             with open(tmp, "wb", opener=private_opener) as f:
                 f.write(_encoded_header(step, pair, buckets, live, sizes, words, codec.name))
                 rows = []
@@ -299,15 +291,6 @@ class FileTransport:
                     rows.append([b.index, *frame.header.words(words)])
                 f.write(torch.tensor(rows, dtype=torch.int64).reshape(len(live), 1 + words).numpy().tobytes())
             os.replace(tmp, final)
-        except BaseException as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if isinstance(e, OSError):
-                raise TransportError(f"step {step}: writing the file of {describe(pair)} to {self.directory} "
-                                     f"failed: {e}", pair=pair) from e
-            raise
         return sum(sizes), sum(b.nbytes for b in live), len(live)
 
     def _read_encoded(self, step: int, pair: Pair, buckets: list[Bucket], path: str,
@@ -469,7 +452,7 @@ class FileTransport:
         final = os.path.join(self.directory, file_name(step, pair))
         tmp = os.path.join(self.directory, f".{file_name(step, pair)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        try:
+        with _replacing(tmp, f"step {step}: writing the file of {describe(pair)} to {final}", pair):
             with open(tmp, "wb", opener=private_opener) as f:
                 f.write(_header(step, pair, buckets, pair_hash(buckets)))
                 for b in buckets:
@@ -479,16 +462,6 @@ class FileTransport:
                     host = buf if buf.device.type == "cpu" else buf.cpu()
                     f.write(host.numpy())
             os.replace(tmp, final)  # atomic in one directory: the final name appears complete
-        except BaseException as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if isinstance(e, OSError):
-                raise TransportError(
-                    f"step {step}: writing the file of {describe(pair)} to {final} failed: {e}", pair=pair
-                ) from e
-            raise
 
     def _consume(
         self, step: int, pair: Pair, buckets: list[Bucket], path: str, tensors: Mapping[str, torch.Tensor]
@@ -597,3 +570,17 @@ class FileReceiver(Receiver):
         if self.decoder is not None:
             return self.transport.recv_frames(step, self.plans, targets, self.decoder, self.options.codec)
         return self.transport.recv(self.plans, targets, step=step)
+
+
+@contextlib.contextmanager
+def _replacing(tmp: str, what: str, pair: Pair) -> Iterator[None]:
+    """Around writing ``tmp`` and renaming it into place: on any failure the partial file is removed, and an
+    ``OSError`` becomes a :class:`TransportError` saying ``what`` failed (other errors pass as they are)."""
+    try:
+        yield
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise TransportError(f"{what} failed: {e}", pair=pair) from e
+        raise
