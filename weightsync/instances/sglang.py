@@ -99,15 +99,9 @@ _LAST_SEQ: dict[tuple[str, int], int] = {}  # per (instance id, TP rank): the la
 # -- what crosses the hop ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RpcMessage:
-    """One call, as the control process builds it; :func:`rpc_payload` signs and encodes it (never pickled whole)."""
-
-    instance: str
-    dir: str
-    seq: int
-    fn: Callable[..., Any]
-    args: tuple
+#: one call, as the control process builds it (:func:`rpc_payload` signs and encodes it, never pickled whole)
+#: and as a worker decodes it: the wire's own record
+RpcMessage = wire.Call
 
 
 @dataclass(frozen=True)
@@ -149,7 +143,7 @@ def read_payload(named_tensors: list) -> RpcMessage:
             blob = base64.b64decode(inline[0][len(RPC_NAME) + 1:], validate=True)
         except ValueError as e:
             raise wire.WireError(f"{RPC_NAME}: the message in the name is not base64 ({e})") from None
-        return _message(wire.decode(blob))
+        return wire.decode(blob)
     tensors = dict(pairs)
     if RPC_NAME not in tensors:
         raise InstanceError(f"rpc_loader got tensors {sorted(map(str, tensors))[:4]} without {RPC_NAME!r}: "
@@ -157,11 +151,7 @@ def read_payload(named_tensors: list) -> RpcMessage:
     t = tensors[RPC_NAME]
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
         raise wire.WireError(f"{RPC_NAME} is not a 1-D uint8 tensor")
-    return _message(wire.decode(t.detach().cpu().numpy().tobytes()))
-
-
-def _message(call: Any) -> RpcMessage:
-    return RpcMessage(call.instance, call.dir, call.seq, call.fn, call.args)
+    return wire.decode(t.detach().cpu().numpy().tobytes())
 
 
 def name_payload_admitted() -> bool:
