@@ -484,10 +484,7 @@ def test_instance_writes_bit_exact_through_the_whole_update(tmp_path, fake_sglan
         inst.set_version(7)
         assert eng.log == [("pause", "retract"), ("begin",), ("end",), ("flush",), ("continue",), ("version", "7", False)]
         assert inst.served_version == "7" and all(m.post_loads == 1 for m in eng.models)
-        for r, m in enumerate(eng.models):
-            want = scatter(layout.layout(r), canonical)
-            for n, t in m.named_parameters():
-                assert torch.equal(t.isnan(), want[n].isnan()) and torch.equal(t.nan_to_num(), want[n].nan_to_num()), n
+        _exact(layout, eng, canonical)
     finally:
         inst.close()
 
@@ -607,10 +604,7 @@ def test_sglang_0514_api_has_no_session_and_keeps_the_version_in_server_args(tmp
         assert eng.log == [("pause", "retract"), ("flush",), ("continue",)]
         assert inst.served_version == "4" == eng.tokenizer_manager.server_args.weight_version
         assert set(inst.last_timing) >= {"pause", "calls", "flush", "continue"}
-        for r, m in enumerate(eng.models):
-            want = scatter(layout.layout(r), canonical)
-            for n, t in m.named_parameters():
-                assert torch.equal(t.isnan(), want[n].isnan()) and torch.equal(t.nan_to_num(), want[n].nan_to_num()), n
+        _exact(layout, eng, canonical)
     finally:
         inst.close()
 
@@ -651,10 +645,7 @@ def test_a_failed_non_staged_update_withholds_the_engine_until_the_next_good_upd
         assert eng.log.count(("continue",)) == 1 and inst.withheld is None and inst.served_version == "3"
         assert "generate_request" not in vars(eng.tokenizer_manager)
         assert eng.generate("d")["text"] == "out:d"
-        for r, m in enumerate(eng.models):
-            want = scatter(layout.layout(r), canonical)
-            for n, t in m.named_parameters():
-                assert torch.equal(t.isnan(), want[n].isnan()) and torch.equal(t.nan_to_num(), want[n].nan_to_num()), n
+        _exact(layout, eng, canonical)
     finally:
         inst.close()
 
