@@ -303,15 +303,21 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("pack", [True, False])
-@pytest.mark.parametrize("model,train,infer,instances,bucket", CASES)
-def test_descriptor_count_is_what_nixl_prepares(model, train, infer, instances, bucket, pack):
+def _recv_plans(model, train, infer, instances, bucket):
+    """The planner of a job and every worker's receive plans."""
     spec = load_spec(model)
     planner = Planner(make_layout(spec, train), make_layout(spec, infer), instances, bucket_bytes=bucket)
     plans = {}
     for i in range(instances):
         for r in range(planner.dst.world_size):
             plans.update(planner.recv_plan(i, r))
+    return planner, plans
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("model,train,infer,instances,bucket", CASES)
+def test_descriptor_count_is_what_nixl_prepares(model, train, infer, instances, bucket, pack):
+    planner, plans = _recv_plans(model, train, infer, instances, bucket)
     counts = {(c.instance, c.rank): c for c in count_workers(planner, plans, pack=pack)}
     for (i, r), c in counts.items():
         assert (c.nixl_descriptors, c.nixl_transfers) == nixl_program_counts(planner, i, r, pack), (i, r)
@@ -321,12 +327,7 @@ def test_descriptor_count_is_what_nixl_prepares(model, train, infer, instances, 
 def test_descriptor_count_contiguous_is_what_nixl_prepares(model, train, infer, instances, bucket):
     """Each process's tensors back to back in one registration: reads join across tensors wherever both
     sides continue (descriptors.Counter(contiguous=True) against nixl.py on flat CPU buffers)."""
-    spec = load_spec(model)
-    planner = Planner(make_layout(spec, train), make_layout(spec, infer), instances, bucket_bytes=bucket)
-    plans = {}
-    for i in range(instances):
-        for r in range(planner.dst.world_size):
-            plans.update(planner.recv_plan(i, r))
+    planner, plans = _recv_plans(model, train, infer, instances, bucket)
     apart = {(c.instance, c.rank): c for c in count_workers(planner, plans)}
     for c in count_workers(planner, plans, contiguous=True):
         got = nixl_program_counts(planner, c.instance, c.rank, contiguous=True)
