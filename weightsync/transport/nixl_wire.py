@@ -15,7 +15,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import math
+import os
+import sys
 import zlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -44,11 +47,26 @@ def load_nixl() -> ModuleType:
     errors = []
     for name in names:
         try:
-            return importlib.import_module(name)
+            api = importlib.import_module(name)
         except ImportError as e:  # not installed, or the meta package found no build for this CUDA
             errors.append(f"{name}: {e}")
+            continue
+        _quiet_nixl_logging()
+        return api
     raise ConfigError("the nixl transport needs NIXL: pip install 'weightsync[rdma]' (nixl-cu12; on a CUDA 13 "
                       "torch, nixl-cu13). Tried " + "; ".join(errors))
+
+
+def _quiet_nixl_logging() -> None:
+    """NIXL configures its ``nixl`` logger at INFO onto *stdout* (``nixl*/logging.py``), which breaks a
+    ``--json`` answer on stdout and is not quiet by default: its handlers go to stderr, at WARNING unless
+    the user asked for a level with NIXL's own ``NIXL_LOG_LEVEL``."""
+    nixl_logger = logging.getLogger("nixl")
+    for handler in nixl_logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_logger.setLevel(logging.WARNING)
 
 
 @dataclass(frozen=True)
