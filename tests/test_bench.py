@@ -34,6 +34,27 @@ def test_floor_inputs_split_local_and_remote_bytes():
     assert moved_per_gpu(make_layout(spec, s.train), make_layout(spec, s.infer), s) == {1: (0, spec.nbytes)}
 
 
+def test_fp8_floor_counts_the_quantizer_and_over_nixl_the_readers_copy():
+    """``--quant fp8``'s floor input: co-located, each FP8 weight's quantizer traffic ((read + written) / 2) and the
+    rest's bytes; nixl-1gpu the same plus the reader's copy of every e4m3 byte and fp32 scale the trainer wrote
+    (each FP8 canonical weight once at TP=1). A scenario the fp8 bench does not run is refused before any process."""
+    from weightsync.bench.run import fp8_copy_bytes, run
+    from weightsync.errors import ConfigError
+    from weightsync.quant.layout import fp8_layout
+
+    spec = load_spec("qwen3-8b")
+    got = {}
+    for name in ("colo-1gpu", "nixl-1gpu"):
+        s = SCENARIOS[name]
+        got[name] = fp8_copy_bytes(make_layout(spec, s.train), make_layout(spec, f"{s.infer},quant=fp8"), s)
+    held = fp8_layout(make_layout(spec, "vllm:tp=1,quant=fp8"))
+    written = sum(f.weight.numel + 4 * f.scale.numel for f in held.fp8.values())
+    assert 0.7 * spec.nbytes < got["colo-1gpu"] < 0.8 * spec.nbytes  # bf16 read, about half of it written
+    assert got["nixl-1gpu"] - got["colo-1gpu"] == written
+    with pytest.raises(ConfigError, match=r"--quant fp8 runs one-GPU scenarios .*colo-1gpu, nixl-1gpu"):
+        run("sep-1to1", "tiny-qwen3-fp8", steps=1, baselines=(), device="cpu", quant="fp8")
+
+
 def test_results_record_where_they_were_measured():
     from weightsync.bench.run import environment
 

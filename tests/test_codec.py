@@ -9,6 +9,7 @@ import torch
 from helpers import same
 
 from weightsync.codec.base import NEEDS, NO_VERSION, WHOLE, Header, Proof
+from weightsync.codec.fp8 import FP8Codec
 from weightsync.errors import ConfigError
 
 
@@ -49,16 +50,27 @@ def test_transports_serve_only_known_needs():
             assert served <= NEEDS | {SOURCES}, (name, served)
 
 
-def test_the_registry_accepts_exactly_what_runs_and_refuses_the_rest_by_name():
-    from weightsync.codec.registry import check, serving
+class NarrowFP8(FP8Codec):
+    """A codec built for fewer (transport, mode) pairs than the transports serve it (``runs_on``)."""
+
+    name = "narrow"
+    runs_on = frozenset({("p2p", "sync")})
+    why_not = {("nixl", "sync"): "not built: its frames are untested there"}
+
+
+def test_the_registry_accepts_exactly_what_runs_and_refuses_the_rest_by_name(monkeypatch):
+    from weightsync.codec.registry import CODECS, check, serving
 
     assert serving("full") == ["p2p/async", "p2p/sync", "colocated/sync", "file/sync", "nixl/async", "nixl/sync"]
     assert serving("delta") == ["p2p/sync", "file/sync", "nixl/async", "nixl/sync"]
-    assert serving("fp8") == ["p2p/sync", "colocated/sync", "file/sync"]
-    for t, m in (("p2p", "sync"), ("colocated", "sync"), ("file", "sync")):
+    assert serving("fp8") == ["p2p/sync", "colocated/sync", "file/sync", "nixl/async", "nixl/sync"]
+    for t, m in (("p2p", "sync"), ("colocated", "sync"), ("file", "sync"), ("nixl", "sync"), ("nixl", "async")):
         check("fp8", t, m)
-    with pytest.raises(ConfigError, match=r"fp8 codec does not run over the nixl transport in sync mode \(not built"):
-        check("fp8", "nixl", "sync")
+    monkeypatch.setitem(CODECS, "narrow", f"{__name__}:NarrowFP8")
+    assert serving("narrow") == ["p2p/sync"]
+    with pytest.raises(ConfigError, match=r"narrow codec does not run over the nixl transport in sync mode \(not "
+                                          r"built: its frames are untested there\); it runs over p2p/sync"):
+        check("narrow", "nixl", "sync")
     with pytest.raises(ConfigError, match=r"fp8 codec needs a sender step .*p2p transport does not serve in async"):
         check("fp8", "p2p", "async")
     with pytest.raises(ConfigError, match=r"delta codec needs .*colocated .*delta gains nothing co-located"):

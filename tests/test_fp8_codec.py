@@ -1,7 +1,7 @@
 """The fp8 codec (weightsync.codec.fp8) on CPU, both sides in one process: a plan's buckets from an FSDP2 trainer
 layout encoded on the training ranks and decoded into poisoned FP8 engine tensors land, bit for bit, what an FP8
-checkpoint of the same weights loads into that layout; a copy that cuts a block, a delta or another transport with
-quant=fp8 are refused at set-up by name."""
+checkpoint of the same weights loads into that layout; a copy that cuts a block, a delta or a transport and mode
+the codec does not run on with quant=fp8 are refused at set-up by name."""
 
 from __future__ import annotations
 
@@ -223,10 +223,10 @@ def test_quant_fp8_is_refused_where_the_codec_cannot_run():
         check_engine("vllm:tp=2,quant=fp8", "delta", "p2p", "sync", 0)
     check_engine("vllm:tp=2,quant=fp8", "full", "colocated", "sync", 0)
     check_engine("sglang:tp=2,quant=fp8", "full", "file", "sync", 0)
-    with pytest.raises(ConfigError, match=r"does not run over the nixl transport in sync mode .*"
-                                          r"runs over p2p/sync, colocated/sync, file/sync"):
-        check_engine("vllm:tp=2,quant=fp8", "full", "nixl", "sync", 0)
-    with pytest.raises(ConfigError, match=r"needs a sender step .* p2p transport does not serve in async mode"):
+    check_engine("vllm:tp=2,quant=fp8", "full", "nixl", "sync", 0)
+    check_engine("vllm:tp=2,quant=fp8", "full", "nixl", "async", 0)
+    with pytest.raises(ConfigError, match=r"needs a sender step .* p2p transport does not serve in async mode.*"
+                                          r"runs over p2p/sync, colocated/sync, file/sync, nixl/async, nixl/sync"):
         check_engine("vllm:tp=2,quant=fp8", "full", "p2p", "async", 0)
     with pytest.raises(ConfigError, match="set integrity=0"):
         check_engine("vllm:tp=2,quant=fp8", "full", "p2p", "sync", 1000)

@@ -1,9 +1,10 @@
 """FP8 on the wire, end to end (issue 24): real FSDP2 training processes (gloo) and a layout-faithful FP8 vLLM
 instance (``vllm:tp=2,quant=fp8``: worker processes holding e4m3 weights and fp32 ``_scale_inv`` as vLLM's
-Fp8LinearMethod does) through a real MetaServer, over p2p. After each step every tensor of every worker equals, bit
-for bit, what an FP8 checkpoint of that step's weights (``save_checkpoint(dir, quant="fp8")``'s recipe: the
-reference quantizer per tensor) loads into that layout. A job into an FP8 engine that the fp8 codec cannot serve is
-refused at set-up on both sides, by name: nothing syncs bf16 bytes into an FP8-served engine."""
+Fp8LinearMethod does) through a real MetaServer, over p2p, file, co-located and nixl. After each step every tensor
+of every worker equals, bit for bit, what an FP8 checkpoint of that step's weights (``save_checkpoint(dir,
+quant="fp8")``'s recipe: the reference quantizer per tensor) loads into that layout. A job into an FP8 engine that
+the fp8 codec cannot serve is refused at set-up on both sides, by name: nothing syncs bf16 bytes into an FP8-served
+engine."""
 
 from __future__ import annotations
 
@@ -99,11 +100,13 @@ def test_check_engine_refuses_quant_fp8_where_the_fp8_codec_cannot_run():
 
     assert engine_quant("vllm:tp=2,quant=fp8") == "fp8" and engine_quant("vllm:tp=2") == "none"
     assert engine_quant("sglang:tp=2,quant=fp8") == "fp8"
-    check_engine("vllm:tp=2", "full", "nixl", "sync")  # unquantized: nothing to refuse
-    for transport in ("p2p", "file", "colocated"):
+    check_engine("vllm:tp=2", "full", "p2p", "async")  # unquantized: nothing to refuse
+    for transport in ("p2p", "file", "colocated", "nixl"):
         check_engine("vllm:tp=2,quant=fp8", "full", transport, "sync")
-    with pytest.raises(ConfigError, match=r"quant=fp8 needs the fp8 codec, which .*vllm:tp=2,quant=fp8.*nixl"):
-        check_engine("vllm:tp=2,quant=fp8", "full", "nixl", "sync")
+    check_engine("vllm:tp=2,quant=fp8", "full", "nixl", "async")
+    with pytest.raises(ConfigError, match=r"quant=fp8 needs the fp8 codec, which .*vllm:tp=2,quant=fp8; p2p "
+                                          r"transport, async mode"):
+        check_engine("vllm:tp=2,quant=fp8", "full", "p2p", "async")
 
 
 def test_fsdp2_to_an_fp8_vllm_layout_lands_the_fp8_checkpoint_bit_exact(tmp_path):
@@ -117,14 +120,22 @@ def test_fsdp2_to_an_fp8_vllm_layout_lands_the_fp8_checkpoint_bit_exact(tmp_path
         assert d.problems == () and d.version == d.step, d
 
 
-@pytest.mark.parametrize("transport", ["file", "colocated"])
-def test_fsdp2_to_an_fp8_vllm_layout_over_file_and_colocated(tmp_path, transport):
+@pytest.mark.parametrize("transport", ["file", "colocated", "nixl"])
+def test_fsdp2_to_an_fp8_vllm_layout_over_file_colocated_and_nixl(tmp_path, transport):
     """The same over the file transport (each pair's file holds the FP8 payloads: weightsync.transport.file
-    ``_write_encoded``) and co-located (shared memory on CPU: each worker quantizes straight from the trainers'
-    tensors into its live e4m3 weights and scales, weightsync.codec.fp8 ``FP8Codec.land``)."""
+    ``_write_encoded``), co-located (shared memory on CPU: each worker quantizes straight from the trainers'
+    tensors into its live e4m3 weights and scales, weightsync.codec.fp8 ``FP8Codec.land``) and nixl (real agents:
+    each trainer quantizes into its registered frames region, each worker READs the payloads alone,
+    weightsync.transport.nixl ``FrameReads``)."""
     from weightsync.local.events import StepDone
 
-    extra = {"directory": str(tmp_path / "files")} if transport == "file" else {"colocate": True}
+    if transport == "nixl":
+        from helpers import nixl_missing
+
+        if nixl_missing():
+            pytest.skip(nixl_missing())
+    extra = {"directory": str(tmp_path / "files")} if transport == "file" else {
+        "colocate": True} if transport == "colocated" else {}
     (tmp_path / "m").mkdir()
     result = run(dict(model=_model(tmp_path / "m"), train="fsdp:dp=2", infer="vllm:tp=2,quant=fp8",
                       transport=transport, **extra))

@@ -66,19 +66,27 @@ def exact(got: dict, layout, spec, step: int) -> list[str]:
 
 
 class Job:
-    """Senders for every training rank and receivers for every (instance, rank), each its own agent."""
+    """Senders for every training rank and receivers for every (instance, rank), each its own agent. An engine
+    declared ``quant=fp8`` holds its FP8 layout (e4m3 weights, fp32 ``_scale_inv``) and the job runs the fp8 codec,
+    as the session sets it up (weightsync.codec.fp8 ``fp8_options``, a block-aligned plan)."""
 
     def __init__(self, meta: str, model: str, train: str, infer: str, instances: int = 1, mode: str = "sync",
                  bucket_bytes: int = 4096, tensors=None):
+        from weightsync.codec.fp8 import fp8_options
+        from weightsync.plan.job import block_aligned
+        from weightsync.quant.layout import fp8_layout
         from weightsync.transport.nixl import NixlReceiver, NixlSender
 
         self.spec = load_spec(model)
         self.src, self.dst = make_layout(self.spec, train), make_layout(self.spec, infer)
-        self.planner = Planner(self.src, self.dst, instances, bucket_bytes=bucket_bytes)
+        fp8 = fp8_options(TransportOptions("nixl", mode, timeout_s=TIMEOUT_S), infer, self.spec)
+        self.held = fp8_layout(self.dst) if fp8 is not None else None  # what an FP8 engine holds
+        self.planner = Planner(self.src, self.dst, instances, bucket_bytes=bucket_bytes,
+                               block_aligned=block_aligned(self.spec, self.dst))
         job = f"nixl-{uuid.uuid4().hex[:8]}"
         self.link = MetaLink(meta, job)
         self.client = MetaClient(meta, job, timeout=TIMEOUT_S)
-        options = TransportOptions("nixl", mode, timeout_s=TIMEOUT_S)
+        options = fp8 or TransportOptions("nixl", mode, timeout_s=TIMEOUT_S)
         self.train = {r: scatter(self.src.layout(r), canonical(self.spec, 0)) for r in range(self.src.world_size)}
         if tensors is not None:
             tensors(self.train)
@@ -92,7 +100,7 @@ class Job:
             for j in range(self.dst.world_size):
                 rx = NixlReceiver(options)
                 plans = self.planner.recv_plan(i, j)
-                live = poisoned(self.dst.layout(j))
+                live = poisoned((self.held or self.dst).layout(j))
                 rx.connect(ReceiverContext(self.link, None, i, j, self.planner, plans, live, torch.device("cpu")))
                 self.targets[i, j], self.receivers[i, j] = live, rx
 
@@ -103,8 +111,16 @@ class Job:
             self.senders[r].check(step)
 
     def wrong(self, step: int) -> dict:
-        """{(instance, rank): [tensors not bit-exact]} over every receiver."""
-        bad = {k: exact(t, self.dst.layout(k[1]), self.spec, step) for k, t in self.targets.items()}
+        """{(instance, rank): [tensors not bit-exact]} over every receiver (FP8: against the FP8 checkpoint of the
+        step's weights, ``save_checkpoint(dir, quant="fp8")``'s recipe, loaded over the same poison)."""
+        if self.held is not None:
+            from test_fp8_codec import bits, expected_fp8
+
+            want = {k: expected_fp8(self.held, canonical(self.spec, step), k[1]) for k in self.targets}
+            bad = {k: [n for n, w in want[k].items() if w.dtype != t[n].dtype or not torch.equal(bits(t[n]), bits(w))]
+                   for k, t in self.targets.items()}
+        else:
+            bad = {k: exact(t, self.dst.layout(k[1]), self.spec, step) for k, t in self.targets.items()}
         return {k: v for k, v in bad.items() if v}
 
     def close(self) -> None:
@@ -196,6 +212,73 @@ def test_async_pull_whole_or_mixed(meta):
         for k, r in rx.items():
             assert r.pull(job.targets[k]).steps == {4}
         assert not job.wrong(4)
+    finally:
+        job.close()
+
+
+FP8 = dict(model="tiny-qwen3-fp8", train="megatron:tp=2", infer="vllm:tp=2,quant=fp8", instances=2,
+           bucket_bytes=64 << 10)  # Megatron's interleaved QKV and both TP splits, into e4m3 weights split over 2 ranks
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_fp8_frames_land_the_fp8_checkpoint_bit_exact(meta, mode):
+    """quant=fp8 (weightsync.codec.fp8 on the frame path): each trainer quantizes every distinct bucket into its
+    registered region once (both instances read the same frames); every worker READs only the payloads -- e4m3
+    bytes, fp32 scales, the bf16 rest: about half the plan's bytes, never a full read -- and lands, bit for bit,
+    the FP8 checkpoint of the step's weights in NaN-poisoned targets, step after step (every weight changed)."""
+    job = Job(meta, mode=mode, **FP8)
+    try:
+        for r, s in job.senders.items():  # instances of one layout share each frame
+            assert 0 < len(s.distinct) < sum(len(bs) for bs in job.planner.send_plan(r).values())
+        for step in (1, 2, 3):
+            job.write(step)
+            for k, rx in job.receivers.items():
+                if mode == "sync":
+                    st = rx.receive(step, job.targets[k])
+                else:
+                    pulled = rx.pull(job.targets[k])
+                    assert pulled.steps == {step}, (k, pulled)
+                    st = pulled.stats
+                assert 0.4 * st.full_bytes < st.bytes < 0.6 * st.full_bytes, (k, st)
+                assert not rx.programs and not rx.decoder.stats.whole_pairs  # nothing read in full
+            assert not job.wrong(step), job.wrong(step)
+    finally:
+        job.close()
+
+
+def test_fp8_frames_are_never_replaced_by_a_full_read(meta):
+    """Where the frames cannot serve a step, an FP8 worker fails naming the trainer and reads nothing -- the plan's
+    bf16 bytes read whole would land in e4m3 weights without their scales -- (sync: a step the trainer did not
+    encode), or reports a mix and pulls again (async: the trainer re-staged while its payloads were read)."""
+    from weightsync.transport.nixl import Restaged
+
+    job = Job(meta, **FP8)
+    try:
+        job.write(1)
+        rx = job.receivers[0, 0]
+        with pytest.raises(Restaged, match=r"training rank 0 -> instance 0 rank 0, step 2: its frames index names "
+                                           r"step 1 .*nothing read: the fp8 codec's frames are the only form"):
+            rx.receive(2, job.targets[0, 0])
+        assert not rx.programs and all(t.isnan().all() for t in job.targets[0, 0].values())
+        assert rx.receive(1, job.targets[0, 0]).bytes > 0 and not job.wrong(1).get((0, 0))
+    finally:
+        job.close()
+    job = Job(meta, mode="async", **FP8)
+    try:
+        job.write(1)
+        rx = job.receivers[0, 0]
+        real = rx.frames._unchanged
+
+        def restage_then_check(peers, moved):
+            job.write(2)  # new frames stamped over the region while the payloads of step 1 were read
+            return real(peers, moved)
+
+        rx.frames._unchanged = restage_then_check
+        got = rx.pull(job.targets[0, 0]).steps
+        assert -1 in got and rx.decoder.version is None, got
+        rx.frames._unchanged = real
+        assert rx.pull(job.targets[0, 0]).steps == {2} and not rx.programs
+        assert not job.wrong(2).get((0, 0)), job.wrong(2)
     finally:
         job.close()
 

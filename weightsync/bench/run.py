@@ -325,10 +325,11 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
 
     ``quant="fp8"``: the inference instance is served in block FP8 (``<infer>,quant=fp8``: the layout-faithful FP8
     workers, or a real vLLM engine on dummy FP8 weights), so every step goes through the fp8 codec (quantized on the
-    way: co-located, by the worker straight from the trainer's memory); integrity off (its sums cover the bf16
-    sources), no baselines (they move bf16 bytes), one-GPU scenarios over co-located or p2p. ``bytes_moved`` is what
-    lands (e4m3 + scales + the bf16 rest); the floor counts the quantizer's memory traffic (read bf16, write e4m3 and
-    scales) at the device copy's rate; ``quantize_seconds`` times the quantize kernel alone on every FP8 weight of
+    way: co-located, by the worker straight from the trainer's memory; nixl-1gpu, by the trainer into its registered
+    frames, which the worker READs); integrity off (its sums cover the bf16 sources), no baselines (they move bf16
+    bytes), one-GPU scenarios (colo-1gpu, nixl-1gpu). ``bytes_moved`` is what lands (e4m3 + scales + the bf16 rest);
+    the floor counts the quantizer's memory traffic (read bf16, write e4m3 and scales; nixl-1gpu: and the reader's
+    copy of what it wrote) at the device copy's rate; ``quantize_seconds`` times the quantize kernel alone on every FP8 weight of
     the model (one launch a weight, as the codec launches them). :func:`run_quant` runs bf16 and FP8 side by side."""
     from weightsync.engines import make_layout
     from weightsync.spec import load_spec
@@ -370,10 +371,10 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         if delta is not None:
             raise ConfigError("--quant fp8 with --delta: delta and FP8 together are not built (a delta of the e4m3 "
                               "bytes); drop one")
-        if not scen.one_gpu or scen.transport not in ("p2p",) or receiver == "sglang":
-            raise ConfigError(f"--quant fp8 runs one-GPU scenarios co-located or over p2p into a vllm layout "
-                              f"(colo-1gpu); {scenario} ({scen.transport}, receiver {receiver}) is not one: the fp8 "
-                              "codec does not run over nixl, and the bench's SGLang receiver is not FP8")
+        if not scen.one_gpu or scen.transport not in ("p2p", "nixl") or receiver == "sglang":
+            raise ConfigError(f"--quant fp8 runs one-GPU scenarios into a vllm layout (colo-1gpu, nixl-1gpu); "
+                              f"{scenario} ({scen.transport}, receiver {receiver}) is not one: the bench's SGLang "
+                              "receiver is not FP8")
         if integrity:
             raise ConfigError("--quant fp8 with --integrity: the sums cover the trainer's bf16 bytes, not the FP8 "
                               "bytes that land; use --integrity 0")
@@ -562,9 +563,10 @@ def check_fp8(ctx, model: str, engine: str, doublings: int) -> bool:
 
 
 def fp8_copy_bytes(train, infer, scen: Scenario) -> int:
-    """A co-located FP8 step's device traffic in copy-equivalent bytes (a copy of n bytes reads and writes n): each
-    FP8 copy reads its bf16/fp32 box and writes e4m3 bytes and fp32 scales, so it counts (read + written) / 2; the
-    other copies count their bytes."""
+    """An FP8 step's device traffic in copy-equivalent bytes (a copy of n bytes reads and writes n): each FP8 copy
+    reads its bf16/fp32 box and writes e4m3 bytes and fp32 scales, so it counts (read + written) / 2; the other
+    copies count their bytes. Separated on one GPU (nixl-1gpu) the trainer quantizes into its own memory and the
+    reader then copies what it wrote into the engine's: each FP8 copy counts that copy of its written bytes too."""
     from weightsync.plan.planner import Planner
     from weightsync.plan.topology import Topology
     from weightsync.quant.fp8 import BLOCK, cdiv
@@ -580,7 +582,7 @@ def fp8_copy_bytes(train, infer, scen: Scenario) -> int:
                     (_, rows), (_, cols) = c.canon_box[-2:]
                     lead = c.nbytes // (rows * cols * _itemsize(c.dtype))
                     written = lead * (rows * cols + 4 * cdiv(rows, BLOCK) * cdiv(cols, BLOCK))
-                    total += (c.nbytes + written) // 2
+                    total += (c.nbytes + written) // 2 + (0 if scen.colocate else written)
                 else:
                     total += c.nbytes
     return total
@@ -773,7 +775,7 @@ def add_arguments(p) -> None:
                         "host memory where CUDA is present); both: one delta job each")
     p.add_argument("--quant", choices=["none", "fp8"], default="none",
                    help="fp8: the scenario in bf16, then into an instance served in block FP8 (the fp8 codec), side by "
-                        "side; one-GPU co-located or p2p scenarios (colo-1gpu), integrity off, no baselines")
+                        "side; one-GPU scenarios (colo-1gpu, nixl-1gpu), integrity off, no baselines")
     p.add_argument("--json", action="store_true")
 
 

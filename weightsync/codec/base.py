@@ -10,9 +10,11 @@ transport's private names.
 
 Codecs (:mod:`weightsync.codec.registry`): ``full`` (:mod:`.full`: the plan's bytes themselves, moved
 zero-copy by each transport's own path where they lie in place), ``delta`` (:mod:`.delta`: what changed
-since the version the receiver proves it holds). A codec whose payload is not the plan's bytes (a delta;
-FP8 later: another dtype and size than ``Copy.dtype`` says) is *framed*: the transports run their
-frame paths for it.
+since the version the receiver proves it holds), ``fp8`` (:mod:`.fp8`: block FP8 into an FP8-served
+engine). A codec whose payload is not the plan's bytes (a delta; FP8: another dtype and size than
+``Copy.dtype`` says) is *framed*: the transports run their frame paths for it. Where a transport cannot
+use a bucket's frame, it reads the bucket whole -- unless the codec ``needs_frames`` (FP8: the plan's
+bytes are not what it lands), when the step fails instead.
 
 A codec declares what it needs of a transport (:data:`NEEDS`); each transport says what it serves per
 mode (:attr:`weightsync.transport.base.TransportEntry.serves`), and the session refuses, at set-up and by
@@ -227,6 +229,11 @@ class Decoder(ABC):
         allocates them, and refuses a header that says otherwise: the ends planned differently)."""
         return bucket.nbytes if header.whole else header.nbytes
 
+    def bound(self, bucket: Bucket) -> int:
+        """The most payload bytes a frame of ``bucket`` holds (:meth:`Encoder.bound` on this side: a transport's
+        scratch for payloads is sized by it)."""
+        return bucket.nbytes
+
     def whole(self, pair: Pair, buckets: Sequence[Bucket]) -> None:
         """One-sided: the transport read ``pair``'s ``buckets`` whole (the base was not proven)."""
         self.stats.count("full", len(buckets))
@@ -247,6 +254,10 @@ class Codec(ABC):
     needs: ClassVar[frozenset[str]] = frozenset()
     #: whether its payload differs from the plan's bytes (the transports run their frame paths)
     framed: ClassVar[bool] = True
+    #: whether a receiver may land its frames only: the plan's bytes read whole are not what it lands (fp8: bf16
+    #: bytes into e4m3 weights), so a transport that cannot serve a bucket's frame fails the step where it would
+    #: otherwise read the bucket whole (delta: False, a whole bucket is what its decoding lands)
+    needs_frames: ClassVar[bool] = False
     header_words: ClassVar[int] = Header.SENT  # what a two-sided transport sends per bucket
     proof_words: ClassVar[int] = Proof.WORDS
 

@@ -26,13 +26,18 @@ Payload of one bucket (both ends derive every offset from the plan, :func:`frame
 copies packed as the full codec packs them, then per FP8 copy its e4m3 bytes and its fp32 scales, each at a
 16-byte boundary.
 
-Where it runs: p2p in sync mode (the frame path, tested end to end on CPU with gloo). File and nixl, async, and
-co-located jobs into an FP8 engine are refused at set-up (:func:`check_engine`), as are delta with FP8 (a delta
-of the e4m3 bytes is not built) and integrity checks (the sums cover the bf16 sources, not what lands).
+Where it runs (:data:`SERVED`): p2p and file in sync mode (their frame paths), co-located (:meth:`FP8Codec.land`),
+and nixl in sync and async mode (each trainer quantizes every distinct bucket into its registered frames region,
+each worker READs the payloads alone: :class:`weightsync.transport.nixl.FrameReads`). Its frames are the only form
+a receiver lands (:attr:`~weightsync.codec.base.Codec.needs_frames`): where a transport cannot serve one, the step
+fails rather than read the plan's bf16 bytes whole. p2p in async mode is refused at set-up
+(:func:`check_engine`), as are delta with FP8 (a delta of the e4m3 bytes is not built) and integrity checks (the
+sums cover the bf16 sources, not what lands).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -60,10 +65,9 @@ KIND_FP8 = 0  # Header.kind: a bucket as this module's payload (module docstring
 ALIGN = 16
 SOURCE_DTYPES = ("bfloat16", "float32")
 #: where the fp8 codec runs (transport, mode): the ones built and tested end to end
-SERVED = (("p2p", "sync"), ("file", "sync"), ("colocated", "sync"))
+SERVED = (("p2p", "sync"), ("file", "sync"), ("colocated", "sync"), ("nixl", "sync"), ("nixl", "async"))
 #: why it does not run where a transport would serve it (said in the refusal)
-WHY_NOT = {("nixl", "sync"): "not built: the nixl transport's frame path is not tested with FP8 frames",
-           ("nixl", "async"): "not built: the nixl transport's frame path is not tested with FP8 frames"}
+WHY_NOT: dict[tuple[str, str], str] = {}
 
 
 def engine_quant(infer: str) -> str:
@@ -204,6 +208,14 @@ def frame_layout(bucket: Bucket, fp8: Mapping[str, tuple[int, ...]]) -> FrameLay
     return FrameLayout(sub, tuple(parts), at)
 
 
+def payload_key(bucket: Bucket) -> int:
+    """A bucket's payload key (:meth:`~weightsync.codec.base.Encoder.key`): buckets whose copies read the same
+    source boxes as the same canonical boxes, in the same order, encode to the same payload (instances of one
+    layout share a one-sided transport's slot)."""
+    sig = repr(tuple((c.canonical, c.canon_box, c.src_tensor, c.src_box, c.dtype) for c in bucket.copies))
+    return int.from_bytes(hashlib.blake2b(sig.encode(), digest_size=8).digest(), "little", signed=True)
+
+
 def _views(payload: torch.Tensor, p: Part) -> Quantized:
     w = payload[p.weight : p.weight + p.rows * p.cols].view(torch.float8_e4m3fn).view(p.rows, p.cols)
     sr, sc = p.scale_shape
@@ -219,6 +231,7 @@ class FP8Codec(Codec):
     name = "fp8"
     needs = frozenset({SENDER_STEP})
     framed = True
+    needs_frames = True  # the bf16 plan bytes read whole into an e4m3 weight would be cast without their scales
     runs_on = frozenset(SERVED)
     why_not = WHY_NOT
 
@@ -305,6 +318,9 @@ class FP8Encoder(Encoder):
     def bound(self, bucket: Bucket) -> int:
         return self.layouts[(bucket.pair, bucket.index)].nbytes
 
+    def key(self, bucket: Bucket) -> int:
+        return payload_key(bucket)
+
     def encode(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor, *,
                kept: bool = False) -> Frame:
         lay = self.layouts[(bucket.pair, bucket.index)]
@@ -335,6 +351,12 @@ class FP8Decoder(Decoder):
 
     def size(self, bucket: Bucket, header: Header) -> int:
         return self.layouts[(bucket.pair, bucket.index)].nbytes
+
+    def bound(self, bucket: Bucket) -> int:
+        return self.layouts[(bucket.pair, bucket.index)].nbytes
+
+    def key(self, bucket: Bucket) -> int:
+        return payload_key(bucket)
 
     def _check_targets(self, targets: Mapping[str, torch.Tensor]) -> None:
         """The engine must hold each FP8 weight in e4m3 beside an fp32 ``_scale_inv`` (else: not served FP8)."""

@@ -124,6 +124,7 @@ class Codec(Protocol):
     name: str
     needs: frozenset[str]
     framed: bool
+    needs_frames: bool  # no whole read in place of a frame (its payload is not the plan's bytes: fp8)
     header_words: int
     proof_words: int
 

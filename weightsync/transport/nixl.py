@@ -32,12 +32,15 @@ reads wait, per peer, for the header afterwards: sync, it must name the step; as
 changed during the read means the snapshot was re-staged: the pull reports a mix (step -1) and the
 reader pulls again, so only a whole step is ever reported.
 
-Frames (a framed codec, :mod:`weightsync.codec`: delta). A trainer also registers a *region*, one slot
-per distinct bucket at its worst case, and an *index* (``seq`` odd while stamped, step, slots; per slot
-its key, offset and header), published as two more entries of its document; per step the encoder
+Frames (a framed codec, :mod:`weightsync.codec`: delta, fp8). A trainer also registers a *region*, one
+slot per distinct bucket at its worst case, and an *index* (``seq`` odd while stamped, step, slots; per
+slot its key, offset and header), published as two more entries of its document; per step the encoder
 writes each frame into its slot and the index is stamped, inside the async snapshot's odd window. A
-worker reads the indexes after the step and, when its decoder proves every header's base, READs only
-the payloads (:class:`FrameReads`); otherwise it reads the step in full.
+worker reads the indexes after the step and, when its decoder proves every header's base (a codec
+needing no base: always), READs only the payloads (:class:`FrameReads`); otherwise it reads the step in
+full -- except for a codec whose frames are the only form its receiver lands (``needs_frames``: fp8,
+whose payload is e4m3 bytes and scales, not the plan's bf16 bytes), where that is an error naming the
+trainer and nothing is read.
 
 Errors: a NIXL error or a peer whose transfers make no progress for ``timeout_s`` raise
 :class:`TransportError` naming the pair and bucket.
@@ -368,10 +371,12 @@ class NixlSender(Sender):
         idx[0] += 1  # odd while stamping
         self.encoder.begin(step, None)
         try:
+            headers = {}
             for k, b in enumerate(self.distinct):
                 off = self.offsets[k]
-                self.encoder.encode(b, self.served, self.region[off : off + self.encoder.bound(b)], kept=True)
-            headers = self.encoder.end(step)  # this step's checksums: one read for all
+                frame = self.encoder.encode(b, self.served, self.region[off : off + self.encoder.bound(b)], kept=True)
+                headers[self.encoder.key(b)] = frame.header
+            headers.update(self.encoder.end(step))  # the final headers where it has them (delta: this step's sums)
         except BaseException:
             self.encoder.fail()
             for k in range(len(self.distinct)):
@@ -458,9 +463,13 @@ class NixlReceiver(Receiver):
     reads_after_written = True  # sync: the trainers' memory holds the step once every one announced it
 
     def memory(self, ctx: ReceiverContext) -> Buffers:
-        # framed: a scratch buffer for the payloads and one to stage a bucket's base, each a largest bucket
-        extra = 2 * max((b.nbytes for bs in ctx.plans.values() for b in bs), default=0) if self.options.framed else 0
-        return Buffers(SLOTS, _largest_staged(ctx.plans, ctx.tensors), codec=extra)
+        if not self.options.framed:
+            return Buffers(SLOTS, _largest_staged(ctx.plans, ctx.tensors))
+        # framed: a scratch buffer for the payloads and one to stage a bucket's base (FrameReads), and the
+        # staging slots of a full read, which a codec that lands its frames only never makes
+        codec = self.options.codec
+        extra = 2 * _largest_frame(ctx.plans, codec.decoder(ctx.plans))
+        return Buffers(SLOTS, 0 if codec.needs_frames else _largest_staged(ctx.plans, ctx.tensors), codec=extra)
 
     def connect(self, ctx: ReceiverContext) -> None:
         """Start this worker's agent. The peers' descriptors are looked up at the first read, not here:
@@ -854,7 +863,7 @@ class FrameReads:
     def __init__(self, rx: NixlReceiver, plans: Mapping[Pair, list[Bucket]]):
         self.rx, self.decoder, self.codec = rx, rx.decoder, rx.options.codec
         self.buckets = [b for p in sorted(plans) for b in sorted(plans[p], key=lambda b: b.index) if b.nbytes > 0]
-        self.largest = max((b.nbytes for b in self.buckets), default=0)
+        self.largest = _largest_frame(plans, self.decoder)
         self._scratch: torch.Tensor | None = None
         self._slot: torch.Tensor | None = None
         self._index: dict[int, torch.Tensor] = {}
@@ -868,6 +877,8 @@ class FrameReads:
         t0 = time.perf_counter()
         held = self.decoder.begin()  # from here the targets may mix two steps
         full_bytes = sum(b.nbytes for b in self.buckets)
+        if step is None and self.codec.needs_frames:  # async: peers staged different steps, a mix whatever is
+            return StepStats(0, 0, time.perf_counter() - t0, full_bytes=full_bytes)  # read: none (pull again)
         proofs = BASE_PROOF in self.codec.needs  # else every payload is read: there is no whole fall-back
         plan = self._plan(step, held, targets) if step is not None and (held is not None or not proofs) else None
         if plan is None:
@@ -890,13 +901,11 @@ class FrameReads:
         mem, dev = _mem(device)
         self.rx.registry.add(_regions([self._scratch]), mem, dev)
 
-    def _read_indexes(self) -> dict[int, torch.Tensor] | None:
-        """Every peer's index, read at once (None: a peer runs no framed codec)."""
+    def _read_indexes(self) -> dict[int, torch.Tensor]:
+        """Every peer's index, read at once."""
         reads = []
         for r in self.rx.peer_ranks:
-            rt = self.rx.peers[r].doc.tensors.get(INDEX)
-            if rt is None:
-                return None
+            rt = self.rx.peers[r].doc.tensors[INDEX]
             buf = self._index.get(r)
             if buf is None:
                 buf = self._index[r] = torch.zeros(rt.shape[0], dtype=torch.int64)
@@ -912,31 +921,55 @@ class FrameReads:
         empty when this worker holds ``step`` already (async: a snapshot it pulled before)."""
         self.rx._ensure_peers()
         self._buffers(next(iter(targets.values())).device)
-        indexes = self._read_indexes()
-        if indexes is None:
-            return None
+        for r in self.rx.peer_ranks:
+            if INDEX not in self.rx.peers[r].doc.tensors:
+                return self._whole(step, r, "it publishes no frames (it runs no framed codec: the two ends chose "
+                                            "different codecs)")
         slots: dict[int, dict[int, tuple[int, object]]] = {}
-        for r, idx in indexes.items():
+        for r, idx in self._read_indexes().items():
             v = idx.tolist()
             self._heads[r] = (v[0], v[1])
             if v[0] % 2 or v[1] != step:
-                log.info("instance %d rank %d, step %d: training rank %d's index names step %d (seq %d); reading "
-                         "in full", self.rx.ctx.instance, self.rx.ctx.rank, step, r, v[1], v[0])
-                return None
+                return self._whole(step, r, f"its frames index names step {v[1]} (seq {v[0]}): it re-staged, moved "
+                                            "on or restarted", restaged=True)
             slots[r] = {v[HEAD + SLOT * k]: (v[HEAD + SLOT * k + 1], self.codec.header(v[HEAD + SLOT * k + 2 : HEAD + SLOT * (k + 1)]))
                         for k in range(v[2])}
         items, where = [], []
         for b in self.buckets:
             got = slots[b.pair[0]].get(self.decoder.key(b))
-            if got is None or self.decoder.size(b, got[1]) != got[1].nbytes:
-                return None  # not in that trainer's plan (elastic DP replicas), or not this plan's bucket
+            if got is None:  # not in that trainer's plan (elastic DP replicas)
+                return self._whole(step, b.pair[0], f"it encodes no frame for bucket {b.index} (its plan differs from "
+                                                    "this worker's: an elastic trainer plans one instance slot, so "
+                                                    "with replicated training ranks another instance may be served "
+                                                    "by a replica that encodes nothing for it)")
+            size = self.decoder.size(b, got[1])
+            if size != got[1].nbytes or size > self.largest:
+                return self._whole(step, b.pair[0], f"its frame of bucket {b.index} holds {got[1].nbytes} bytes, this "
+                                                    f"worker's plan {size}: the two ends built different plans")
             items.append((b, got[1]))
             where.append(got[0])
         read = self.decoder.accepts(step, held, items, targets, self._slot)
-        if read is None:
-            return None
+        if read is None:  # the decoder does not hold their bases (it logged which)
+            return None if not self.codec.needs_frames else self._whole(
+                step, self.buckets[0].pair[0], "this worker does not hold the base of its frames")
         return [Planned(items[i][0].pair, items[i][0], self.rx.peers[items[i][0].pair[0]].doc.tensors[REGION].addr
                         + where[i], items[i][1]) for i in read]
+
+    def _whole(self, step: int, peer: int, why: str, restaged: bool = False) -> None:
+        """Training rank ``peer``'s frames cannot serve ``step`` (``why``): None -- the caller reads the step in
+        full -- or, for a codec whose frames are the only form its receiver lands (``needs_frames``: fp8), an
+        error naming the trainer (``restaged``: :class:`Restaged`, which an async pull reports as a mix and
+        pulls again); nothing was read."""
+        ctx = self.rx.ctx
+        where = f"training rank {peer} -> instance {ctx.instance} rank {ctx.rank}, step {step}"
+        if not self.codec.needs_frames:
+            log.info("%s: %s; reading in full", where, why)
+            return None
+        text = (f"{where}: {why}; nothing read: the {self.codec.name} codec's frames are the only form this engine "
+                f"lands (a full read would land the plan's bytes, not the codec's)")
+        if restaged:
+            raise Restaged(text, 0, peer, (peer, ctx.instance, ctx.rank))
+        raise TransportError(text, peer=peer, pair=(peer, ctx.instance, ctx.rank))
 
     def _apply(self, plan: list[Planned], targets: Mapping[str, torch.Tensor]) -> int:
         mem, dev = _mem(self._scratch.device)
@@ -1051,6 +1084,11 @@ def _descs(a, dev: int) -> list[tuple[int, int, int]]:
 def _in_place(region: torch.Tensor, seg: Segment) -> bool:
     """Whether a segment lands in place: its destination is contiguous and in the wire dtype."""
     return region.dtype == TORCH_DTYPES[seg.dtype] and region.is_contiguous()
+
+
+def _largest_frame(plans: Mapping[Pair, list[Bucket]], decoder) -> int:
+    """The most bytes one bucket's frame or plan bytes take (each frame buffer's size: a payload, or a base)."""
+    return max((max(b.nbytes, decoder.bound(b)) for bs in plans.values() for b in bs if b.nbytes > 0), default=0)
 
 
 def _largest_staged(plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> int:
