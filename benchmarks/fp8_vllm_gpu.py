@@ -1,6 +1,7 @@
 """FP8 on the wire into a REAL block-FP8 vLLM engine on one GPU (issue 24), then the FP8 bench beside bf16.
 
-    python benchmarks/fp8_vllm_gpu.py --out DIR [--bench qwen3-8b]   # on the GPU host, with the vLLM kit + 2 wheels
+    python benchmarks/fp8_vllm_gpu.py --out DIR [--transports colocated,nixl] [--bench qwen3-8b]
+    # on the GPU host, with the vLLM kit + 2 wheels (and NIXL on the path for nixl)
 
 ``sync``: a tiny Qwen3 (``tiny-qwen3-fp8``: 2 layers, hidden 256, head_dim 128, every linear a whole number of
 128 x 128 blocks). Two FP8 checkpoints written by ``save_checkpoint(dir, quant="fp8")`` from bf16 weights of seeds
@@ -15,9 +16,15 @@ straight from the trainer's memory (CUDA IPC) into X's live e4m3 weights and sca
 the fresh engine on that seed in every computed tensor (bit for bit) and in its greedy tokens, and its live tensors
 must equal the FP8 checkpoint's (:func:`weightsync.quant.engine_check.loaded_problems`). ``DIR/fp8_sync.json``.
 
+``nixl`` (``--transports``, after co-located on the same two engines): a second job, the same steps, with the
+trainer process separate (``WeightWriter(transport="nixl")``, nixl-1gpu's wiring): it quantizes each distinct bucket
+into its registered frames region (the Triton kernel on cuda:0) and X's workers READ the payloads alone over UCX
+(cuda_ipc) and write the e4m3 bytes and scales into X's live weights; the same checks after each step, X going from
+seed 1 (fresh, or the co-located job's last step) to 2 and back. ``DIR/fp8_sync_nixl.json``.
+
 ``--bench MODEL``: ``weightsync bench --scenario colo-1gpu --quant fp8`` (bf16 then FP8 in one run, the layout-
 faithful receiver, the device-copy ceiling and the quantize kernel's own time measured in the same run);
-``DIR/fp8_bench.json``.
+``DIR/fp8_bench.json``; ``--bench-scenarios colo-1gpu,nixl-1gpu`` adds ``DIR/fp8_bench_nixl-1gpu.json``.
 
 Every stage records what failed instead of stopping; exit status 0 only when everything held.
 """
@@ -69,8 +76,9 @@ def save_fp8(seed: int, directory: Path) -> Path:
     return directory
 
 
-def trainer_main(meta: str, job: str, q) -> None:
-    """The training process: transformers' layout on cuda:0, bf16, one WeightWriter (co-located, integrity off)."""
+def trainer_main(meta: str, job: str, q, transport: str = "colocated") -> None:
+    """The training process: transformers' layout on cuda:0, bf16, one WeightWriter (co-located or over nixl,
+    integrity off)."""
     import torch
     from vllm_harness import weights
 
@@ -88,7 +96,8 @@ def trainer_main(meta: str, job: str, q) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         spec = load_spec(MODEL)
         bound = build_trainer(spec, "hf", 0, 1, same_start=False, device="cuda").bound
-        writer = WeightWriter(bound, meta=meta, job=job, timeout_s=120, colocate=True, integrity=0).connect()
+        writer = WeightWriter(bound, meta=meta, job=job, timeout_s=120, integrity=0,
+                              **_transport_kw(transport)).connect()
         for step, seed in STEPS:
             with torch.no_grad():
                 fill_from(bound.layout, bound.tensors, weights(spec, seed))
@@ -102,107 +111,137 @@ def trainer_main(meta: str, job: str, q) -> None:
         raise
 
 
-def sync(out: Path, graphs: bool = False) -> dict:
+#: each job's transport: the WeightWriter's / WeightReader's arguments and the bench scenario it corresponds to
+TRANSPORTS = {"colocated": ({"colocate": True}, "colo-1gpu"), "nixl": ({"transport": "nixl"}, "nixl-1gpu")}
+
+
+def _transport_kw(transport: str) -> dict:
+    return dict(TRANSPORTS[transport][0])
+
+
+def sync(graphs: bool = False, transports: tuple[str, ...] = ("colocated",)) -> list[dict]:
+    """One result per transport: a job each, in order, into the same two engines (X synced, Y the reference)."""
     import torch
-    from vllm_harness import generate, start_llm, stop_llm, weights
+    from vllm_harness import generate, start_llm, stop_llm
 
     from weightsync.instances.vllm import VLLMInstance
     from weightsync.meta.server import MetaServer
-    from weightsync.quant.engine_check import computed, differences, layer_methods, live_paths, loaded_problems
-    from weightsync.runtime.reader import WeightReader
-    from weightsync.spec import load_spec
+    from weightsync.quant.engine_check import computed, layer_methods, live_paths
 
     import vllm
 
-    result: dict = {"stage": "fp8-sync", "model": MODEL, "vllm": vllm.__version__, "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name(0), "steps": [], "errors": [], "receiver": "vllm",
-                    "quant": "fp8", "scenario": "colo-1gpu", "commit": os.environ.get("WEIGHTSYNC_COMMIT")}
-    spec = load_spec(MODEL)
+    results = [{"stage": "fp8-sync", "model": MODEL, "vllm": vllm.__version__, "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name(0), "steps": [], "errors": [], "receiver": "vllm", "quant": "fp8",
+                "scenario": TRANSPORTS[t][1], "job_transport": t, "commit": os.environ.get("WEIGHTSYNC_COMMIT")}
+               for t in transports]
     root = Path(tempfile.mkdtemp(prefix="fp8-vllm-"))
-    paths = {s: save_fp8(s, root / f"fp8-seed{s}") for s in (1, 2)}
     llms: dict = {}
     try:
+        paths = {s: save_fp8(s, root / f"fp8-seed{s}") for s in (1, 2)}
         with MetaServer().start() as meta:
             t0 = time.perf_counter()
             # the worker extension's entry (VLLMInstance); the "weightsync" weight-transfer plug-in is registered
             # by weightsync's entry point, which a snapshot run without installing weightsync does not have
             llms["X"] = start_llm(paths[1], backend=False, **_llm_kw(graphs))
             llms["Y"] = start_llm(paths[2], backend=False, **_llm_kw(graphs))
-            result["cuda_graphs"] = graphs
-            result["startup_s"] = time.perf_counter() - t0
+            startup = time.perf_counter() - t0
             insts = {n: VLLMInstance(llm) for n, llm in llms.items()}
-            result["engine_string"] = insts["X"].engine
-            result["layer_methods"] = insts["X"].call(layer_methods)[0]
-            result["live_paths"] = insts["X"].call(live_paths)[0]
+            engine = dict(cuda_graphs=graphs, startup_s=startup, engine_string=insts["X"].engine,
+                          layer_methods=insts["X"].call(layer_methods)[0], live_paths=insts["X"].call(live_paths)[0])
             refs = {1: (insts["X"].call(computed)[0], generate(llms["X"])),
                     2: (insts["Y"].call(computed)[0], generate(llms["Y"]))}
-            result["reference_tokens_differ"] = refs[1][1] != refs[2][1]
-            result["computed_tensors"] = len(refs[1][0])
-            result["fp8_params"] = sum(1 for k in refs[1][0] if k.endswith(":float8_e4m3fn"))
-            print(f"[fp8] engines up in {result['startup_s']:.1f} s: {result['engine_string']}; "
-                  f"{result['live_paths']}; kernels {sorted(set(result['layer_methods'].values()))}", flush=True)
-            ctx = mp.get_context("spawn")
-            q = ctx.Queue()
-            proc = ctx.Process(target=trainer_main, args=(meta.url, "fp8-colo", q), daemon=True)
-            proc.start()
-            try:
-                reader = WeightReader(insts["X"], meta=meta.url, job="fp8-colo", instance_id=0, instances=1,
-                                      timeout_s=120, colocate=True, integrity=0).connect()
-                result["transport"] = reader.session.options.transport_name
-                for step, seed in STEPS:
-                    t0 = time.perf_counter()
-                    reader.update(step)
-                    rec = {"step": step, "seed": seed, "update_seconds": time.perf_counter() - t0,
-                           "transfer_seconds": max(s.seconds for s in reader.last_stats),
-                           "bytes": sum(s.bytes for s in reader.last_stats),
-                           "full_bytes": sum(s.stats.full_bytes for s in reader.last_stats)}
-                    mine = insts["X"].call(computed)[0]
-                    diff = differences(mine, refs[seed][0])
-                    rec["computed_equal"] = not diff
-                    rec["differences"] = diff[:10]
-                    rec["gemms"] = sum(1 for k in mine if k.startswith("gemm:"))
-                    rec["tokens_equal"] = generate(llms["X"]) == refs[seed][1]
-                    problems = [p for ps in insts["X"].call(loaded_problems, weights(spec, seed)) for p in ps]
-                    rec["checkpoint_equal"] = not problems
-                    rec["problems"] = problems[:10]
-                    result["steps"].append(rec)
-                    print(f"[fp8] step {step} <- seed {seed}: {rec['bytes']} bytes (bf16 plan {rec['full_bytes']}) "
-                          f"in {rec['update_seconds'] * 1e3:.1f} ms; computed equal {rec['computed_equal']} "
-                          f"({len(mine)} tensors, {rec['gemms']} GEMMs), tokens equal {rec['tokens_equal']}, "
-                          f"checkpoint equal {rec['checkpoint_equal']}", flush=True)
-                reader.close()
-            finally:
-                proc.join(60)
-                msgs = []
-                while not q.empty():
-                    msgs.append(q.get())
-                result["trainer"] = [list(m) for m in msgs]
-                if proc.is_alive():
-                    proc.kill()
+            engine.update(reference_tokens_differ=refs[1][1] != refs[2][1], computed_tensors=len(refs[1][0]),
+                          fp8_params=sum(1 for k in refs[1][0] if k.endswith(":float8_e4m3fn")))
+            print(f"[fp8] engines up in {startup:.1f} s: {engine['engine_string']}; {engine['live_paths']}; "
+                  f"kernels {sorted(set(engine['layer_methods'].values()))}", flush=True)
+            for transport, result in zip(transports, results):
+                result.update(engine)
+                try:
+                    _job(transport, result, meta.url, insts["X"], llms["X"], refs)
+                except Exception as err:  # noqa: BLE001 - recorded; the next transport still runs
+                    result["errors"].append(f"{type(err).__name__}: {err}\n{traceback.format_exc()[-4000:]}")
     except Exception as err:  # noqa: BLE001 - recorded
-        result["errors"].append(f"{type(err).__name__}: {err}\n{traceback.format_exc()[-4000:]}")
+        for result in results:
+            result["errors"].append(f"{type(err).__name__}: {err}\n{traceback.format_exc()[-4000:]}")
     finally:
         for llm in llms.values():
             stop_llm(llm)
     ok = lambda r: r["computed_equal"] and r["tokens_equal"] and r["checkpoint_equal"]  # noqa: E731
-    result["verified"] = (not result["errors"] and len(result["steps"]) == len(STEPS) and all(map(ok, result["steps"]))
-                          and result.get("reference_tokens_differ", False)
-                          and not any(m[0] == "err" for m in result.get("trainer", [])))
-    return result
+    for result in results:
+        result["verified"] = (not result["errors"] and len(result["steps"]) == len(STEPS)
+                              and all(map(ok, result["steps"])) and result.get("reference_tokens_differ", False)
+                              and not any(m[0] == "err" for m in result.get("trainer", [])))
+    return results
 
 
-def bench(model: str, steps: int) -> dict:
+def _job(transport: str, result: dict, meta: str, inst, llm, refs: dict) -> None:
+    """One job (its own name at the MetaServer): a trainer process writes ``STEPS``, X syncs each over ``transport``
+    and is compared with the fresh engine on that seed; what each step showed goes to ``result["steps"]``."""
+    from vllm_harness import generate, weights
+
+    from weightsync.quant.engine_check import computed, differences, loaded_problems
+    from weightsync.runtime.reader import WeightReader
+    from weightsync.spec import load_spec
+
+    spec = load_spec(MODEL)
+    job = f"fp8-{transport}"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=trainer_main, args=(meta, job, q, transport), daemon=True)
+    proc.start()
+    try:
+        t0 = time.perf_counter()
+        reader = WeightReader(inst, meta=meta, job=job, instance_id=0, instances=1, timeout_s=120, integrity=0,
+                              **_transport_kw(transport)).connect()
+        result["setup_s"] = time.perf_counter() - t0
+        result["transport"] = reader.session.options.transport_name
+        for step, seed in STEPS:
+            t0 = time.perf_counter()
+            reader.update(step)
+            rec = {"step": step, "seed": seed, "update_seconds": time.perf_counter() - t0,
+                   "transfer_seconds": max(s.seconds for s in reader.last_stats),
+                   "bytes": sum(s.bytes for s in reader.last_stats),
+                   "full_bytes": sum(s.stats.full_bytes for s in reader.last_stats)}
+            mine = inst.call(computed)[0]
+            diff = differences(mine, refs[seed][0])
+            rec["computed_equal"] = not diff
+            rec["differences"] = diff[:10]
+            rec["gemms"] = sum(1 for k in mine if k.startswith("gemm:"))
+            rec["tokens_equal"] = generate(llm) == refs[seed][1]
+            problems = [p for ps in inst.call(loaded_problems, weights(spec, seed)) for p in ps]
+            rec["checkpoint_equal"] = not problems
+            rec["problems"] = problems[:10]
+            result["steps"].append(rec)
+            print(f"[fp8] {transport} step {step} <- seed {seed}: {rec['bytes']} bytes (bf16 plan "
+                  f"{rec['full_bytes']}) in {rec['update_seconds'] * 1e3:.1f} ms; computed equal "
+                  f"{rec['computed_equal']} ({len(mine)} tensors, {rec['gemms']} GEMMs), tokens equal "
+                  f"{rec['tokens_equal']}, checkpoint equal {rec['checkpoint_equal']}", flush=True)
+        reader.close()
+    finally:
+        proc.join(60)
+        msgs = []
+        while not q.empty():
+            msgs.append(q.get())
+        result["trainer"] = [list(m) for m in msgs]
+        if proc.is_alive():
+            proc.kill()
+
+
+def bench(model: str, steps: int, scenario: str = "colo-1gpu") -> dict:
     from weightsync.bench.run import run_quant
 
-    return run_quant("colo-1gpu", model, steps=steps, timeout=300.0, device="cuda")
+    return run_quant(scenario, model, steps=steps, timeout=300.0, device="cuda")
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--bench", default="", help="also run the colo-1gpu FP8 bench (bf16 beside it) on this model")
+    p.add_argument("--bench", default="", help="also run the FP8 bench (bf16 beside it) on this model")
+    p.add_argument("--bench-scenarios", default="colo-1gpu", help="comma-separated: colo-1gpu, nixl-1gpu")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--skip-sync", action="store_true")
+    p.add_argument("--transports", default="colocated",
+                   help="comma-separated, in order, each a job into the same engines: colocated, nixl")
     p.add_argument("--graphs", action="store_true", help="engines with torch.compile + CUDA graphs (default eager)")
     a = p.parse_args()
     out = Path(a.out)
@@ -211,20 +250,25 @@ def main() -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ok = True
+    transports = tuple(t for t in a.transports.split(",") if t)
+    unknown = set(transports) - set(TRANSPORTS)
+    if unknown:
+        p.error(f"--transports: unknown {sorted(unknown)}; known: {', '.join(TRANSPORTS)}")
     if not a.skip_sync:
-        r = sync(out, a.graphs)
-        with open(out / "fp8_sync.json", "w") as f:
-            json.dump(r, f, indent=1, default=str)
-        print(f"[fp8] sync verified {r['verified']}; errors {r['errors'][:1]}", flush=True)
-        ok = ok and r["verified"]
-    if a.bench:
+        for t, r in zip(transports, sync(a.graphs, transports)):
+            name = "fp8_sync.json" if t == "colocated" else f"fp8_sync_{t}.json"
+            with open(out / name, "w") as f:
+                json.dump(r, f, indent=1, default=str)
+            print(f"[fp8] {t} sync verified {r['verified']}; errors {r['errors'][:1]}", flush=True)
+            ok = ok and r["verified"]
+    for scenario in [s for s in a.bench_scenarios.split(",") if s] if a.bench else []:
         try:
-            b = bench(a.bench, a.steps)
+            b = bench(a.bench, a.steps, scenario)
         except Exception as err:  # noqa: BLE001
             b = {"errors": [f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"], "verified": False}
-        with open(out / "fp8_bench.json", "w") as f:
+        with open(out / ("fp8_bench.json" if scenario == "colo-1gpu" else f"fp8_bench_{scenario}.json"), "w") as f:
             json.dump(b, f, indent=1, default=str)
-        print(f"[fp8] bench verified {b.get('verified')}; errors {b.get('errors', [])[:1]}", flush=True)
+        print(f"[fp8] {scenario} bench verified {b.get('verified')}; errors {b.get('errors', [])[:1]}", flush=True)
         ok = ok and bool(b.get("verified"))
     return 0 if ok else 1
 
