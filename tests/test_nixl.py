@@ -71,7 +71,7 @@ class Job:
     as the session sets it up (weightsync.codec.fp8 ``fp8_options``, a block-aligned plan)."""
 
     def __init__(self, meta: str, model: str, train: str, infer: str, instances: int = 1, mode: str = "sync",
-                 bucket_bytes: int = 4096, tensors=None):
+                 bucket_bytes: int = 4096, tensors=None, sender_instances: int | None = None):
         from weightsync.codec.fp8 import fp8_options
         from weightsync.plan.job import block_aligned
         from weightsync.quant.layout import fp8_layout
@@ -83,6 +83,10 @@ class Job:
         self.held = fp8_layout(self.dst) if fp8 is not None else None  # what an FP8 engine holds
         self.planner = Planner(self.src, self.dst, instances, bucket_bytes=bucket_bytes,
                                block_aligned=block_aligned(self.spec, self.dst))
+        # an elastic trainer plans one instance slot (weightsync.runtime.session): sender_instances=1
+        sending = self.planner if sender_instances is None else Planner(
+            self.src, self.dst, sender_instances, bucket_bytes=bucket_bytes,
+            block_aligned=block_aligned(self.spec, self.dst))
         job = f"nixl-{uuid.uuid4().hex[:8]}"
         self.link = MetaLink(meta, job)
         self.client = MetaClient(meta, job, timeout=TIMEOUT_S)
@@ -93,7 +97,7 @@ class Job:
         self.senders = {}
         for r, t in self.train.items():
             s = NixlSender(options)
-            s.connect(SenderContext(self.link, self.client, None, r, self.planner, self.planner.send_plan(r), t))
+            s.connect(SenderContext(self.link, self.client, None, r, sending, sending.send_plan(r), t))
             self.senders[r] = s
         self.targets, self.receivers = {}, {}
         for i in range(instances):
@@ -249,7 +253,8 @@ def test_fp8_frames_land_the_fp8_checkpoint_bit_exact(meta, mode):
 def test_fp8_frames_are_never_replaced_by_a_full_read(meta):
     """Where the frames cannot serve a step, an FP8 worker fails naming the trainer and reads nothing -- the plan's
     bf16 bytes read whole would land in e4m3 weights without their scales -- (sync: a step the trainer did not
-    encode), or reports a mix and pulls again (async: the trainer re-staged while its payloads were read)."""
+    encode; a bucket no trainer encodes), or reports a mix and pulls again (async: the trainer re-staged while its
+    payloads were read)."""
     from weightsync.transport.nixl import Restaged
 
     job = Job(meta, **FP8)
@@ -279,6 +284,21 @@ def test_fp8_frames_are_never_replaced_by_a_full_read(meta):
         rx.frames._unchanged = real
         assert rx.pull(job.targets[0, 0]).steps == {2} and not rx.programs
         assert not job.wrong(2).get((0, 0)), job.wrong(2)
+    finally:
+        job.close()
+    # elastic trainers plan one instance slot: with replicated training ranks (dp=2 of tp=2) a second instance's
+    # buckets may come from a replica that encodes nothing for them -- refused by name, nothing read in full
+    job = Job(meta, **dict(FP8, train="megatron:tp=2,dp=2"), sender_instances=1)
+    try:
+        job.write(1)
+        for j in range(2):
+            assert job.receivers[0, j].receive(1, job.targets[0, j]).bytes > 0
+        assert not {k: v for k, v in job.wrong(1).items() if k[0] == 0}
+        with pytest.raises(TransportError, match=r"training rank \d -> instance 1 rank \d, step 1: it encodes no frame "
+                                                 r"for bucket \d+ .*replicated training ranks.*nothing read"):
+            for j in range(2):
+                job.receivers[1, j].receive(1, job.targets[1, j])
+        assert not job.receivers[1, 0].programs and all(t.isnan().all() for t in job.targets[1, 0].values())
     finally:
         job.close()
 
