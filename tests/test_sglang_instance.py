@@ -24,6 +24,7 @@ import pickle
 import shutil
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -876,6 +877,467 @@ def test_a_failed_quiet_update_withholds_until_the_next_good_update(tmp_path, fa
         _exact(layout, eng, canonical)
     finally:
         inst.close()
+
+
+# -- the call mailbox (weightsync.sglang.mailbox): a quiet update's calls without SGLang's request path ----------------
+
+
+class RWLock:
+    """SGLang 0.5.14's ``utils/aio_rwlock.py:RWLock`` (the tokenizer manager's ``model_update_lock``), the same logic:
+    readers wait while a writer holds or waits; a writer waits for the readers to leave."""
+
+    def __init__(self):
+        self._lock = asyncio.Lock()
+        self._cond = asyncio.Condition(self._lock)
+        self._readers = 0
+        self._writer_active = False
+        self._waiting_writers = 0
+
+    async def acquire_reader(self):
+        async with self._lock:
+            while self._writer_active or self._waiting_writers > 0:
+                await self._cond.wait()
+            self._readers += 1
+
+    async def release_reader(self):
+        async with self._lock:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    async def acquire_writer(self):
+        async with self._lock:
+            self._waiting_writers += 1
+            try:
+                while self._writer_active or self._readers > 0:
+                    await self._cond.wait()
+                self._writer_active = True
+            finally:
+                self._waiting_writers -= 1
+
+    async def release_writer(self):
+        async with self._lock:
+            self._writer_active = False
+            self._cond.notify_all()
+
+    async def is_locked(self):
+        async with self._lock:
+            return self._writer_active or self._readers > 0
+
+
+_RANK = threading.local()  # each stand-in scheduler thread's TP rank (SGLang: its process's)
+
+
+class LoopScheduler:
+    """SGLang 0.5.14's ``Scheduler`` of one TP rank, with its own thread running its event loop
+    (``scheduler.py:Scheduler.event_loop_normal``): each iteration receives requests and hands them to
+    ``process_input_requests`` (an ``update_weights_from_tensor`` request runs the custom loader there, in this
+    thread), then runs a batch if one is queued (``run_batch``: ``forward_ct`` += 1, reading every weight) or idles
+    (``on_idle``). ``flush_cache`` flushes only when ``is_fully_idle()``. Its weight updater is
+    :class:`SchedulerStandIn`-like: ``self.updater.update_weights_from_tensor`` is the frame the loader finds."""
+
+    def __init__(self, engine, rank, model):
+        self.engine, self.rank, self.model = engine, rank, model
+        self.forward_ct = 0
+        self.server_args = types.SimpleNamespace(enable_hierarchical_cache=False)
+        self.inbox: list = []
+        self.queued_batches = 0
+        self.stale_batch = False  # the overlap scheduler's last batch of a request that already finished
+        self.iterations = 0
+        self.flush_threads: list[int] = []
+        self.stuck = threading.Event()  # set: the loop hangs (never reaches process_input_requests)
+        self.stopped = False
+        self.updater = types.SimpleNamespace(scheduler=self, flush_cache=self.flush_cache,
+                                             is_fully_idle=self.is_fully_idle)
+        self.thread = threading.Thread(target=self.event_loop, daemon=True, name=f"stand-in-scheduler-{rank}")
+        self.thread.start()
+
+    def event_loop(self):
+        _RANK.rank = self.rank
+        while not self.stopped:
+            while self.stuck.is_set() and not self.stopped:
+                time.sleep(0.01)
+            recv, self.inbox = self.inbox, []
+            self.process_input_requests(recv)
+            self.iterations += 1
+            if self.queued_batches:
+                self.run_batch()
+            elif self.stale_batch:
+                self.stale_batch = False  # processed now: fully idle from the next iteration on
+            else:
+                time.sleep(0.0002)  # on_idle (SGLang spins here; a short sleep spares this shared machine)
+
+    def process_input_requests(self, recv_reqs):
+        for req in recv_reqs:
+            req()
+
+    def run_batch(self):
+        self.queued_batches -= 1
+        self.forward_ct += 1
+        with torch.no_grad():
+            sum(float(p.float().nan_to_num().sum()) for _, p in self.model.named_parameters())
+
+    def is_fully_idle(self):
+        return not self.queued_batches and not self.stale_batch
+
+    def flush_cache(self, empty_cache=True):
+        idle = self.is_fully_idle()
+        self.engine.log.append(("scheduler flush", self.rank, idle, empty_cache))
+        self.flush_threads.append(threading.get_ident())
+        return idle
+
+    def update_weights_from_tensor(self, named):
+        """``SchedulerWeightUpdaterManager.update_weights_from_tensor``: the worker's custom loader, then (here) no
+        flush (``flush_cache=False``)."""
+        SchedulerWeightUpdater(self).update_weights_from_tensor(self.model, named)
+
+
+class SchedulerWeightUpdater:
+    """``SchedulerWeightUpdaterManager``: holds the scheduler's ``flush_cache``/``is_fully_idle`` and ``scheduler``
+    (``scheduler.py:1661``); its ``update_weights_from_tensor`` frame is where the loader finds them."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.flush_cache, self.is_fully_idle = scheduler, scheduler.flush_cache, scheduler.is_fully_idle
+
+    def update_weights_from_tensor(self, model, named):
+        S.rpc_loader(model, named)
+
+
+class TokenizerManagerLocked(TokenizerManagerQuiet):
+    """0.5.14's tokenizer manager with its model-update lock (``tokenizer_manager.py:init_weight_update``); a generate
+    request holds the reader lock for its whole life and runs one batch on every rank."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.model_update_lock = RWLock()
+
+    async def generate_request(self, obj, request=None):
+        while getattr(self, "is_pause", False):
+            await asyncio.sleep(0.01)
+        async with _Reader(self.model_update_lock):
+            self.rid_to_state[obj] = object()
+            try:
+                self.engine.run_batch()
+                yield {"text": f"out:{obj}", "weight_version": self.engine.version}
+            finally:
+                del self.rid_to_state[obj]
+
+
+class _Reader:
+    def __init__(self, lock):
+        self.lock = lock
+
+    async def __aenter__(self):
+        await self.lock.acquire_reader()
+
+    async def __aexit__(self, *exc):
+        await self.lock.release_reader()
+
+
+class StandInEngineLooping(StandInEngine0514):
+    """0.5.14 with one looping scheduler thread per TP rank: ``update_weights_from_tensor`` hands the payload to each
+    scheduler's loop (as ZeroMQ does) and waits for every rank (the scheduler's TP barrier)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.tokenizer_manager = TokenizerManagerLocked(self)
+        self.schedulers = [LoopScheduler(self, r, m) for r, m in enumerate(self.models)]
+
+    def run_batch(self, wait_s=10.0):
+        for sch in self.schedulers:
+            sch.queued_batches += 1
+        deadline = time.monotonic() + wait_s
+        while any(s.queued_batches for s in self.schedulers) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        assert load_format == S.RPC_LOADER and flush_cache is False
+        self.log.append(("update", len(named_tensors[0][1])))
+        done = []
+        for sch in self.schedulers:
+            buf = io.BytesIO()
+            ForkingPickler(buf).dump(named_tensors)
+            named = RestrictedUnpickler(io.BytesIO(buf.getvalue())).load()
+            ev = threading.Event()
+            sch.inbox = sch.inbox + [lambda sch=sch, named=named, ev=ev: (sch.update_weights_from_tensor(named), ev.set())]
+            done.append(ev)
+        for ev in done:
+            assert ev.wait(30), "a stand-in scheduler did not run the request"
+        return True, "Success"
+
+    def shutdown(self):
+        for sch in self.schedulers:
+            sch.stopped = True
+            sch.stuck.clear()
+        for sch in self.schedulers:
+            sch.thread.join(5)
+
+
+@pytest.fixture
+def looping(tmp_path, fake_sglang, monkeypatch):
+    """An instance on the looping stand-in (tp=2), its mailbox up; closed and the scheduler threads ended after."""
+    spec, layout, base = engine_for(tmp_path, "tiny-qwen3", "sglang:tp=2")
+    monkeypatch.setattr(S, "name_payload_admitted", lambda: True)
+    monkeypatch.setattr(S, "_tp_rank", lambda: _RANK.rank)
+    made = []
+
+    def make(**kw):
+        eng = StandInEngineLooping(str(tmp_path), base.models)
+        made.append(eng)
+        inst = S.SGLangInstance(eng, timeout_s=kw.pop("timeout_s", 30), **kw)
+        made.append(inst)
+        return spec, layout, eng, inst
+
+    yield make
+    for obj in reversed(made):
+        if isinstance(obj, S.SGLangInstance):
+            obj.close()
+        else:
+            obj.shutdown()
+
+
+_SEEN: dict = {}  # what the worker-side test functions saw (same process: the stand-in's "workers")
+
+
+def writer_lock_held(ctx):
+    """On the mailbox thread: SGLang's model-update writer lock is held and no scheduler thread is running this."""
+    from weightsync.sglang.mailbox import current_gate
+
+    gate, rank = current_gate()
+    _SEEN.setdefault("lock", []).append(_SEEN["engine"].tokenizer_manager.model_update_lock._writer_active)
+    _SEEN.setdefault("threads", []).append(threading.current_thread().name)
+    return rank
+
+
+def steps_aside(ctx):
+    """On the mailbox thread: the scheduler thread comes to wait in its gate while this call runs, and its loop does
+    not turn meanwhile."""
+    from weightsync.sglang.mailbox import current_gate
+
+    gate, rank = current_gate()
+    deadline = time.monotonic() + 10
+    while gate.parks < 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    sch = gate.scheduler
+    before = sch.iterations
+    time.sleep(0.1)
+    return gate.parks, sch.iterations - before
+
+
+def hang(ctx, key):
+    _SEEN[key].wait(30)
+    return ctx.rank
+
+
+def _update(inst, spec, seed, *extra):
+    canonical = random_canonical(spec, seed=seed)
+    inst.pause()
+    out = inst.call(write_canonical, canonical, preset("tiny-qwen3"), inst.engine)
+    for fn in extra:
+        out = inst.call(fn)
+    inst.after_update()
+    inst.resume()
+    return canonical, out
+
+
+def test_a_mailbox_update_sends_no_sglang_request_holds_the_writer_lock_and_lands_bit_exact(looping):
+    """Set-up: two requests through update_weights_from_tensor (the probe, then serve_mailbox). Each quiet update after
+    it: no update_weights_from_tensor at all (no pause/flush/continue either), every call on the mailbox threads with
+    SGLang's model-update writer lock held, released after; the first update flushes both ranks' caches from the
+    scheduler threads themselves; the weights bit-exact."""
+    spec, layout, eng, inst = looping()
+    _SEEN.clear()
+    _SEEN["engine"] = eng
+    assert inst.mailbox and inst.trips == 2 and eng.log.count(("update", 0)) == 2
+    eng.log.clear()
+    canonical, ranks = _update(inst, spec, 21, writer_lock_held)
+    inst.set_version(1)
+    assert ranks == [0, 1] and inst.last_quiet and inst.last_mailbox and inst.trips == 2
+    assert ("update", 0) not in eng.log and ("pause", "retract") not in eng.log and ("continue",) not in eng.log
+    assert sorted(eng.log) == [("scheduler flush", 0, True, True), ("scheduler flush", 1, True, True)]
+    assert [s.flush_threads for s in eng.schedulers] == [[s.thread.ident] for s in eng.schedulers]
+    assert _SEEN["lock"] == [True, True] and all(n.startswith("weightsync-sglang-mailbox") for n in _SEEN["threads"])
+    tm = eng.tokenizer_manager
+    assert not eng.loop.run_until_complete(tm.model_update_lock.is_locked())
+    assert {"lock", "mailbox", "unlock"} <= set(inst.last_timing) and "calls" not in inst.last_timing
+    assert inst.served_version == "1" and inst.last_call is not None
+    _exact(layout, eng, canonical)
+    # generation between updates still works (the reader lock is free again), and calls outside an update take
+    # SGLang's path
+    assert eng.generate("g")["text"] == "out:g"
+    assert inst.call(rank_and_count, "x")[1][2] == "x" and inst.trips == 3
+
+
+def test_the_flush_runs_only_when_a_batch_ran_since_the_last_one(looping):
+    spec, layout, eng, inst = looping(empty_cache_on_resume=False)
+    _update(inst, spec, 1)  # the first update flushes (nothing recorded yet)
+    eng.log.clear()
+    _update(inst, spec, 2)  # no batch since: nothing to flush
+    assert eng.log == [] and inst.last_timing["flush_in_calls"] == 0.0
+    eng.generate("between")  # one batch on every rank (forward_ct moves)
+    eng.log.clear()
+    canonical, _ = _update(inst, spec, 3)
+    assert sorted(eng.log) == [("scheduler flush", 0, True, False), ("scheduler flush", 1, True, False)]
+    assert [len(s.flush_threads) for s in eng.schedulers] == [2, 2]
+    assert all(set(s.flush_threads) == {s.thread.ident} for s in eng.schedulers)
+    assert ("update", 0) not in eng.log
+    _exact(layout, eng, canonical)
+    # a stale batch still in the overlap scheduler: the flush waits an iteration for idle, still on the scheduler's
+    # own thread
+    eng.generate("again")
+    for sch in eng.schedulers:
+        sch.stale_batch = True
+    eng.log.clear()
+    _update(inst, spec, 4)
+    assert sorted(eng.log) == [("scheduler flush", 0, True, False), ("scheduler flush", 1, True, False)]
+
+
+def test_the_scheduler_thread_waits_in_its_gate_while_a_call_runs(looping):
+    spec, layout, eng, inst = looping()
+    inst.pause()
+    try:
+        got = inst.call(steps_aside)
+    finally:
+        inst.resume()
+    assert [p >= 1 for p, _ in got] == [True, True] and [turned for _, turned in got] == [0, 0], got
+    assert eng.generate("after")["text"] == "out:after"  # the loops turn again
+
+
+@pytest.mark.parametrize("why", ["a request in flight", "a reader holds the lock", "mailbox=False"])
+def test_the_old_path_when_a_request_is_in_flight_or_the_mailbox_is_off(looping, why):
+    spec, layout, eng, inst = looping(mailbox=why != "mailbox=False")
+    assert inst.mailbox == (why != "mailbox=False")
+    tm = eng.tokenizer_manager
+    if why == "a request in flight":
+        tm.rid_to_state["r1"] = object()
+    elif why == "a reader holds the lock":  # a request between its reader lock and rid_to_state: quiet, no lock
+        eng.loop.run_until_complete(tm.model_update_lock.acquire_reader())
+    eng.log.clear()
+    canonical, _ = _update(inst, spec, 5)
+    assert not inst.last_mailbox and ("update", 0) in eng.log
+    if why == "a request in flight":
+        assert eng.log[0] == ("pause", "retract") and eng.log[-1] == ("continue",)
+    else:
+        assert inst.last_quiet and ("pause", "retract") not in eng.log
+    assert eng.loop.run_until_complete(tm.model_update_lock.is_locked()) == (why == "a reader holds the lock")
+    _exact(layout, eng, canonical)
+
+
+def test_the_old_path_on_the_session_api():
+    """0.5.23's weight-update session: no mailbox is started (the session is SGLang's own way to keep requests out)."""
+    inst = S.SGLangInstance.__new__(S.SGLangInstance)
+    inst.api, inst.quiet_updates, inst._mailbox = S.API_SESSION, True, None
+    inst.sgl = types.SimpleNamespace(tokenizer_manager=types.SimpleNamespace(model_update_lock=RWLock(), rid_to_state={}))
+    inst._open_mailbox(1.0)
+    assert not inst.mailbox
+
+
+def test_a_scheduler_whose_mailbox_thread_ended_fails_the_update_at_once_and_the_engine_serves_again(looping):
+    from weightsync.errors import WorkerDied
+
+    spec, layout, eng, inst = looping()
+    gate = eng.schedulers[1].__dict__["_weightsync_gate"]
+    (server,) = gate.servers.values()
+    server.stop()
+    server.thread.join(5)
+    t0 = time.monotonic()
+    inst.pause()
+    try:
+        with pytest.raises(WorkerDied, match="rank 1"):
+            inst.call(write_canonical, random_canonical(spec, seed=6), preset("tiny-qwen3"), inst.engine)
+    finally:
+        inst.resume()
+    assert time.monotonic() - t0 < 5
+    tm = eng.tokenizer_manager
+    assert not eng.loop.run_until_complete(tm.model_update_lock.is_locked())  # released: the engine is not blocked
+    with pytest.raises(InstanceError, match="unusable"):
+        inst.call(rank_and_count)
+
+
+def test_a_call_past_its_deadline_raises_worker_timeout_and_nothing_more_is_sent(looping):
+    from weightsync.runtime.worker import call_timeout
+
+    spec, layout, eng, inst = looping()
+    _SEEN["release"] = threading.Event()
+    inst.pause()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerTimeout, match="hang.*deadline"):
+            inst.call(hang, "release", timeout_s=0.5)
+        took = time.monotonic() - t0
+    finally:
+        inst.resume()
+        _SEEN["release"].set()
+    assert call_timeout(0.5) <= took < 2 * 0.5 + 1.0
+    with pytest.raises(InstanceError, match="unusable"):
+        inst.pause() or inst.call(rank_and_count)
+
+
+def test_a_stuck_scheduler_loop_fails_the_flush_within_the_deadline(looping):
+    """A batch ran (a flush is due) and rank 1's scheduler loop hangs: rank 1's call answers an error naming it
+    within the deadline, the update withholds the engine, and the writer lock is released."""
+    from weightsync.runtime.reader import WeightReader
+
+    spec, layout, eng, inst = looping()
+    eng.generate("kv")
+    eng.schedulers[1].stuck.set()
+    time.sleep(0.05)
+    inst.pause()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(InstanceError, match="rank 1: SGLang's scheduler thread did not come round to flush"):
+            inst.call(write_canonical, random_canonical(spec, seed=7), preset("tiny-qwen3"), inst.engine,
+                      timeout_s=1.0)
+        took = time.monotonic() - t0
+        WeightReader._withhold(types.SimpleNamespace(instance=inst), "instance x: update(7) failed part-way")
+    finally:
+        inst.resume()
+    assert took < 1.5 + 0.5, took
+    eng.schedulers[1].stuck.clear()
+    tm = eng.tokenizer_manager
+    assert not eng.loop.run_until_complete(tm.model_update_lock.is_locked())
+    with pytest.raises(InstanceError, match="serves nothing"):
+        eng.generate("b")
+    # the next good update flushes rank 1 (a batch ran since its last flush; rank 0 flushed in the failed update and
+    # ran nothing since) and serves again
+    eng.log.clear()
+    canonical, _ = _update(inst, spec, 8)
+    inst.set_version(8)
+    assert inst.last_mailbox and eng.log == [("scheduler flush", 1, True, True)]
+    assert eng.generate("c")["text"] == "out:c"
+    _exact(layout, eng, canonical)
+
+
+def test_a_forged_a_replayed_or_a_misdirected_message_is_refused_and_runs_nothing(looping, tmp_path):
+    from weightsync.sglang import wire
+
+    spec, layout, eng, inst = looping()
+    box = inst._mailbox
+    marker = tmp_path / "ran"
+
+    def answers(blob):
+        return [pickle.loads(a) for a in box.call([blob, blob], 10)]
+
+    forged = wire.encode(b"x" * 32, inst._id, inst._dir, 10_000, touch, (str(marker),))
+    other_dir, other_key = wire.new_key_dir()
+    try:
+        misdirected = wire.encode(other_key, inst._id, other_dir, 10_001, touch, (str(marker),))
+        replayed = wire.encode(inst._key, inst._id, inst._dir, 1, touch, (str(marker),))
+        for blob, why in ((forged, "bad MAC"), (misdirected, "arrived in the mailbox of"), (replayed, "replayed"),
+                          (b"not a message", "bad magic")):
+            got = answers(blob)
+            assert [a.ok for a in got] == [False, False] and all(why in a.error[2] for a in got), (why, got)
+    finally:
+        shutil.rmtree(other_dir)
+    assert not marker.exists()
+    # a genuine call still goes through
+    good = wire.encode(inst._key, inst._id, inst._dir, 10_002, touch, (str(marker),))
+    assert [a.value for a in answers(good)] == [0, 1] and marker.exists()
+
+
+def touch(ctx, path):
+    open(path, "a").close()
+    return ctx.rank
 
 
 # -- weightsync demo --engines real --infer sglang:tp=N: refused before anything starts (the demo itself runs on the

@@ -25,7 +25,15 @@ mode 0600, in a private weightsync directory, never through a link.
 synchronizes it before running a call and again before answering: the answer is sent only once every
 kernel the call launched has finished, on whatever stream, so the control process that reads it (and
 resumes generation after it) never races a copy still in flight. What keeps the engine's own forward
-passes away from a call is the engine adapter's business (vLLM: ``weightsync.instances.vllm``).
+passes away from a call is the engine adapter's business (vLLM: ``weightsync.instances.vllm``; SGLang:
+``weightsync.sglang.mailbox``).
+
+**A host thread that steps aside.** A worker process whose own main thread spins in Python (SGLang's scheduler
+loop polls ZeroMQ without sleeping) holds the GIL nearly all the time: a serving thread woken by a call would wait
+up to the interpreter's switch interval (5 ms) for it, at every wake-up and every GIL hand-over. So the server says
+when it has work -- :meth:`MailboxServer.pending` (a call's bytes wait in its pipe) and :attr:`MailboxServer.active`
+(a call is being read, run or answered) -- and tells the host when a call is over (``on_change``), so that the host
+loop can wait, GIL released, while a call runs (the engine adapter decides where its loop may wait).
 
 Engine-independent: nothing here knows vLLM or SGLang.
 """
@@ -280,10 +288,15 @@ class MailboxServer:
     """A worker's end: a daemon thread that answers each request with ``handle(payload)`` (see :func:`serve`)."""
 
     def __init__(self, address: MailboxAddress, rank: int, handle: Callable[[bytes], bytes], device: Any = None,
-                 name: str = "weightsync-mailbox"):
+                 name: str = "weightsync-mailbox", on_change: Callable[[], None] | None = None):
         _check_directory(address.directory)
         self.address, self.rank, self.handle, self.device = address, rank, handle, device
         self.calls = 0
+        #: True from the moment a call's first bytes are read until its answer is sent (see :meth:`pending`)
+        self.active = False
+        #: called on the serving thread when a call is over (answered, or its answer could not be sent) and when the
+        #: thread ends: a host waiting for the call (:attr:`active`) re-checks then; must not raise
+        self.on_change = on_change
         self._req = _open_fifo(address.request(rank), os.O_RDONLY)
         try:
             self._ans = _open_fifo(address.answer(rank), os.O_WRONLY)  # the control process reads it already
@@ -293,6 +306,7 @@ class MailboxServer:
                                f"({e.strerror})") from e
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stopping = False
+        self._closed = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, name=f"{name}-{rank}", daemon=True)
         self.thread.start()
@@ -317,13 +331,25 @@ class MailboxServer:
                     reply, rkind = f"{type(e).__name__}: {e}".encode(), FAILED
                 synced = time.perf_counter() - t0 - handler
                 self.calls += 1
-                if not self._send(_ANSWER.pack(rkind, seq, len(reply), handler, synced) + reply):
+                sent = self._send(_ANSWER.pack(rkind, seq, len(reply), handler, synced) + reply)
+                self._over()
+                if not sent:
                     return
         except BaseException as e:  # noqa: BLE001 -- the thread ends; the control process sees its end close
             self.error = e
             log.warning("rank %d: the weightsync mailbox thread ended: %s: %s", self.rank, type(e).__name__, e)
         finally:
             self._close()
+            self._over()
+
+    def _over(self) -> None:
+        """A call is over (or the thread ends): not :attr:`active`; the host is told."""
+        self.active = False
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # noqa: BLE001 -- the host's hook: never ends the serving thread
+                log.exception("rank %d: the mailbox's on_change hook raised", self.rank)
 
     def _set_device(self) -> None:
         dev = self.device
@@ -350,6 +376,7 @@ class MailboxServer:
             if self._wake_r in events or self._stopping:
                 return None, 0, b""
             if self._req in events:
+                self.active = True  # before reading: pending() may turn False only once this is True
                 try:
                     if rd.feed(self._req):
                         kind, seq, payload = rd.frame()
@@ -379,11 +406,26 @@ class MailboxServer:
         return True
 
     def _close(self) -> None:
+        self._closed = True
         for fd in (self._req, self._ans):  # the wake pipe is stop()'s: closed there, once the thread is gone
             try:
                 os.close(fd)
             except OSError:
                 pass
+
+    # -- any thread of the worker ------------------------------------------------------------------
+    def pending(self) -> bool:
+        """Whether a call's bytes wait in the request pipe, not yet read by the serving thread (one ``poll``, no
+        wait). With :attr:`active` it tells a host loop that a call is coming or running: the serving thread sets
+        :attr:`active` before it reads, so between the two there is no moment where a call in flight shows neither."""
+        if self._closed:
+            return False
+        p = select.poll()
+        p.register(self._req, select.POLLIN)
+        try:
+            return any(ev & select.POLLIN for _, ev in p.poll(0))
+        except OSError:  # closed meanwhile
+            return False
 
     # -- the worker's main thread ------------------------------------------------------------------
     @property
@@ -411,12 +453,13 @@ class MailboxServer:
 
 
 def serve(address: MailboxAddress, rank: int, handle: Callable[[bytes], bytes], device: Any = None,
-          name: str = "weightsync-mailbox") -> MailboxServer:
+          name: str = "weightsync-mailbox", on_change: Callable[[], None] | None = None) -> MailboxServer:
     """Serve rank ``rank``'s mailbox on a daemon thread of this (worker) process: each request's bytes go to
     ``handle`` (which must not raise: answer its errors as bytes), its result back as the answer. ``device``: the
-    worker's device, current in the thread and synchronized around every call. Returns once the FIFOs are open
-    (the control process may :meth:`Mailbox.connect` then)."""
-    return MailboxServer(address, rank, handle, device, name)
+    worker's device, current in the thread and synchronized around every call. ``on_change``: called on that
+    thread when a call is over and when the thread ends (:meth:`MailboxServer.pending`). Returns once the FIFOs
+    are open (the control process may :meth:`Mailbox.connect` then)."""
+    return MailboxServer(address, rank, handle, device, name, on_change)
 
 
 __all__ = ["Mailbox", "MailboxAddress", "CallTiming", "MailboxServer", "MailboxError", "MailboxDied", "MailboxTimeout", "serve",
