@@ -55,6 +55,35 @@ def test_fp8_floor_counts_the_quantizer_and_over_nixl_the_readers_copy():
         run("sep-1to1", "tiny-qwen3-fp8", steps=1, baselines=(), device="cpu", quant="fp8")
 
 
+def test_fp8_over_nixl_writers_get_their_frames_region_within_the_budget():
+    """nixl-1gpu --quant fp8: the trainer keeps every distinct bucket's FP8 frame registered (qwen3-8b: ~9.4 GB, over
+    the 2 GiB default budget); the bench grants it on top (writer_budget), and what NixlSender.memory asks for at
+    set-up fits; bf16 and co-located FP8 writers keep the default."""
+    from dataclasses import replace
+
+    from weightsync.bench.run import writer_budget
+    from weightsync.codec.fp8 import fp8_options
+    from weightsync.plan.job import block_aligned
+    from weightsync.plan.planner import Planner
+    from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
+    from weightsync.transport.base import SenderContext, TransportOptions
+    from weightsync.transport.nixl import NixlSender
+
+    spec = load_spec("qwen3-8b")
+    s = SCENARIOS["nixl-1gpu"]
+    fp8 = replace(s, infer=f"{s.infer},quant=fp8")
+    src, dst = make_layout(spec, s.train), make_layout(spec, fp8.infer)
+    held = src.layout(0).bytes_held(spec)
+    assert writer_budget(s, held) == writer_budget(replace(SCENARIOS["colo-1gpu"], infer=fp8.infer), held) \
+        == DEFAULT_MEMORY_BUDGET
+    planner = Planner(src, dst, 1, block_aligned=block_aligned(spec, dst))
+    tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device="meta")
+               for n, t in src.layout(0).tensors.items()}
+    ctx = SenderContext(None, None, None, 0, planner, planner.send_plan(0), tensors)
+    need = NixlSender(fp8_options(TransportOptions("nixl"), fp8.infer, spec)).memory(ctx).bytes
+    assert DEFAULT_MEMORY_BUDGET < need <= writer_budget(fp8, held), (need, writer_budget(fp8, held))
+
+
 def test_results_record_where_they_were_measured():
     from weightsync.bench.run import environment
 

@@ -100,7 +100,8 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta
     tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in layout.tensors.items()}
     # set up now, as the constructor used to: neither the warm-up step's time nor its memory peak includes it
     writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", timeout_s=timeout,
-                          colocate=scen.colocate, transport=scen.transport, **_integrity(integrity)).connect()
+                          colocate=scen.colocate, transport=scen.transport,
+                          memory_budget=writer_budget(scen, layout.bytes_held(spec)), **_integrity(integrity)).connect()
     peak = 0
     init_weights(layout, tensors, spec)
     for step in range(steps + 1):  # step 0 warms up
@@ -329,8 +330,9 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     frames, which the worker READs); integrity off (its sums cover the bf16 sources), no baselines (they move bf16
     bytes), one-GPU scenarios (colo-1gpu, nixl-1gpu). ``bytes_moved`` is what lands (e4m3 + scales + the bf16 rest);
     the floor counts the quantizer's memory traffic (read bf16, write e4m3 and scales; nixl-1gpu: and the reader's
-    copy of what it wrote) at the device copy's rate; ``quantize_seconds`` times the quantize kernel alone on every FP8 weight of
-    the model (one launch a weight, as the codec launches them). :func:`run_quant` runs bf16 and FP8 side by side."""
+    copy of what it wrote) at the device copy's rate; ``quantize_seconds`` times the quantize kernel alone on every
+    FP8 weight of the model (one launch a weight, as the codec launches them); nixl-1gpu's writers get their frames
+    region on top of the memory budget (:func:`writer_budget`). :func:`run_quant` runs bf16 and FP8 side by side."""
     from weightsync.engines import make_layout
     from weightsync.spec import load_spec
     from weightsync.transport.group import free_port
@@ -485,7 +487,8 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         efficiency=floor / median if floor is not None else None,
         verified=all(m.exact for m in t.instances),
         peak_transient_bytes=max([m.peak_bytes for m in t.trainers] + [m.peak_bytes for m in t.instances]),
-        memory_budget_bytes=DEFAULT_MEMORY_BUDGET,  # the writers' and readers' default, checked at set-up
+        # the writers' and readers' default, checked at set-up (FP8 over nixl: the writers' frames region on top)
+        memory_budget_bytes=max(writer_budget(scen, train.layout(r).bytes_held(spec)) for r in range(train.world_size)),
         # co-located: whether workers copied other GPUs' pieces directly (else through their NCCL group)
         peer_copies=all(m.peer_copies for m in t.instances) if scen.colocate else None,
         # co-located: bytes a step's workers wrote into other workers' tensors on other GPUs (the push)
@@ -560,6 +563,14 @@ def check_fp8(ctx, model: str, engine: str, doublings: int) -> bool:
                                want.contiguous().view(bits[want.element_size()])):
                 return False
     return True
+
+
+def writer_budget(scen: Scenario, held: int) -> int:
+    """A training rank's memory budget: the default, and for FP8 over nixl its frames region on top (every distinct
+    bucket's payload -- e4m3 bytes, scales, the bf16 rest: ~0.58 of the rank's bf16 bytes -- stays registered for the
+    readers' one-sided READs; granted as the ``held`` bytes, as the delta bench grants its previous version)."""
+    frames = "quant=fp8" in scen.infer and scen.transport == "nixl"
+    return DEFAULT_MEMORY_BUDGET + (held if frames else 0)
 
 
 def fp8_copy_bytes(train, infer, scen: Scenario) -> int:
@@ -779,6 +790,6 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true")
 
 
-__all__ = ["run", "run_quant", "check_fp8", "fp8_copy_bytes", "quantize_time", "environment", "main_from_args", "add_arguments", "CHECKPOINT_ENGINE",
+__all__ = ["run", "run_quant", "check_fp8", "fp8_copy_bytes", "writer_budget", "quantize_time", "environment", "main_from_args", "add_arguments", "CHECKPOINT_ENGINE",
            # the scenarios and their data, kept importable from here
            "SCENARIOS", "Scenario", "advance", "canonical_region", "check", "init_weights", "moved_per_gpu"]
