@@ -58,14 +58,16 @@ def test_fp8_floor_counts_the_quantizer_and_over_nixl_the_readers_copy():
 def test_fp8_over_nixl_writers_get_their_frames_region_within_the_budget():
     """nixl-1gpu --quant fp8: the trainer keeps every distinct bucket's FP8 frame registered (qwen3-8b: ~9.4 GB, over
     the 2 GiB default budget); the bench grants it on top (writer_budget), and what NixlSender.memory asks for at
-    set-up fits; bf16 and co-located FP8 writers keep the default."""
+    set-up fits; bf16 and co-located FP8 writers keep the default. Over the default, the refusal says to raise the
+    budget (smaller buckets would not shrink the frames)."""
     from dataclasses import replace
 
     from weightsync.bench.run import writer_budget
     from weightsync.codec.fp8 import fp8_options
     from weightsync.plan.job import block_aligned
     from weightsync.plan.planner import Planner
-    from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
+    from weightsync.errors import ConfigError
+    from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET, enforce_memory_budget
     from weightsync.transport.base import SenderContext, TransportOptions
     from weightsync.transport.nixl import NixlSender
 
@@ -80,8 +82,16 @@ def test_fp8_over_nixl_writers_get_their_frames_region_within_the_budget():
     tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device="meta")
                for n, t in src.layout(0).tensors.items()}
     ctx = SenderContext(None, None, None, 0, planner, planner.send_plan(0), tensors)
-    need = NixlSender(fp8_options(TransportOptions("nixl"), fp8.infer, spec)).memory(ctx).bytes
+    buffers = NixlSender(fp8_options(TransportOptions("nixl"), fp8.infer, spec)).memory(ctx)
+    need = buffers.bytes
     assert DEFAULT_MEMORY_BUDGET < need <= writer_budget(fp8, held), (need, writer_budget(fp8, held))
+    aborted = []  # the job's abort (a MetaClient's), recorded
+    client = type("Client", (), {"abort": lambda self, why: aborted.append(why)})()
+    assert enforce_memory_budget(client, writer_budget(fp8, held), buffers, "training rank 0") == need
+    with pytest.raises(ConfigError, match=rf"over nixl a framed codec's frames of every bucket stay registered.*"
+                                          rf"raise memory_budget \(at least {need}\)"):  # not 'smaller buckets'
+        enforce_memory_budget(client, DEFAULT_MEMORY_BUDGET, buffers, "training rank 0")
+    assert len(aborted) == 1
 
 
 def test_results_record_where_they_were_measured():

@@ -44,9 +44,12 @@ def enforce_memory_budget(client: MetaClient, budget: int | None, buffers: Buffe
         reason = (
             f"{who}: the transport would keep {slots} buffers of {largest} bytes (its largest bucket)"
             + (f" and what its codec keeps ({buffers.codec} bytes: delta keeps the previous version for delta "
-               f"updates; delta_host=True keeps it in host memory instead)" if buffers.codec else "")
-            + f" = {need} bytes beyond the weights, over the memory budget of {budget} bytes; plan smaller buckets "
-            f"(bucket_bytes <= {budget // max(slots, 1)}) or raise memory_budget"
+               f"updates, delta_host=True keeps it in host memory instead; over nixl a framed codec's frames of "
+               f"every bucket stay registered for the readers, FP8's ~0.6 of the rank's bf16 bytes)"
+               if buffers.codec else "")
+            + f" = {need} bytes beyond the weights, over the memory budget of {budget} bytes; "
+            + (f"raise memory_budget (at least {need})" if buffers.codec >= budget else
+               f"plan smaller buckets (bucket_bytes <= {budget // max(slots, 1)}) or raise memory_budget")
         )
         client.abort(reason)
         raise ConfigError(reason)
