@@ -229,7 +229,12 @@ def test_fp8_frames_land_the_fp8_checkpoint_bit_exact(meta, mode):
     """quant=fp8 (weightsync.codec.fp8 on the frame path): each trainer quantizes every distinct bucket into its
     registered region once (both instances read the same frames); every worker READs only the payloads -- e4m3
     bytes, fp32 scales, the bf16 rest: about half the plan's bytes, never a full read -- and lands, bit for bit,
-    the FP8 checkpoint of the step's weights in NaN-poisoned targets, step after step (every weight changed)."""
+    the FP8 checkpoint of the step's weights in NaN-poisoned targets, step after step (every weight changed).
+    Where the frames cannot serve a step the worker reads nothing in full (the plan's bf16 bytes would land in e4m3
+    weights without their scales): sync, a step the trainer did not encode fails naming it; async, a re-stage under
+    the payload reads is reported as a mix and the next pull reads the new step."""
+    from weightsync.transport.nixl import Restaged
+
     job = Job(meta, mode=mode, **FP8)
     try:
         for r, s in job.senders.items():  # instances of one layout share each frame
@@ -246,48 +251,33 @@ def test_fp8_frames_land_the_fp8_checkpoint_bit_exact(meta, mode):
                 assert 0.4 * st.full_bytes < st.bytes < 0.6 * st.full_bytes, (k, st)
                 assert not rx.programs and not rx.decoder.stats.whole_pairs  # nothing read in full
             assert not job.wrong(step), job.wrong(step)
-    finally:
-        job.close()
-
-
-def test_fp8_frames_are_never_replaced_by_a_full_read(meta):
-    """Where the frames cannot serve a step, an FP8 worker fails naming the trainer and reads nothing -- the plan's
-    bf16 bytes read whole would land in e4m3 weights without their scales -- (sync: a step the trainer did not
-    encode; a bucket no trainer encodes), or reports a mix and pulls again (async: the trainer re-staged while its
-    payloads were read)."""
-    from weightsync.transport.nixl import Restaged
-
-    job = Job(meta, **FP8)
-    try:
-        job.write(1)
         rx = job.receivers[0, 0]
-        with pytest.raises(Restaged, match=r"training rank 0 -> instance 0 rank 0, step 2: its frames index names "
-                                           r"step 1 .*nothing read: the fp8 codec's frames are the only form"):
-            rx.receive(2, job.targets[0, 0])
-        assert not rx.programs and all(t.isnan().all() for t in job.targets[0, 0].values())
-        assert rx.receive(1, job.targets[0, 0]).bytes > 0 and not job.wrong(1).get((0, 0))
-    finally:
-        job.close()
-    job = Job(meta, mode="async", **FP8)
-    try:
-        job.write(1)
-        rx = job.receivers[0, 0]
+        if mode == "sync":
+            with pytest.raises(Restaged, match=r"training rank 0 -> instance 0 rank 0, step 4: its frames index names "
+                                               r"step 3 .*nothing read: the fp8 codec's frames are the only form"):
+                rx.receive(4, job.targets[0, 0])
+            assert not rx.programs and not job.wrong(3).get((0, 0))  # untouched: still step 3
+            return
         real = rx.frames._unchanged
 
         def restage_then_check(peers, moved):
-            job.write(2)  # new frames stamped over the region while the payloads of step 1 were read
+            job.write(4)  # new frames stamped over the region while the payloads of step 3 were read
             return real(peers, moved)
 
         rx.frames._unchanged = restage_then_check
         got = rx.pull(job.targets[0, 0]).steps
         assert -1 in got and rx.decoder.version is None, got
         rx.frames._unchanged = real
-        assert rx.pull(job.targets[0, 0]).steps == {2} and not rx.programs
-        assert not job.wrong(2).get((0, 0)), job.wrong(2)
+        assert rx.pull(job.targets[0, 0]).steps == {4} and not rx.programs
+        assert not job.wrong(4).get((0, 0)), job.wrong(4)
     finally:
         job.close()
-    # elastic trainers plan one instance slot: with replicated training ranks (dp=2 of tp=2) a second instance's
-    # buckets may come from a replica that encodes nothing for them -- refused by name, nothing read in full
+
+
+def test_fp8_bucket_no_trainer_encodes_is_refused_not_read_in_full(meta):
+    """Elastic trainers plan one instance slot: with replicated training ranks (megatron tp=2, dp=2) a second
+    instance's buckets may come from a replica that encodes nothing for them. Its workers fail naming the trainer
+    and the bucket, and read nothing in full (instance 0 lands bit for bit)."""
     job = Job(meta, **dict(FP8, train="megatron:tp=2,dp=2"), sender_instances=1)
     try:
         job.write(1)
