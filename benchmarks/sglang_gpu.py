@@ -281,11 +281,14 @@ def _sync_steps(own, spec, cfg, cfg_path: Path, refs: dict, meta, job: str, step
                    "update_seconds": seconds, "bytes": sum(s.bytes for s in reader.last_stats)}
             rec["instance_ms"] = {k: v * 1e3 for k, v in own.instance.last_timing.items()}
             rec["quiet"] = own.instance.last_quiet  # pause/flush/continue skipped, the flush inside the call
+            # the update's calls went through the call mailbox (no SGLang request; the flush by the scheduler thread)
+            rec["mailbox"] = own.instance.last_mailbox
+            rec["trips"] = own.instance.trips  # update_weights_from_tensor calls so far (set-up, checks, old path)
             rec.update(_check(own, spec, cfg, refs[seed], seed, step))
             rec["ok"] = rec["loaded_exact"] and rec["computed_equal"] and rec["tokens_equal"] and rec["version_ok"]
-            log(f"[{job}] step {step} <- seed {seed}: {seconds * 1e3:.1f} ms, loaded exact {rec['loaded_exact']}, "
-                f"{rec['tensors_compared']} computed tensors equal {rec['computed_equal']}, tokens equal "
-                f"{rec['tokens_equal']}, version {rec['served_version']}")
+            log(f"[{job}] step {step} <- seed {seed}: {seconds * 1e3:.1f} ms (mailbox {rec['mailbox']}), loaded exact "
+                f"{rec['loaded_exact']}, {rec['tensors_compared']} computed tensors equal {rec['computed_equal']}, "
+                f"tokens equal {rec['tokens_equal']}, version {rec['served_version']}")
             if not rec["ok"]:
                 log(f"[{job}] problems: {rec['loaded_problems']} {rec['computed_diff']}")
             result["steps"].append(rec)
@@ -433,6 +436,7 @@ def colo(out: Path, models: list[str], first_extras: bool = True) -> dict:
                 res["cuda_graph"] = not bool(own.engine.server_args.disable_cuda_graph)
                 res["api"] = own.instance.api
                 res["engine"] = own.instance.engine
+                res["mailbox"] = own.instance.mailbox  # the call mailbox started (0.5.14: expected)
                 log(f"[{name}] engine up in {res['startup_s']:.1f} s (decode CUDA graphs {res['cuda_graph']}, "
                     f"API {res['api']}, layout {res['engine']})")
                 try:
@@ -482,21 +486,28 @@ def bench(out: Path, model: str, scenarios: list[str], steps: int) -> dict:
                 r = {"scenario": scenario, "receiver": receiver,
                      "errors": [f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"]}
             r["wall_seconds"] = time.perf_counter() - t0
+            if receiver == "sglang":  # instance 0's SGLangInstance.last_timing per timed step ("instance.*" phases)
+                phases = r.get("phase_median_seconds") or {}
+                r["sglang_mailbox"] = "instance.mailbox" in phases  # every timed step's calls through the mailbox
+                r["sglang_instance_ms"] = {k.removeprefix("instance."): v * 1e3 for k, v in phases.items()
+                                           if k.startswith("instance.")}
             result["runs"].append(r)
             med = r.get("median_seconds")
             log(f"[bench] {scenario} {receiver}: median {med * 1e3 if med else float('nan'):.2f} ms, efficiency "
-                f"{r.get('efficiency')}, verified {r.get('verified')}, errors {str(r.get('errors'))[:1500]}")
+                f"{r.get('efficiency')}, verified {r.get('verified')}, mailbox {r.get('sglang_mailbox', '-')} "
+                f"{r.get('sglang_instance_ms', '')}, errors {str(r.get('errors'))[:1500]}")
             with open(out / "bench.json", "w") as f:
                 json.dump(result, f, indent=1, default=str)
     result["verified"] = all(not r.get("errors") and r.get("verified") for r in result["runs"])
     return result
 
 
-def overhead(out: Path, steps: int = 12) -> dict:
-    """Where an update's time goes in SGLang's call path (tiny Llama, co-located trainer), A/B in one run: per
-    step the reader's phases and ``SGLangInstance.last_timing``, odd steps with ``quiet_updates=False`` (pause,
-    call, flush, continue: four round trips), even steps quiet (the call alone, flushing in its own request,
-    ``flush_in_calls``); a greedy generate after every step, so every update has KV to flush;
+def overhead(out: Path, steps: int = 15) -> dict:
+    """Where an update's time goes in SGLang's call path (tiny Llama, co-located trainer), A/B/C in one run: per
+    step the reader's phases and ``SGLangInstance.last_timing``, in turn ``quiet_updates=False`` (pause, call,
+    flush, continue: four round trips), quiet through SGLang's request path (``use_mailbox=False``: the call alone,
+    flushing in its own request, ``flush_in_calls``) and quiet through the call mailbox (no request; the flush by the
+    scheduler's thread); a greedy generate after every step, so every update has KV to flush;
     then bare calls (a ping there and back) with the message in a tensor and in the name, ``Engine.flush_cache()``,
     and ``torch.cuda.empty_cache()`` inside the scheduler."""
     import statistics
@@ -516,14 +527,18 @@ def overhead(out: Path, steps: int = 12) -> dict:
     try:
         with MetaServer().start() as meta:
             plan = [(k, 1 + k % 2) for k in range(1, steps + 1)]
+            arms = ("paused", "quiet", "mailbox")
             trainer = Trainer(path, meta.url, "overhead", plan, colocate=True)
             reader = WeightReader(inst, meta=meta.url, job="overhead", instance_id=0, instances=1, timeout_s=120,
                                   colocate=True).connect()
             for step, _ in plan:
-                inst.quiet_updates = step % 2 == 0
+                arm = arms[step % 3]
+                inst.quiet_updates = arm != "paused"
+                inst.use_mailbox = arm == "mailbox"
                 t0 = time.perf_counter()
                 reader.update(step)
-                rec = {"step": step, "quiet": inst.last_quiet, "update_ms": (time.perf_counter() - t0) * 1e3,
+                rec = {"step": step, "arm": arm, "quiet": inst.last_quiet, "mailbox": inst.last_mailbox,
+                       "update_ms": (time.perf_counter() - t0) * 1e3,
                        "reader_ms": {k: v * 1e3 for k, v in reader.last_timing.items()},
                        "instance_ms": {k: v * 1e3 for k, v in inst.last_timing.items()}}
                 res["steps"].append(rec)
@@ -531,10 +546,12 @@ def overhead(out: Path, steps: int = 12) -> dict:
                 generate(own.engine)  # as an RL loop does: KV in the cache, so the next update must flush it
             reader.close()
             res["trainer"] = trainer.result()
-        timed = res["steps"][2:]  # steps 1-2 open handles and compile
-        for quiet in (False, True):
-            w = [r["reader_ms"]["workers"] for r in timed if r["quiet"] == quiet]
-            res[f"workers_ms_median_{'quiet' if quiet else 'paused'}"] = statistics.median(w) if w else None
+        timed = res["steps"][3:]  # steps 1-3 open handles and compile (one step of each arm)
+        for arm in arms:
+            w = [r["reader_ms"]["workers"] for r in timed if r["arm"] == arm]
+            res[f"workers_ms_median_{arm}"] = statistics.median(w) if w else None
+        res["mailbox_used"] = [r["step"] for r in res["steps"] if r["mailbox"]]
+        inst.use_mailbox = True
         for in_name in (False, True):
             inst._in_name = in_name and res["name_payload"]
             pings = []
@@ -545,6 +562,18 @@ def overhead(out: Path, steps: int = 12) -> dict:
                 pings.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
             res[f"ping_ms_there_back_{'name' if inst._in_name else 'tensor'}"] = pings
         inst._in_name = res["name_payload"]
+        inst.pause()  # a quiet update holding the writer lock: the same bare call through the call mailbox
+        try:
+            if inst.last_mailbox:
+                pings = []
+                for _ in range(20):
+                    t0 = time.time()
+                    (t1,) = inst.call(ping)
+                    t2 = time.time()
+                    pings.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
+                res["ping_ms_there_back_mailbox"] = pings
+        finally:
+            inst.resume()
         flushes = []
         for _ in range(10):
             t0 = time.perf_counter()
@@ -552,7 +581,8 @@ def overhead(out: Path, steps: int = 12) -> dict:
             flushes.append((time.perf_counter() - t0) * 1e3)
         res["flush_ms"] = flushes
         res["empty_cache_ms"] = [inst.call(empty_cache_seconds)[0] * 1e3 for _ in range(5)]
-        log(f"[overhead] workers ms paused {res['workers_ms_median_paused']} quiet {res['workers_ms_median_quiet']}; "
+        log(f"[overhead] workers ms paused {res['workers_ms_median_paused']} quiet {res['workers_ms_median_quiet']} "
+            f"mailbox {res['workers_ms_median_mailbox']} (steps through the mailbox: {res['mailbox_used']}); "
             f"flush ms {flushes}; empty_cache ms {res['empty_cache_ms']}")
     except Exception as e:  # noqa: BLE001
         res["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")

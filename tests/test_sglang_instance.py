@@ -21,6 +21,7 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import re
 import shutil
 import sys
 import threading
@@ -265,6 +266,48 @@ def test_rpc_loader_answers_values_errors_and_never_raises(monkeypatch):
         assert not os.path.exists(f"{d}/1.1")
     finally:
         shutil.rmtree(d)
+
+
+def test_a_bound_module_tree_is_checked_without_named_parameters_and_a_replacement_is_still_found():
+    """Every call checks SGLang replaced nothing since weightsync bound the model: on a real module tree through the
+    binding (module edges, counts, parameter objects; no named_parameters() walk), and any replacement -- a parameter
+    object, a whole submodule, a parameter added -- still raises WeightsMoved naming it."""
+    from weightsync.sglang import worker as W
+
+    def tree():
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        for p in m.parameters():
+            p.requires_grad_(False)
+        return m
+
+    walks = []
+
+    class Counted(torch.nn.Sequential):
+        def named_parameters(self, *a, **k):
+            walks.append(1)
+            return super().named_parameters(*a, **k)
+
+    for change in ("param", "module", "added"):
+        model = tree()
+        model.__class__ = Counted
+        inst = f"bind-{change}"
+        try:
+            ctx = W.worker_context(model, inst, 0)
+            walks.clear()
+            assert W.worker_context(model, inst, 0) is ctx and not walks  # intact: no walk
+            if change == "param":
+                model[0].weight = torch.nn.Parameter(torch.zeros(3, 4), requires_grad=False)
+                want = "0.weight"
+            elif change == "module":
+                model[1] = torch.nn.Sequential(torch.nn.Linear(3, 2))
+                want = "1.0.weight"
+            else:
+                model[1][0].register_parameter("extra", torch.nn.Parameter(torch.zeros(1), requires_grad=False))
+                want = "replaced 0 parameters"
+            with pytest.raises(WeightsMoved, match=re.escape(want)):
+                W.worker_context(model, inst, 0)
+        finally:
+            W.CONTEXTS.pop((inst, 0), None)
 
 
 def test_transform_refusals_name_the_layers():

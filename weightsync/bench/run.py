@@ -227,6 +227,9 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
                           transfer_seconds=max(s.seconds for s in reader.last_stats)))
             if step and inst == 0:
                 emit(Phases(me, "reader", reader.last_timing))
+                if isinstance(getattr(instance, "last_timing", None), dict) and instance.last_timing:
+                    # the instance's own split of the step (SGLang: pause/lock, calls or mailbox, flush, unlock)
+                    emit(Phases(me, "instance", dict(instance.last_timing)))
         peak = max(p - b for p, b in zip(instance.call(peak_memory), base))
         fp8 = "quant=fp8" in scen.infer  # the engine holds FP8: checked against the reference quantizer
         exact = all(instance.call(check_fp8 if fp8 else check, model, scen.infer, steps + 1))

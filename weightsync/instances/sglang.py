@@ -474,6 +474,9 @@ class SGLangInstance:
         self.trips = 0
         #: the last mailbox call's :class:`~weightsync.runtime.mailbox.CallTiming`
         self.last_call = None
+        #: quiet updates go through the call mailbox where it is up (False: through ``update_weights_from_tensor``,
+        #: e.g. to compare the two in one engine)
+        self.use_mailbox = mailbox
         self.api = api_of(engine)
         self.version = getattr(sglang, "__version__", "?")
         args = resolved_args(engine.server_args)
@@ -603,7 +606,7 @@ class SGLangInstance:
         self._quiet = self._flushed = self._mail_failed = False
         if self.quiet_updates and self.api == API_PLAIN and not self._paused and self._idle():
             self._quiet = True
-            if self._mailbox is not None and self._broken is None:
+            if self.use_mailbox and self._mailbox is not None and self._broken is None:
                 self._locked = self._lock_writer()
         elif not self._paused:
             self._tokenizer(lambda tm, io: tm.pause_generation(io.PauseGenerationReqInput(mode=self.pause_mode)))
@@ -942,9 +945,12 @@ class SGLangInstance:
         except MailboxError as e:
             self._broken = f"{what} failed in a scheduler's mailbox: {e}"
             raise WorkerDied(f"{self!r}: {what} failed outside weightsync's call: {e}: restart the engine") from e
-        self.last_call = self._mailbox.last
+        self.last_call = last = self._mailbox.last
         answers: list[RpcAnswer] = [pickle.loads(a) for a in raw]  # from our private FIFOs, written by our workers
-        self.last_timing["mailbox"] = self.last_timing.get("mailbox", 0.0) + time.perf_counter() - started
+        timing = self.last_timing
+        timing["mailbox"] = timing.get("mailbox", 0.0) + time.perf_counter() - started
+        timing["mailbox_handler"] = timing.get("mailbox_handler", 0.0) + last.handler  # decode, run, flush, encode
+        timing["mailbox_synced"] = timing.get("mailbox_synced", 0.0) + last.synced  # the two device syncs
         errors = {rank: a.error for rank, a in enumerate(answers) if not a.ok}
         if errors:
             first = min(errors)
