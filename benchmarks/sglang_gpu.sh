@@ -4,7 +4,10 @@
 # updates against pause/flush/continue, in one engine), then `make test-gpu` with the kit on the path, its tests
 # spread over xdist workers. Run from the repo root on the device, carrying .sgkit, .nixlwhl and .snap_sglang
 # (src.tar.gz: `git archive` of the commit, commit: its hash, *.whl: pytest-xdist and execnet):
-#   bash .snap_sglang/sglang_gpu.sh      (results under $OUT; STAGES="bench overhead test" picks stages)
+#   bash .snap_sglang/sglang_gpu.sh      (results under $OUT; STAGES="bench overhead colo test" picks stages;
+#                                         the default: bench overhead test)
+# Build the snapshot of a commit first:  git archive --format=tar.gz -o .snap_sglang/src.tar.gz HEAD &&
+#   git rev-parse --short HEAD > .snap_sglang/commit && cp benchmarks/sglang_gpu.sh .snap_sglang/
 # (go.sh sets S: this script's own folder variable is SNAP.)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -28,6 +31,11 @@ if has overhead; then
 echo "== $(el) s overhead A/B"
 stage overhead "${OVERHEAD_LIMIT:-80}" python3 benchmarks/sglang_gpu.py overhead --out $OUT > $OUT/overhead.log 2>&1
 grep "workers ms\|FAILED" $OUT/overhead.log | cut -c1-600
+fi
+if has colo; then
+echo "== $(el) s colo: llama (co-located 3 steps, NIXL 2, bad input, validate, killed trainers), qwen3 co-located"
+stage colo "${COLO_LIMIT:-420}" python3 benchmarks/sglang_gpu.py colo --out $OUT/colo --models ${COLO_MODELS:-llama,qwen3} > $OUT/colo.log 2>&1
+grep "step .* <- seed\|FAILED\|verified\|refused\|killed-" $OUT/colo.log | cut -c1-300 | tail -n 40
 fi
 if has test; then
 echo "== $(el) s make test-gpu (SGLang kit on the path, -n ${WORKERS:-6})"

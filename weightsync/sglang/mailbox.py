@@ -309,6 +309,8 @@ def _handler(model: torch.nn.Module, instance: str, rank: int, directory: str,
     from weightsync.sglang import worker as W
     from weightsync.runtime import wire
 
+    grad_mode = _grad_mode()
+
     def handle(payload: bytes) -> bytes:
         try:
             call = wire.decode(payload)
@@ -326,7 +328,7 @@ def _handler(model: torch.nn.Module, instance: str, rank: int, directory: str,
             ctx = W.worker_context(model, instance, rank)
             _LOCAL.gate = (gate, rank)
             try:
-                with W.running(model), torch.no_grad():
+                with W.running(model), grad_mode():
                     value = call.fn(ctx, *call.args)
             finally:
                 _LOCAL.gate = None
@@ -335,6 +337,18 @@ def _handler(model: torch.nn.Module, instance: str, rank: int, directory: str,
             return pickle.dumps(W.RpcAnswer(False, error=error_record(e)))
 
     return handle
+
+
+def _grad_mode() -> Callable[[], Any]:
+    """The grad mode SGLang's scheduler loop runs in (0.5.14 ``utils/common.py:DynamicGradMode``: ``no_grad``, or
+    ``inference_mode`` with ``SGLANG_ENABLE_TORCH_INFERENCE_MODE``), so a call on the mailbox thread writes and
+    allocates exactly as one through ``rpc_loader`` does (an inference tensor may be written in place only inside
+    inference mode)."""
+    try:
+        from sglang.srt.utils.common import DynamicGradMode
+    except ImportError:
+        return torch.no_grad
+    return DynamicGradMode
 
 
 def serve_mailbox(ctx: Any, directory: str, instance: str, park_limit_s: float) -> MailboxStarted:
