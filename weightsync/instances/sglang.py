@@ -599,14 +599,18 @@ class SGLangInstance:
         nothing continued; each call of the update takes SGLang's model-update writer lock (0.5.14
         ``tokenizer_control_mixin.py:update_weights_from_tensor`` does when not paused: a generate request holds
         the reader lock for its whole life, ``tokenizer_manager.py:generate_request``) and flushes the cache in
-        its own request (:func:`_then_flush`). Saves the pause, flush and continue round trips a step."""
+        its own request (:func:`_then_flush`). Saves the pause, flush and continue round trips a step.
+
+        With the call mailbox up (``mailbox=True``) a quiet update instead takes the writer lock here and holds it
+        until :meth:`resume`, and its calls go to the schedulers' mailbox threads (:meth:`_mail`): no SGLang request
+        at all (module docstring, :mod:`weightsync.sglang.mailbox`)."""
         self._not_busy()
         t0 = time.perf_counter()
         self.last_timing = {}
         self._quiet = self._flushed = self._mail_failed = False
         if self.quiet_updates and self.api == API_PLAIN and not self._paused and self._idle():
             self._quiet = True
-            if self.use_mailbox and self._mailbox is not None and self._broken is None:
+            if self.use_mailbox and self._mailbox is not None and self._broken is None and not self._locked:
                 self._locked = self._lock_writer()
         elif not self._paused:
             self._tokenizer(lambda tm, io: tm.pause_generation(io.PauseGenerationReqInput(mode=self.pause_mode)))
