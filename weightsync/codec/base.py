@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     import torch
 
     from weightsync.plan.planner import Bucket, Pair
+    from weightsync.transport.pack import Landing
 
 #: what a codec may need of a transport: a sender step over every bucket's bytes (not co-located, whose
 #: workers copy the trainers' memory themselves); the receiver's proof of its base (a message back, p2p
@@ -192,6 +193,22 @@ class Encoder(ABC):
         """The most payload bytes :meth:`encode` writes for ``bucket`` (a staged region's slot size)."""
         return bucket.nbytes
 
+    #: whether :meth:`encode` is copies and kernels between fixed addresses with a header the plan fixes: a
+    #: transport whose slots stay put (nixl's registered region) may then take :meth:`landing` once per bucket,
+    #: replay all of a step's as one (a CUDA graph on a GPU) and ask :meth:`header` every step instead
+    batched: ClassVar[bool] = False
+
+    def landing(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor) -> Landing:
+        """A :attr:`batched` encoder's :meth:`encode` of ``bucket`` from ``sources`` into ``slot`` as copies and work
+        (:class:`~weightsync.transport.pack.Landing`: they write the bytes ``encode`` writes, allocate nothing and
+        never synchronize); valid while ``sources`` and ``slot`` stay where they are."""
+        raise NotImplementedError(f"{type(self).__name__} does not encode through a landing")
+
+    def header(self, bucket: Bucket) -> Header:
+        """A :attr:`batched` encoder's frame header for ``bucket`` this step (its payload written by the landing),
+        counted in :attr:`stats` as :meth:`encode` counts it."""
+        raise NotImplementedError(f"{type(self).__name__} does not encode through a landing")
+
 
 class Decoder(ABC):
     """An inference worker's side of a codec (call order in the module docstring)."""
@@ -233,6 +250,23 @@ class Decoder(ABC):
         """The most payload bytes a frame of ``bucket`` holds (:meth:`Encoder.bound` on this side: a transport's
         scratch for payloads is sized by it)."""
         return bucket.nbytes
+
+    #: whether :meth:`decode` is copies (and casts) from the payload into the targets, nothing else: a transport
+    #: that reads payloads into fixed scratch may take :meth:`landing` once per (bucket, place), run many
+    #: buckets' as one (a CUDA graph on a GPU), and call :meth:`take` every step instead of :meth:`decode`
+    batched: ClassVar[bool] = False
+
+    def take(self, bucket: Bucket, header: Header) -> None:
+        """A :attr:`batched` decoder's checks of ``header`` against its plan, and its count, every step before the
+        bucket's landing runs (raises, naming the bucket, where :meth:`decode` would)."""
+        raise NotImplementedError(f"{type(self).__name__} does not decode through a landing")
+
+    def landing(self, bucket: Bucket, header: Header, payload: torch.Tensor,
+                targets: Mapping[str, torch.Tensor]) -> Landing:
+        """A :attr:`batched` decoder's :meth:`decode` of ``payload`` (a view of scratch that stays put) into
+        ``targets`` as copies and work (:class:`~weightsync.transport.pack.Landing`), valid while both stay where
+        they are and for every header :meth:`take` accepts for ``bucket``."""
+        raise NotImplementedError(f"{type(self).__name__} does not decode through a landing")
 
     def whole(self, pair: Pair, buckets: Sequence[Bucket]) -> None:
         """One-sided: the transport read ``pair``'s ``buckets`` whole (the base was not proven)."""

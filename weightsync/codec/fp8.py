@@ -51,9 +51,9 @@ from weightsync.errors import ConfigError
 from weightsync.layout.box import Box, slices
 from weightsync.plan.messages import bucket_bytes
 from weightsync.plan.planner import Bucket, Copy, Pair
-from weightsync.quant.fp8 import BLOCK, Quantized, cdiv, quantize
+from weightsync.quant.fp8 import BLOCK, Quantized, cdiv, prepare, quantize
 from weightsync.codec.full import Direct, landing
-from weightsync.transport.pack import Landing, direct_pairs, pack, segments, unpack
+from weightsync.transport.pack import Landing, direct_pairs, pack, pack_pairs, segments, unpack, unpack_pairs
 
 if TYPE_CHECKING:
     from weightsync.spec.model import ModelSpec
@@ -306,7 +306,10 @@ def _layouts(plans: Mapping[Pair, list[Bucket]], fp8: Mapping[str, tuple[int, ..
 
 
 class FP8Encoder(Encoder):
-    """A training rank's side: pack the plain copies, quantize the FP8 ones into the payload."""
+    """A training rank's side: pack the plain copies, quantize the FP8 ones into the payload. :meth:`landing` is the
+    same as copies and quantize kernels (a transport whose slots stay put replays a step's as one CUDA graph)."""
+
+    batched = True
 
     def __init__(self, plans: Mapping[Pair, list[Bucket]], fp8: Mapping[str, tuple[int, ...]]):
         self.layouts = _layouts(plans, fp8, "the plan")
@@ -331,14 +334,46 @@ class FP8Encoder(Encoder):
             c = p.copy
             x = sources[c.src_tensor][slices(c.src_box)].reshape(p.rows, p.cols)
             quantize(x, out=_views(out, p), name=c.canonical)
+        return Frame(self.header(bucket), out[: lay.nbytes])
+
+    def header(self, bucket: Bucket) -> Header:
+        lay = self.layouts[(bucket.pair, bucket.index)]
         self.stats.count("fp8", len(lay.parts))
         if lay.plain is not None:
             self.stats.count("full", len(lay.plain.copies))
-        return Frame(Header(KIND_FP8, len(lay.parts), lay.nbytes), out[: lay.nbytes])
+        return Header(KIND_FP8, len(lay.parts), lay.nbytes)
+
+    def landing(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor) -> Landing:
+        """:meth:`encode` into ``slot`` (at least :meth:`bound` bytes) as the plain copies' byte copies (the wire
+        dtype is the source's) and the FP8 copies' quantization (:func:`weightsync.quant.fp8.prepare`: the Triton
+        kernel on a GPU). A source box that is no 2-d view (it cannot be, read in place) is first copied into a
+        buffer of its own, allocated here and held by the landing, so the kernel reads this step's bytes."""
+        lay = self.layouts[(bucket.pair, bucket.index)]
+        if slot.numel() < lay.nbytes:
+            raise ValueError(f"fp8: bucket {bucket.index} of {bucket.pair} needs a slot of {lay.nbytes} bytes, got "
+                             f"{slot.numel()}")
+        pairs = pack_pairs(segments(lay.plain), sources, slot[: lay.plain.nbytes]) if lay.plain is not None else []
+        xs, outs, names = [], [], []
+        for p in lay.parts:
+            c = p.copy
+            x = sources[c.src_tensor][slices(c.src_box)]
+            try:
+                x = x.view(p.rows, p.cols)
+            except RuntimeError:  # strided across the box's leading dims: stage it (copies run before the work)
+                stage = torch.empty((p.rows, p.cols), dtype=x.dtype, device=x.device)
+                pairs.append((stage.view(x.shape), x))
+                x = stage
+            xs.append(x)
+            outs.append(_views(slot, p))
+            names.append(c.canonical)
+        return Landing(pairs, prepare(xs, outs, names) if xs else None)
 
 
 class FP8Decoder(Decoder):
-    """An inference worker's side: unpack the plain copies, write each FP8 copy's bytes and scales in place."""
+    """An inference worker's side: unpack the plain copies, write each FP8 copy's bytes and scales in place (as
+    copies, :meth:`landing`, which a transport with fixed scratch batches and replays)."""
+
+    batched = True
 
     def __init__(self, plans: Mapping[Pair, list[Bucket]], fp8: Mapping[str, tuple[int, ...]]):
         self.layouts = _layouts(plans, fp8, "the plan")
@@ -365,14 +400,38 @@ class FP8Decoder(Decoder):
                 _check_target(targets, p.copy.dst_tensor)
         self.checked = True
 
+    def take(self, bucket: Bucket, header: Header) -> FrameLayout:
+        lay = self.layouts[(bucket.pair, bucket.index)]
+        if header.kind != KIND_FP8 or header.count != len(lay.parts) or header.nbytes != lay.nbytes:
+            raise ConfigError(f"fp8: bucket {bucket.index} of {bucket.pair}: header {header} does not match this "
+                              f"receiver's plan ({len(lay.parts)} FP8 copies, {lay.nbytes} bytes): the two ends built "
+                              "different plans")
+        self.stats.count("fp8", len(lay.parts))
+        if lay.plain is not None:
+            self.stats.count("full", len(lay.plain.copies))
+        return lay
+
+    def landing(self, bucket: Bucket, header: Header, payload: torch.Tensor,
+                targets: Mapping[str, torch.Tensor]) -> Landing:
+        """:meth:`decode` as copies: the plain copies as :func:`unpack` scatters them (a cast where the engine's dtype
+        differs: the landing's work), each FP8 copy's e4m3 bytes and fp32 scales into its boxes."""
+        if not self.checked:
+            self._check_targets(targets)
+        lay = self.layouts[(bucket.pair, bucket.index)]
+        pairs = unpack_pairs(segments(lay.plain), payload[: lay.plain.nbytes], targets) if lay.plain is not None else []
+        for p in lay.parts:
+            c = p.copy
+            q = _views(payload, p)
+            region = targets[c.dst_tensor][slices(c.dst_box)]
+            sregion = targets[c.dst_tensor + "_scale_inv"][slices(scale_box(c.dst_box))]
+            pairs += [(region, q.weight.view(region.shape)), (sregion, q.scale_inv.view(sregion.shape))]
+        return landing(pairs)
+
     def decode(self, bucket: Bucket, header: Header, payload: torch.Tensor | None,
                targets: Mapping[str, torch.Tensor], slot: torch.Tensor) -> None:
         if not self.checked:
             self._check_targets(targets)
-        lay = self.layouts[(bucket.pair, bucket.index)]
-        if header.kind != KIND_FP8 or header.count != len(lay.parts):
-            raise ConfigError(f"fp8: bucket {bucket.index} of {bucket.pair}: header {header} does not match this "
-                              f"receiver's plan ({len(lay.parts)} FP8 copies): the two ends built different plans")
+        lay = self.take(bucket, header)
         if lay.plain is not None:
             unpack(lay.plain, payload[: lay.plain.nbytes], targets)
         for p in lay.parts:
@@ -382,9 +441,6 @@ class FP8Decoder(Decoder):
             region.copy_(q.weight.view(region.shape))
             sregion = targets[c.dst_tensor + "_scale_inv"][slices(scale_box(c.dst_box))]
             sregion.copy_(q.scale_inv.view(sregion.shape))
-        self.stats.count("fp8", len(lay.parts))
-        if lay.plain is not None:
-            self.stats.count("full", len(lay.plain.copies))
 
 
 def wire_bytes(copies: list[Copy] | tuple[Copy, ...], fp8: Mapping[str, tuple[int, ...]]) -> int:

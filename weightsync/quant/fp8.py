@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -259,16 +259,60 @@ def quantize_many(xs: Sequence[torch.Tensor], outs: Sequence[Quantized] | None =
                           torch.empty(scale_shape(x.shape), dtype=torch.float32, device=x.device)) for x in xs]
     if len(outs) != len(xs):
         raise ValueError(f"fp8: {len(xs)} weights but {len(outs)} outs")
-    if one_launch is None:
-        one_launch = os.environ.get("WEIGHTSYNC_FP8_ONE_LAUNCH") == "1"
-    devices = {x.device for x in xs}
-    if (not one_launch or len(devices) > 1 or not all(applies(x) for x in xs)
-            or not all(o.weight.is_contiguous() and o.scale_inv.is_contiguous() for o in outs)):
+    if not _one_launch(xs, outs, one_launch):
         return [quantize(x, o, n) for x, o, n in zip(xs, outs, names)]
     for x, o, n in zip(xs, outs, names):
         _check(x, n)
         _check_out(x, o, n)
+    for launch in _many_launches(xs, outs):
+        launch()
+    return list(outs)
+
+
+def prepare(xs: Sequence[torch.Tensor], outs: Sequence[Quantized], names: Sequence[str] | None = None,
+            one_launch: bool | None = None) -> Callable[[], None]:
+    """:func:`quantize_many` for weights and outputs that stay where they are (a step's sources into a transport's
+    fixed buffers or an engine's live weights), checked once: the returned function queues the same kernels (one
+    launch a weight, or one launch per input dtype as ``one_launch`` / ``WEIGHTSYNC_FP8_ONE_LAUNCH`` say), allocates
+    nothing, copies nothing from the host and never synchronises, so a CUDA graph may capture it. It holds its
+    one-launch tables itself: a graph replays the tables' addresses, which :data:`_TABLES` alone may drop."""
+    names = list(names) if names is not None else [f"weight {i}" for i in range(len(xs))]
+    if len(outs) != len(xs):
+        raise ValueError(f"fp8: {len(xs)} weights but {len(outs)} outs")
+    for x, o, n in zip(xs, outs, names):
+        _check(x, n)
+        _check_out(x, o, n)
+    if _one_launch(xs, outs, one_launch):
+        launches = _many_launches(xs, outs)
+    else:
+        jobs = [(x, o, n) for x, o, n in zip(xs, outs, names)]
+
+        def each() -> None:
+            for x, o, n in jobs:
+                quantize(x, o, n)
+
+        launches = [each]
+
+    def run() -> None:
+        for launch in launches:
+            launch()
+
+    return run
+
+
+def _one_launch(xs: Sequence[torch.Tensor], outs: Sequence[Quantized], one_launch: bool | None) -> bool:
+    """Whether ``xs`` go in one launch per dtype: asked (or ``WEIGHTSYNC_FP8_ONE_LAUNCH=1``), one device, the kernel
+    :func:`applies` to every one, the outputs contiguous."""
+    if one_launch is None:
+        one_launch = os.environ.get("WEIGHTSYNC_FP8_ONE_LAUNCH") == "1"
+    return bool(one_launch and xs and len({x.device for x in xs}) == 1 and all(applies(x) for x in xs)
+                and all(o.weight.is_contiguous() and o.scale_inv.is_contiguous() for o in outs))
+
+
+def _many_launches(xs: Sequence[torch.Tensor], outs: Sequence[Quantized]) -> list[Callable[[], None]]:
+    """One launch of the one-launch kernel per input dtype, each holding its table (checked by the caller)."""
     soft = soft_cast()
+    launches = []
     for dtype in INPUT_DTYPES:
         idx = [i for i, x in enumerate(xs) if x.dtype == dtype and x.numel()]
         if not idx:
@@ -276,10 +320,14 @@ def quantize_many(xs: Sequence[torch.Tensor], outs: Sequence[Quantized] | None =
         group, group_outs = [xs[i] for i in idx], [outs[i] for i in idx]
         d_tab, d_owner, d_first, nprog = _many_table(group, group_outs, soft)
         aligned = all(_aligned(x, o) for x, o in zip(group, group_outs))
-        _kernel.block_fp8_many[(nprog,)](d_tab, d_owner, d_first, AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK,
-                                         SOFT_CAST=soft, IN_FP32=dtype == torch.float32, ALIGNED=aligned,
-                                         num_warps=WARPS)
-    return list(outs)
+
+        def launch(d_tab=d_tab, d_owner=d_owner, d_first=d_first, nprog=nprog, dtype=dtype, aligned=aligned) -> None:
+            _kernel.block_fp8_many[(nprog,)](d_tab, d_owner, d_first, AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK,
+                                             SOFT_CAST=soft, IN_FP32=dtype == torch.float32, ALIGNED=aligned,
+                                             num_warps=WARPS)
+
+        launches.append(launch)
+    return launches
 
 
 def _aligned(x: torch.Tensor, o: Quantized) -> bool:
@@ -327,5 +375,5 @@ def _many_table(xs: Sequence[torch.Tensor], outs: Sequence[Quantized], soft: boo
 
 __all__ = [
     "AMAX_FLOOR", "BLOCK", "FP8_MAX", "INV_FP8_MAX", "Quantized", "applies", "dequantize", "enabled",
-    "nonfinite_blocks", "quantize", "quantize_many", "quantize_reference", "scale_shape",
+    "nonfinite_blocks", "prepare", "quantize", "quantize_many", "quantize_reference", "scale_shape",
 ]

@@ -77,6 +77,8 @@ from weightsync.transport.base import (
     SenderContext,
     StepStats,
 )
+from weightsync.transport.graphs import CopyGraphs
+from weightsync.transport.pack import Landing, join
 from weightsync.transport.nixl_wire import (
     HEADER_WORDS,
     PackedBox,
@@ -293,6 +295,7 @@ class NixlSender(Sender):
         self.pack = torch.empty(size, dtype=torch.uint8, device=self.device) if self.packed else None
         served = dict(self.served)
         self.encoder = None
+        self._graphs = CopyGraphs()  # a batched codec's encode of a step (_encode_landing), replayed
         if self.options.framed:  # encoded into a registered region: sync from the live weights, async the snapshot
             self.encoder, self.distinct, self.offsets, size = self._frames_layout(ctx)
             self.region = torch.empty(max(size, _ALIGN), dtype=torch.uint8, device=self.device)
@@ -372,10 +375,17 @@ class NixlSender(Sender):
         self.encoder.begin(step, None)
         try:
             headers = {}
-            for k, b in enumerate(self.distinct):
-                off = self.offsets[k]
-                frame = self.encoder.encode(b, self.served, self.region[off : off + self.encoder.bound(b)], kept=True)
-                headers[self.encoder.key(b)] = frame.header
+            if self.encoder.batched:  # every distinct bucket's encode as one landing (a CUDA graph on a GPU)
+                self._graphs.begin(self.served, buffers=[self.region])  # moved since the last step: rebuilt
+                self._graphs.run(self, "encode", self._encode_landing, self.device)
+                for b in self.distinct:
+                    headers[self.encoder.key(b)] = self.encoder.header(b)
+            else:
+                for k, b in enumerate(self.distinct):
+                    off = self.offsets[k]
+                    frame = self.encoder.encode(b, self.served, self.region[off : off + self.encoder.bound(b)],
+                                                kept=True)
+                    headers[self.encoder.key(b)] = frame.header
             headers.update(self.encoder.end(step))  # the final headers where it has them (delta: this step's sums)
         except BaseException:
             self.encoder.fail()
@@ -383,12 +393,26 @@ class NixlSender(Sender):
                 idx[HEAD + SLOT * k + 2] = WHOLE
             idx[0] += 1
             raise
-        for k, b in enumerate(self.distinct):
-            idx[HEAD + SLOT * k + 2 : HEAD + SLOT * (k + 1)] = torch.tensor(headers[self.encoder.key(b)].words())
+        if self.distinct:  # every slot's header words at once
+            idx[HEAD:].view(-1, SLOT)[:, 2:] = torch.tensor([headers[self.encoder.key(b)].words()
+                                                             for b in self.distinct], dtype=torch.int64)
         if self.device.type == "cuda":  # the region's bytes landed before the window closes
             torch.cuda.synchronize(self.device)
         idx[1] = step
         idx[0] += 1
+
+    def _encode_landing(self) -> Landing:
+        """Every distinct bucket's encode into its slot of the region as one landing (a batched codec: fp8's plain
+        copies and quantize kernels), built on the first step and replayed by :class:`CopyGraphs` -- on a GPU as one
+        CUDA graph, on CPU as the same tables run eagerly. It holds the addresses of every source box (sync: the live
+        weights; async: the snapshot) and of the region. What invalidates it: any of those tensors reallocated (a
+        parameter whose ``.data`` the trainer replaced, a resize); :meth:`CopyGraphs.begin` looks up every served
+        tensor's and the region's address before each step's replay and drops the graph when one moved, so the
+        step is encoded from where the bytes are now (sync mode's :meth:`check` still refuses such a step: the
+        registered bf16 memory moved). Not detected: a tensor object swapped for another in the trainer's module
+        (the transport never sees the new one; true of every transport's registration)."""
+        return join([self.encoder.landing(b, self.served, self.region[off : off + self.encoder.bound(b)])
+                     for b, off in zip(self.distinct, self.offsets)])
 
     def snapshot(self) -> Mapping[str, torch.Tensor] | None:
         return self.served if self.asynchronous else None
@@ -866,8 +890,12 @@ class FrameReads:
         self.largest = _largest_frame(plans, self.decoder)
         self._scratch: torch.Tensor | None = None
         self._slot: torch.Tensor | None = None
+        self._halves: tuple[torch.Tensor, torch.Tensor] | None = None  # a batched decoder's double buffer
         self._index: dict[int, torch.Tensor] = {}
         self._heads: dict[int, tuple[int, int]] = {}  # each peer's index (seq, step) the plan was proven on
+        self._head_reads: dict[int, tuple[object, list]] = {}  # each peer's prepped READ of its index's (seq, step)
+        self._chunks: _ChunkReads | None = None  # a batched decoder's prepared reads, by plan and scratch
+        self._graphs = CopyGraphs()  # each chunk's decode (a batched decoder), replayed
 
     def receive(self, step: int | None, targets: Mapping[str, torch.Tensor], full) -> StepStats:
         """Read ``step`` into ``targets``: the payloads when the decoder proves their bases, else in full
@@ -896,8 +924,13 @@ class FrameReads:
         if self._scratch is not None and self._scratch.device == device:
             return
         n = max(-(-self.largest // _ALIGN) * _ALIGN, _ALIGN)
-        self._scratch = torch.empty(n, dtype=torch.uint8, device=device)
-        self._slot = torch.empty(n, dtype=torch.uint8, device=device)
+        if self.decoder.batched:  # two halves: one chunk of payloads decodes while the next one is read
+            self._scratch = torch.empty(2 * n, dtype=torch.uint8, device=device)
+            self._halves = (self._scratch[:n], self._scratch[n:])
+            self._slot = self._halves[1]  # for accepts() only, before any READ (a batched decoder decodes from none)
+        else:
+            self._scratch = torch.empty(n, dtype=torch.uint8, device=device)
+            self._slot = torch.empty(n, dtype=torch.uint8, device=device)
         mem, dev = _mem(device)
         self.rx.registry.add(_regions([self._scratch]), mem, dev)
 
@@ -972,6 +1005,8 @@ class FrameReads:
         raise TransportError(text, peer=peer, pair=(peer, ctx.instance, ctx.rank))
 
     def _apply(self, plan: list[Planned], targets: Mapping[str, torch.Tensor]) -> int:
+        if self.decoder.batched:
+            return self._apply_batched(plan, targets)
         mem, dev = _mem(self._scratch.device)
         moved = 0
         batch: list[tuple[Planned, int]] = []
@@ -1009,14 +1044,148 @@ class FrameReads:
             flush()
         return moved
 
+    def _apply_batched(self, plan: list[Planned], targets: Mapping[str, torch.Tensor]) -> int:
+        """A batched decoder's payloads (:attr:`~weightsync.codec.base.Decoder.batched`: fp8): every header taken
+        first (a plan mismatch raises before any byte is read), then the payloads in chunks of at most half the
+        scratch, ordered by remote address (a chunk's payloads that lie back to back in a trainer's region are one
+        descriptor), each chunk one prepped READ per peer into its half (:class:`_ChunkReads`: prepared once per
+        plan and scratch, replayed every step) and one decode: the chunk's landings joined, replayed by
+        :class:`CopyGraphs` (a CUDA graph per chunk and half on a GPU; on CPU the same tables run eagerly). Chunk
+        k + 1's READ is in flight while chunk k decodes; it is posted once the decode that last read its half is
+        done (a CUDA event). The index is re-read after each chunk's READ and before its decode (:meth:`_unchanged`);
+        what raises leaves nothing posted."""
+        for p in plan:
+            self.decoder.take(p.bucket, p.header)
+        reads = self._chunk_reads(plan)
+        chunks = reads.chunks
+        if not chunks:
+            return 0
+        device = self._scratch.device
+        on_gpu = device.type == "cuda"
+        self._graphs.begin(targets, buffers=[self._scratch])  # a target that moved: its chunks' graphs go
+        freed: list = [None, None]  # per half: the event after the decode that last read it
+        inflight: list = []
+        moved = 0
+
+        def post(ch: _Chunk) -> None:
+            for h, pair, bucket in ch.handles:
+                self.rx._post(h, pair, bucket)
+                inflight.append((h, pair, bucket))
+
+        try:
+            post(chunks[0])
+            for k, ch in enumerate(chunks):
+                self.rx._wait(ch.handles)
+                inflight.clear()
+                if k + 1 < len(chunks):
+                    nxt = chunks[k + 1]
+                    if freed[nxt.half] is not None:
+                        freed[nxt.half].synchronize()  # the decode of chunk k - 1 has read that half
+                    post(nxt)
+                self._unchanged(ch.peers, moved)  # before decoding: a torn payload is never applied
+                half = self._halves[ch.half]
+                self._graphs.run(ch, "decode", lambda ch=ch, half=half: join(
+                    [self.decoder.landing(p.bucket, p.header, half[o : o + p.header.nbytes], targets)
+                     for p, o in ch.items]), device)
+                if on_gpu:
+                    freed[ch.half] = torch.cuda.Event()
+                    freed[ch.half].record()
+                moved += ch.nbytes
+            if on_gpu:  # decoded before the step is reported (and before NIXL writes a half again)
+                torch.cuda.current_stream().synchronize()
+        except BaseException:
+            if inflight:  # a prepped READ is re-posted next step: none may still be running
+                _quietly(lambda: self.rx._wait(inflight))
+            raise
+        return moved
+
+    def _chunk_reads(self, plan: list[Planned]) -> _ChunkReads:
+        """The chunks of ``plan`` and their prepped READs (built once per plan and scratch, then replayed)."""
+        import numpy as np
+
+        key = (self._scratch.data_ptr(), tuple((p.pair, p.bucket.index, p.addr, p.header.nbytes) for p in plan))
+        if self._chunks is not None and self._chunks.key == key:
+            return self._chunks
+        self._release_chunks()
+        self._graphs = CopyGraphs()  # the old chunks' graphs go with them
+        size = self._halves[0].numel()
+        groups: list[list[tuple[Planned, int]]] = []
+        at = size
+        for p in sorted(plan, key=lambda p: (p.pair[0], p.addr)):
+            n = -(-p.header.nbytes // _ALIGN) * _ALIGN
+            if at + n > size:
+                groups.append([])
+                at = 0
+            groups[-1].append((p, at))
+            at += n
+        agent, (mem, dev) = self.rx.agent, _mem(self._scratch.device)
+        local_regions = _regions([self._scratch])
+        dlists: list = []
+        descriptors = 0
+        chunks = [_Chunk(k % 2, tuple(g), [], tuple(sorted({p.pair[0] for p, _ in g})),
+                         sum(p.header.nbytes for p, _ in g)) for k, g in enumerate(groups)]
+        for r in sorted({p.pair[0] for p in plan}):
+            doc = self.rx.peers[r].doc
+            local, remote, spans = [], [], []
+            for ch in chunks:
+                items = [(p, o) for p, o in ch.items if p.pair[0] == r and p.header.nbytes]
+                if not items:
+                    continue
+                base = self._halves[ch.half].data_ptr()
+                loc, rem = merge_pairs(np.array([[base + o, p.header.nbytes] for p, o in items], dtype=np.int64),
+                                       np.array([[p.addr, p.header.nbytes] for p, _ in items], dtype=np.int64),
+                                       local_regions, doc.regions)
+                spans.append((ch, len(local), len(loc), items[0][0]))
+                local.extend(_descs(loc, dev))
+                remote.extend(_descs(rem, doc.device))
+            if not local:
+                continue
+            descriptors += len(local)
+            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, mem)
+            rh = agent.prep_xfer_dlist(self.rx.remote[r], remote, doc.mem)
+            dlists += [lh, rh]
+            for ch, start, count, first in spans:
+                idx = list(range(start, start + count))
+                ch.handles.append((agent.make_prepped_xfer("READ", lh, idx, rh, idx), first.pair, first.bucket.index))
+        self._chunks = _ChunkReads(key, chunks, dlists)
+        log.info("instance %d rank %d: %d payloads in %d chunks of at most %d bytes, %d READ descriptors",
+                 self.rx.ctx.instance, self.rx.ctx.rank, len(plan), len(chunks), size, descriptors)
+        return self._chunks
+
+    def _release_chunks(self) -> None:
+        if self._chunks is None:
+            return
+        for ch in self._chunks.chunks:  # transfers before the lists they were made from
+            for h, _, _ in ch.handles:
+                _quietly(h.release)
+            ch.handles.clear()
+        for d in self._chunks.dlists:
+            _quietly(d.release)
+        self._chunks = None
+
+    def _head_read(self, r: int):
+        """Training rank ``r``'s prepped READ of its index's first two words (seq, step) into ours."""
+        got = self._head_reads.get(r)
+        if got is None:
+            agent = self.rx.agent
+            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(self._index[r].data_ptr(), 16, 0)], "DRAM")
+            rh = agent.prep_xfer_dlist(self.rx.remote[r], [(self.rx.peers[r].doc.tensors[INDEX].addr, 16, 0)], "DRAM")
+            got = self._head_reads[r] = (agent.make_prepped_xfer("READ", lh, [0], rh, [0]), [lh, rh])
+        return got[0]
+
     def _unchanged(self, peers, moved: int) -> None:
         """Raise :class:`Restaged` unless every peer's index still is the one the plan was proven on.
 
         A trainer bumps its index's ``seq`` (odd) before it writes new frames into the region, and
         this re-reads it only after the payload READs completed: unchanged, no payload byte was
         overwritten under them (the seqlock argument of the async header, applied to the region)."""
-        self._reads([Read(r, [(self._index[r].data_ptr(), 16, 0)], "DRAM",
-                          [(self.rx.peers[r].doc.tensors[INDEX].addr, 16, 0)], "DRAM") for r in peers])
+        ctx = self.rx.ctx
+        handles = []
+        for r in peers:
+            h, pair = self._head_read(r), (r, ctx.instance, ctx.rank)
+            self.rx._post(h, pair, None)
+            handles.append((h, pair, None))
+        self.rx._wait(handles)
         for r in peers:
             buf = self._index[r]
             got = (int(buf[0]), int(buf[1]))
@@ -1049,7 +1218,35 @@ class FrameReads:
                 _quietly(h.release)
 
     def close(self) -> None:
-        """Its buffers are registered in the receiver's registry, deregistered with the rest at its close."""
+        """Release its prepped reads (transfers before their lists); its buffers are registered in the receiver's
+        registry, deregistered with the rest at its close."""
+        self._release_chunks()
+        for h, lists in self._head_reads.values():
+            _quietly(h.release)
+            for d in lists:
+                _quietly(d.release)
+        self._head_reads = {}
+        self._graphs = CopyGraphs()
+
+
+@dataclass
+class _Chunk:
+    """Payloads read into one half of a batched decoder's scratch together, then decoded as one landing."""
+
+    half: int
+    items: tuple[tuple[Planned, int], ...]  # (payload, its offset in the half), by remote address
+    handles: list  # (prepped READ, pair, bucket) per peer
+    peers: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class _ChunkReads:
+    """A plan's chunks and the prepped lists their READs were made from, valid for one plan and scratch."""
+
+    key: tuple
+    chunks: list[_Chunk]
+    dlists: list
 
 
 def _quietly(fn) -> None:

@@ -54,6 +54,17 @@ class Landing:
     work: Callable[[], None] | None = None
 
 
+def join(landings: Sequence[Landing]) -> Landing:
+    """Several landings as one: every copy (one batched kernel), then each one's work in order."""
+    works = [ld.work for ld in landings if ld.work is not None]
+
+    def work() -> None:
+        for w in works:
+            w()
+
+    return Landing([p for ld in landings for p in ld.copies], work if works else None)
+
+
 def pack_pairs(segs: Sequence[Segment], sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> Pairs:
     """The copies gathering ``segs`` into their places in ``out`` (the bucket's buffer)."""
     pairs = []
