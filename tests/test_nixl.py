@@ -293,6 +293,31 @@ def test_fp8_bucket_no_trainer_encodes_is_refused_not_read_in_full(meta):
         job.close()
 
 
+def test_fp8_encode_follows_reallocated_weights(meta):
+    """The trainer's encode of a step is one landing replayed (a CUDA graph on a GPU; here the same copy tables)
+    holding the sources' addresses: when the trainer reallocates its weights (``.data`` replaced, as offloading and
+    reloading would), the next encode is rebuilt from where the bytes are now -- the frames carry the new step, not
+    the old storage's bytes, which the first landing still holds alive -- and sync mode's check still refuses it."""
+    job = Job(meta, **dict(FP8, instances=1))
+    try:
+        job.write(1)
+        for k, rx in job.receivers.items():
+            rx.receive(1, job.targets[k])
+        assert not job.wrong(1)
+        for t in job.train[0].values():
+            t.data = t.data.clone()  # every tensor of rank 0 moves: FP8 weights and the bf16 rest
+        for r, t in job.train.items():
+            fill_from(job.src.layout(r), t, canonical(job.spec, 2))
+            job.senders[r].send(2)
+        with pytest.raises(WeightsMoved, match="training rank 0"):
+            job.senders[0].check(2)
+        for k, rx in job.receivers.items():  # the frames themselves hold step 2 (read here despite the refusal)
+            rx.receive(2, job.targets[k])
+        assert not job.wrong(2), job.wrong(2)
+    finally:
+        job.close()
+
+
 def test_mismatched_descriptors_refused_before_any_byte(meta):
     spec = load_spec("tiny-qwen3")
     name = next(iter(make_layout(spec, "hf").layout(0).tensors))
