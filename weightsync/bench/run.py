@@ -642,8 +642,50 @@ def quantize_time(spec, train, repeats: int = 5) -> dict:
     read = sum(x.numel() * x.element_size() for x in xs)
     written = sum(o.weight.numel() + 4 * o.scale_inv.numel() for o in outs)
     med = statistics.median(times)
-    return {"quantize_seconds": med, "quantize_weights": len(xs), "quantize_read_bytes": read,
-            "quantize_written_bytes": written, "quantize_bytes_per_s": (read + written) / med}
+    got = {"quantize_seconds": med, "quantize_weights": len(xs), "quantize_read_bytes": read,
+           "quantize_written_bytes": written, "quantize_bytes_per_s": (read + written) / med}
+    got.update(_quantize_graphs(xs, outs, names, dev, repeats))
+    return got
+
+
+def _quantize_graphs(xs, outs, names, dev, repeats: int) -> dict:
+    """The same quantization as nixl's FP8 trainer replays it (:func:`weightsync.quant.fp8.prepare` captured in one
+    CUDA graph): one launch a weight (what the transports run), and the one-launch kernel with alignment hints,
+    checked bit for bit against the former; median seconds of ``repeats`` replays after a warm-up each."""
+    from weightsync.quant.fp8 import Quantized, prepare
+
+    def graph_time(run) -> float:
+        run()  # compiles outside the capture
+        torch.cuda.synchronize(dev)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            g.capture_begin(capture_error_mode="thread_local")
+            run()
+            g.capture_end()
+        torch.cuda.current_stream(dev).wait_stream(s)
+        times = []
+        for i in range(repeats + 1):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            g.replay()
+            torch.cuda.synchronize(dev)
+            if i:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    out: dict = {}
+    try:
+        out["quantize_graph_seconds"] = graph_time(prepare(xs, outs, names, one_launch=False))
+        other = [Quantized(torch.empty_like(o.weight), torch.empty_like(o.scale_inv)) for o in outs]
+        out["quantize_one_launch_graph_seconds"] = graph_time(prepare(xs, other, names, one_launch=True))
+        out["quantize_one_launch_bit_identical"] = all(
+            torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8))
+            and torch.equal(a.scale_inv.view(torch.int32), b.scale_inv.view(torch.int32)) for a, b in zip(outs, other))
+    except Exception as e:  # noqa: BLE001 - a measurement beside the result, never its failure
+        out["quantize_graph_error"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def run_quant(scenario: str, model: str, steps: int = 5, timeout: float = 300.0, device: str = "cuda",
