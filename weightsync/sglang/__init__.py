@@ -3,7 +3,10 @@
 - :mod:`weightsync.sglang.wire`: the call messages into SGLang's workers (signed, no code on decode);
 - :class:`~weightsync.instances.sglang.SGLangInstance`: ``sglang.Engine`` behind a ``WeightReader``;
 - :mod:`weightsync.sglang.engine`: a real engine weightsync starts and owns (bench, demo, GPU tests);
-- :mod:`weightsync.sglang.verify`: what a worker computes with, to compare with a fresh engine.
+- :mod:`weightsync.sglang.verify`: what a worker computes with, to compare with a fresh engine;
+- :mod:`weightsync.sglang.mailbox`: a quiet update's calls straight to a thread in every scheduler process (no
+  SGLang request), the KV flush by the scheduler's own thread;
+- :mod:`weightsync.sglang.worker`: what every call runs on in a scheduler process, whichever way it came.
 
 Start the engine with ``custom_weight_loader=[RPC_LOADER]``.
 """
