@@ -73,27 +73,120 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n].nan_to_num(), b[n].nan_to_num()) for n in a)
 
 
-def _trainer(meta: str, job: str, steps: list[int], timeout_s: float, stop_at: int | None, sig: int) -> None:
-    """One training rank (layout hf, world 1) writing ``steps``; at ``stop_at`` it posts the first bucket of the
-    step and then stops dead (``sig``: SIGSTOP or SIGKILL) with it in flight."""
+def _trainer(meta: str, job: str, steps: list[int], timeout_s: float, stop_at: int | None, sig: int,
+             fault: str = "p2p", directory: str | None = None) -> None:
+    """One training rank (layout hf, world 1) writing ``steps`` over ``fault``'s transport (FAULTS); at ``stop_at``
+    it stops dead (``sig``: SIGSTOP or SIGKILL) where ``fault`` says, mid-step."""
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import fill_from, scatter
     from weightsync.runtime.writer import WeightWriter
     from weightsync.spec import load_spec
-    from vllm_harness import stop_after_posts
 
     torch.set_num_threads(1)
     spec = load_spec(MODEL)
     engine = make_layout(spec, "hf")
     rank = TrainRank(engine, 0, engine.layout(0), scatter(engine.layout(0), weights(spec, 0)), spec)
-    writer = WeightWriter(rank, meta=meta, job=job, timeout_s=timeout_s, bucket_bytes=BUCKET).connect()
+    transport = FAULTS[fault][0]
+    if transport == "nixl":
+        os.environ.update(UCX_OVER_TCP)
+    writer = WeightWriter(rank, meta=meta, job=job, timeout_s=timeout_s, bucket_bytes=BUCKET, directory=directory,
+                          transport="p2p" if transport == "colocated" else transport,
+                          colocate=transport == "colocated").connect()
     for step in steps:
         with torch.no_grad():
             fill_from(rank.layout, rank.tensors, weights(spec, step))
         if step == stop_at:
-            stop_after_posts(1, sig)
+            _stop_dead(writer, fault, sig)
         writer.write(step)
     writer.close()
+
+
+def _stop_dead(writer, fault: str, sig: int) -> None:
+    """Fault hooks (not races): this trainer stops dead (``sig``) at the point of its next step that ``fault`` names."""
+
+    def die() -> None:
+        time.sleep(0.05)  # let what was handed over (a posted bucket, a written one) leave
+        os.kill(os.getpid(), sig)
+
+    if fault == "p2p":  # right after posting the step's first bucket: its messages are in flight
+        from vllm_harness import stop_after_posts
+
+        stop_after_posts(1, sig)
+    elif fault == "file":  # with the step's first bucket written into the pair's file, the rest never comes
+        import weightsync.transport.file as file
+
+        real, calls = file.pack, [0]
+
+        def pack(*a, **k):
+            calls[0] += 1
+            if calls[0] == 2:
+                die()
+            return real(*a, **k)
+
+        file.pack = pack
+    elif fault == "nixl-written":  # inside send: the step is never stamped, rung nor announced
+        sender = writer.session.sender
+        real_send = sender.send
+
+        def send(step):
+            die()
+            return real_send(step)
+
+        sender.send = send
+    elif fault == "colocated":  # right after ringing `written` (the reader may copy), before recording it
+        bell = writer.session.written_bell
+        real_ring = bell.ring
+
+        def ring(step):
+            real_ring(step)
+            die()
+
+        bell.ring = ring
+    # nixl-read: the trainer is passive while its memory is read; the reader's hook stops it (_stop_on_first_read)
+
+
+def _stop_on_first_read(inst: Instance, pid: int, sig: int) -> None:
+    """The reader's NIXL worker stops the trainer dead (``sig``) as it posts its first READ of the next step: the
+    signal is sent, the trainer seen stopped or dead (/proc), then the read posted (posted first, a small read
+    may complete before the signal lands)."""
+    rx, posted = inst.ctx.reader.receiver, []
+    real = rx._post
+
+    def post(h, pair, bucket):
+        if not posted:
+            posted.append(bucket)
+            os.kill(pid, sig)
+            deadline = time.monotonic() + 10
+            while _state(pid) not in "TtZX" and time.monotonic() < deadline:
+                time.sleep(0.001)
+        real(h, pair, bucket)
+
+    rx._post = post
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (R, S, T: stopped, Z: dead, not yet reaped), X where it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "X"
+
+
+#: NIXL's UCX over TCP on loopback, as between hosts without RDMA: a READ then needs the trainer's own progress, so
+#: one of a stopped trainer's memory stays posted. (On one host UCX reads a stopped process's memory through the
+#: kernel and the step lands whole -- rightly: the trainer announced it and holds it still; across hosts over RDMA
+#: likewise. A READ from a dead host's memory stays posted over RDMA too.)
+UCX_OVER_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+#: where the trainer stops dead mid-step: the transport, and what the reader then waits on
+FAULTS = {
+    "p2p": ("p2p", "its posted bucket, in the group it shares with the trainer (the group's beats)"),
+    "file": ("file", "the pair's file, its first bucket written (the trainer's liveness beacon)"),
+    "nixl-read": ("nixl", "its posted READ of the trainer's memory (the beacon)"),
+    "nixl-written": ("nixl", "the trainer's `written`, never rung (the beacon)"),
+    "colocated": ("colocated", "the trainer's `written`, rung but not recorded (the beacon)"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -125,36 +218,65 @@ def spawn():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
-def test_trainer_dead_with_a_bucket_in_flight(server, spawn, sig):
-    """The trainer stops dead right after posting step 2's first bucket: the reader's update(2) fails within
-    seconds (timeout 30 s), naming training rank 0, the staged instance still holds step 1 bit for bit, and the
-    next update is refused at once (the job's group cannot be used again)."""
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_trainer_dead_with_a_bucket_in_flight(server, spawn, tmp_path, monkeypatch, fault, sig):
+    """The trainer stops dead mid-step 2 (FAULTS: with a bucket posted, written or being read, or between its
+    steps's send and its announcement): the reader's update(2) fails within seconds (timeout 30 s), naming
+    training rank 0, the staged instance still holds step 1 bit for bit, and the next update fails at once
+    (p2p: the group cannot be used again) or again within seconds (the trainer is
+    still stopped or dead; nixl-read, resumed: its reads of step 2 may still land, so it reads no more). Before,
+    every transport but p2p waited out the whole timeout."""
     from weightsync.errors import TransportError
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
 
-    job, timeout = f"dead-trainer-{sig}", 30.0
-    trainer = spawn(_trainer, server.url, job, [1, 2, 3], timeout, 2, sig)
+    transport = FAULTS[fault][0]
+    if transport == "nixl":
+        from helpers import nixl_missing
+
+        if (why := nixl_missing()) is not None:
+            pytest.skip(f"nixl not importable: {why}")
+        for k, v in UCX_OVER_TCP.items():
+            monkeypatch.setenv(k, v)
+    job, timeout = f"dead-trainer-{fault}-{sig}", 30.0
+    directory = str(tmp_path) if transport == "file" else None
+    trainer = spawn(_trainer, server.url, job, [1, 2, 3], timeout, 2, sig, fault, directory)
     inst = Instance(load_spec(MODEL))
-    reader = WeightReader(inst, meta=server.url, job=job, instance_id=0, instances=1, staged=True,
-                          timeout_s=timeout, bucket_bytes=BUCKET).connect()
+    reader = WeightReader(inst, meta=server.url, job=job, instance_id=0, instances=1, staged=True, timeout_s=timeout,
+                          bucket_bytes=BUCKET, directory=directory, transport="p2p" if transport == "colocated" else
+                          transport, colocate=transport == "colocated").connect()
     assert reader.update(1) == 1
     step1 = inst.snapshot()
+    if fault == "nixl-read":
+        _stop_on_first_read(inst, trainer.pid, sig)
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="training rank 0") as e:
         reader.update(2)
     took = time.monotonic() - t0
-    assert took < 8.0, f"noticed after {took:.1f} s: {e.value}"  # gloo alone, stopped: the whole 30 s
+    assert took < 8.0, f"noticed after {took:.1f} s: {e.value}"  # before (but p2p): the whole 30 s
     if sig == signal.SIGSTOP:  # (killed after its whole message left, gloo may see the connection close first)
-        assert "stopped or dead" in str(e.value)
+        assert ("stopped or dead" if fault == "p2p" else "stopped or hung") in str(e.value), e.value
+    elif fault != "p2p":  # the beacon's connection closed, or (nixl-read) UCX saw the disconnect first
+        assert "is gone" in str(e.value) or "DISCONNECT" in str(e.value), e.value
     assert reader.version == 1
     assert same(inst.snapshot(), step1)  # staged: step 1 whole, bit for bit
-    t0 = time.monotonic()
-    with pytest.raises(TransportError, match="refused: an earlier transfer failed"):
-        reader.update(3)
-    assert time.monotonic() - t0 < 1.0
     if sig == signal.SIGSTOP:
-        assert trainer.is_alive()  # stopped, not dead: only its beat said so
+        assert trainer.is_alive()  # stopped, not dead: only its beat (p2p) or its beacon said so
+    t0 = time.monotonic()
+    if fault == "p2p":
+        with pytest.raises(TransportError, match="refused: an earlier transfer failed"):
+            reader.update(3)
+        assert time.monotonic() - t0 < 1.0
+    elif fault == "nixl-read" and sig == signal.SIGSTOP:  # resumed, step 2 announced: but the old reads may land
+        os.kill(trainer.pid, signal.SIGCONT)
+        with pytest.raises(TransportError, match="refused: reads of an earlier step may still land"):
+            reader.update(2)
+        assert time.monotonic() - t0 < 1.0
+    else:  # still stopped or dead
+        with pytest.raises(TransportError, match="training rank 0"):
+            reader.update(3)
+        assert time.monotonic() - t0 < 8.0
+    assert reader.version == 1 and same(inst.snapshot(), step1)
 
 
 # -- a dropped reader is told, and rejoins in one call -------------------------------------------------------

@@ -99,7 +99,8 @@ def test_staged_reader_keeps_the_old_version_when_a_trainer_dies():
 
 def test_colocated_trainer_dying_before_its_step_leaves_the_old_version():
     """Co-located, the workers copy only once every trainer announced the step: a trainer that dies first
-    makes the reader give up after its timeout, still holding (and reporting) exactly step 1."""
+    makes the reader give up within seconds -- it watches the trainers' liveness while it waits for their bells
+    (weightsync.transport.liveness) -- naming the dead rank, still holding (and reporting) exactly step 1."""
     job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=1, steps=2, timeout=20.0,
                bucket_bytes=4096, colocate=True, fault="train-dies-before-write")  # set-up too fits in the timeout
     # (20 s: under a loaded 2-core machine two megatron pp=2 trainers took over 10 s to register)
@@ -108,13 +109,13 @@ def test_colocated_trainer_dying_before_its_step_leaves_the_old_version():
     failed = result.of(UpdateFailed)
     assert failed, result.events
     f = failed[0]
-    assert f.step == 2 and f.kind == "MetaTimeout" and "not every training rank announced step 2" in f.message, failed
-    assert "still hold step 1" in f.message and '"ranks": [1]' in f.message, f.message  # rank 1 announced it, rank 0 did not
+    assert f.step == 2 and f.kind == "TrainerLost" and "training rank 0's written of step 2" in f.message, failed
+    assert "training rank 0 is gone" in f.message and "still hold step 1" in f.message, f.message
     assert f.version == 1 and f.intact is True, failed  # nothing of step 2 was copied
     assert updated_steps(result) == [1]
-    # it gave up after its own timeout, not the job's deadline (6 x 20 s): timed from step 1, so that a
-    # slow set-up on a loaded machine does not count
-    assert arrived[UpdateFailed] - arrived[StepDone] < 2 * job["timeout"], arrived
+    # in seconds, not at its own timeout (before: the whole 20 s): timed from step 1, so that a slow set-up on a
+    # loaded machine does not count
+    assert arrived[UpdateFailed] - arrived[StepDone] < job["timeout"] / 2, arrived
 
 
 @pytest.mark.parametrize("staged", [False, True])

@@ -27,18 +27,23 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import TransportError
 from weightsync.meta.client import MetaClient, MetaTimeout, MetaUnavailable
 from weightsync.meta.validate import BELL_FILE_RE
 from weightsync.transport.share import remove_files_of_dead_processes
 
+if TYPE_CHECKING:
+    from weightsync.transport.liveness import TrainerWatch
+
 #: waiters spin this long, then look every SLEEP_S (a sleeping look costs ~65 us of latency, a spin a core)
 SPIN_S = 0.02
 SLEEP_S = 50e-6
 #: how often a waiter asks the MetaServer too
 CHECK_S = 0.05
+#: without bells, a waiter that watches the trainers' liveness long-polls in pieces this long
+WATCHED_POLL_S = 1.0
 _SIZE = 8
 #: what a bell holds before it is first rung (steps are >= 0)
 NONE = -1
@@ -150,17 +155,36 @@ def open_bells(client: MetaClient, names: Sequence[str], timeout_s: float) -> li
     return None if any(b is None for b in bells) else bells  # type: ignore[return-value]
 
 
-def wait_rung(bells: Sequence[Doorbell] | None, step: int, timeout_s: float, poll: Callable[[float], Any]) -> None:
+def wait_rung(bells: Sequence[Doorbell] | None, step: int, timeout_s: float, poll: Callable[[float], Any],
+              watch: TrainerWatch | None = None) -> None:
     """Return once every bell holds ``step`` or later (without bells: once ``poll`` says so).
 
     ``poll(timeout)`` is the MetaServer's own wait for the same thing: asked with no wait every CHECK_S
     (it returns when the MetaServer has it all, raises MetaAborted for an aborted job), and at the
     deadline, where its MetaTimeout says who is missing. Rung bells are posted too, so a bell missed
     (a waiter holding a stale one) costs at most CHECK_S, never the step.
+
+    ``watch``: the liveness of the ranks whose bells these are (bell i is rank i's;
+    :mod:`weightsync.transport.liveness`): a rank gone or stopped before it rang ends the wait with a
+    ``TrainerLost`` naming it. Without bells the long-poll is then asked in pieces of :data:`WATCHED_POLL_S`
+    (a wait longer than that costs one more request per piece), the watch looked at between them.
     """
     if bells is None:  # some of them live on another host: long-poll the MetaServer
-        poll(timeout_s)
-        return
+        if watch is None:
+            poll(timeout_s)
+            return
+        start = time.monotonic()
+        while True:
+            left = start + timeout_s - time.monotonic()
+            try:
+                poll(max(0.0, min(left, WATCHED_POLL_S)))
+                return
+            except MetaTimeout:  # (MetaUnavailable too: a restarting server; at the deadline, who is missing)
+                if left <= WATCHED_POLL_S:
+                    raise
+            gone = watch.lost(watch.ranks, time.monotonic() - start)
+            if gone is not None:
+                raise gone.error(f"waiting for every training rank's written of step {step}")
     start = time.monotonic()
     deadline, next_check = start + timeout_s, start + CHECK_S
     while any(b.step < step for b in bells):
@@ -174,5 +198,10 @@ def wait_rung(bells: Sequence[Doorbell] | None, step: int, timeout_s: float, pol
                 return
             except (MetaTimeout, MetaUnavailable):  # not yet, or the server is restarting: ask again later
                 next_check = now + CHECK_S
+        if watch is not None and now - start >= watch.look_s:
+            gone = watch.lost([r for r, b in enumerate(bells) if b.step < step], now - start)
+            if gone is not None:
+                raise gone.error(f"waiting for training rank {gone.rank}'s written of step {step} (its doorbell "
+                                 f"holds {bells[gone.rank].step})")
         if now - start >= SPIN_S:
             time.sleep(SLEEP_S)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from weightsync.errors import IntegrityError, TransportError, WeightsMoved
@@ -44,6 +44,7 @@ from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 from weightsync.runtime.session import InstanceSession, SessionDriven, SessionOptions, check_instance_id
 from weightsync.runtime.worker import WorkerReport
 from weightsync.transport.base import MetaLink
+from weightsync.transport.liveness import TrainerLost
 
 
 class WeightReader(SessionDriven):
@@ -131,18 +132,21 @@ class WeightReader(SessionDriven):
         if session.reads_after_written:  # the trainers' memory holds `step` once every trainer announced it
             try:
                 wait_rung(session.written_bells, step, self.timeout_s,
-                          lambda t: self.client.wait_written(step, timeout=t))
+                          lambda t: self.client.wait_written(step, timeout=t), watch=session.trainers)
             except MetaTimeout as e:  # nothing copied yet: say so, and what the workers still hold
                 raise MetaTimeout(f"instance {self.instance_id}: not every training rank announced step {step} "
                                   f"within {self.timeout_s:g} s, so nothing of it was copied; the workers still "
                                   f"hold step {self.version} ({e})") from e
+            except TrainerLost as e:  # a trainer died or stopped before announcing it: likewise, in seconds
+                raise TrainerLost(f"instance {self.instance_id}: {e}; nothing of step {step} was copied, the "
+                                  f"workers still hold step {self.version}", peer=e.peer) from e
             if session.written_bells is not None:
                 # a trainer rings before it checks its weights are where it shared them, and records the
                 # step on the MetaServer after: copy now, report the step held only once it is recorded
                 # (a staged step is committed once every worker holds it: copy it only from recorded weights)
                 recorded = self._announcer.submit(self.client.wait_written, step, timeout=self.timeout_s)
                 if self.staged:
-                    recorded.result()
+                    self._recorded(recorded, step)
         if not self.staged:
             self.version = None  # from here until success the live tensors may mix two steps
         t1 = time.perf_counter()
@@ -167,8 +171,8 @@ class WeightReader(SessionDriven):
             if not landed and not self.staged:  # the live weights may mix two steps: serve none of them
                 self._withhold(f"instance {self.instance_id}: update({step}) failed part-way")
             self.instance.resume()
-        if recorded is not None:
-            recorded.result()  # long done, normally: raises MetaAborted for a trainer that found its weights moved
+        if recorded is not None:  # long done, normally: raises MetaAborted for a trainer that found its weights moved
+            self._recorded(recorded, step)
         t2 = time.perf_counter()
         t2 += self._validate_due(step)  # validate_every: before the step is reported held (last_timing["validate"])
         self.version = step
@@ -184,6 +188,17 @@ class WeightReader(SessionDriven):
         if self._integrity_s is not None:  # inside `workers`: the workers' checksums and the wait for the trainers'
             self.last_timing["integrity"] = self._integrity_s
         return step
+
+    def _recorded(self, recorded: Future, step: int) -> None:
+        """Wait for the trainers' `written` of ``step`` to be recorded (after their bells rang): a trainer that
+        dies or stops between its bell and its record ends the wait in seconds, naming it."""
+        watch = self.session.trainers
+        if watch is None:
+            recorded.result()
+            return
+        watch.result(recorded, watch.ranks, self.timeout_s + 1.0,
+                     f"instance {self.instance_id}: waiting for step {step} to be recorded written after every "
+                     "training rank's doorbell rang")
 
     # -- validation (weightsync.validate) --------------------------------------------------------------
     def validate(self, checkpoint: str | None = None, *, raise_on_mismatch: bool = False):

@@ -12,7 +12,8 @@ connect through :mod:`weightsync.runtime.worker`). :meth:`JobSession.setup` runs
                   an integrity cadence, weightsync.integrity.check) each side's integrity part
     4. budget     that memory against the budget: a refusal aborts the job, so every peer stops at once
     5. bells      publish this process's doorbells -- before the proof, so every bell is out once the
-                  plan is proven and the peers may open them in step 7
+                  plan is proven and the peers may open them in step 7 -- and a training rank its liveness
+                  beacon, where the readers' waits ask it (weightsync.transport.liveness)
     6. prove      post the pair hashes; wait until every pair's two ends agree
     7. connect    the transports join their groups, share or open memory; open the peers' bells
 
@@ -87,6 +88,7 @@ from weightsync.transport.base import (
     receiver_class,
     resolve,
 )
+from weightsync.transport.liveness import Beacon, TrainerWatch, beacon_host, beacon_name
 
 log = logging.getLogger("weightsync.session")
 
@@ -269,6 +271,7 @@ class TrainerSession(JobSession):
         self.integrity = None
         self.written_bell: Doorbell | None = None
         self.held_bells: list[Doorbell] | None = None
+        self.beacon: Beacon | None = None
 
     @property
     def who(self) -> str:
@@ -304,11 +307,17 @@ class TrainerSession(JobSession):
         return [(self.who, self.sender.memory(self.context))]
 
     def publish_bells(self) -> None:
+        receiver = receiver_class(self.options.transport_name)
         # readers that copy out of our memory (co-located, nixl) wait for our `written` on this bell rather
         # than on the MetaServer, where they run on this host (open_bells: others long-poll as before)
-        if self.options.mode == "sync" and receiver_class(self.options.transport_name).reads_after_written:
+        if self.options.mode == "sync" and receiver.reads_after_written:
             self.written_bell = Doorbell()
             self.client.publish(f"bell.written.{self.train.rank}", self.written_bell.address, replace=True)
+        # whoever waits on this rank through nothing that breaks when it dies (a file, a one-sided read, the
+        # `written` announcement) asks this beacon whether it is alive
+        if watched_trainers(self.options):
+            self.beacon = Beacon(beacon_host(self.options.host, self.link.url))
+            self.client.publish(beacon_name(self.train.rank), self.beacon.address, replace=True)
 
     def post_hashes(self) -> None:
         self.client.post_plan_hashes("train", self.train.rank, hashes_of(self.plans))
@@ -340,6 +349,8 @@ class TrainerSession(JobSession):
         self.sender.close()
         if self.written_bell is not None:
             self.written_bell.close()
+        if self.beacon is not None:
+            self.beacon.close()
 
 
 class InstanceSession(JobSession):
@@ -359,6 +370,8 @@ class InstanceSession(JobSession):
         self.hashes: list[dict[Pair, str]] = []
         self.held_bell: Doorbell | None = None
         self.written_bells: list[Doorbell] | None = None
+        #: sync, co-located or nixl: whether the training ranks are alive, asked while waiting for their `written`
+        self.trainers: TrainerWatch | None = None
         self.backend = "gloo"
         #: elastic: the first step this instance must hold (none written before it joined is waited for)
         self.since = 0
@@ -438,10 +451,12 @@ class InstanceSession(JobSession):
         from weightsync.runtime import worker
 
         opts = self.options
-        # co-located or nixl: the trainers' `written` bells, when every trainer is on this host
+        # co-located or nixl: the trainers' `written` bells, when every trainer is on this host, and their liveness
         if opts.mode == "sync" and self.reads_after_written:
             names = [f"bell.written.{t}" for t in range(self.shape.train_world)]
             self.written_bells = open_bells(self.client, names, opts.timeout_s)
+            self.trainers = TrainerWatch(self.link, self.who)
+            self.trainers.connect(range(self.shape.train_world), opts.timeout_s)
         self.instance.call(worker.connect, self.link, timeout_s=worker.call_timeout(opts.timeout_s))
         if opts.elastic:  # a member from now on: the next step the trainers write waits for us
             got = self.client.join(self.instance_id, incarnation=self.incarnation, liveness_s=self.liveness_s)
@@ -465,6 +480,8 @@ class InstanceSession(JobSession):
 
         if self.held_bell is not None:
             self.held_bell.close()
+        if self.trainers is not None:
+            self.trainers.close()
         beating, self.heartbeat = self.heartbeat, None
         if beating is not None:
             beating.stop()
@@ -494,6 +511,14 @@ class SessionDriven:
     @property
     def shape(self) -> JobShape:
         return self.connect().session.shape
+
+
+def watched_trainers(options: SessionOptions) -> bool:
+    """Whether the job's readers ask the training ranks' liveness (:mod:`weightsync.transport.liveness`): its
+    workers' waits do (``watches_trainers``: file, nixl), or its readers wait for `written` (sync co-located or
+    nixl). p2p workers watch the trainers' beats in the group they share."""
+    receiver = receiver_class(options.transport_name)
+    return receiver.watches_trainers or (options.mode == "sync" and receiver.reads_after_written)
 
 
 def check_instance_id(instance_id: int, instances: int, options: SessionOptions) -> None:

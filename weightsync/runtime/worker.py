@@ -158,9 +158,14 @@ def plan(ctx: WorkerContext, shape: JobShape, model_config: dict, instance: int,
 
 
 def connect(ctx: WorkerContext, link: MetaLink) -> None:
-    """Join the transport (groups, opened memory): once the plan is proven."""
+    """Join the transport (groups, opened memory): once the plan is proven. A receiver whose waits depend on the
+    trainers through nothing that breaks when one dies (``watches_trainers``) gets their liveness watch."""
     r = _reader(ctx)
     r.context.link = link
+    if r.receiver.watches_trainers:
+        from weightsync.transport.liveness import TrainerWatch
+
+        r.context.watch = TrainerWatch(link, f"instance {r.instance} rank {ctx.rank}")
     r.receiver.connect(r.context)
     if r.check is not None:
         r.check.connect(link)
@@ -211,6 +216,8 @@ def pull(ctx: WorkerContext, staged: bool) -> WorkerReport:
 def disconnect(ctx: WorkerContext) -> None:
     if ctx.reader is not None:
         ctx.reader.receiver.close()
+        if ctx.reader.context.watch is not None:
+            ctx.reader.context.watch.close()
         ctx.reader = None
 
 
@@ -222,7 +229,8 @@ def _transfer(ctx: WorkerContext, r: WorkerReader, what: str, fn: Callable[[], T
     that stops or dies mid-transfer (its beat stops) is noticed in seconds, the deadline holds even
     where the backend would wait on, and the error names the trainer. The group cannot be used again
     then, and every later transfer of this worker reader says so at once. (The other transports'
-    waits are polls with the same timeout; they run as they are.)"""
+    waits are polls with the same timeout that ask the trainers' liveness beacons once they make no progress --
+    ``ctx.watch``, :mod:`weightsync.transport.liveness` -- so they run as they are.)"""
     from weightsync.transport.group import address_of, watched
 
     if r.abandoned is not None:

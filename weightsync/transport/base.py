@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # annotations only: a transport needs no runtime module to ru
     from weightsync.meta.client import MetaClient
     from weightsync.plan.planner import Bucket, Pair, Planner
     from weightsync.plan.job import JobShape
+    from weightsync.transport.liveness import TrainerWatch
 
     Plans = Mapping[Pair, list[Bucket]]
 
@@ -185,6 +186,9 @@ class ReceiverContext:
     #: co-located: this instance's workers write their own GPU's pieces into each other (off for a
     #: staged instance, or an engine whose tensors cannot be exported)
     push: bool = False
+    #: whether the training ranks it waits on are alive (set at connect for a receiver that
+    #: ``watches_trainers``; :mod:`weightsync.transport.liveness`); None: its waits end at ``timeout_s`` only
+    watch: TrainerWatch | None = None
 
 
 class Sender(ABC):
@@ -224,6 +228,12 @@ class Receiver(ABC):
     #: whether receiving reads the trainers' memory, so it may start only once every trainer
     #: announced the step written (co-located); otherwise the transfer itself waits for the senders
     reads_after_written: ClassVar[bool] = False
+    #: whether its waits depend on the trainers through nothing that breaks when one dies or stops (a file
+    #: that never comes, a one-sided read): they then ask ``ctx.watch`` (:mod:`weightsync.transport.liveness`)
+    #: and end in seconds, naming the rank. (p2p waits in a group with the trainers and watches their beats
+    #: there; co-located workers copy memory that outlives its trainer, and their reader watches the trainers
+    #: while it waits for ``written``.)
+    watches_trainers: ClassVar[bool] = False
 
     def __init__(self, options: TransportOptions):
         self.options = options

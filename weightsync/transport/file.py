@@ -26,7 +26,9 @@ must equal its own plan's, and the bucket count and every bucket's size must mat
 bucket into the live tensors in place (:func:`weightsync.transport.pack.unpack`) and deletes the
 file (each pair's file has exactly one consumer). A file that fails a check is left in place for
 inspection and raises :class:`TransportError` naming the pair. If ``timeout_s`` passes with no new
-file arriving, it raises a :class:`TransportError` naming the missing pair(s). Files of other steps
+file arriving, it raises a :class:`TransportError` naming the missing pair(s); sooner, with a ``watch``
+(a job's receivers have one: :mod:`weightsync.transport.liveness`), once a training rank whose file is
+missing is gone or stopped (a ``TrainerLost`` naming it, within seconds). Files of other steps
 are ignored (:meth:`FileTransport.sweep` removes old ones).
 
 Caveat: the step is the only thing telling one run's files from another's. Give every run (job) its
@@ -55,6 +57,7 @@ from safetensors import safe_open
 from weightsync.plan.planner import Bucket, Pair, pair_hash
 from weightsync.errors import TransportError
 from weightsync.transport.base import BASE_PROOF, Buffers, Receiver, ReceiverContext, Sender, SenderContext, StepStats
+from weightsync.transport.liveness import TrainerWatch
 from weightsync.transport.p2p import TransferStats, describe
 from weightsync.transport.pack import pack, unpack
 from weightsync.transport.private import private_directory, private_opener
@@ -132,6 +135,7 @@ class FileTransport:
         timeout_s: float = 60.0,
         poll_s: float = 0.01,
         consume: bool = True,
+        watch: TrainerWatch | None = None,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -140,6 +144,9 @@ class FileTransport:
         self.directory = os.fspath(directory)
         self.step_fn, self.timeout_s, self.poll_s = step_fn, timeout_s, poll_s
         self.consume = consume  # False: files are shared by every instance and swept by their writer
+        #: a receiver's: whether the training ranks whose files it waits for are alive (asked once nothing
+        #: arrived for a while): a trainer killed or stopped mid-step ends the wait in seconds, naming it
+        self.watch = watch
         private_directory(self.directory)  # 0700, files 0600: other users of the host must not read the weights
         self._buffer: torch.Tensor | None = None  # the sender's packing buffer, reused every step
 
@@ -186,7 +193,14 @@ class FileTransport:
             if arrived:
                 last_progress = time.monotonic()
                 continue
-            if time.monotonic() - last_progress > self.timeout_s:
+            idle = time.monotonic() - last_progress
+            if self.watch is not None and idle >= self.watch.look_s:
+                gone = self.watch.lost({pair[0] for pair in pending}, idle)
+                if gone is not None:
+                    pair = min(p for p in pending if p[0] == gone.rank)
+                    raise gone.error(f"step {step}: waiting for the file of {describe(pair)} ({file_name(step, pair)}) "
+                                     f"in {self.directory}", pair=pair)
+            if idle > self.timeout_s:
                 missing = sorted(pending)
                 names = "; ".join(f"{describe(p)} ({file_name(step, p)})" for p in missing[:4])
                 more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
@@ -558,11 +572,17 @@ class FileReceiver(Receiver):
     """An inference worker waits for its pairs' files of the step and unpacks them in place.
 
     Every instance reads the files written for instance slot 0 (the trainers write each step once) with
-    that slot's plan, which lands in exactly the regions its own plan names; it leaves them in place."""
+    that slot's plan, which lands in exactly the regions its own plan names; it leaves them in place. A
+    trainer killed or stopped before its files are whole is noticed by ``ctx.watch`` in seconds."""
+
+    watches_trainers = True  # a file that never comes breaks nothing
 
     def connect(self, ctx: ReceiverContext) -> None:
-        self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s, consume=False)
         self.plans = ctx.plans if ctx.instance == 0 else ctx.planner.recv_plan(0, ctx.rank)
+        if ctx.watch is not None:
+            ctx.watch.connect({pair[0] for pair in self.plans}, self.options.timeout_s)
+        self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s, consume=False,
+                                       watch=ctx.watch)
         # the frames file when this worker proves its base, else the full file
         self.decoder = self.options.codec.decoder(self.plans) if self.options.framed else None
 

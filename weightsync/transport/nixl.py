@@ -42,8 +42,10 @@ full -- except for a codec whose frames are the only form its receiver lands (``
 whose payload is e4m3 bytes and scales, not the plan's bf16 bytes), where that is an error naming the
 trainer and nothing is read.
 
-Errors: a NIXL error or a peer whose transfers make no progress for ``timeout_s`` raise
-:class:`TransportError` naming the pair and bucket.
+Errors: a NIXL error, a peer whose transfers make no progress for ``timeout_s``, or -- asked once a wait made
+no progress for ``LOOK_S`` -- a training rank gone or stopped (:mod:`weightsync.transport.liveness`: a READ of a
+stopped trainer's memory stays posted) raise :class:`TransportError` naming the pair and bucket. A wait that
+gives up with reads still posted abandons the receiver: they may land later, so it reads no later step.
 """
 
 from __future__ import annotations
@@ -485,6 +487,7 @@ class NixlReceiver(Receiver):
 
     modes = frozenset({"sync", "async"})
     reads_after_written = True  # sync: the trainers' memory holds the step once every one announced it
+    watches_trainers = True  # a READ of a stopped trainer's memory stays posted (module docstring, Errors)
 
     def memory(self, ctx: ReceiverContext) -> Buffers:
         if not self.options.framed:
@@ -519,6 +522,13 @@ class NixlReceiver(Receiver):
         # framed: the payloads when this worker proves their bases, else a full read
         self.decoder = self.options.codec.decoder(ctx.plans) if self.options.framed else None
         self.frames = FrameReads(self, ctx.plans) if self.decoder is not None else None
+        # the trainers' liveness, asked by every wait that makes no progress (weightsync.transport.liveness)
+        self.watch = ctx.watch
+        if self.watch is not None:
+            self.watch.connect(self.peer_ranks, self.timeout_s)
+        #: why a wait gave up with reads still posted: they may land later, so no later step is read into the
+        #: same memory (a new reader -- rejoin() -- reads again)
+        self.abandoned: str | None = None
 
     def _ensure_peers(self) -> None:
         """Each peer trainer's descriptors, checked against the plan before any byte moves (once)."""
@@ -677,6 +687,7 @@ class NixlReceiver(Receiver):
 
     # -- steps ----------------------------------------------------------------------------------
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
+        self._refuse_if_abandoned()
         t0 = time.perf_counter()
         stats = self._read(targets, t0) if self.frames is None else self.frames.receive(step, targets, self._read)
         for r, h in self._headers():
@@ -690,6 +701,7 @@ class NixlReceiver(Receiver):
         return stats
 
     def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:
+        self._refuse_if_abandoned()
         t0 = time.perf_counter()
         before = self._stable_headers(t0)
         if self.frames is None:
@@ -718,10 +730,15 @@ class NixlReceiver(Receiver):
             got = {r: (int(h[0]), int(h[1])) for r, h in self._headers()}
             if all(seq > 0 and seq % 2 == 0 for seq, _ in got.values()):
                 return got
-            if time.perf_counter() - t0 > self.timeout_s:
-                waiting = [r for r, (seq, _) in got.items() if seq == 0 or seq % 2]
+            waited = time.perf_counter() - t0
+            waiting = [r for r, (seq, _) in got.items() if seq == 0 or seq % 2]
+            if waited > self.timeout_s:
                 raise TransportError(f"instance {self.ctx.instance} rank {self.ctx.rank}: training ranks {waiting} "
                                      f"staged no whole step within {self.timeout_s:g} s", pair=(waiting[0], self.ctx.instance, self.ctx.rank))
+            if self.watch is not None and (gone := self.watch.lost(waiting, waited)) is not None:
+                raise gone.error(f"instance {self.ctx.instance} rank {self.ctx.rank}: waiting for training rank "
+                                 f"{gone.rank} to stage a whole step",
+                                 pair=(gone.rank, self.ctx.instance, self.ctx.rank))
             time.sleep(0.002)
 
     def _headers(self) -> list[tuple[int, torch.Tensor]]:
@@ -780,8 +797,9 @@ class NixlReceiver(Receiver):
             raise self._error(pair, bucket, RuntimeError("NIXL posted the read in state ERR"))
 
     def _wait(self, handles: list) -> None:
-        """Block until every ``(handle, pair, bucket)`` is DONE; raise on ERR, or once none progressed
-        for ``timeout_s``."""
+        """Block until every ``(handle, pair, bucket)`` is DONE; raise on ERR, once none progressed for
+        ``timeout_s``, or once a training rank read from is gone or stopped (``self.watch``, asked after
+        ``LOOK_S`` without progress). Giving up with reads still posted abandons this receiver."""
         left = list(handles)
         last = time.perf_counter()
         while left:
@@ -799,10 +817,27 @@ class NixlReceiver(Receiver):
                 last = time.perf_counter()
             left = still
             if left:
-                if time.perf_counter() - last > self.timeout_s:
+                idle = time.perf_counter() - last
+                cause: Exception | None = None
+                if idle > self.timeout_s:
                     h, pair, bucket = left[0]
-                    raise self._error(pair, bucket, TimeoutError(f"no read completed for {self.timeout_s:g}s"))
+                    cause = TimeoutError(f"no read completed for {self.timeout_s:g}s")
+                elif self.watch is not None and idle >= self.watch.look_s:
+                    gone = self.watch.lost({p[0] for _, p, _ in left}, idle)
+                    if gone is not None:
+                        h, pair, bucket = next(x for x in left if x[1][0] == gone.rank)
+                        cause = gone.error("a read made no progress")
+                if cause is not None:
+                    err = self._error(pair, bucket, cause)
+                    self.abandoned = str(err)
+                    raise err
                 time.sleep(POLL_S)
+
+    def _refuse_if_abandoned(self) -> None:
+        if getattr(self, "abandoned", None) is not None:
+            raise TransportError(f"instance {self.ctx.instance} rank {self.ctx.rank}: refused: reads of an earlier "
+                                 f"step may still land ({self.abandoned}); read again through a new reader "
+                                 "(WeightReader.rejoin(), or init_weight_transfer_engine again)")
 
     def _error(self, pair: Pair, bucket: int | None, cause: Exception) -> TransportError:
         what = f"bucket {bucket} of " if bucket is not None else ""
