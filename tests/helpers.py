@@ -193,3 +193,43 @@ def megatron_model(name: str) -> ModelSpec:
     if name == "dsv3-8":
         return tiny("tiny-deepseek-v3", num_hidden_layers=8)
     return load_spec(name)
+
+
+def record_local_job_tokens(monkeypatch) -> tuple[list, list]:
+    """Record, for a :class:`weightsync.local.runner.LocalJob` run in this process, the token each MetaServer started
+    here was given and the arguments every participant was started with: ``(tokens, [(participant, args)])``. A
+    launcher must start the server with an admin token and hand participants their job's token only."""
+    import weightsync.local.runner as runner
+    import weightsync.meta.server as server
+
+    tokens, handed = [], []
+
+    class Recorded(server.MetaServer):
+        def __init__(self, *args, **kwargs):
+            tokens.append(kwargs.get("token"))
+            super().__init__(*args, **kwargs)
+
+    real = runner.start_participant
+
+    def start(ctx, participant, target, args, q, log_path=None):
+        handed.append((participant, args))
+        return real(ctx, participant, target, args, q, log_path)
+
+    monkeypatch.setattr(server, "MetaServer", Recorded)
+    monkeypatch.setattr(runner, "start_participant", start)
+    return tokens, handed
+
+
+def assert_job_tokens_only(tokens: list, handed: list, jobs_of) -> None:
+    """The one MetaServer had an admin token; no participant was given it, and each was given the token of every
+    job ``jobs_of(participant)`` names (:func:`weightsync.meta.auth.job_token`)."""
+    from weightsync.meta.auth import job_token
+
+    assert len(tokens) == 1 and tokens[0], f"the MetaServer ran without a token: {tokens}"
+    admin = tokens[0]
+    assert handed
+    for participant, args in handed:
+        text = repr(args)
+        assert admin not in text, f"{participant} was handed the admin token"
+        for job in jobs_of(participant):
+            assert job_token(admin, job) in text, f"{participant} was not handed job {job}'s token"

@@ -144,6 +144,20 @@ def test_every_scenario_rehearses_on_cpu(scenario):
         assert r["baselines"][kind]["ran"] and r["baselines"][kind]["verified"], (kind, r["baselines"][kind])
 
 
+def test_participants_hold_the_bench_jobs_token_never_the_admins(monkeypatch):
+    """``weightsync bench`` runs its MetaServer with an admin token (issue 25's model) and hands every trainer and
+    instance the bench job's token only: the run verifies through it -- the writers, the readers and the co-located
+    baseline's hand-over lookups would be refused without it (401) -- and no participant was given the admin's."""
+    from weightsync.bench.run import run
+    from helpers import assert_job_tokens_only, record_local_job_tokens
+
+    tokens, handed = record_local_job_tokens(monkeypatch)
+    r = run("colo-1gpu", "tiny-qwen3", steps=1, timeout=60.0, baselines=("naive",), device="cpu")
+    assert not r["errors"], r["errors"]
+    assert r["verified"] and r["baselines"]["naive"]["ran"] and r["baselines"]["naive"]["verified"]
+    assert_job_tokens_only(tokens, handed, lambda p: ["bench"])
+
+
 def test_colocated_bench_without_peer_copies_goes_through_the_group():
     """``--no-peer-copies``: the other GPU's pieces cross the workers' group (gloo here), still bit-exact, and
     the result says so."""

@@ -56,6 +56,20 @@ def test_fsdp2_with_tp_trains_and_syncs(capsys):
     assert_verified(code, out)
 
 
+def test_participants_hold_their_jobs_tokens_never_the_admins(capsys, monkeypatch):
+    """The demo's MetaServer runs with an admin token (issue 25's model); each trainer is handed the token of every
+    job it writes to and each instance its own job's, never the admin's -- and the demo still verifies (a
+    participant without a token, or with the wrong job's, would be refused: 401/403). Two jobs (an hf and a
+    vllm:tp=2 instance) over the file transport."""
+    from helpers import assert_job_tokens_only, record_local_job_tokens
+
+    tokens, handed = record_local_job_tokens(monkeypatch)
+    code, out = demo(capsys, "--model", "tiny-qwen3", "--train", "hf", "--transport", "file")
+    assert_verified(code, out)
+    jobs = ["demo-0-hf", "demo-1-vllm"]
+    assert_job_tokens_only(tokens, handed, lambda p: jobs if p.role == "train" else [p.job])
+
+
 def test_a_failure_ends_the_demo_in_one_line():
     # a 10 ms timeout: the job's deadline (4 x 10 ms) passes before any process is through; every process
     # is stopped and the first one still running is named. Participants spawn (a fresh interpreter each,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import secrets
 import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
@@ -87,8 +88,9 @@ def run(cfg: DemoConfig, print_fn: Callable[[str], None] = print) -> dict:
     """Run the demo; the result as ``--json`` prints it. ``errors`` holds the one line that ended it."""
     check(cfg)
     logdir = tempfile.mkdtemp(prefix="weightsync-demo-")
+    # the MetaServer runs with an admin token that stays here; each participant gets its own job's token only
     with tempfile.TemporaryDirectory() as refdir, LocalJob(deadline_s=cfg.timeout_s * (cfg.steps + 3),
-                                                           log_dir=logdir) as job:
+                                                           log_dir=logdir, meta_token=secrets.token_hex(16)) as job:
         collected = _Collector(cfg, add_participants(job, cfg, refdir), print_fn)
         result = job.run(on_event=collected)
     errors = []

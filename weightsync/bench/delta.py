@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import statistics
 import sys
 import time
@@ -197,8 +198,9 @@ def _local_bytes(tensors: dict) -> int:
 
 
 def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, opts: DeltaOptions, host: bool, meta: str,
-             timeout: float, device: str, together, integrity: dict) -> None:
-    """One training rank of the delta job: steps change as :attr:`DeltaOptions.schedule` says."""
+             timeout: float, device: str, together, integrity: dict, token: str | None = None) -> None:
+    """One training rank of the delta job (``token``: its MetaServer token): steps change as
+    :attr:`DeltaOptions.schedule` says."""
     from weightsync.bind import Bound
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import TORCH_DTYPES
@@ -221,9 +223,9 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, opts: DeltaOptio
     budget = DEFAULT_MEMORY_BUDGET + (1 if host else 2) * _local_bytes(tensors)
     synchronize(dev)
     before, rss0 = memory(dev)[0], _rss()
-    writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench-delta", timeout_s=timeout,
-                          transport=scen.transport, delta=True, delta_host=host, memory_budget=budget,
-                          **integrity).connect()
+    writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench-delta", token=token,
+                          timeout_s=timeout, transport=scen.transport, delta=True, delta_host=host,
+                          memory_budget=budget, **integrity).connect()
     kept = memory(dev)[0] - before
     peak, grown = 0, 0
     for step, frac in enumerate(opts.schedule()):
@@ -244,7 +246,7 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, opts: DeltaOptio
 
 
 def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, opts: DeltaOptions, meta: str,
-            timeout: float, device: str, integrity: dict) -> None:
+            timeout: float, device: str, integrity: dict, token: str | None = None) -> None:
     from weightsync.bench.ceilings import peak_memory, reset_peak
     from weightsync.instances.faithful import FaithfulInstance
     from weightsync.runtime.reader import WeightReader
@@ -255,8 +257,9 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, opts: D
     instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}" if device == "cuda" else "cpu",
                                 fill=float("nan"))
     try:
-        reader = WeightReader(instance, meta=meta, job="bench-delta", instance_id=inst, instances=scen.instances,
-                              timeout_s=timeout, transport=scen.transport, delta=True, **integrity).connect()
+        reader = WeightReader(instance, meta=meta, job="bench-delta", token=token, instance_id=inst,
+                              instances=scen.instances, timeout_s=timeout, transport=scen.transport, delta=True,
+                              **integrity).connect()
         base = instance.call(reset_peak)
         schedule = opts.schedule()
         for step in range(len(schedule)):
@@ -305,7 +308,10 @@ def run_delta(scenario: str, scen: Scenario, model: str, opts: DeltaOptions, hos
     schedule = opts.schedule()
     g = _Gathered()
     out: dict = {"previous": "host" if host else "device", "delta_host": host, "errors": []}
-    with LocalJob(deadline_s=timeout * (len(schedule) + 6), exit_grace_s=30.0) as job:
+    # the MetaServer runs with an admin token that stays here; the participants get the job's token only
+    with LocalJob(deadline_s=timeout * (len(schedule) + 6), exit_grace_s=30.0,
+                  meta_token=secrets.token_hex(16)) as job:
+        token = job.job_token("bench-delta")
 
         def on_event(ev: Event) -> None:
             if isinstance(ev, StepStarted):
@@ -325,11 +331,11 @@ def run_delta(scenario: str, scen: Scenario, model: str, opts: DeltaOptions, hos
         together = job.ctx.Barrier(train.world_size)
         for r in range(train.world_size):
             job.add(Participant.trainer(r), _trainer, r, scen, model, opts, host, job.meta_url, timeout, device,
-                    together, integrity)
+                    together, integrity, token)
         for i in range(scen.instances):
             gpu = 0 if scen.one_gpu else train.world_size + i * infer.world_size
             job.add(Participant.instance(i), _reader, i, gpu, scen, model, opts, job.meta_url, timeout, device,
-                    integrity)
+                    integrity, token)
         outcome = job.run(on_event=on_event)
     if outcome.failure is not None:
         f = outcome.failure

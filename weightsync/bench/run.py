@@ -23,6 +23,7 @@ wiring on machines without them.
 from __future__ import annotations
 
 import json
+import secrets
 import statistics
 import sys
 import time
@@ -79,11 +80,11 @@ def job_transport(writer):
 
 def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta: str, timeout: float,
              baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda", together=None,
-             integrity: int | None = None) -> None:
-    """One training rank. ``together`` (a barrier of the training ranks) starts every step's writes at
-    once, as a training step's last collective would: the bench's stand-in for the optimizer (doubling
-    every tensor, a kernel each: ~7,000 on a 30B PP stage) ends up to ~18 ms apart on two ranks, and
-    that skew is the bench's, not the sync's."""
+             integrity: int | None = None, token: str | None = None) -> None:
+    """One training rank (``token``: the bench job's MetaServer token). ``together`` (a barrier of the training
+    ranks) starts every step's writes at once, as a training step's last collective would: the bench's stand-in
+    for the optimizer (doubling every tensor, a kernel each: ~7,000 on a 30B PP stage) ends up to ~18 ms apart
+    on two ranks, and that skew is the bench's, not the sync's."""
     from weightsync.bind import Bound
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import TORCH_DTYPES
@@ -99,8 +100,8 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta
     layout = engine.layout(rank)
     tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=dev) for n, t in layout.tensors.items()}
     # set up now, as the constructor used to: neither the warm-up step's time nor its memory peak includes it
-    writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", timeout_s=timeout,
-                          colocate=scen.colocate, transport=scen.transport,
+    writer = WeightWriter(Bound(engine, rank, layout, tensors), meta=meta, job="bench", token=token,
+                          timeout_s=timeout, colocate=scen.colocate, transport=scen.transport,
                           memory_budget=writer_budget(scen, layout.bytes_held(spec)), **_integrity(integrity)).connect()
     peak = 0
     init_weights(layout, tensors, spec)
@@ -192,7 +193,8 @@ def _baselines_train(emit: Emit, rank, scen, engine, tensors, writer, store_port
 
 def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, timeout: float,
             link_in, baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda",
-            peer_copies: bool = True, receiver: str = "faithful", integrity: int | None = None) -> None:
+            peer_copies: bool = True, receiver: str = "faithful", integrity: int | None = None,
+            token: str | None = None) -> None:
     from weightsync.instances.faithful import FaithfulInstance
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
@@ -215,9 +217,9 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
         instance = FaithfulInstance(dict(spec.config), scen.infer, device=f"cuda:{gpu}" if device == "cuda" else "cpu",
                                     fill=float("nan"))
     try:
-        reader = WeightReader(instance, meta=meta, job="bench", instance_id=inst, instances=scen.instances,
-                              timeout_s=timeout, colocate=scen.colocate, peer_copies=peer_copies,
-                              transport=scen.transport, **_integrity(integrity)).connect()
+        reader = WeightReader(instance, meta=meta, job="bench", token=token, instance_id=inst,
+                              instances=scen.instances, timeout_s=timeout, colocate=scen.colocate,
+                              peer_copies=peer_copies, transport=scen.transport, **_integrity(integrity)).connect()
         # memory beyond the weights over all steps: the transport's buffers (allocated in the first step and
         # kept) and anything a step allocates on top
         base = instance.call(reset_peak)
@@ -244,7 +246,7 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
         for k, kind in enumerate(baselines):
             doublings = (steps + 1) * (k + 2)  # ours, then each baseline, advanced steps + 1 times each
             ends = instance.call(_baseline_worker, kind, model, scen, inst, steps, timeout, doublings,
-                                 (meta, store_port), timeout_s=timeout * (steps + 2))
+                                 (meta, store_port, token), timeout_s=timeout * (steps + 2))
             for step in range(steps + 1):
                 emit(BaselineEnded(me, kind, step, max(e[0][step] for e in ends)))
             emit(BaselineVerified(me, kind, all(e[1] for e in ends)))
@@ -255,7 +257,7 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
 
 
 def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, steps: int, timeout: float,
-                     doublings: int, link: tuple[str, int]):
+                     doublings: int, link: tuple[str, int, str | None]):
     """On an inference worker: take part in ``steps + 1`` baseline syncs; end times and a final bit check."""
     from datetime import timedelta
 
@@ -268,9 +270,9 @@ def _baseline_worker(ctx, kind: str, model: str, scen: Scenario, inst: int, step
     src, dst = make_layout(spec, scen.train), make_layout(spec, scen.infer)
     wait = timedelta(seconds=timeout)
     if scen.colocate:
-        meta, port = link
+        meta, port, token = link
         store = _store(port, False, timeout)
-        client = MetaClient(meta, "bench", timeout=timeout)
+        client = MetaClient(meta, "bench", token=token, timeout=timeout)
         side = ColocatedWorker(kind, src, dst.layout(ctx.rank), inst * dst.world_size + ctx.rank, ctx.tensors, store,
                                lambda key: client.lookup(key, timeout=timeout))
         one = lambda: side.step(step, wait)
@@ -397,7 +399,9 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
                     "integrity": integrity, "verified": False, "efficiency": None,
                     "errors": [],
                     **environment()}
-    with LocalJob(deadline_s=timeout * (steps + 4), exit_grace_s=30.0) as job:
+    # the MetaServer runs with an admin token that stays here; the participants get the bench job's token only
+    with LocalJob(deadline_s=timeout * (steps + 4), exit_grace_s=30.0, meta_token=secrets.token_hex(16)) as job:
+        token = job.job_token("bench")
         link_q = job.ctx.Queue()
 
         def on_event(ev: Event) -> None:
@@ -437,11 +441,11 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         together = job.ctx.Barrier(train.world_size)
         for r in range(train.world_size):
             job.add(Participant.trainer(r), _trainer, r, scen, model, steps, job.meta_url, timeout, baselines,
-                    store_port, device, together, integrity)
+                    store_port, device, together, integrity, token)
         for i in range(scen.instances):
             gpu = 0 if scen.one_gpu else train.world_size + i * infer.world_size
             job.add(Participant.instance(i), _reader, i, gpu, scen, model, steps, job.meta_url, timeout, link_q,
-                    baselines, store_port, device, peer_copies, receiver, integrity)
+                    baselines, store_port, device, peer_copies, receiver, integrity, token)
         outcome = job.run(on_event=on_event)
     if outcome.failure is not None:
         f = outcome.failure

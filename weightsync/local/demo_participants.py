@@ -37,14 +37,16 @@ def add_participants(job: LocalJob, cfg: DemoConfig, refdir: str) -> int:
     spec = load_spec(cfg.model)
     world = make_layout(spec, cfg.train).world_size
     port = free_port()
+    # each participant gets the token of its own job(s) only (None where the MetaServer has none), never the admin's
+    tokens = {name: job.job_token(name) for name, _ in jobs(cfg)}
     for r in range(world):
-        job.add(Participant.trainer(r), trainer_main, r, world, port, job.meta_url, cfg, refdir)
+        job.add(Participant.trainer(r), trainer_main, r, world, port, job.meta_url, cfg, refdir, tokens)
     gpu = 0 if cfg.colocate else world  # separated: instances on the GPUs after the trainers'
     for name, engine in jobs(cfg):
         per = make_layout(spec, engine).world_size
         for i in range(cfg.instances + (cfg.join_at is not None)):  # the last one joins later (--join-at)
             job.add(Participant.instance(i, name), reader_main, name, engine, i, cfg.instances, job.meta_url, cfg,
-                    refdir, gpu)
+                    refdir, gpu, tokens[name])
             gpu = (gpu + per) % world if cfg.colocate else gpu + per
     return world
 
@@ -52,9 +54,11 @@ def add_participants(job: LocalJob, cfg: DemoConfig, refdir: str) -> int:
 # -- training processes -----------------------------------------------------------------------------
 
 
-def trainer_main(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: DemoConfig, refdir: str) -> None:
-    """Training rank ``rank``'s process: its own default group, a real trainer and one WeightWriter per job;
-    each step it trains, leaves what it holds in ``refdir`` (rank 0: the step's whole weights) and writes."""
+def trainer_main(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: DemoConfig, refdir: str,
+                 tokens: dict[str, str | None] | None = None) -> None:
+    """Training rank ``rank``'s process: its own default group, a real trainer and one WeightWriter per job
+    (``tokens``: each job's MetaServer token); each step it trains, leaves what it holds in ``refdir`` (rank 0:
+    the step's whole weights) and writes."""
     import torch.distributed as dist
 
     from weightsync.local.trainers import build_trainer
@@ -73,7 +77,9 @@ def trainer_main(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: D
                             **({"lr": cfg.lr, "fp32_master": True} if cfg.lr is not None else {}))
     # set up every job before the first step (else the first write would), so step 1 times a step
     elastic = {"instance_timeout_s": cfg.instance_timeout_s} if cfg.join_at or cfg.kill_at else {}
-    writers = [WeightWriter(trainer.bound, meta=meta, job=job, timeout_s=cfg.timeout_s, colocate=cfg.colocate,
+    tokens = tokens or {}
+    writers = [WeightWriter(trainer.bound, meta=meta, job=job, token=tokens.get(job), timeout_s=cfg.timeout_s,
+                            colocate=cfg.colocate,
                             **transport_args(cfg, job, refdir), **elastic, **quant_args(engine),
                             delta=cfg.delta).connect()
                for job, engine in jobs(cfg)]
@@ -147,9 +153,10 @@ def _assemble_reference(spec, refdir: str, step: int, world: int) -> None:
 
 
 def reader_main(emit: Emit, job: str, engine: str, inst: int, instances: int, meta: str, cfg: DemoConfig,
-                refdir: str, gpu: int = 0) -> None:
-    """Instance ``inst`` of ``job``'s process (its workers beside it): every step it updates, then checks what it
-    holds against the trainers' weights in ``refdir``; a joiner (``inst >= instances``) joins the running job."""
+                refdir: str, gpu: int = 0, token: str | None = None) -> None:
+    """Instance ``inst`` of ``job``'s process (its workers beside it; ``token``: the job's MetaServer token): every
+    step it updates, then checks what it holds against the trainers' weights in ``refdir``; a joiner
+    (``inst >= instances``) joins the running job."""
     from weightsync.local.instances import build_instance
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
@@ -178,7 +185,7 @@ def reader_main(emit: Emit, job: str, engine: str, inst: int, instances: int, me
         local = build_instance(spec, engine, device=f"cuda:{gpu}" if cfg.device == "cuda" else "cpu", seed=99)
     joiner = inst >= instances  # --join-at: joins the running job once the step before is held
     try:
-        reader = WeightReader(local.instance, meta=meta, job=job, instance_id=inst, instances=instances,
+        reader = WeightReader(local.instance, meta=meta, job=job, token=token, instance_id=inst, instances=instances,
                               timeout_s=cfg.timeout_s, colocate=cfg.colocate, **transport_args(cfg, job, refdir),
                               **quant_args(engine), delta=cfg.delta)
         if joiner and cfg.join_at > 1:
