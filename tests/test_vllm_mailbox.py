@@ -361,6 +361,10 @@ class TestRealVLLM:
                     start, _ = spy.resets[-1]
                     assert t0 <= start <= t1
                     assert inst.last_call is not None and inst.last_call.handler <= inst.last_call.seconds
+                    # the update's own split (the bench's instance.* phases): its calls summed, the reset it waited on
+                    timing = inst.last_timing
+                    assert timing["call"] >= inst.last_call.seconds and timing["call.handler"] <= timing["call"], timing
+                    assert timing["call"] + timing["reset_wait"] <= t1 - t0, timing
                     real.check("X", seed)  # loaded form, computed tensors, greedy tokens: all bit-exact
                     assert llm.get_weight_version() == str(step)
             finally:

@@ -117,6 +117,10 @@ class VLLMInstance:
         #: the last mailbox call's timing (:class:`~weightsync.runtime.mailbox.CallTiming`), and the seconds the last
         #: resume() waited for the prefix-cache reset pause() started (0 when it was done by then)
         self.last_call = None
+        #: where this update's mailbox calls spent their time (seconds, summed over the update's calls since
+        #: ``pause``): ``call`` the control process's wall time, ``call.handler`` / ``call.synced`` the slowest
+        #: worker's (:class:`weightsync.runtime.mailbox.CallTiming`); the bench records it beside the reader's phases
+        self.last_timing: dict[str, float] = {}
         self.reset_wait = 0.0
         #: per worker: which path each layer takes (in place, re-packed, staged), decided once here
         self.reports: list[LiveReport] = self._rpc("weightsync_setup", timeout_s=timeout_s)
@@ -178,6 +182,7 @@ class VLLMInstance:
             self._rpc("weightsync_refresh")
 
     def pause(self) -> None:
+        self.last_timing = {}
         if self.is_async:
             self._run(self.llm.pause_generation(mode=self.pause_mode, clear_cache=self.pause_mode != "keep"))
             self._paused = True
@@ -193,12 +198,13 @@ class VLLMInstance:
         pending, self._reset = self._reset, None
         if self._broken is not None:
             return
+        t0 = time.perf_counter()
         if pending is not None:
-            t0 = time.perf_counter()
             reset = self._wait_reset(pending)
             self.reset_wait = time.perf_counter() - t0
         else:
             reset = self._run(self.llm.reset_prefix_cache()) if self.is_async else self._locked(self.llm.reset_prefix_cache)
+        self.last_timing["reset_wait"] = time.perf_counter() - t0  # the reset's time on the update's path
         if not reset:
             log.warning("%s: the prefix cache was not reset: requests still running hold KV blocks computed with "
                         "the previous weights", self.engine)
@@ -297,7 +303,10 @@ class VLLMInstance:
             raise InstanceError(f"{self!r} is unusable: {self._broken}")
         try:
             answers = self._mailbox.call([payload] * self.world_size, timeout, what)
-            self.last_call = self._mailbox.last
+            self.last_call = last = self._mailbox.last
+            if last is not None:
+                for name, sec in (("call", last.seconds), ("call.handler", last.handler), ("call.synced", last.synced)):
+                    self.last_timing[name] = self.last_timing.get(name, 0.0) + sec
         except MailboxTimeout as e:
             self._broken = f"{what} did not answer within its {timeout:g} s deadline (a worker thread still runs it)"
             raise WorkerTimeout(f"{self.engine}: the vLLM workers did not answer {what} within its {timeout:g} s "
