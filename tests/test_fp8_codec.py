@@ -153,14 +153,42 @@ def test_fp8_land_co_located_into_the_fp8_layout_bit_exact(spec, train, infer, d
         landing = codec.land(items)
         assert landing.work is not None
         assert all(d.dtype == s.dtype for d, s in landing.copies)  # the transport moves bytes only
-        BatchedCopy(landing.copies).run()  # as the transport's graph does: its copies, then the codec's work
-        landing.work()
-        want = expected_fp8(layout, {n: t.to(torch.bfloat16) if t.is_floating_point() else t
-                                     for n, t in master.items()}, j)
-        for n in want:
-            assert torch.equal(bits(targets[n]), bits(want[n])), (j, n)
+        batch = BatchedCopy(landing.copies)
+        for seed in (11, 12):  # the same landing replayed (as the transport's graph is) after the weights changed
+            step_master = master if seed == 11 else {n: t.to(dtype) if t.is_floating_point() else t
+                                                     for n, t in random_canonical(spec, seed=seed).items()}
+            for r in range(src.world_size):
+                fill_from(src.layout(r), sources[r], step_master)  # in place: the landing holds these tensors
+            batch.run()  # as the transport's graph does: its copies, then the codec's work
+            landing.work()
+            want = expected_fp8(layout, {n: t.to(torch.bfloat16) if t.is_floating_point() else t
+                                         for n, t in step_master.items()}, j)
+            for n in want:
+                assert torch.equal(bits(targets[n]), bits(want[n])), (seed, j, n)
         assert sum(codec.landed_bytes(b) for b, _, _ in items) < 0.6 * sum(b.nbytes for b, _, _ in items) * (
             2 if dtype == torch.float32 else 1)
+
+
+def test_a_source_box_with_no_matrix_view_is_staged_by_a_copy_every_replay():
+    """An FP8 copy's source box strided across its leading dims (two experts' row ranges of a stacked [E, N, K]
+    tensor) has no 2-d view: the quantize kernel reads a buffer that a copy of the landing refills each replay,
+    never a copy made once when the landing was built (a replay would quantize stale bytes)."""
+    from weightsync.codec.fp8 import _matrix
+
+    stacked = torch.randn(4, 8, 6)
+    box = stacked[1:3, 2:6, 2:5]  # 2 experts x 4 of their 8 rows x 3 columns: the rows are not one stride apart
+    with pytest.raises(RuntimeError):
+        box.view(8, 3)
+    pairs: list = []
+    m = _matrix(box, 8, 3, pairs)
+    assert len(pairs) == 1 and m.data_ptr() != box.data_ptr()
+    for _ in range(2):
+        stacked.copy_(torch.randn(4, 8, 6))
+        for dst, src in pairs:
+            dst.copy_(src)
+        assert torch.equal(m, box.reshape(8, 3))
+    viewable = stacked[2]
+    assert _matrix(viewable, 8, 6, pairs).data_ptr() == viewable.data_ptr() and len(pairs) == 1
 
 
 def test_the_full_codec_lands_casts_as_its_work_and_bytes_as_copies():

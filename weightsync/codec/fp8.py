@@ -272,9 +272,7 @@ class FP8Codec(Codec):
                 sbox = scale_box(c.dst_box)
                 sc = _rows(dst[c.dst_tensor + "_scale_inv"][slices(sbox)], p.scale_shape, c.dst_tensor + "_scale_inv",
                            sbox)
-                if x.dim() != 2:
-                    x = x.reshape(p.rows, p.cols)  # a view where the source allows, else read through a copy
-                jobs.append((x, Quantized(w, sc), c.canonical))
+                jobs.append((_matrix(x, p.rows, p.cols, pairs), Quantized(w, sc), c.canonical))
         plain = landing(pairs)
 
         def work() -> None:
@@ -357,16 +355,23 @@ class FP8Encoder(Encoder):
         for p in lay.parts:
             c = p.copy
             x = sources[c.src_tensor][slices(c.src_box)]
-            try:
-                x = x.view(p.rows, p.cols)
-            except RuntimeError:  # strided across the box's leading dims: stage it (copies run before the work)
-                stage = torch.empty((p.rows, p.cols), dtype=x.dtype, device=x.device)
-                pairs.append((stage.view(x.shape), x))
-                x = stage
-            xs.append(x)
+            xs.append(_matrix(x, p.rows, p.cols, pairs))
             outs.append(_views(slot, p))
             names.append(c.canonical)
         return Landing(pairs, prepare(xs, outs, names) if xs else None)
+
+
+def _matrix(x: torch.Tensor, rows: int, cols: int, pairs: list) -> torch.Tensor:
+    """``x`` (an FP8 copy's source box) as the ``rows x cols`` matrix the quantize kernel reads: a view of it, or,
+    where the box is strided across its leading dims (no 2-d view exists), a buffer of its own that a copy appended
+    to ``pairs`` (run before the landing's work, every replay) fills. Never ``reshape``: its copy would be made
+    once, when the landing is built, and a replayed landing would quantize that step's bytes forever."""
+    try:
+        return x.view(rows, cols)
+    except RuntimeError:
+        stage = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        pairs.append((stage.view(x.shape), x))
+        return stage
 
 
 class FP8Decoder(Decoder):
