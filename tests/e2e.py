@@ -170,6 +170,23 @@ def _die_in_worker(ctx) -> None:
         _die_after(p2p, "post", 2)
 
 
+def _stop_in_worker(ctx) -> None:
+    """Worker rank 1 stops dead (SIGSTOP) as its next receive begins, before it posts anything: the peers that wait
+    on it in a group learn it from its beat only."""
+    if ctx.rank != 1:
+        return
+    import signal
+
+    receiver = ctx.reader.receiver
+    real = receiver.receive
+
+    def receive(step, targets):
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return real(step, targets)
+
+    receiver.receive = receive
+
+
 def _corrupt_in_worker(ctx) -> None:
     """Worker rank 0's next receive lands one flipped bit in its first planned destination box."""
     if ctx.rank != 0:
@@ -227,6 +244,8 @@ def reader(emit: Emit, inst: int, meta: str, job: dict) -> None:
         for step in range(1, job["steps"] + 1):
             if job.get("fault") == "infer-dies" and inst == 0 and step == job["steps"]:
                 instance.call(_die_in_worker)
+            if job.get("fault") == "infer-stops" and inst == 0 and step == job["steps"]:
+                instance.call(_stop_in_worker)  # its rank 1 stops dead as step's receive begins
             if job.get("fault") == "infer-corrupts" and inst == 0 and step == job["steps"]:
                 instance.call(_corrupt_in_worker)  # flips a bit of what lands (weightsync.integrity must catch it)
             if job.get("fault") == "infer-moves" and inst == 0 and step == job["steps"]:

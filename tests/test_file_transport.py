@@ -253,6 +253,40 @@ def test_missing_sender_times_out_naming_the_pair(tmp_path):
     assert not (tmp_path / file_name(1, (0, 0, 1))).exists()
 
 
+def test_a_receive_takes_its_total_budget_at_most_however_steadily_files_arrive(tmp_path):
+    """``total_s`` (a job's receivers: their ``timeout_s``) bounds the whole receive, so a worker's call returns
+    before the engine's RPC deadline: training rank 0's file arrives after 1.5 s, rank 1's after 3 s -- never 2 s
+    without a new file, so the idle timeout alone waits them out (3 s); with a 2 s budget the receive fails at
+    2 s naming the missing pair."""
+    import threading
+
+    job = Job(CASES["llama3 fsdp:dp=2 -> sglang:tp=2, 512 B buckets"])
+    canonical = random_canonical(job.spec, 4)
+
+    def trickle(transport: FileTransport, step: int) -> threading.Thread:
+        def run() -> None:
+            for r in range(job.src.world_size):
+                time.sleep(1.5)
+                transport.send(job.planner.send_plan(r), scatter(job.src.layout(r), canonical), step=step)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    dst = _poisoned(job.dst.layout(1))
+    slow = trickle(FileTransport(tmp_path, timeout_s=2.0), 1)
+    start = time.monotonic()
+    FileTransport(tmp_path, timeout_s=2.0).recv(job.planner.recv_plan(0, 1), dst, step=1)  # idle timeout only
+    assert time.monotonic() - start >= 2.5
+    slow.join()
+    slow = trickle(FileTransport(tmp_path, timeout_s=2.0), 2)
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="2s after this receive began, though files kept arriving") as err:
+        FileTransport(tmp_path, timeout_s=2.0, total_s=2.0).recv(job.planner.recv_plan(0, 1), dst, step=2)
+    assert 2.0 <= time.monotonic() - start < 2.5 and err.value.pair == (1, 0, 1)
+    slow.join()
+
+
 def test_reader_never_sees_a_partial_file(tmp_path, monkeypatch):
     """A slow sender streams many buckets per file while a reader and a watcher poll hard."""
     job = Job(CASES["qwen3 hf -> vllm:tp=2 x2"], budget=2048)  # ~100 buckets a file

@@ -562,3 +562,31 @@ def test_gpu_nixl_1gpu_bench_bit_exact():
     r = run("nixl-1gpu", "tiny-qwen3", steps=2, timeout=120.0, baselines=(), device="cuda")
     assert not r["errors"], r["errors"]
     assert r["verified"] and r["transport"] == "nixl" and r["ceiling_bytes_per_s"] > 0
+
+
+def test_a_receive_takes_its_timeout_in_all_however_steadily_reads_progress(meta):
+    """A step's reads take ``timeout_s`` (5 s) in all, so a worker's call returns before the engine's RPC deadline:
+    every read here completes 0.5 s after it is first asked about (a slow link) -- never 5 s without progress, so
+    the idle timeout alone would wait the ~20 buckets out -- and the receive fails at 5 s naming a bucket; the
+    posted reads may still land, so the receiver refuses the next receive at once."""
+    job = Job(meta, model="tiny-qwen3", train="vllm:tp=2", infer="hf", bucket_bytes=2048)
+    try:
+        job.write(1)
+        rx = job.receivers[0, 0]
+        real, first = rx.agent.check_xfer_state, {}
+
+        def slow(h):
+            seen = first.setdefault(id(h), time.monotonic())
+            return real(h) if time.monotonic() - seen >= 0.5 else "PROC"
+
+        rx.agent.check_xfer_state = slow
+        start = time.monotonic()
+        with pytest.raises(TransportError, match=r"the step's reads did not finish within 5s"):
+            rx.receive(1, job.targets[0, 0])
+        assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 1.0
+        assert len(first) > 2  # several reads completed meanwhile: never an idle timeout
+        rx.agent.check_xfer_state = real
+        with pytest.raises(TransportError, match="refused: reads of an earlier step may still land"):
+            rx.receive(1, job.targets[0, 0])
+    finally:
+        job.close()

@@ -400,6 +400,9 @@ def test_a_staged_worker_never_commits_alone():
             targets["w"].copy_(new)
             return Pulled(frozenset({7}), stats)
 
+        def group_wait(self):
+            return None  # it waits in no group
+
     box = full_box((4, 3))
     copy = Copy(canonical="w", canon_box=box, src_rank=0, src_tensor="w", src_box=box, dst_instance=0, dst_rank=0,
                 dst_tensor="w", dst_box=box, dtype="float32")

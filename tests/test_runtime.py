@@ -174,6 +174,23 @@ def test_colocated_worker_dying_mid_copy_fails_both_sides():
     assert errors and {e.kind for e in errors} == {"MetaTimeout"}, errors
 
 
+def test_colocated_worker_stopped_mid_step_is_named_by_its_peers():
+    """Co-located without peer copies (two instances, cross-GPU pieces through the inference workers' group):
+    instance 0's rank 1 -- the proxy of training rank 1 -- stops dead as step 2 begins. Instance 1's rank 0, which
+    receives training rank 1's pieces from it, gives up within seconds (the group's beats) naming that worker, not
+    a training rank: the group's ranks are inference workers."""
+    job = dict(model="tiny-qwen3", train="megatron:pp=2", infer="vllm:tp=2", instances=2, steps=2, timeout=20.0,
+               bucket_bytes=4096, colocate=True, reader_peer_copies=False, fault="infer-stops")
+    arrived: dict[tuple, float] = {}
+    result = run_job(job, on_event=lambda ev: arrived.setdefault((type(ev), ev.participant.index), time.monotonic()))
+    failed = [f for f in result.of(UpdateFailed) if f.participant.index == 1]
+    assert failed and failed[0].step == 2 and failed[0].kind == "TransferAbandoned", result.events
+    message = failed[0].message
+    assert "instance 0 rank 1 (the proxy of training rank 1) has given no sign of life" in message, message
+    assert "training rank 1 has given" not in message, message
+    assert arrived[UpdateFailed, 1] - arrived[StepDone, 1] < job["timeout"] / 2, arrived
+
+
 def test_inference_process_killed():
     job = dict(model="tiny-qwen3", train="hf", infer="vllm:tp=2", instances=1, steps=2, timeout=10.0,
                bucket_bytes=2048, fault="infer-dies")

@@ -224,11 +224,13 @@ def disconnect(ctx: WorkerContext) -> None:
 def _transfer(ctx: WorkerContext, r: WorkerReader, what: str, fn: Callable[[], T]) -> T:
     """``fn`` (a receive or pull), returning within the transport's ``timeout_s`` whatever the trainers do.
 
-    Where the transport waits in a group of :func:`weightsync.transport.group.new_group` (p2p, gloo or
-    NCCL), the wait runs :func:`~weightsync.transport.group.watched`: a trainer this worker receives from
-    that stops or dies mid-transfer (its beat stops) is noticed in seconds, the deadline holds even
-    where the backend would wait on, and the error names the trainer. The group cannot be used again
-    then, and every later transfer of this worker reader says so at once. (The other transports'
+    Where the transport waits in a group of :func:`weightsync.transport.group.new_group` (its
+    :meth:`~weightsync.transport.base.Receiver.group_wait`: p2p, the train+inference group; co-located
+    across hosts, the workers' group), the wait runs :func:`~weightsync.transport.group.watched`: a peer
+    this worker waits on -- a trainer (p2p), another worker (co-located) -- that stops or dies mid-transfer
+    (its beat stops) is noticed in seconds, the deadline holds even where the backend would wait on, and the
+    error names the peer. The group cannot be used again then, and every later transfer of this worker
+    reader says so at once. (The other transports'
     waits are polls with the same timeout that ask the trainers' liveness beacons once they make no progress --
     ``ctx.watch``, :mod:`weightsync.transport.liveness` -- so they run as they are.)"""
     from weightsync.transport.group import address_of, watched
@@ -236,13 +238,12 @@ def _transfer(ctx: WorkerContext, r: WorkerReader, what: str, fn: Callable[[], T
     if r.abandoned is not None:
         raise TransportError(f"{what}: refused: {r.abandoned}; this job's transfers cannot resume: join a new "
                              "job (a new WeightReader, or init_weight_transfer_engine again)")
-    group = getattr(getattr(r.receiver, "transport", None), "group", None)
-    if group is None or address_of(group) is None:
+    wait = r.receiver.group_wait()  # p2p: the trainers; co-located: the workers it exchanges with
+    if wait is None or address_of(wait.group) is None:
         return fn()
-    trainers = sorted({pair[0] for pair in r.plans})  # group rank = training rank (JobRanks.train)
     try:
-        return watched(fn, group, trainers, r.receiver.options.timeout_s, what, ctx.device,
-                       describe=lambda g: f"training rank {g}")
+        return watched(fn, wait.group, wait.peers, r.receiver.options.timeout_s, what, ctx.device,
+                       describe=wait.describe)
     except TransportError as e:  # given up on, or failed in the backend: either way the group's state is unknown
         r.abandoned = f"an earlier transfer failed ({e})"
         raise

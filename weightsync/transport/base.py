@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -191,6 +191,18 @@ class ReceiverContext:
     watch: TrainerWatch | None = None
 
 
+@dataclass(frozen=True)
+class GroupWait:
+    """Where a receiver's transfers wait on peers inside a group built by
+    :func:`weightsync.transport.group.new_group`, which the worker watches there (their beats): the group, the
+    group ranks it waits on, and how an error names one (p2p: a training rank; co-located: another inference
+    worker, the group holding no trainer)."""
+
+    group: Any
+    peers: tuple[int, ...]
+    describe: Callable[[int], str]
+
+
 class Sender(ABC):
     """A training rank's side of a transport (call order in the module docstring)."""
 
@@ -249,6 +261,10 @@ class Receiver(ABC):
 
     def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:
         raise ConfigError(f"the {self.options.name} transport has no async mode")
+
+    def group_wait(self) -> GroupWait | None:
+        """The group its transfers wait in and the peers they wait on there (after ``connect``); None: none."""
+        return None
 
     def close(self) -> None:
         pass

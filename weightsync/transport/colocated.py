@@ -51,7 +51,16 @@ from weightsync.errors import ConfigError, TransportError
 from weightsync.plan.job import JobShape
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Placement, Topology
-from weightsync.transport.base import Buffers, Codec, Receiver, ReceiverContext, Sender, SenderContext, StepStats
+from weightsync.transport.base import (
+    Buffers,
+    Codec,
+    GroupWait,
+    Receiver,
+    ReceiverContext,
+    Sender,
+    SenderContext,
+    StepStats,
+)
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.nccl import (
     DEFAULT_WINDOW,
@@ -807,6 +816,26 @@ class ColocatedReceiver(Receiver):
         s = self.transport.run(self.plans, self.send_plans, targets, self.sources, self.push_targets,
                                during=self._check_pushed_into if self.shared_at is not None else None)
         return StepStats(s.buckets, s.bytes, s.seconds, s.posted, s.started, s.pushed_bytes, s.full_bytes)
+
+    def group_wait(self) -> GroupWait | None:
+        """The workers' group (inference workers only: errors name them so), where this worker waits on the
+        workers it sends to for the training rank it proxies and on every proxy: it receives from some, and in the
+        one merged order (:class:`ColocatedTransport`) a proxy held up by a stopped worker holds up everyone it
+        sends to -- the proxies are the hubs (one per training rank), so watching them all stays cheap."""
+        transport = getattr(self, "transport", None)
+        if transport is None or transport.group is None:
+            return None
+        ranks, me = self.ranks, self.me
+        sends = {ranks.receiver(pair) for t in ranks.proxied_by(me) for pair, bs in self.send_plans.get(t, {}).items()
+                 if any(b.nbytes for b in bs) and not ranks.direct(t, ranks.receiver(pair))}
+        receives = {ranks.proxy(t) for t in range(ranks.train_world)}
+
+        def describe(g: int) -> str:
+            i, j = ranks.where(g)
+            proxied = ranks.proxied_by(g)
+            return f"instance {i} rank {j}" + (f" (the proxy of training rank {proxied[0]})" if proxied else "")
+
+        return GroupWait(transport.group, tuple(sorted((receives | sends) - {me})), describe)
 
     def _check_pushed_into(self) -> None:
         """My instance's other workers write where my tensors were shared: raise if one moved since."""

@@ -136,6 +136,7 @@ class FileTransport:
         poll_s: float = 0.01,
         consume: bool = True,
         watch: TrainerWatch | None = None,
+        total_s: float | None = None,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -147,6 +148,9 @@ class FileTransport:
         #: a receiver's: whether the training ranks whose files it waits for are alive (asked once nothing
         #: arrived for a while): a trainer killed or stopped mid-step ends the wait in seconds, naming it
         self.watch = watch
+        #: a receive's whole budget, however steadily files arrive (a job's receivers: ``timeout_s``, so a
+        #: worker's call returns before the engine's RPC deadline); None: only ``timeout_s`` without a new file
+        self.total_s = total_s
         private_directory(self.directory)  # 0700, files 0600: other users of the host must not read the weights
         self._buffer: torch.Tensor | None = None  # the sender's packing buffer, reused every step
 
@@ -182,9 +186,16 @@ class FileTransport:
             return TransferStats(0, 0, 0.0)
         start = time.perf_counter()
         pending = {pair: os.path.join(self.directory, file_name(step, pair)) for pair in sorted(plans)}
-        last_progress = time.monotonic()
+        began = last_progress = time.monotonic()
         buckets = nbytes = 0
         while pending:
+            if self.total_s is not None and time.monotonic() - began > self.total_s:
+                missing = sorted(pending)
+                raise TransportError(
+                    f"step {step}: {len(missing)} pair file(s) still missing ({describe(missing[0])}, "
+                    f"{file_name(step, missing[0])}, ...) in {self.directory} {self.total_s:g}s after this receive "
+                    "began, though files kept arriving: the trainers write slower than the timeout allows (raise "
+                    "timeout_s)", peer=missing[0][0], pair=missing[0])
             arrived = [pair for pair, path in pending.items() if os.path.exists(path)]
             for pair in arrived:
                 path = pending.pop(pair)
@@ -582,7 +593,7 @@ class FileReceiver(Receiver):
         if ctx.watch is not None:
             ctx.watch.connect({pair[0] for pair in self.plans}, self.options.timeout_s)
         self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s, consume=False,
-                                       watch=ctx.watch)
+                                       watch=ctx.watch, total_s=self.options.timeout_s)
         # the frames file when this worker proves its base, else the full file
         self.decoder = self.options.codec.decoder(self.plans) if self.options.framed else None
 

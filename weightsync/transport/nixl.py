@@ -529,6 +529,9 @@ class NixlReceiver(Receiver):
         #: why a wait gave up with reads still posted: they may land later, so no later step is read into the
         #: same memory (a new reader -- rejoin() -- reads again)
         self.abandoned: str | None = None
+        #: when the current receive or pull must be over (perf_counter): a step's reads take timeout_s in all, so
+        #: a worker's call returns before the engine's RPC deadline however steadily they progress
+        self._deadline: float | None = None
 
     def _ensure_peers(self) -> None:
         """Each peer trainer's descriptors, checked against the plan before any byte moves (once)."""
@@ -689,6 +692,7 @@ class NixlReceiver(Receiver):
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
         self._refuse_if_abandoned()
         t0 = time.perf_counter()
+        self._deadline = t0 + self.timeout_s
         stats = self._read(targets, t0) if self.frames is None else self.frames.receive(step, targets, self._read)
         for r, h in self._headers():
             seq, got = int(h[0]), int(h[1])
@@ -703,6 +707,7 @@ class NixlReceiver(Receiver):
     def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:
         self._refuse_if_abandoned()
         t0 = time.perf_counter()
+        self._deadline = t0 + self.timeout_s
         before = self._stable_headers(t0)
         if self.frames is None:
             stats = self._read(targets, t0)
@@ -817,11 +822,15 @@ class NixlReceiver(Receiver):
                 last = time.perf_counter()
             left = still
             if left:
-                idle = time.perf_counter() - last
+                now = time.perf_counter()
+                idle = now - last
                 cause: Exception | None = None
                 if idle > self.timeout_s:
                     h, pair, bucket = left[0]
                     cause = TimeoutError(f"no read completed for {self.timeout_s:g}s")
+                elif self._deadline is not None and now > self._deadline:
+                    h, pair, bucket = left[0]
+                    cause = TimeoutError(f"the step's reads did not finish within {self.timeout_s:g}s")
                 elif self.watch is not None and idle >= self.watch.look_s:
                     gone = self.watch.lost({p[0] for _, p, _ in left}, idle)
                     if gone is not None:

@@ -65,6 +65,7 @@ from weightsync.plan.planner import Bucket, Pair
 from weightsync.transport.base import (
     BASE_PROOF,
     Buffers,
+    GroupWait,
     Pulled,
     Receiver,
     ReceiverContext,
@@ -455,6 +456,13 @@ class P2PReceiver(Receiver):
 
         steps, stats = receive_pull(self.transport, self.plans, targets)
         return Pulled(frozenset(steps), stats)
+
+    def group_wait(self) -> GroupWait | None:
+        # the training ranks it receives from; in the job's group a training rank's group rank is its own
+        if getattr(self, "transport", None) is None:
+            return None
+        return GroupWait(self.transport.group, tuple(sorted({pair[0] for pair in self.plans})),
+                         lambda g: f"training rank {g}")
 
     def close(self) -> None:
         self.transport = None
