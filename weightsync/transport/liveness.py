@@ -64,8 +64,9 @@ log = logging.getLogger("weightsync.transport.liveness")
 
 #: a wait asks the trainers it waits on once it has waited this long, and again this often
 LOOK_S = 0.5
-#: a trainer whose listener does not answer within this is stopped or hung (or its host unreachable)
-ANSWER_S = 2.0
+#: a trainer whose listener does not answer within this is stopped or hung (or its host unreachable): as long
+#: as a p2p peer's beat may stay silent (weightsync.transport.group.SILENT_S)
+ANSWER_S = 3.0
 _KEY = "alive"  # what a look asks the store for (its answer does not matter: that it answers does)
 
 T = TypeVar("T")
