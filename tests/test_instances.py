@@ -261,17 +261,18 @@ def _vllm_instance(path: str, model: str) -> None:
 
 @needs("sglang")
 def test_sglang_instance(tmp_path):
-    import sglang
     from hf_models import save_checkpoint
 
-    from weightsync.instances.sglang import RPC_LOADER, SGLangInstance
+    from weightsync.sglang.engine import EngineOptions, start
 
     spec = load_spec("tiny-qwen3-moe")
     save_checkpoint(spec, random_canonical(spec, seed=5), tmp_path)
-    engine = sglang.Engine(model_path=str(tmp_path), tp_size=1, skip_tokenizer_init=True, mem_fraction_static=0.2,
-                           custom_weight_loader=[RPC_LOADER])
+    # started as weightsync starts SGLang (weightsync.sglang.engine): Triton attention -- the GPU kit has no FA3,
+    # SGLang's default on Hopper, whose missing library ends the scheduler and, through SGLang's own handler, the
+    # process that started the engine (this test's xdist worker: "node down" in make test-gpu)
+    owned = start(dict(spec.config), "sglang:tp=1", EngineOptions(eager=True), checkpoint=str(tmp_path))
     try:
-        inst = SGLangInstance(engine)
+        inst = owned.instance
         layout = make_layout(spec, inst.engine).layout(0)
         assert inst.call(rank_and_names) == [(0, sorted(layout.tensors))]
         inst.pause()
@@ -281,4 +282,4 @@ def test_sglang_instance(tmp_path):
         with pytest.raises(ValueError, match="boom"):
             inst.call(fail_on, 0, "boom")
     finally:
-        engine.shutdown()
+        owned.close()
