@@ -48,6 +48,15 @@ SLOW = {
         "the FSDP2 demo runs in test_fsdp2_deepseek_keeps_its_fp32_router; FSDP2+TP jobs in test_runtime",
     "test_bench.py::test_every_scenario_rehearses_on_cpu[colo-tp2pp2-tp4]":
         "co-located PP+TP rehearses as colo-pp2-tp2; this one only adds ranks",
+    "test_checkpoint_save.py::test_fsdp2_save[tiny-qwen3-moe-fsdp:dp=4]":
+        "FSDP2 saving runs in the dp=2,tp=2 case; MoE experts are per-expert tensors sharded the same way",
+    "test_runtime.py::test_end_to_end_bit_exact[tiny-qwen3-megatron:tp=2-sglang:tp=4,dp=2,dp_attention=1x1]":
+        "SGLang DP-attention layouts: test_roundtrip in process, test_instances against live faithful workers",
+    "test_runtime.py::test_end_to_end_bit_exact[tiny-qwen3-moe-megatron:ep=2,dp=2-vllm:tp=2,dp=2,ep=4x1]":
+        "the EP layout pair runs in test_roundtrip; live Megatron EP ranks in test_checkpoint_save's ep=2 case",
+    "test_fp8_sync.py::test_fsdp2_to_an_fp8_vllm_layout_over_file_colocated_and_nixl[file]":
+        "the file transport's FP8 payload file is written and read by test_fp8_codec; whole FP8 jobs run over "
+        "p2p, co-located and nixl",
 }
 
 
