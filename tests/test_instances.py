@@ -146,7 +146,9 @@ def test_faithful_worker_death_and_stall_raise_within_timeout():
 
     inst = FaithfulInstance("tiny-qwen3", "vllm:tp=2")
     t0 = time.monotonic()
-    with pytest.raises(WorkerTimeout, match=r"ranks \[0\]"):
+    # rank 0 stalls; rank 1 answers at once, though on a loaded 2-core host maybe not within the deadline too
+    # (seen once: the suite run serially beside other work), so rank 0 must be named, rank 1 may be
+    with pytest.raises(WorkerTimeout, match=r"ranks \[0[],]"):
         inst.call(stall_on, 0, 60, timeout_s=1.5)
     assert time.monotonic() - t0 < 5
     assert gone(inst.pids)
