@@ -15,11 +15,14 @@ number was measured here and says where:
   strided boxes into their pack regions;
 - per step, the signals: ``written`` by a doorbell in host shared memory (co-located sync jobs) or
   through the MetaServer (whose CPU per request bounds a large job's round);
-- per receiver, the trips into the engine: a layout-faithful worker answers one pipe call; a real vLLM
-  engine takes two ``collective_rpc`` trips through its engine core; a real SGLang engine its pause, receive,
-  flush and continue calls;
-- per codec, the bytes on the wire: full; block FP8 (an estimate: the codec is not built yet); delta at a
-  measured change fraction, with the encode, the receiver's proof and the apply at their measured rates.
+- per receiver, the call into the engine a step: a layout-faithful worker answers one pipe call; a real
+  vLLM or SGLang engine one call through the call mailbox (weightsync/runtime/mailbox.py; the engines' older
+  ``collective_rpc`` trips and pause/flush/continue calls: :meth:`CostModel.engine_rpc_receivers`);
+- per codec, the bytes on the wire and the work around them: full; block FP8 (the codec's bytes; the
+  trainer's encode before it announces the step, the worker's decode after the READ -- added where the READ
+  runs at HBM speed on one GPU, overlapped with the wire elsewhere -- and, co-located, the quantize inside
+  the copy graph at the encode's rate); delta at a measured change fraction, with the encode, the
+  receiver's proof and the apply at their measured rates.
 
 Used by ``weightsync plan`` for the cases that cannot be run here (thousands of GPUs), and checked
 against every recorded run that one or two H200s could make (tests/test_simulate.py, BENCHMARKS.md
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from weightsync.errors import ConfigError
@@ -59,16 +62,17 @@ def predict_seconds(buckets: Iterable[Bucket], topology: Topology, links: LinkMo
 
 
 def _busiest_link(buckets: Sequence[Bucket], sizes: Sequence[int], topology: Topology, links: LinkModel,
-                  hbm_bytes_per_s: float, per_bucket_s: float) -> float:
+                  hbm_bytes_per_s: float, per_bucket_s: float, hbm_sizes: Sequence[int] | None = None) -> float:
     """The busiest link's time when bucket ``i`` puts ``sizes[i]`` bytes on it: same-GPU copies on the GPU's
-    HBM at ``hbm_bytes_per_s``, the others on the sender's egress and the receiver's ingress (NVLink on one
-    host, else the NICs), each bucket paying ``per_bucket_s`` on every link it crosses."""
+    HBM at ``hbm_bytes_per_s`` (``hbm_sizes[i]`` bytes there where given), the others on the sender's egress
+    and the receiver's ingress (NVLink on one host, else the NICs), each bucket paying ``per_bucket_s`` on
+    every link it crosses."""
     load: dict[tuple[str, int], float] = defaultdict(float)
-    for b, n in zip(buckets, sizes):
+    for i, (b, n) in enumerate(zip(buckets, sizes)):
         s = topology.train_gpu(b.src_rank)
         d = topology.infer_gpu(b.dst_instance, b.dst_rank)
         if s == d:
-            load["hbm", s] += n / hbm_bytes_per_s + per_bucket_s
+            load["hbm", s] += (n if hbm_sizes is None else hbm_sizes[i]) / hbm_bytes_per_s + per_bucket_s
             continue
         if topology.host(s) == topology.host(d):
             bw, out_link, in_link = links.nvlink_bytes_per_s, "nvl_out", "nvl_in"
@@ -145,17 +149,33 @@ class CostModel:
     # the worker's bookkeeping): BENCHMARKS.md "What bounds the results now", ~0.5 ms (reader.workers -
     # reader.transport: 0.40 ms s10-final colo, 0.51 ms real vLLM's faithful row, 0.58 ms s10-final nixl)
     faithful_call_s: float = 0.5e-3
-    # a real vLLM 0.26 engine (worker extension): two collective_rpc trips a step; real vLLM: (reader.workers
-    # - reader.transport) 3.14 ms + its transport's extra set-up before the first copy over the faithful
-    # row of the same run (9.21 - 8.73 = 0.48 ms), over two trips
-    vllm_trips: int = 2
-    vllm_trip_s: float = (3.14e-3 + 0.48e-3) / 2
-    # a real SGLang 0.5.14 engine: its control path a step (pause_generation, the receive call, flush_cache,
-    # continue_generation): reader.workers - reader.transport = 18.48 - 8.54 ms in
-    # 2026-12-01-h200x1-real-sglang0514-colo-1gpu-sglang.json (the nixl-1gpu run of the same call: 6.83 ms)
-    sglang_step_s: float = 9.94e-3
+    # a real vLLM 0.26 engine (worker extension), through the call mailbox (no engine-core trip a step): its
+    # reader.workers - reader.transport, 9.659 - 8.661 ms in 2026-12-02-h200x1-real-vllm026-mailbox-colo-1gpu-
+    # split-4cd83b1.json (the instance's split: 0.35 ms in the worker's handler around the receive, 0.31 the
+    # mailbox's round trip, 0.11 two device syncs, 0.23 the reader outside the call; its reader.started 0.15 ms,
+    # the faithful row's 0.17: no set-up beyond the faithful receiver's). The 6f817f1 run of the same code
+    # before the split: 9.965 - 8.887 = 1.08 ms
+    vllm_step_s: float = 9.659e-3 - 8.661e-3
+    # a real SGLang 0.5.14 engine through the call mailbox (a quiet update: no SGLang request a step):
+    # reader.workers - reader.transport = 10.570 - 8.567 ms in 2026-12-02-h200x1-real-sglang0514-mailbox-colo-
+    # 1gpu-685101f.json (0.86 ms the handler around the receive, 0.55 the mailbox's round trip, 0.11 the syncs,
+    # 0.59 the writer lock and the pause check on the engine's event loop)
+    sglang_step_s: float = 10.570e-3 - 8.567e-3
     # codecs: block FP8 keeps 1 byte per element plus an fp32 scale per 128 x 128 block (weightsync.quant.fp8)
     fp8_block: int = 128
+    # FP8, the trainer's encode (every distinct bucket's plain copies and quantize kernels into its frames, one
+    # CUDA graph), in bytes of the bf16 sources it reads a second: 16.38 GB in writer.send 8.169 ms of the fp8
+    # run less the bf16 run's 0.345 ms beside it (what the same writer does a step without the encode: the
+    # header, the announce), 2026-12-02-h200x1-qwen3-8b-nixl-1gpu-fp8-vs-bf16-batched-4cd83b1.json; the same
+    # work as the co-located FP8 copy graph (quantize into the live weights instead of a frame), whose runs it
+    # predicts within 3% (transport 7.9 ms; the quantize kernels alone in a graph: 6.2 ms of it)
+    fp8_encode_bytes_per_s: float = QWEN3_8B_BYTES / (8.169e-3 - 0.345e-3)
+    # FP8, the worker's decode (each chunk's frames out of the READ scratch into the live weights, one graph
+    # replay, the chunk's prepped READ and index re-read), in bytes of the frames (the wire) a second: the same
+    # run's reader.transport 17.647 ms less its READ of the 9.437 GB at the bf16 run's rate beside it (16.38 GB
+    # in 9.098 ms: 5.241 ms), 12.406 ms. On one GPU the READ runs at HBM speed and the decode added to it (the
+    # double buffer hid little); that is what this rate is, overheads included, not the copy kernel's rate
+    fp8_decode_bytes_per_s: float = 9_437_399_040 / (17.647e-3 - 9_437_399_040 / QWEN3_8B_BYTES * 9.098e-3)
     delta_rates: tuple[DeltaRates, ...] = (
         _rates(0.001, 53.253e-3, 23.283e-3, 19.886e-3),
         _rates(0.01, 59.539e-3, 25.809e-3, 24.004e-3),
@@ -170,6 +190,16 @@ class CostModel:
         return cls(**{"nixl_descriptor_s": 7.795e-3 / 399, "nixl_posting_overlaps": False, "nixl_setup_s": 0.0,
                       **changes})
 
+    @classmethod
+    def engine_rpc_receivers(cls, **changes) -> CostModel:
+        """The costs of the real receivers before the call mailbox (every real-engine run before session 12):
+        vLLM 0.26 two ``collective_rpc`` trips through its engine core a step, real vLLM reader.workers -
+        reader.transport 3.14 ms + its transport's extra set-up over the faithful row of the same run (9.21 -
+        8.73 = 0.48 ms), 2026-12-01-h200x1-real-vllm026-colo-1gpu.json; SGLang 0.5.14 its pause_generation, the
+        receive call, flush_cache and continue_generation: reader.workers - reader.transport = 18.48 - 8.54 ms
+        in 2026-12-01-h200x1-real-sglang0514-colo-1gpu-sglang.json (the nixl-1gpu run of the same call: 6.83 ms)."""
+        return cls(**{"vllm_step_s": 3.14e-3 + 0.48e-3, "sglang_step_s": 9.94e-3, **changes})
+
     def delta_at(self, fraction: float) -> DeltaRates:
         """The measured rates at ``fraction`` (the nearest measured fraction, by ratio)."""
         import math
@@ -183,21 +213,31 @@ class Deployment:
 
     transport: str = "p2p"  # "colocated", "p2p" (NCCL) or "nixl" (READ)
     receiver: str = "faithful"  # "faithful" (layout-faithful workers), or a real engine: "vllm", "sglang"
-    codec: str = "full"  # "full", "fp8" (estimate) or "delta"
+    codec: str = "full"  # "full", "fp8" or "delta"
     changed: float = 0.01  # delta: the fraction of elements changed a step
-    # `written` through host shared memory, else the MetaServer; by default as the runtime does it: the colocated
-    # transport's sync jobs ring doorbells (session.publish_bells), p2p and nixl jobs (nixl-1gpu too) do not
+    # `written` and `held` through host shared memory, else the MetaServer. None: as the runtime does it
+    # (:meth:`on`): since d6f900c the readers of a transport that reads after `written` (colocated, nixl) wait
+    # on the trainers' doorbells, and the trainers on the instances', when every trainer and every reader is on
+    # one host (session.publish_bells / connect; open_bells: any bell on another host and they long-poll the
+    # MetaServer); p2p jobs signal through the MetaServer
     doorbells: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.doorbells is None:
-            object.__setattr__(self, "doorbells", self.transport == "colocated")
         for what, value, known in (("transport", self.transport, TRANSPORTS), ("receiver", self.receiver, RECEIVERS),
                                    ("codec", self.codec, CODECS)):
             if value not in known:
                 raise ConfigError(f"unknown {what} {value!r}; known: {', '.join(known)}")
         if self.codec == "delta" and not 0 < self.changed <= 1:
             raise ConfigError(f"delta: the changed fraction must be in (0, 1], got {self.changed}")
+
+    def on(self, topology: Topology) -> Deployment:
+        """This deployment on ``topology``: ``doorbells`` decided as the runtime decides it where left None."""
+        if self.doorbells is not None:
+            return self
+        gpus = [topology.train_gpu(r) for r in range(topology.train_world)]
+        gpus += [topology.infer_gpu(i, r) for i in range(topology.instances) for r in range(topology.infer_world)]
+        one_host = len({topology.host(g) for g in gpus}) <= 1
+        return replace(self, doorbells=self.transport in ("colocated", "nixl") and one_host)
 
 
 @dataclass(frozen=True)
@@ -207,7 +247,7 @@ class StepPrediction:
     seconds: float
     data_s: float  # the busiest link with the bytes on the wire
     post_s: float  # the busiest worker's CPU posting (descriptors, messages, set-up)
-    codec_s: float  # delta: encode + proof + apply (0 otherwise)
+    codec_s: float  # delta: encode + proof + apply; fp8: encode + the decode's part not hidden by the wire
     signal_s: float  # written/held and the step's fixed round
     receiver_s: float  # the trips into the engine
     wire_bytes: int  # every bucket's bytes on the wire, summed
@@ -258,7 +298,7 @@ def predict_step(
 ) -> StepPrediction:
     """One step of a job whose receivers hold ``buckets`` (``counts``: each receiving worker's posts)."""
     links = cost.links
-    d = deployment
+    d = deployment.on(topology)
     sizes = [wire_bytes(b, d, cost, spec) for b in buckets]
     recv: dict[tuple[int, int], int] = defaultdict(int)  # full bytes each worker holds (proof, apply)
     send: dict[int, int] = defaultdict(int)
@@ -267,13 +307,20 @@ def predict_step(
         send[b.src_rank] += b.nbytes
     hbm = links.hbm_copy_bytes_per_s * (cost.colocated_copy_efficiency if d.transport == "colocated" else 1.0)
     per_bucket = links.latency_s if d.transport == "p2p" else 0.0  # NCCL: a group per bucket
-    data_s = _busiest_link(buckets, sizes, topology, links, hbm, per_bucket)
+    hbm_sizes = None
+    if d.transport == "colocated" and d.codec == "fp8":
+        # the copy graph quantizes as it lands (FP8Codec.land): a same-GPU piece reads its bf16 sources and
+        # writes e4m3 and scales, the trainer's encode's work, at its rate (cross-GPU pieces: the FP8 bytes on
+        # NVLink, the quantize not counted)
+        hbm, hbm_sizes = cost.fp8_encode_bytes_per_s, [b.nbytes for b in buckets]
+    data_s = _busiest_link(buckets, sizes, topology, links, hbm, per_bucket, hbm_sizes)
 
-    if d.codec == "delta":  # delta over nixl READs one payload a changed bucket, and each peer's index before
-        # and after (transport/nixl.py FrameReads._read_indexes, _apply, _unchanged since 0b6aaae; before it
-        # delta/nixl.py's DeltaNixlReceiver): the index is read again after each scratch-full batch, not counted
+    if d.codec in ("delta", "fp8"):  # framed codecs over nixl READ one payload a bucket (delta: a changed one),
+        # and each peer's index before and after (transport/nixl.py FrameReads._read_indexes, _apply, _unchanged
+        # since 0b6aaae; before it delta/nixl.py's DeltaNixlReceiver): the index is read again after each
+        # scratch-full batch, not counted; fp8's payloads of a chunk are one merged READ a peer, so at most this
         descriptors = max((c.buckets + 2 * c.peers for c in counts), default=0)
-    else:  # the program's reads (fp8: assumed the same runs as full), plus one header read a peer
+    else:  # the program's reads, plus one header read a peer
         descriptors = max((c.nixl_descriptors + c.peers for c in counts), default=0)
     msgs = max((c.messages for c in counts), default=0)
     pack_s = 0.0
@@ -304,6 +351,8 @@ def predict_step(
         move_s = post_s + data_s
 
     codec_s = 0.0
+    if d.codec == "fp8" and buckets and d.transport != "colocated":
+        codec_s = _fp8_codec_s(buckets, sizes, topology, data_s, cost)
     if d.codec == "delta" and buckets:
         r = cost.delta_at(d.changed)
         instances = max(1, topology.instances)
@@ -317,8 +366,42 @@ def predict_step(
     else:  # the MetaServer: every trainer posts written and waits held, every instance the reverse
         requests = 2 * (topology.train_world + topology.instances)
         signal_s = cost.step_round_s - cost.doorbell_s + max(cost.metaserver_signal_s, requests * cost.metaserver_request_s)
-    receiver_s = {"faithful": cost.faithful_call_s, "vllm": cost.vllm_trips * cost.vllm_trip_s,
-                  "sglang": cost.sglang_step_s}[d.receiver]
+    receiver_s = {"faithful": cost.faithful_call_s, "vllm": cost.vllm_step_s, "sglang": cost.sglang_step_s}[d.receiver]
     seconds = signal_s + receiver_s + move_s + codec_s
     return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, sum(sizes), descriptors, msgs,
                           pack_s, move_s)
+
+
+def _source_key(b: Bucket) -> tuple:
+    """What the fp8 encoder keys a bucket's frame by (codec.fp8.payload_key): buckets that read the same source
+    boxes as the same canonical boxes share one frame, encoded once (instances of one layout)."""
+    return tuple((c.canonical, c.canon_box, c.src_tensor, c.src_box) for c in b.copies)
+
+
+def _fp8_codec_s(buckets: Sequence[Bucket], sizes: Sequence[int], topology: Topology, data_s: float,
+                 cost: CostModel) -> float:
+    """What FP8 adds to a step whose codec runs off the copy path (nixl, p2p): the trainer's encode and the
+    worker's decode, at the rates measured on one H200 (CostModel.fp8_*).
+
+    A model, simple on purpose: the busiest trainer encodes its distinct buckets' bf16 sources before it
+    announces the step, so the encode adds. The busiest worker decodes its frames chunk by chunk while the
+    next chunk's READ is in flight: where every read of the worker's is a same-GPU copy (the READ itself at
+    HBM speed, all that one GPU could measure) the two took turns, so the decode adds; where the wire is
+    slower than HBM (NVLink, a NIC) the decode hides under the READ and only what it takes beyond the data
+    time shows, plus the last chunk's decode (a chunk is at most the largest frame), which nothing follows.
+    """
+    distinct: dict[int, dict[tuple, int]] = defaultdict(dict)
+    wire: dict[tuple[int, int], int] = defaultdict(int)
+    largest: dict[tuple[int, int], int] = defaultdict(int)
+    on_gpu: dict[tuple[int, int], bool] = defaultdict(lambda: True)
+    for b, n in zip(buckets, sizes):
+        distinct[b.src_rank][_source_key(b)] = b.nbytes
+        w = (b.dst_instance, b.dst_rank)
+        wire[w] += n
+        largest[w] = max(largest[w], n)
+        on_gpu[w] &= topology.train_gpu(b.src_rank) == topology.infer_gpu(*w)
+    encode_s = max(sum(v.values()) for v in distinct.values()) / cost.fp8_encode_bytes_per_s
+    rate = cost.fp8_decode_bytes_per_s
+    decode_s = max(wire[w] / rate if on_gpu[w] else max(0.0, wire[w] / rate - data_s) + largest[w] / rate
+                   for w in wire)
+    return encode_s + decode_s

@@ -56,7 +56,7 @@ def canonical_bytes(planner: Planner, copies) -> int:
 
 
 def default_deployment(planner: Planner) -> Deployment:
-    """What a job of this topology runs by default: co-located copies (with doorbells), else p2p NCCL."""
+    """What a job of this topology runs by default: co-located copies, else p2p NCCL."""
     return Deployment(transport="colocated" if planner.topology.colocate else "p2p")
 
 
@@ -64,7 +64,7 @@ def _summarize(
     planner: Planner, scope: str, plans: dict[Pair, list[Bucket]], bytes_needed: int, seconds: float,
     deployment: Deployment | None, cost: CostModel,
 ) -> PlanStats:
-    deployment = deployment or default_deployment(planner)
+    deployment = (deployment or default_deployment(planner)).on(planner.topology)  # doorbells as the runtime decides
     send: dict[int, int] = defaultdict(int)
     recv: dict[str, int] = defaultdict(int)
     all_buckets = [b for bs in plans.values() for b in bs]
@@ -181,7 +181,7 @@ def format_stats(s: PlanStats) -> str:
         f"    posting         {p.post_s * 1e3:.2f} ms (busiest worker: {p.descriptors} NIXL descriptors, "
         f"{p.messages} messages)",
         f"    signals         {p.signal_s * 1e3:.2f} ms    receiver trips {p.receiver_s * 1e3:.2f} ms"
-        + (f"    delta work {p.codec_s * 1e3:.2f} ms" if d.codec == "delta" else ""),
+        + (f"    {d.codec} work {p.codec_s * 1e3:.2f} ms" if d.codec != "full" else ""),
         f"  NIXL a step       {s.nixl_descriptors} descriptors in {s.nixl_transfers} transfers (all workers)",
     ]
     if 0 < len(s.send_bytes) <= 64:
