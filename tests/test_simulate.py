@@ -420,3 +420,59 @@ def test_job_stats_reports_the_prediction(capsys):
     # posting overlaps the copies: the data, plus the set-up and the first transfer's posting before them
     assert p["move_s"] == pytest.approx(CostModel().nixl_setup_s + 64 * CostModel().nixl_descriptor_s + p["data_s"])
     assert predicted("qwen3-8b", "nixl-1gpu", "faithful") == pytest.approx(out["predicted_seconds"])
+
+
+def test_fp8_decode_adds_on_one_gpu_and_hides_under_a_slower_wire():
+    """The FP8 codec's work off the copy path (nixl): the trainer's encode adds; the worker's decode adds where
+    its READs are same-GPU copies (what nixl-1gpu measured), and on a NIC shows only as the last chunk's decode
+    (the rest under the READ, which takes longer)."""
+    planner, plans, counts = planned("qwen3-8b", "nixl-1gpu")
+    buckets = [b for bs in plans.values() for b in bs]
+    cost = CostModel()
+    one_gpu = predict_step(buckets, planner.topology, counts, Deployment("nixl", codec="fp8"), cost, planner.spec)
+    two_hosts = Topology.separated(1, 1, 1, gpus_per_host=1)
+    nic = predict_step(buckets, two_hosts, counts, Deployment("nixl", codec="fp8"), cost, planner.spec)
+    encode = sum(b.nbytes for b in buckets) / cost.fp8_encode_bytes_per_s
+    wire = one_gpu.wire_bytes
+    assert wire == nic.wire_bytes == 9_437_399_040  # the bench's bytes_moved for the fp8 run
+    assert one_gpu.codec_s == pytest.approx(encode + wire / cost.fp8_decode_bytes_per_s)
+    assert nic.data_s == pytest.approx(wire / cost.links.nic_bytes_per_s) and nic.data_s > wire / cost.fp8_decode_bytes_per_s
+    from weightsync.plan.simulate import wire_bytes
+
+    largest = max(wire_bytes(b, Deployment("nixl", codec="fp8"), cost, planner.spec) for b in buckets)
+    assert nic.codec_s == pytest.approx(encode + largest / cost.fp8_decode_bytes_per_s)
+    full = predict_step(buckets, planner.topology, counts, Deployment("nixl"), cost, planner.spec)
+    assert full.codec_s == 0 and one_gpu.seconds > 2 * full.seconds  # on one GPU FP8 costs more than it saves
+
+
+def test_fp8_encodes_a_frame_once_for_instances_of_one_layout():
+    """Two instances of one layout read the same source boxes from the trainer: one frame, encoded once."""
+    spec = load_spec("tiny-qwen3")
+    src, dst = make_layout(spec, "hf"), make_layout(spec, "vllm:tp=1")
+    steps = {}
+    for instances in (1, 2):
+        planner = Planner(src, dst, instances, Topology.separated(1, 1, instances, gpus_per_host=1),
+                          bucket_bytes=1 << 20)
+        plans = {}
+        for i in range(instances):
+            plans.update(planner.recv_plan(i, 0))
+        buckets = [b for bs in plans.values() for b in bs]
+        steps[instances] = predict_step(buckets, planner.topology, count_workers(planner, plans),
+                                        Deployment("nixl", codec="fp8"), spec=spec)
+    assert steps[2].wire_bytes == 2 * steps[1].wire_bytes
+    assert steps[2].codec_s == pytest.approx(steps[1].codec_s)
+
+
+@pytest.mark.parametrize("transport,topology,bells", [
+    ("nixl", Topology.colocated(1, 1, 1), True),  # nixl-1gpu: trainer and reader on one host
+    ("nixl", Topology.separated(2, 2, 1), True),  # 4 GPUs of one host
+    ("nixl", Topology.separated(8, 8, 1), False),  # 16 GPUs, 2 hosts: the readers long-poll the MetaServer
+    ("colocated", Topology.colocated(1, 1, 1), True),
+    ("colocated", Topology.colocated(16, 8, 2), False),  # 2 hosts: some trainer's bell is on another host
+    ("p2p", Topology.separated(1, 1, 1), False),
+])
+def test_doorbells_by_default_where_the_runtime_rings_them(transport, topology, bells):
+    """Deployment.on: same-host doorbells for the transports that read after `written` (colocated, nixl) when
+    every rank is on one host (session.connect's open_bells), the MetaServer otherwise; a given value stays."""
+    assert Deployment(transport).on(topology).doorbells is bells
+    assert Deployment(transport, doorbells=not bells).on(topology).doorbells is (not bells)
