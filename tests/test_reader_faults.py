@@ -124,7 +124,7 @@ def _stop_dead(writer, fault: str, sig: int) -> None:
             return real(*a, **k)
 
         file.pack = pack
-    elif fault == "nixl-written":  # inside send: the step is never stamped, rung nor announced
+    elif fault.startswith("nixl-written"):  # inside send: the step is never stamped, rung nor announced
         sender = writer.session.sender
         real_send = sender.send
 
@@ -185,6 +185,7 @@ FAULTS = {
     "file": ("file", "the pair's file, its first bucket written (the trainer's liveness beacon)"),
     "nixl-read": ("nixl", "its posted READ of the trainer's memory (the beacon)"),
     "nixl-written": ("nixl", "the trainer's `written`, never rung (the beacon)"),
+    "nixl-written-long-poll": ("nixl", "the same, long-polled as by a reader on another host (no bells)"),
     "colocated": ("colocated", "the trainer's `written`, rung but not recorded (the beacon)"),
 }
 
@@ -238,6 +239,10 @@ def test_trainer_dead_with_a_bucket_in_flight(server, spawn, tmp_path, monkeypat
             pytest.skip(f"nixl not importable: {why}")
         for k, v in UCX_OVER_TCP.items():
             monkeypatch.setenv(k, v)
+    if fault.endswith("long-poll"):  # the trainers' bells are not opened: their `written` is long-polled
+        import weightsync.runtime.session as session
+
+        monkeypatch.setattr(session, "open_bells", lambda *a, **k: None)
     job, timeout = f"dead-trainer-{fault}-{sig}", 30.0
     directory = str(tmp_path) if transport == "file" else None
     trainer = spawn(_trainer, server.url, job, [1, 2, 3], timeout, 2, sig, fault, directory)
@@ -246,6 +251,8 @@ def test_trainer_dead_with_a_bucket_in_flight(server, spawn, tmp_path, monkeypat
                           bucket_bytes=BUCKET, directory=directory, transport="p2p" if transport == "colocated" else
                           transport, colocate=transport == "colocated").connect()
     assert reader.update(1) == 1
+    if reader.session.reads_after_written:  # (nixl, co-located) the trainers' bells, or their written long-polled
+        assert (reader.session.written_bells is None) == fault.endswith("long-poll")
     step1 = inst.snapshot()
     if fault == "nixl-read":
         _stop_on_first_read(inst, trainer.pid, sig)
