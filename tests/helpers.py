@@ -221,15 +221,15 @@ def record_local_job_tokens(monkeypatch) -> tuple[list, list]:
 
 
 def assert_job_tokens_only(tokens: list, handed: list, jobs_of) -> None:
-    """The one MetaServer had an admin token; no participant was given it, and each was given the token of every
-    job ``jobs_of(participant)`` names (:func:`weightsync.meta.auth.job_token`)."""
+    """Every MetaServer started had an admin token; no participant was given one, and each was given a job token
+    (:func:`weightsync.meta.auth.job_token`) of every job ``jobs_of(participant)`` names (of one of the servers, when
+    a run started several)."""
     from weightsync.meta.auth import job_token
 
-    assert len(tokens) == 1 and tokens[0], f"the MetaServer ran without a token: {tokens}"
-    admin = tokens[0]
+    assert tokens and all(tokens), f"a MetaServer ran without a token: {tokens}"
     assert handed
     for participant, args in handed:
         text = repr(args)
-        assert admin not in text, f"{participant} was handed the admin token"
+        assert not any(admin in text for admin in tokens), f"{participant} was handed an admin token"
         for job in jobs_of(participant):
-            assert job_token(admin, job) in text, f"{participant} was not handed job {job}'s token"
+            assert any(job_token(admin, job) in text for admin in tokens), f"{participant} lacks job {job}'s token"

@@ -123,15 +123,20 @@ def test_every_scenario_plans_and_places_on_its_gpus():
 
 
 @pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s != "nixl-1gpu"])  # nixl-1gpu: with --delta below
-def test_every_scenario_rehearses_on_cpu(scenario):
+def test_every_scenario_rehearses_on_cpu(scenario, monkeypatch):
     """``weightsync bench --device cpu``: the scenario's real processes -- MetaServer, writers, readers driving
     layout-faithful workers, the baselines' groups (gloo) and hand-overs (shared memory) -- with a small MoE
     model, every step and every baseline checked bit for bit. The 4-GPU scenarios have not run on GPUs: this
-    is their wiring, tested before a GPU host is spent on it."""
+    is their wiring, tested before a GPU host is spent on it. The MetaServer runs with an admin token and every
+    participant is handed the bench job's token only (issue 25's model): writers, readers and the co-located
+    baselines' hand-over lookups would be refused without it."""
     from weightsync.bench.run import run
+    from helpers import assert_job_tokens_only, record_local_job_tokens
 
+    tokens, handed = record_local_job_tokens(monkeypatch)
     r = run(scenario, "tiny-qwen3-moe", steps=2, timeout=60.0, baselines=("naive", "bucketed"), device="cpu")
     assert not r["errors"], r["errors"]
+    assert_job_tokens_only(tokens, handed, lambda p: ["bench"])
     assert r["verified"] and len(r["step_seconds"]) == 2
     assert r["floor_seconds"] is None and r["efficiency"] is None  # no ceilings on CPU
     assert r["peer_copies"] is (True if r["colocate"] else None)  # shared memory: every worker reaches every trainer
@@ -142,20 +147,6 @@ def test_every_scenario_rehearses_on_cpu(scenario):
         return
     for kind in ("naive", "bucketed"):
         assert r["baselines"][kind]["ran"] and r["baselines"][kind]["verified"], (kind, r["baselines"][kind])
-
-
-def test_participants_hold_the_bench_jobs_token_never_the_admins(monkeypatch):
-    """``weightsync bench`` runs its MetaServer with an admin token (issue 25's model) and hands every trainer and
-    instance the bench job's token only: the run verifies through it -- the writers, the readers and the co-located
-    baseline's hand-over lookups would be refused without it (401) -- and no participant was given the admin's."""
-    from weightsync.bench.run import run
-    from helpers import assert_job_tokens_only, record_local_job_tokens
-
-    tokens, handed = record_local_job_tokens(monkeypatch)
-    r = run("colo-1gpu", "tiny-qwen3", steps=1, timeout=60.0, baselines=("naive",), device="cpu")
-    assert not r["errors"], r["errors"]
-    assert r["verified"] and r["baselines"]["naive"]["ran"] and r["baselines"]["naive"]["verified"]
-    assert_job_tokens_only(tokens, handed, lambda p: ["bench"])
 
 
 def test_colocated_bench_without_peer_copies_goes_through_the_group():
@@ -253,7 +244,7 @@ def test_delta_options_parse_and_refuse_what_cannot_run():
         run("nixl-1gpu", "tiny-qwen3-moe", steps=1, baselines=(), device="cpu", delta=DeltaOptions(previous=("gpu",)))
 
 
-def test_nixl_bench_with_delta_rehearses_on_cpu():
+def test_nixl_bench_with_delta_rehearses_on_cpu(monkeypatch):
     """``weightsync bench --scenario nixl-1gpu --delta --device cpu``: the full steps as every scenario's
     rehearsal, then a delta job with the previous version on the device and one in host memory
     (``delta_host=True``), real NIXL agents (UCX over shared memory): every delta step reads only the
@@ -261,13 +252,19 @@ def test_nixl_bench_with_delta_rehearses_on_cpu():
     readers hold every step's changes bit for bit at the end."""
     from weightsync.bench.delta import DeltaOptions
     from weightsync.bench.run import run
-    from helpers import nixl_missing
+    from weightsync.meta.auth import job_token
+    from helpers import assert_job_tokens_only, nixl_missing, record_local_job_tokens
 
     if nixl_missing():
         pytest.skip(nixl_missing())
+    tokens, handed = record_local_job_tokens(monkeypatch)
     r = run("nixl-1gpu", "tiny-qwen3-moe", steps=1, timeout=60.0, baselines=(), device="cpu",
             delta=DeltaOptions((0.01, 0.1), 1, ("device", "host")))
     assert not r["errors"], r["errors"]
+    assert len(tokens) == 3  # the full run's MetaServer, then each delta run's: each its own admin token
+    assert_job_tokens_only(tokens, handed, lambda p: [])
+    held = [{j for a in tokens for j in ("bench", "bench-delta") if job_token(a, j) in repr(args)} for _, args in handed]
+    assert all(len(h) == 1 for h in held) and set().union(*held) == {"bench", "bench-delta"}, held
     assert r["verified"] and len(r["step_seconds"]) == 1 and r["baselines"] == {}
     d = r["delta"]
     assert d["verified"] and d["full"]["bytes_moved"] == r["bytes_moved"] > 0

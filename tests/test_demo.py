@@ -18,9 +18,19 @@ needs_mcore = pytest.mark.skipif(__import__("importlib").util.find_spec("megatro
                                  reason="megatron-core is not importable")
 
 
-def demo(capsys, *args: str) -> tuple[int, dict]:
+def demo(capsys, monkeypatch, *args: str) -> tuple[int, dict]:
+    """Run the demo; and check its MetaServer ran with an admin token (issue 25's model) and every participant was
+    handed its job's token only (each trainer one for every job it writes to): one without a token, or with
+    another job's, would be refused (401/403), one with the admin's could open every job."""
+    from helpers import assert_job_tokens_only, record_local_job_tokens
+
+    tokens, handed = record_local_job_tokens(monkeypatch)
     code = main(["demo", *args, "--steps", "2", "--json"])
-    return code, json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    if code == 0:
+        jobs = sorted({p.job for p, _ in handed if p.job})  # the instances' jobs: every trainer writes to each
+        assert_job_tokens_only(tokens, handed, lambda p: [p.job] if p.job else jobs)
+    return code, out
 
 
 def assert_verified(code: int, out: dict) -> None:
@@ -32,42 +42,28 @@ def assert_verified(code: int, out: dict) -> None:
 
 @needs_mcore
 @pytest.mark.megatron
-def test_megatron_tp2_trains_and_syncs(capsys):
+def test_megatron_tp2_trains_and_syncs(capsys, monkeypatch):
     # megatron-core GPTModel over gloo, TP=2: real forward/backward/AdamW, each rank's shards sent
-    code, out = demo(capsys, "--model", "tiny-qwen3", "--train", "megatron:tp=2", "--infer", "hf")
+    code, out = demo(capsys, monkeypatch, "--model", "tiny-qwen3", "--train", "megatron:tp=2", "--infer", "hf")
     assert_verified(code, out)
     assert all(s["loss"] is not None for s in out["steps"])
     # no logits check against a megatron trainer (its forward is another implementation)
     assert all(i["logits_equal"] is None for s in out["steps"] for i in s["instances"])
 
 
-def test_fsdp2_deepseek_keeps_its_fp32_router(capsys):
+def test_fsdp2_deepseek_keeps_its_fp32_router(capsys, monkeypatch):
     # transformers 5.24 keeps DeepSeek-V3's router weight fp32 beside bf16 weights: FSDP2 needs one dtype
     # per group, so the router is a group of its own and stays fp32 (the binding's dtype check would refuse
     # it cast); under 5.19-5.23 only the (unsharded) fp32 bias differs, and this runs the plain grouping
-    code, out = demo(capsys, "--model", "tiny-deepseek-v3", "--train", "fsdp:dp=2", "--infer", "hf")
+    code, out = demo(capsys, monkeypatch, "--model", "tiny-deepseek-v3", "--train", "fsdp:dp=2", "--infer", "hf")
     assert_verified(code, out)
     assert all(i["logits_equal"] is True for s in out["steps"] for i in s["instances"])
 
 
-def test_fsdp2_with_tp_trains_and_syncs(capsys):
+def test_fsdp2_with_tp_trains_and_syncs(capsys, monkeypatch):
     # torchtitan's TP plan (activations kept whole) under FSDP2 on a 1 x 2 mesh: each rank's TP shards sent
-    code, out = demo(capsys, "--model", "tiny-llama3", "--train", "fsdp:dp=1,tp=2", "--infer", "hf")
+    code, out = demo(capsys, monkeypatch, "--model", "tiny-llama3", "--train", "fsdp:dp=1,tp=2", "--infer", "hf")
     assert_verified(code, out)
-
-
-def test_participants_hold_their_jobs_tokens_never_the_admins(capsys, monkeypatch):
-    """The demo's MetaServer runs with an admin token (issue 25's model); each trainer is handed the token of every
-    job it writes to and each instance its own job's, never the admin's -- and the demo still verifies (a
-    participant without a token, or with the wrong job's, would be refused: 401/403). Two jobs (an hf and a
-    vllm:tp=2 instance) over the file transport."""
-    from helpers import assert_job_tokens_only, record_local_job_tokens
-
-    tokens, handed = record_local_job_tokens(monkeypatch)
-    code, out = demo(capsys, "--model", "tiny-qwen3", "--train", "hf", "--transport", "file")
-    assert_verified(code, out)
-    jobs = ["demo-0-hf", "demo-1-vllm"]
-    assert_job_tokens_only(tokens, handed, lambda p: jobs if p.role == "train" else [p.job])
 
 
 def test_a_failure_ends_the_demo_in_one_line():
