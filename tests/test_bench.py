@@ -263,7 +263,8 @@ def test_nixl_bench_with_delta_rehearses_on_cpu(monkeypatch):
     assert not r["errors"], r["errors"]
     assert len(tokens) == 3  # the full run's MetaServer, then each delta run's: each its own admin token
     assert_job_tokens_only(tokens, handed, lambda p: [])
-    held = [{j for a in tokens for j in ("bench", "bench-delta") if job_token(a, j) in repr(args)} for _, args in handed]
+    held = [{j for a in tokens for j in ("bench", "bench-delta") if job_token(a, j) in repr(args)}
+            for _, args in handed]
     assert all(len(h) == 1 for h in held) and set().union(*held) == {"bench", "bench-delta"}, held
     assert r["verified"] and len(r["step_seconds"]) == 1 and r["baselines"] == {}
     d = r["delta"]

@@ -138,7 +138,8 @@ class _Look(threading.Thread):
                 except Exception as e:  # noqa: BLE001 -- torch's DistNetworkError and kin: the connection is gone
                     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                     self.lost = Lost(rank, f"training rank {rank} is gone: its liveness listener at {address} closed "
-                                           f"the connection ({first[:160]}); it was killed, crashed or closed its writer")
+                                           f"the connection ({first[:160]}); it was killed, crashed or closed its "
+                                           "writer")
                     return
         finally:
             self.done.set()
