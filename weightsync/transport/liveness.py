@@ -51,16 +51,23 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from torch.distributed import TCPStore
 
 from weightsync.errors import TransportError
 
 if TYPE_CHECKING:
-    from weightsync.transport.base import MetaLink
+    from weightsync.meta.client import MetaClient
 
 log = logging.getLogger("weightsync.transport.liveness")
+
+
+class ClientSource(Protocol):
+    """What a watch needs of the job's MetaServer link (:class:`weightsync.transport.base.MetaLink` is one): a
+    client, to look the beacons' addresses up. (A protocol, so this module sits below the transport interface.)"""
+
+    def client(self, timeout_s: float) -> MetaClient: ...
 
 #: a wait asks the trainers it waits on once it has waited this long, and again this often
 LOOK_S = 0.5
@@ -149,7 +156,7 @@ class TrainerWatch:
     """Whether the training ranks a wait depends on are alive (module docstring): :meth:`connect` once, then
     :meth:`lost` from inside a wait's loop (cheap: it only reads what a helper thread found)."""
 
-    def __init__(self, link: MetaLink, who: str, look_s: float = LOOK_S, answer_s: float = ANSWER_S):
+    def __init__(self, link: ClientSource, who: str, look_s: float = LOOK_S, answer_s: float = ANSWER_S):
         self.link, self.who = link, who
         self.look_s, self.answer_s = look_s, answer_s
         #: per training rank: (its address, a store client), or None where its listener could not be reached
