@@ -502,6 +502,19 @@ def bench(out: Path, model: str, scenarios: list[str], steps: int) -> dict:
     return result
 
 
+def _pings(inst, n: int = 20) -> list[tuple[float, float]]:
+    """``n`` bare calls of the workers' ``ping``: per call the ms there (sent -> the worker's clock) and back."""
+    from weightsync.sglang.verify import ping
+
+    out = []
+    for _ in range(n):
+        t0 = time.time()
+        (t1,) = inst.call(ping)
+        t2 = time.time()
+        out.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
+    return out
+
+
 def overhead(out: Path, steps: int = 15) -> dict:
     """Where an update's time goes in SGLang's call path (tiny Llama, co-located trainer), A/B/C in one run: per
     step the reader's phases and ``SGLangInstance.last_timing``, in turn ``quiet_updates=False`` (pause, call,
@@ -515,7 +528,7 @@ def overhead(out: Path, steps: int = 15) -> dict:
     from weightsync.meta.server import MetaServer
     from weightsync.runtime.reader import WeightReader
     from weightsync.sglang.engine import EngineOptions, generate, start
-    from weightsync.sglang.verify import empty_cache_seconds, ping
+    from weightsync.sglang.verify import empty_cache_seconds
 
     res: dict = {"stage": "overhead", "steps": [], "errors": []}
     root = Path(tempfile.mkdtemp(prefix="sglang-overhead-"))
@@ -554,24 +567,12 @@ def overhead(out: Path, steps: int = 15) -> dict:
         inst.use_mailbox = True
         for in_name in (False, True):
             inst._in_name = in_name and res["name_payload"]
-            pings = []
-            for _ in range(20):
-                t0 = time.time()
-                (t1,) = inst.call(ping)
-                t2 = time.time()
-                pings.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
-            res[f"ping_ms_there_back_{'name' if inst._in_name else 'tensor'}"] = pings
+            res[f"ping_ms_there_back_{'name' if inst._in_name else 'tensor'}"] = _pings(inst)
         inst._in_name = res["name_payload"]
         inst.pause()  # a quiet update holding the writer lock: the same bare call through the call mailbox
         try:
             if inst.last_mailbox:
-                pings = []
-                for _ in range(20):
-                    t0 = time.time()
-                    (t1,) = inst.call(ping)
-                    t2 = time.time()
-                    pings.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
-                res["ping_ms_there_back_mailbox"] = pings
+                res["ping_ms_there_back_mailbox"] = _pings(inst)
         finally:
             inst.resume()
         flushes = []
