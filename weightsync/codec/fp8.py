@@ -53,7 +53,8 @@ from weightsync.plan.messages import bucket_bytes
 from weightsync.plan.planner import Bucket, Copy, Pair
 from weightsync.quant.fp8 import BLOCK, Quantized, cdiv, prepare, quantize
 from weightsync.codec.full import Direct, landing
-from weightsync.transport.pack import Landing, direct_pairs, pack, pack_pairs, segments, unpack, unpack_pairs
+from weightsync.transport.pack import (Landing, Pairs, copy_pairs, direct_pairs, pack, pack_pairs, segments,
+                                      unpack_pairs)
 
 if TYPE_CHECKING:
     from weightsync.spec.model import ModelSpec
@@ -418,34 +419,29 @@ class FP8Decoder(Decoder):
 
     def landing(self, bucket: Bucket, header: Header, payload: torch.Tensor,
                 targets: Mapping[str, torch.Tensor]) -> Landing:
-        """:meth:`decode` as copies: the plain copies as :func:`unpack` scatters them (a cast where the engine's dtype
-        differs: the landing's work), each FP8 copy's e4m3 bytes and fp32 scales into its boxes."""
+        """:meth:`decode` as a landing (:func:`_decode_pairs`; the casts are its work)."""
         if not self.checked:
             self._check_targets(targets)
-        lay = self.layouts[(bucket.pair, bucket.index)]
-        pairs = unpack_pairs(segments(lay.plain), payload[: lay.plain.nbytes], targets) if lay.plain is not None else []
-        for p in lay.parts:
-            c = p.copy
-            q = _views(payload, p)
-            region = targets[c.dst_tensor][slices(c.dst_box)]
-            sregion = targets[c.dst_tensor + "_scale_inv"][slices(scale_box(c.dst_box))]
-            pairs += [(region, q.weight.view(region.shape)), (sregion, q.scale_inv.view(sregion.shape))]
-        return landing(pairs)
+        return landing(_decode_pairs(self.layouts[(bucket.pair, bucket.index)], payload, targets))
 
     def decode(self, bucket: Bucket, header: Header, payload: torch.Tensor | None,
                targets: Mapping[str, torch.Tensor], slot: torch.Tensor) -> None:
         if not self.checked:
             self._check_targets(targets)
-        lay = self.take(bucket, header)
-        if lay.plain is not None:
-            unpack(lay.plain, payload[: lay.plain.nbytes], targets)
-        for p in lay.parts:
-            c = p.copy
-            q = _views(payload, p)
-            region = targets[c.dst_tensor][slices(c.dst_box)]
-            region.copy_(q.weight.view(region.shape))
-            sregion = targets[c.dst_tensor + "_scale_inv"][slices(scale_box(c.dst_box))]
-            sregion.copy_(q.scale_inv.view(sregion.shape))
+        copy_pairs(_decode_pairs(self.take(bucket, header), payload, targets))
+
+
+def _decode_pairs(lay: FrameLayout, payload: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> Pairs:
+    """A frame's decode as copies: the plain copies as :func:`~weightsync.transport.pack.unpack` scatters them (a cast where the engine's dtype
+    differs), each FP8 copy's e4m3 bytes and fp32 scales into its boxes of the weight and its ``_scale_inv``."""
+    pairs = unpack_pairs(segments(lay.plain), payload[: lay.plain.nbytes], targets) if lay.plain is not None else []
+    for p in lay.parts:
+        c = p.copy
+        q = _views(payload, p)
+        region = targets[c.dst_tensor][slices(c.dst_box)]
+        sregion = targets[c.dst_tensor + "_scale_inv"][slices(scale_box(c.dst_box))]
+        pairs += [(region, q.weight.view(region.shape)), (sregion, q.scale_inv.view(sregion.shape))]
+    return pairs
 
 
 def wire_bytes(copies: list[Copy] | tuple[Copy, ...], fp8: Mapping[str, tuple[int, ...]]) -> int:
