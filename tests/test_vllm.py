@@ -28,7 +28,7 @@ pytestmark = [
 
 MODEL = "tiny-qwen3-h64"
 
-from vllm_harness import engines, meta, prefetch  # noqa: E402,F401 -- the shared fixtures (meta, prefetch)
+from vllm_harness import engines, meta  # noqa: E402,F401 -- the shared fixture (meta)
 
 
 def _engines(tp, tmp_path_factory, meta, **kw):
@@ -38,31 +38,29 @@ def _engines(tp, tmp_path_factory, meta, **kw):
 def _mla_engine(tmp_path_factory):
     from vllm_harness import checkpoint, start_llm
 
-    return lambda: start_llm(checkpoint(_mla_spec(), 1, tmp_path_factory.mktemp("mla") / "mla"), 1, backend=True)
+    return start_llm(checkpoint(_mla_spec(), 1, tmp_path_factory.mktemp("mla") / "mla"), 1, backend=True)
 
 
 @pytest.fixture(scope="class")
-def tp1(tmp_path_factory, meta, prefetch):
+def tp1(tmp_path_factory, meta):
     """X: an offline ``LLM`` (both entry points); Y: an ``AsyncLLM`` (the fresh seed-2 reference, then synced)."""
-    e = prefetch.take("tp1", _engines(1, tmp_path_factory, meta, asyncllm=True))
-    prefetch.start("tp2", _engines(2, tmp_path_factory, meta))  # starts while this class runs
+    e = _engines(1, tmp_path_factory, meta, asyncllm=True)
     yield e
     e.close()
 
 
 @pytest.fixture(scope="class")
-def tp2(tmp_path_factory, meta, prefetch):
-    e = prefetch.take("tp2", _engines(2, tmp_path_factory, meta))
-    prefetch.start("mla", _mla_engine(tmp_path_factory))
+def tp2(tmp_path_factory, meta):
+    e = _engines(2, tmp_path_factory, meta)
     yield e
     e.close()
 
 
 @pytest.fixture()
-def mla_llm(tmp_path_factory, prefetch):
+def mla_llm(tmp_path_factory):
     from vllm_harness import stop_llm
 
-    llm = prefetch.take("mla", _mla_engine(tmp_path_factory))
+    llm = _mla_engine(tmp_path_factory)
     yield llm
     stop_llm(llm)
 

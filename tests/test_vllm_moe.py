@@ -22,30 +22,28 @@ pytestmark = [
 
 MOE, LLAMA = "tiny-qwen3-moe-h64", "tiny-llama3-h64"
 
-from vllm_harness import engines, meta, prefetch  # noqa: E402,F401 -- the shared fixtures (meta, prefetch)
+from vllm_harness import engines, meta  # noqa: E402,F401 -- the shared fixture (meta)
 
 
 @pytest.fixture(scope="class")
-def moe1(tmp_path_factory, meta, prefetch):
-    e = prefetch.take("moe1", engines(MOE, 1, tmp_path_factory, meta))
-    prefetch.start("moe2", engines(MOE, 2, tmp_path_factory, meta))  # starts while this class runs
+def moe1(tmp_path_factory, meta):
+    e = engines(MOE, 1, tmp_path_factory, meta)
     yield e
     e.close()
 
 
 @pytest.fixture(scope="class")
-def moe2(tmp_path_factory, meta, prefetch):
-    e = prefetch.take("moe2", engines(MOE, 2, tmp_path_factory, meta))
-    prefetch.start("llama", engines(LLAMA, 1, tmp_path_factory, meta, server=True))
+def moe2(tmp_path_factory, meta):
+    e = engines(MOE, 2, tmp_path_factory, meta)
     yield e
     e.close()
 
 
 @pytest.fixture(scope="class")
-def llama(tmp_path_factory, meta, prefetch):
+def llama(tmp_path_factory, meta):
     """X: an offline ``LLM`` on seed 1 (both entry points); Y: vLLM's OpenAI server, fresh on seed 2 (the
     seed-2 reference, by digest and tokens over HTTP), then synced over HTTP itself."""
-    e = prefetch.take("llama", engines(LLAMA, 1, tmp_path_factory, meta, server=True))
+    e = engines(LLAMA, 1, tmp_path_factory, meta, server=True)
     yield e
     e.close()
 

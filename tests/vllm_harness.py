@@ -232,35 +232,6 @@ def _stop_any(engine) -> None:
         stop_llm(engine)
 
 
-class Prefetch:
-    """Engines started ahead in a background thread, so one test class's start-up overlaps the previous
-    class's tests (at most two pairs alive at once). ``take`` returns what was started, or starts it now."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-prefetch")
-        self._futures: dict[str, Any] = {}
-
-    def start(self, key: str, fn: Any) -> None:
-        if key not in self._futures:
-            self._futures[key] = self._pool.submit(fn)
-
-    def take(self, key: str, fn: Any) -> Any:
-        f = self._futures.pop(key, None)
-        return f.result() if f is not None else fn()
-
-    def close(self) -> None:
-        """Stop whatever was started and never taken (a deselected class)."""
-        for f in self._futures.values():
-            with contextlib.suppress(BaseException):
-                got = f.result()
-                if isinstance(got, Engines):
-                    got.close()
-                else:
-                    _stop_any(got)
-        self._futures.clear()
-        self._pool.shutdown(wait=True)
-
-
 # -- fixtures shared by tests/test_vllm*.py (imported into each module) ------------------------------
 
 
@@ -275,25 +246,16 @@ def meta():
         yield server
 
 
-@pytest.fixture(scope="module")
-def prefetch():
-    """The module's :class:`Prefetch`: classes start the next class's engines while they run."""
-    p = Prefetch()
-    yield p
-    p.close()
-
-
 def engines(model: str, tp: int, tmp_path_factory: Any, meta: Any, asyncllm: bool = False, server: bool = False,
-            **llm_kw: Any):
-    """A thunk that starts an :class:`Engines` pair (for :meth:`Prefetch.start` / :meth:`Prefetch.take`)."""
-
-    def start() -> Engines:
-        e = Engines.start(model, tp, tmp_path_factory.mktemp(f"{model}-{tp}"), meta, asyncllm=asyncllm, server=server,
-                          **llm_kw)
-        print(f"\n{model} tp={tp}: two engines started in {e.startup_s:.1f} s")
-        return e
-
-    return start
+            **llm_kw: Any) -> Engines:
+    """An :class:`Engines` pair, started now, in this thread. (Starting the next class's engines on a helper
+    thread while a class ran overlapped their start-ups, but two threads then ran vLLM's start-up and our tests
+    in one process at once: vLLM sets process-global state while it starts -- the environment, torch's default
+    dtype, loggers -- and a CI run failed a test's set-up with "dictionary changed size during iteration".)"""
+    e = Engines.start(model, tp, tmp_path_factory.mktemp(f"{model}-{tp}"), meta, asyncllm=asyncllm, server=server,
+                      **llm_kw)
+    print(f"\n{model} tp={tp}: two engines started in {e.startup_s:.1f} s")
+    return e
 
 
 # -- trainers ---------------------------------------------------------------------------------------
