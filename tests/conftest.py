@@ -131,3 +131,21 @@ def checkpoints(tmp_path_factory):
         d = save_checkpoint(spec, random_canonical(spec, seed=hash(name) % 1000), tmp_path_factory.mktemp(name))
         out[name] = (spec, read_checkpoint(d))
     return out
+
+
+@pytest.fixture(autouse=True)
+def _collect_after(request):
+    """``WEIGHTSYNC_TEST_GC=<file>``: after each test, collect the garbage it left and append its node id to
+    ``<file>.<worker>``, so a crash inside the garbage collector (seen once in CI, in a later test) names the
+    test whose garbage it was. Off by default: a collection per test costs minutes over the suite."""
+    path = os.environ.get("WEIGHTSYNC_TEST_GC")
+    yield
+    if path:
+        import gc
+        import time
+
+        with open(f"{path}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}", "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} collect after {request.node.nodeid}\n")
+            f.flush()
+            gc.collect()
+            f.write("  collected\n")

@@ -63,7 +63,11 @@ def _cannot() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_cannot() is not None, reason=str(_cannot()))
+pytestmark = [
+    pytest.mark.skipif(_cannot() is not None, reason=str(_cannot())),
+    # one worker runs the module's three tests: each xdist worker would otherwise run both jobs (``jobs``)
+    pytest.mark.xdist_group("two-hosts"),
+]
 
 
 @dataclass(frozen=True)
