@@ -24,10 +24,11 @@ demo: venv
 
 # make test leaves out the tests marked slow (tests/conftest.py SLOW: each repeats what a faster one shows);
 # make test-all runs them too.
-# Three workers on CI's two cores: many tests wait (process starts, engines, timeouts); measured here, 2 cores:
-# 17.4 min at -n 3 collecting after each test (tests/conftest.py), 19.8 at -n 2 without. --max-worker-restart=0: a crashed xdist worker ends the run, reported;
-# pytest-xdist 3.8 under loadgroup hangs once it replaces a crashed worker (its issues 1323, 1327, 1378), which
-# held a CI run to its time limit.
+# Three workers on CI's two cores: many tests wait (process starts, engines, timeouts). Measured here, 2 cores:
+# 17.4 min at -n 3 collecting after each test (tests/conftest.py), 19.8 at -n 2 without.
+# --max-worker-restart=0: a crashed xdist worker ends the run, reported; pytest-xdist 3.8 under loadgroup hangs
+# once it replaces a crashed worker (its issues 1323, 1327, 1378), which held a CI run to its time limit.
+# docs/testing.md, "Crashes and hangs".
 XDIST := -n 3 --dist loadgroup --max-worker-restart=0
 
 test: venv
