@@ -21,6 +21,7 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import re
 import shutil
 import sys
@@ -983,7 +984,7 @@ class LoopScheduler:
         self.engine, self.rank, self.model = engine, rank, model
         self.forward_ct = 0
         self.server_args = types.SimpleNamespace(enable_hierarchical_cache=False)
-        self.inbox: list = []
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # requests (SGLang: its ZeroMQ socket); thread-safe
         self.queued_batches = 0
         self.stale_batch = False  # the overlap scheduler's last batch of a request that already finished
         self.iterations = 0
@@ -1000,7 +1001,9 @@ class LoopScheduler:
         while not self.stopped:
             while self.stuck.is_set() and not self.stopped:
                 time.sleep(0.01)
-            recv, self.inbox = self.inbox, []
+            recv = []
+            while not self.inbox.empty():
+                recv.append(self.inbox.get_nowait())
             self.process_input_requests(recv)
             self.iterations += 1
             if self.queued_batches:
@@ -1102,7 +1105,7 @@ class StandInEngineLooping(StandInEngine0514):
             ForkingPickler(buf).dump(named_tensors)
             named = RestrictedUnpickler(io.BytesIO(buf.getvalue())).load()
             ev = threading.Event()
-            sch.inbox = sch.inbox + [lambda sch=sch, named=named, ev=ev: (sch.update_weights_from_tensor(named), ev.set())]
+            sch.inbox.put(lambda sch=sch, named=named, ev=ev: (sch.update_weights_from_tensor(named), ev.set()))
             done.append(ev)
         for ev in done:
             assert ev.wait(30), "a stand-in scheduler did not run the request"
