@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -27,6 +28,7 @@ def test_failed_held_report_raises_at_the_next_call(mode):
         reader.client, reader.instance_id, reader.timeout_s = MetaClient(server.url, "j"), 0, 10.0
         reader.mode, reader.staged, reader.instance = mode, False, Untouched()
         reader._announcer, reader._report_error, reader._next_pull = ThreadPoolExecutor(1), None, 0
+        reader._report_lock = threading.Lock()
         reader._integrity_agreed = True
         # connected already, no doorbells, integrity off, a fixed-membership job (no incarnation)
         reader.session = SimpleNamespace(connected=True, check_alive=lambda: None, held_bell=None, incarnation=None,

@@ -301,6 +301,7 @@ def test_meta_server_restart_between_steps(tmp_path):
 def test_held_reports_go_out_in_order_and_a_failed_one_raises_later():
     """The reader posts ``held`` from a background thread: the server sees every report, in order, and
     one the server refuses (here: an instance that never joined) raises at the reader's next check."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
@@ -311,7 +312,7 @@ def test_held_reports_go_out_in_order_and_a_failed_one_raises_later():
     with MetaServer(port=0) as server:
         reader = WeightReader.__new__(WeightReader)  # only the reporting half: no engine, no workers
         reader.client, reader.instance_id, reader.timeout_s = MetaClient(server.url, "j"), 0, 10.0
-        reader._announcer, reader._report_error = ThreadPoolExecutor(1), None
+        reader._announcer, reader._report_error, reader._report_lock = ThreadPoolExecutor(1), None, threading.Lock()
         # no doorbell: reports go to the MetaServer only; a fixed-membership job: no incarnation
         reader.session = SimpleNamespace(held_bell=None, incarnation=None)
         reader.client.join(0)

@@ -27,6 +27,7 @@ ask for the latest step written; ``close`` leaves the job (the session's "member
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -102,6 +103,7 @@ class WeightReader(SessionDriven):
         self._integrity_s: float | None = None  # the last settle's integrity check (inside `workers`)
         self._announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-held")
         self._report_error: Exception | None = None  # the first held report that failed, until raised
+        self._report_lock = threading.Lock()  # the announcer thread sets it while the caller takes it
         self.last_stats: list[WorkerReport] = []
         #: seconds the last update spent waiting for the trainers (co-located), in the workers (of which
         #: ``transport`` in the slowest worker's transport, ``posting`` until its CPU had posted everything,
@@ -348,13 +350,15 @@ class WeightReader(SessionDriven):
         try:
             self.client.held(self.instance_id, step, incarnation=self.session.incarnation)
         except Exception as e:  # noqa: BLE001 - raised in the caller's thread by _check_announced
-            self._report_error = self._report_error or e
+            with self._report_lock:
+                self._report_error = self._report_error or e
 
     def _check_announced(self, wait: bool) -> None:
         """Raise the first failed report's error (``wait``: once every report so far went out)."""
         if wait:
             self._announcer.submit(lambda: None).result(timeout=self.timeout_s)
-        e, self._report_error = self._report_error, None
+        with self._report_lock:
+            e, self._report_error = self._report_error, None
         if e is not None:
             raise e
 
