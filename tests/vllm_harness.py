@@ -251,7 +251,7 @@ def engines(model: str, tp: int, tmp_path_factory: Any, meta: Any, asyncllm: boo
     """An :class:`Engines` pair, started now, in this thread. (Starting the next class's engines on a helper
     thread while a class ran overlapped their start-ups, but two threads then ran vLLM's start-up and our tests
     in one process at once: vLLM sets process-global state while it starts -- the environment, torch's default
-    dtype, loggers -- and a CI run failed a test's set-up with "dictionary changed size during iteration".)"""
+    dtype, loggers -- and two full runs here failed a set-up with "dictionary changed size during iteration".)"""
     e = Engines.start(model, tp, tmp_path_factory.mktemp(f"{model}-{tp}"), meta, asyncllm=asyncllm, server=server,
                       **llm_kw)
     print(f"\n{model} tp={tp}: two engines started in {e.startup_s:.1f} s")
