@@ -138,7 +138,7 @@ def _collect_after(request):
     """Collect the garbage each test left right after it. Without this, a worker twice aborted inside the garbage
     collector during a later, unrelated test (a CI run: test_validate; here at -n 3: test_simulate), the collector
     destroying something an earlier test left in a reference cycle; the culprit is not found yet. With a collection
-    after each test, three full runs (-n 2 once, -n 3 twice) had no crash; of five without it, two crashed
+    after each test, four full runs (-n 2 once, -n 3 three times) had no crash; of five without it, two crashed
     (docs/testing.md). ``WEIGHTSYNC_TEST_GC=<file>`` also appends each test's node id to ``<file>.<worker>`` before
     its collection, so a crash there names the test whose garbage it was."""
     import gc
