@@ -23,9 +23,13 @@ from collections.abc import Callable
 
 import torch
 
+from weightsync.transport import batch_copy
 from weightsync.transport.batch_copy import BatchedCopy
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+#: the copy kernel's forms (batch_copy.WIDE, batch_copy.STREAM), for --variants
+VARIANTS = {"default": (batch_copy.WIDE, batch_copy.STREAM), "masked": (False, False), "wide": (True, False), "stream": (True, True)}
 
 
 def timed(fn: Callable[[], None], device: torch.device, repeats: int, warmup: int = 2) -> float:
@@ -103,15 +107,20 @@ def run_case(name: str, pairs: Pairs, dst_buffers: list[torch.Tensor], device: t
         capture_s = time.perf_counter() - t0
         report(results, name, "loop-graph", timed(g.replay, device, args.repeats), nbytes, ceiling)
         del g
-    t0 = time.perf_counter()
-    bc = BatchedCopy(pairs, **({"tile_bytes": args.tile_bytes} if args.tile_bytes else {}))
-    build_s = time.perf_counter() - t0
-    ok = verify(bc, pairs, dst_buffers)
-    report(results, name, "batched", timed(bc.run, device, args.repeats), nbytes, ceiling)
-    if graphs:
-        g = captured(bc.run, device)
-        report(results, name, "batched-graph", timed(g.replay, device, args.repeats), nbytes, ceiling)
-        del g
+    ok = True
+    for variant in args.variants.split(","):  # the kernel's forms, each built and timed in turn (read at launch)
+        batch_copy.WIDE, batch_copy.STREAM = VARIANTS[variant]
+        suffix = "" if variant == "default" else f"-{variant}"
+        t0 = time.perf_counter()
+        bc = BatchedCopy(pairs, **({"tile_bytes": args.tile_bytes} if args.tile_bytes else {}))
+        build_s = time.perf_counter() - t0
+        ok = verify(bc, pairs, dst_buffers) and ok
+        report(results, name, "batched" + suffix, timed(bc.run, device, args.repeats), nbytes, ceiling)
+        if graphs:
+            g = captured(bc.run, device)
+            report(results, name, "batched-graph" + suffix, timed(g.replay, device, args.repeats), nbytes, ceiling)
+            del g
+    batch_copy.WIDE, batch_copy.STREAM = VARIANTS["default"]
     results[name].update(copies=len(pairs), bytes=nbytes, tiles=bc.tiles, groups=bc.groups, fallback=bc.fallback,
                          build_s=build_s, verified=ok,
                          **({"loop_capture_s": capture_s} if graphs and not args.batched_only else {}))
@@ -168,11 +177,12 @@ def main() -> None:
     p.add_argument("--tile-bytes", type=int, default=0, help="BatchedCopy tile size (0: its default)")
     p.add_argument("--block", type=int, default=0, help="the kernel's BLOCK (0: its default)")
     p.add_argument("--warps", type=int, default=0, help="the kernel's num_warps (0: its default)")
+    p.add_argument("--variants", default="default",
+                   help=f"comma-separated kernel forms to time, each built anew: {', '.join(VARIANTS)}")
     p.add_argument("--batched-only", action="store_true", help="skip the copy_ loops (tuning runs)")
     p.add_argument("--small", action="store_true", help="tiny sizes: check the script (on CPU too)")
     p.add_argument("--json", default="", help="also write the summary here")
     args = p.parse_args()
-    from weightsync.transport import batch_copy
 
     batch_copy.BLOCK = args.block or batch_copy.BLOCK  # read at every launch
     batch_copy.NUM_WARPS = args.warps or batch_copy.NUM_WARPS

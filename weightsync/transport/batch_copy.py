@@ -52,6 +52,11 @@ ALIGNS = (16, 8, 4, 2, 1)  # alignment classes, widest first; the kernel's eleme
 # device copy ceiling and 9,000 x 1.5 MiB at 0.96; 2048 x 8 at 0.89 / 0.93; 1024 x 4 at 0.87 / 0.94
 BLOCK = 4096  # elements per program per loop step (32 KiB at 8 bytes)
 NUM_WARPS = 16
+#: long rows: row starts hinted ALIGN-aligned and whole BLOCKs copied unmasked, so 16-aligned tiles move 16 bytes an
+#: access (False: the masked loop of sessions 2-14, kept for the A/B in benchmarks/batch_copy_bench.py --variants)
+WIDE = True
+#: streaming cache hints on the long rows' loads and stores (evict-first, .cs): a copy reads and writes each byte once
+STREAM = False
 _CHUNK_ALIGN = 16  # column chunks of a long row start at multiples of this (keeps the row's alignment)
 _FIELDS = 6
 
@@ -187,7 +192,7 @@ class BatchedCopy:
                 n = host.shape[0]
                 self._launches.append((table[start : start + n], min(a, 8), a, n))  # 48-byte rows: 16-aligned
                 start += n
-                kernel[(1,)](noop, 1, W=min(a, 8), ALIGN=a, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                kernel[(1,)](noop, 1, W=min(a, 8), ALIGN=a, BLOCK=BLOCK, WIDE=WIDE, STREAM=STREAM, num_warps=NUM_WARPS)
             torch.cuda.current_stream().synchronize()  # the pageable H2D copy is done before any run
             self._table = table
 
@@ -201,7 +206,8 @@ class BatchedCopy:
                 with torch.cuda.device(self.device):
                     for table, w, a, n in self._launches:
                         grid = n if self.programs is None else min(n, self.programs)
-                        kernel[(grid,)](table, n, W=w, ALIGN=a, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                        kernel[(grid,)](table, n, W=w, ALIGN=a, BLOCK=BLOCK, WIDE=WIDE, STREAM=STREAM,
+                                        num_warps=NUM_WARPS)
         else:
             for table in self._host.values():
                 _memmove_tiles(table)
@@ -251,7 +257,8 @@ def _kernel():
     import triton.language as tl  # a module global: the jitted body resolves ``tl`` there
 
     @triton.jit
-    def copy_tiles(table, n_tiles, W: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    def copy_tiles(table, n_tiles, W: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr,
+                   WIDE: tl.constexpr, STREAM: tl.constexpr):
         # program p copies tiles p, p + P, p + 2P, ... (P programs: one per tile unless capped); every
         # field is in bytes and a multiple of ALIGN (the table's group)
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
@@ -286,10 +293,29 @@ def _kernel():
                 for r in range(nrows):
                     s_row = sp + r * s_step
                     d_row = dp + r * d_step
-                    for c in range(0, ncols, BLOCK):
-                        o = c + cols
-                        m = o < ncols
-                        tl.store(d_row + o, tl.load(s_row + o, mask=m), mask=m)
+                    if WIDE:
+                        # every row starts ALIGN-aligned (strides are multiples of ALIGN): say so, or the axis
+                        # analysis sees r * stride of unknown divisibility and moves W bytes an access; whole
+                        # BLOCKs unmasked (a mask of unknown constancy also narrows the accesses), the rest masked
+                        s_row = tl.multiple_of(s_row, ALIGN)
+                        d_row = tl.multiple_of(d_row, ALIGN)
+                        whole = ncols - ncols % BLOCK
+                        for c in range(0, whole, BLOCK):
+                            o = c + cols
+                            if STREAM:
+                                v = tl.load(s_row + o, eviction_policy="evict_first")
+                                tl.store(d_row + o, v, cache_modifier=".cs")
+                            else:
+                                tl.store(d_row + o, tl.load(s_row + o))
+                        if whole < ncols:
+                            o = whole + cols
+                            m = o < ncols
+                            tl.store(d_row + o, tl.load(s_row + o, mask=m), mask=m)
+                    else:
+                        for c in range(0, ncols, BLOCK):
+                            o = c + cols
+                            m = o < ncols
+                            tl.store(d_row + o, tl.load(s_row + o, mask=m), mask=m)
             else:
                 # short rows: BLOCK elements of the tile at a time, spanning rows (a tile is < 2**31 bytes)
                 n = (nrows * ncols).to(tl.int32)
