@@ -14,7 +14,10 @@ since the version the receiver proves it holds), ``fp8`` (:mod:`.fp8`: block FP8
 engine). A codec whose payload is not the plan's bytes (a delta; FP8: another dtype and size than
 ``Copy.dtype`` says) is *framed*: the transports run their frame paths for it. Where a transport cannot
 use a bucket's frame, it reads the bucket whole -- unless the codec ``needs_frames`` (FP8: the plan's
-bytes are not what it lands), when the step fails instead.
+bytes are not what it lands), when the step fails instead. Wherever the plan's bytes arrive whole in the
+wire dtype (a transport's unpack, a whole read), the codec says how they land (:meth:`Codec.unpacked`:
+byte copies for the transport's copy kernel, the casts to the receiver's dtypes as its own work): a
+receiver's cast is this stage's on every transport, never a transport's.
 
 A codec declares what it needs of a transport (:data:`NEEDS`); each transport says what it serves per
 mode (:attr:`weightsync.transport.base.TransportEntry.serves`), and the session refuses, at set-up and by
@@ -60,12 +63,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from weightsync.transport.base import BASE_PROOF, SENDER_STEP  # noqa: F401 - the needs, named where transports serve them
+from weightsync.transport.pack import Landing, Pairs, copy_pairs
 
 if TYPE_CHECKING:
     import torch
 
     from weightsync.plan.planner import Bucket, Pair
-    from weightsync.transport.pack import Landing
 
 #: what a codec may need of a transport: a sender step over every bucket's bytes (not co-located, whose
 #: workers copy the trainers' memory themselves); the receiver's proof of its base (a message back, p2p
@@ -320,6 +323,23 @@ class Codec(ABC):
 
     @abstractmethod
     def decoder(self, plans: Mapping[Pair, list[Bucket]]) -> Decoder: ...
+
+    def unpacked(self, pairs: Pairs) -> Landing:
+        """The plan's bytes, arrived whole in the wire dtype (``pairs``: target views, wire views: a transport's
+        unpack, a whole bucket's read), as they land (:meth:`weightsync.transport.base.Codec.unpacked`): the
+        full codec's :func:`landing` -- byte copies for the transport, the casts to the targets' dtypes as this
+        codec's work. Full and delta land whole buckets so; fp8 never lands one (``needs_frames``)."""
+        return landing(pairs)
+
+
+def landing(pairs: Pairs) -> Landing:
+    """``pairs`` as the full codec lands them (:class:`Landing`): those of one dtype are the transport's byte
+    copies, the others this stage's casts, done after them (one rounding each, source dtype -> destination
+    dtype, as :func:`weightsync.transport.pack.unpack` and loading a checkpoint convert). Where no pair casts
+    (a bf16 trainer into a bf16 engine) there is no work."""
+    copies = [p for p in pairs if p[0].dtype == p[1].dtype]
+    casts = [p for p in pairs if p[0].dtype != p[1].dtype]
+    return Landing(copies, (lambda: copy_pairs(casts)) if casts else None)
 
 
 def framed(codec: Codec | None) -> bool:

@@ -12,6 +12,8 @@ tensors in place), :meth:`FullCodec.land` says how the bytes land: the copies be
 bytes the transport's copy kernel moves (:mod:`weightsync.transport.batch_copy`, the hot path: a bf16 trainer into
 a bf16 engine is nothing else), and the rest is this codec's cast -- each element converted once to the receiver's
 dtype, as loading a checkpoint converts it (an fp32 master into a bf16 engine) -- done by ``copy_`` after them.
+Every other transport lands the plan's bytes it unpacked the same way (:meth:`Codec.unpacked`, whose default is
+:func:`landing`): the cast is this codec's on every transport, never the transport's copy kernel's.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.codec.base import WHOLE, Codec, CodecStats, Decoder, Encoder, Frame, Header
+from weightsync.codec.base import landing as landing  # the full codec's landing: re-exported where it was defined
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.transport.pack import Landing, Pairs, copy_pairs, direct_pairs, pack, segments, unpack
+from weightsync.transport.pack import Landing, direct_pairs, pack, segments, unpack
 
 #: one co-located item: a bucket, the opened sources of its training rank, the receiver's targets
 Direct = tuple[Bucket, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
@@ -61,14 +64,6 @@ class FullCodec(Codec):
     def landed_bytes(self, bucket: Bucket) -> int:
         """What landing ``bucket`` writes (the plan's bytes, in the wire dtype)."""
         return bucket.nbytes
-
-
-def landing(pairs: Pairs) -> Landing:
-    """``pairs`` as a :class:`Landing`: those of one dtype are the transport's byte copies, the others this codec's
-    casts (one rounding each, source dtype -> destination dtype, as :func:`unpack` converts)."""
-    copies = [p for p in pairs if p[0].dtype == p[1].dtype]
-    casts = [p for p in pairs if p[0].dtype != p[1].dtype]
-    return Landing(copies, (lambda: copy_pairs(casts)) if casts else None)
 
 
 class FullEncoder(Encoder):

@@ -36,9 +36,11 @@ Call order on an inference worker (:class:`Receiver`)::
 writes exactly the planned boxes of them and nothing else.
 
 What each bucket's payload holds is the codec stage's (:mod:`weightsync.codec`), given in
-``TransportOptions.codec``: None (full) is the plan's bytes, which each transport moves its own way; a
-framed codec's encoder and decoder are made by the transport at ``memory``/``connect`` and its frames
-moved by the transport's frame path. A transport imports no codec: :class:`Codec` says what it uses.
+``TransportOptions.codec``: the full codec (or None) is the plan's bytes, which each transport moves its own
+way; a framed codec's encoder and decoder are made by the transport at ``memory``/``connect`` and its frames
+moved by the transport's frame path. Where the plan's bytes arrive whole, the codec says how they land
+(:meth:`Codec.unpacked`: a cast to the receiver's dtype is the codec's work; with no codec, byte copies only).
+A transport imports no codec: :class:`Codec` says what it uses.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ if TYPE_CHECKING:  # annotations only: a transport needs no runtime module to ru
     from weightsync.plan.planner import Bucket, Pair, Planner
     from weightsync.plan.job import JobShape
     from weightsync.transport.liveness import TrainerWatch
+    from weightsync.transport.pack import Landing, Pairs
 
     Plans = Mapping[Pair, list[Bucket]]
 
@@ -119,8 +122,9 @@ class MetaLink:
 
 class Codec(Protocol):
     """What a transport needs of a codec (:mod:`weightsync.codec.base`, whose classes implement it; a
-    transport never imports a codec): its two sides, and the wire forms of its per-bucket header and
-    of a receiver's proof, read back from int64 words."""
+    transport never imports a codec): its two sides, the wire forms of its per-bucket header and of a
+    receiver's proof, read back from int64 words, and how the plan's bytes land where they arrive whole
+    (:meth:`unpacked`: the receiver's cast to its dtypes is the codec's, never the transport's)."""
 
     name: str
     needs: frozenset[str]
@@ -137,6 +141,13 @@ class Codec(Protocol):
 
     def proof(self, words: Sequence[int]) -> Any: ...
 
+    def unpacked(self, pairs: Pairs) -> Landing:
+        """The plan's bytes, arrived whole in the wire dtype (``pairs``: target views, wire views), as they land:
+        byte copies for the transport, the codec's own work after them (the casts to the targets' dtypes). The
+        transport runs it (:func:`weightsync.transport.pack.run_landing`, or captured with its copies in a CUDA
+        graph), building it once per graph where it replays one."""
+        ...
+
 
 @dataclass(frozen=True)
 class TransportOptions:
@@ -149,7 +160,9 @@ class TransportOptions:
     host: str = "127.0.0.1"  # where a group this rank hosts listens
     directory: str | None = None  # the file transport's directory
     peer_copies: bool = True  # co-located: read other GPUs' memory directly (CUDA peer access)
-    #: what each bucket's payload holds (:mod:`weightsync.codec`); None: the plan's bytes themselves (full)
+    #: what each bucket's payload holds (:mod:`weightsync.codec`); None: the plan's bytes themselves, landed as
+    #: byte copies only (a target of another dtype than the wire's is refused: the cast is the full codec's, which
+    #: the job session always passes)
     codec: Codec | None = None
 
     @property

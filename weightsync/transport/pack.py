@@ -5,17 +5,22 @@ both ends derive every offset from the plan alone; copies adjacent in both tenso
 *segments*. The layout is cut into *messages* (:func:`messages`): each large segment alone, the small
 ones between them by destination tensor. Each end then moves each message in place when it holds
 that message's bytes back to back in the wire dtype -- NCCL reads the trainer's tensor or writes the
-engine's directly -- and otherwise through a buffer it packs (sender) or unpacks (receiver),
-converting dtype where the destination differs (as loading a checkpoint would). So a bucket costs no
-copy at all where both layouts agree (hf -> vLLM TP=1: every large segment), one where only one does
-(a column half of a row-parallel weight; Megatron's per-expert halves, stacked in vLLM's ``w13``), and
-the buffer holds only the staged messages.
+engine's directly -- and otherwise through a buffer it packs (sender) or unpacks (receiver). So a
+bucket costs no copy at all where both layouts agree (hf -> vLLM TP=1: every large segment), one where
+only one does (a column half of a row-parallel weight; Megatron's per-expert halves, stacked in vLLM's
+``w13``), and the buffer holds only the staged messages.
+
+Where the destination's dtype differs from the wire's (an fp32 trainer into a bf16 engine), the receiver
+converts once, as loading a checkpoint would -- and that cast is the codec's, not the transport's: a
+transport asks :func:`unpacked` how the pairs it unpacked land (:class:`Landing`: byte copies for its copy
+kernel, :mod:`weightsync.transport.batch_copy`, which refuses a cast; the codec's casts as the work after
+them) and runs that (:func:`run_landing`, or :class:`~weightsync.transport.graphs.CopyGraphs`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
@@ -23,6 +28,9 @@ from weightsync.layout.box import slices
 from weightsync.layout.materialize import TORCH_DTYPES
 from weightsync.plan.messages import DIRECT_MIN_BYTES, Message, Segment, bucket_bytes, messages, segments  # noqa: F401 - re-exported
 from weightsync.plan.planner import Bucket
+
+if TYPE_CHECKING:
+    from weightsync.transport.base import Codec
 
 
 def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,7 +43,9 @@ def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], out: torch.Tensor 
 
 
 def unpack(bucket: Bucket, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> None:
-    """Scatter a packed buffer into the destination tensors in place."""
+    """Scatter a packed buffer into the destination tensors in place, converting dtype where a target's
+    differs (``copy_``): the full codec's frame (:class:`~weightsync.codec.full.FullDecoder`) and the
+    reference in tests; a transport lands what it unpacked through :func:`unpacked` instead."""
     unpack_segments(segments(bucket), buffer, targets)
 
 
@@ -44,11 +54,12 @@ Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination view, source vie
 
 @dataclass(frozen=True)
 class Landing:
-    """How a codec lands buckets whose sources a receiver reads in place (co-located): ``copies``, byte copies
-    between views of one dtype, which the transport moves with its copy kernel, and ``work``, the codec's own
-    kernels after them (the full codec's casts to the receiver's dtype, FP8's quantization into the live e4m3
-    weight and its scales). ``work`` allocates nothing and never synchronizes on CUDA, so the transport captures
-    it in the same CUDA graph as the copies; it may run more than once (it writes the same bytes)."""
+    """How a codec lands bytes a receiver holds -- sources read in place (co-located), or a bucket unpacked
+    from a transport's buffer in the wire dtype (:func:`unpacked`): ``copies``, byte copies between views of
+    one dtype, which the transport moves with its copy kernel, and ``work``, the codec's own kernels after
+    them (the full codec's casts to the receiver's dtype, FP8's quantization into the live e4m3 weight and
+    its scales). ``work`` allocates nothing and never synchronizes on CUDA, so the transport captures it in
+    the same CUDA graph as the copies; it may run more than once (it writes the same bytes)."""
 
     copies: Pairs
     work: Callable[[], None] | None = None
@@ -75,7 +86,8 @@ def pack_pairs(segs: Sequence[Segment], sources: Mapping[str, torch.Tensor], out
 
 
 def unpack_pairs(segs: Sequence[Segment], buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> Pairs:
-    """The copies scattering ``segs`` from their places in ``buffer`` into the targets (converting dtype)."""
+    """The copies scattering ``segs`` from their places in ``buffer`` into the targets: each from the wire
+    dtype to the target's, so some may be casts (a transport lands them through :func:`unpacked`)."""
     pairs = []
     for seg in segs:
         region = targets[seg.dst_tensor][slices(seg.dst_box)]
@@ -93,9 +105,34 @@ def direct_pairs(segs: Sequence[Segment], sources: Mapping[str, torch.Tensor],
 
 
 def copy_pairs(pairs: Pairs) -> None:
-    """Do ``pairs`` one ``copy_`` at a time (views shaped apart go through a reshape)."""
+    """Do ``pairs`` one ``copy_`` at a time (views shaped apart go through a reshape; a pair of two dtypes
+    converts, which only a codec asks for)."""
     for dst, src in pairs:
         dst.copy_(src if src.shape == dst.shape else src.reshape(dst.shape))
+
+
+def unpacked(codec: Codec | None, pairs: Pairs) -> Landing:
+    """How ``pairs`` -- the plan's bytes, arrived whole in the wire dtype (:func:`unpack_pairs`,
+    :func:`direct_pairs`) -- land: ``codec``'s :meth:`~weightsync.transport.base.Codec.unpacked` (byte copies
+    for the transport, the codec's casts as the work after them). With no codec (a transport built directly,
+    ``TransportOptions.codec`` None) they are byte copies only, and a pair whose dtypes differ is refused:
+    the cast is a codec's work."""
+    if codec is not None:
+        return codec.unpacked(pairs)
+    for dst, src in pairs:
+        if dst.dtype != src.dtype:
+            raise ValueError(f"a {src.dtype} {tuple(src.shape)} piece lands in a {dst.dtype} {tuple(dst.shape)} "
+                             "target, and no codec was given to cast it: pass the full codec "
+                             "(weightsync.codec.full.FullCodec(), as TransportOptions.codec or the transport's codec=)")
+    return Landing(pairs)
+
+
+def run_landing(landing: Landing) -> None:
+    """Do ``landing`` now, on the current stream: its byte copies one ``copy_`` each, then its work (a
+    transport path that replays no graph; :class:`~weightsync.transport.graphs.CopyGraphs` batches them)."""
+    copy_pairs(landing.copies)
+    if landing.work is not None:
+        landing.work()
 
 
 def pack_segments(segs: Sequence[Segment], sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
