@@ -21,6 +21,7 @@ from helpers import forkserver
 from helpers import same as _same
 from helpers import simulate
 
+from weightsync.codec.full import FullCodec
 from weightsync.engines import make_layout
 from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
 from weightsync.plan.planner import Planner
@@ -53,6 +54,31 @@ def _die_after(name: str, calls: int) -> None:
     setattr(p2p, name, dying)
 
 
+def _canonical(case: dict, spec, seed: int, cast: bool = False) -> dict[str, torch.Tensor]:
+    """A step's canonical weights: ``random_canonical``, or (``fp32_data``) random fp32 values, most of which bf16
+    cannot hold -- cast to bf16 when ``cast``: the reference cast a bf16 receiver must hold, bit for bit."""
+    if not case.get("fp32_data"):
+        return random_canonical(spec, seed)
+    g = torch.Generator().manual_seed(seed)
+    out = {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}
+    return {n: v.to(torch.bfloat16) for n, v in out.items()} if cast else out
+
+
+def _record_landings() -> list:
+    """Each landing the full codec builds in this process, with how many of its pairs were casts."""
+    from weightsync.codec import base
+
+    landed, real = [], base.landing
+
+    def recording(pairs):
+        got = real(pairs)
+        landed.append((sum(d.dtype != s.dtype for d, s in pairs), got))
+        return got
+
+    base.landing = recording
+    return landed
+
+
 def worker(case: dict, role: str, who: tuple[int, ...], port: int, results) -> None:
     """One process of the job: join the group, run ``case['seeds']`` steps, check, report."""
     group_rank, start = None, time.monotonic()
@@ -72,7 +98,9 @@ def worker(case: dict, role: str, who: tuple[int, ...], port: int, results) -> N
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{base}", rank=local, world_size=size)
         pg = new_group("127.0.0.1", port, group_rank, ranks.world_size, timeout_s=30)
         transport = P2PTransport(pg, ranks, window=case.get("window", 2), timeout_s=TIMEOUT_S,
-                                 direct_min=case.get("direct_min", DIRECT_MIN_BYTES))
+                                 direct_min=case.get("direct_min", DIRECT_MIN_BYTES),
+                                 codec=FullCodec() if case.get("codec") == "full" else None)
+        landed = _record_landings() if case.get("fp32_data") and role == "infer" else None
         if case.get("die") == (role, who):
             _die_after("pack_pairs" if role == "train" else "unpack_pairs", case["die_after"])
         if case.get("stall") == (role, who):  # alive, in the group, but never posts its side
@@ -85,7 +113,7 @@ def worker(case: dict, role: str, who: tuple[int, ...], port: int, results) -> N
             layout, plans = dst.layout(who[1]), planner.recv_plan(*who)
         tensors, ptrs, buffers = None, None, None
         for seed in case["seeds"]:
-            canonical = random_canonical(spec, seed)
+            canonical = _canonical(case, spec, seed)
             if role == "train":
                 if tensors is None:
                     tensors = scatter(layout, canonical)
@@ -100,13 +128,17 @@ def worker(case: dict, role: str, who: tuple[int, ...], port: int, results) -> N
                     ptrs = {n: t.data_ptr() for n, t in tensors.items()}
                 start = time.monotonic()
                 transport.recv(plans, tensors)
-                want = scatter(layout, canonical)
+                want = scatter(layout, _canonical(case, spec, seed, cast=True))
                 bad = [n for n in want if not _same(tensors[n], want[n])]
                 assert not bad, f"step seed {seed}: wrong values in {bad[:5]}"
                 assert ptrs == {n: t.data_ptr() for n, t in tensors.items()}, "destination tensors were reallocated"
             now = [b.data_ptr() for b in transport._buffers]
             assert buffers is None or now == buffers, "transfer buffers were reallocated between steps"
             buffers = now
+        if landed is not None:  # every cast was the codec's work, after byte copies (BatchedCopy refuses a cast)
+            assert landed and all(n == 0 or (ld.work is not None and all(d.dtype == s.dtype for d, s in ld.copies))
+                                  for n, ld in landed), landed
+            assert sum(n for n, _ in landed) > 0, "no piece was cast"
         if case.get("default_group"):
             import torch.distributed as dist
 
@@ -180,6 +212,19 @@ CASES = {
 def test_end_to_end_several_steps(name):
     """Every inference rank ends bitwise equal to its reference layout, for each of three steps."""
     got, codes = run_job({**CASES[name], "seeds": [11, 12, 13]})
+    assert len(got) == len(codes), f"some processes never reported: {sorted(set(codes) - set(got))}, exit codes {codes}"
+    failed = {g: r for g, r in got.items() if r[0] != "ok"}
+    assert not failed, "\n".join(f"group rank {g}: {s}\n{d}" for g, (s, d) in failed.items())
+
+
+def test_a_cast_lands_as_the_codecs_work():
+    """fp32 masters (random fp32 values, most not bf16-exact) into a bf16 engine, the full codec given: each staged
+    bucket lands as its landing -- byte copies batched by the transport, the casts as the codec's work after them
+    (the same CUDA graph on a GPU) -- and every poisoned target ends bit for bit the reference cast
+    ``src.to(bf16)``, every step (the landings are built once and replayed)."""
+    case = dict(model="tiny-qwen3", train="fsdp:dp=2,fp32=1", infer="vllm:tp=2", instances=1, budget=16 << 10,
+                direct_min=256, codec="full", fp32_data=True, seeds=[11, 12])
+    got, codes = run_job(case)
     assert len(got) == len(codes), f"some processes never reported: {sorted(set(codes) - set(got))}, exit codes {codes}"
     failed = {g: r for g, r in got.items() if r[0] != "ok"}
     assert not failed, "\n".join(f"group rank {g}: {s}\n{d}" for g, (s, d) in failed.items())

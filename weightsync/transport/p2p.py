@@ -65,6 +65,7 @@ from weightsync.plan.planner import Bucket, Pair
 from weightsync.transport.base import (
     BASE_PROOF,
     Buffers,
+    Codec,
     GroupWait,
     Pulled,
     Receiver,
@@ -88,13 +89,16 @@ from weightsync.transport.nccl import (  # noqa: F401 - re-exported: the names c
     settle,
 )
 from weightsync.plan.messages import messages
-from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, copy_pairs, pack_pairs, stage, unpack_pairs
+from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, pack_pairs, run_landing, stage, unpack_pairs, unpacked
 
 TransferStats = StepStats  # the name this module used before the transport interface
 
 
 class P2PTransport:
-    """Sends or receives one rank's buckets over ``group``; keep one per rank and reuse it every step."""
+    """Sends or receives one rank's buckets over ``group``; keep one per rank and reuse it every step.
+
+    ``codec``: how a receiver's unpacked bytes land (:meth:`~weightsync.transport.base.Codec.unpacked`: the
+    full codec's casts where a target's dtype is not the wire's); None: byte copies only, a cast refused."""
 
     def __init__(
         self,
@@ -106,6 +110,7 @@ class P2PTransport:
         buffer_bytes: int | None = None,
         coalesce: bool = False,
         direct_min: int = DIRECT_MIN_BYTES,
+        codec: Codec | None = None,
     ):
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
@@ -115,6 +120,7 @@ class P2PTransport:
         self.timeout = timedelta(seconds=timeout_s)
         self.buffer_bytes = buffer_bytes  # a fixed cap; None: as large as the largest bucket seen
         self.direct_min = direct_min  # segments this large travel alone (pack.messages): the same on every rank
+        self.codec = codec
         self._buffers: list[torch.Tensor] = []
         self._graphs = CopyGraphs()  # pack / unpack of each bucket, replayed every step on CUDA
         self.coalesce = coalesce
@@ -190,9 +196,10 @@ class P2PTransport:
                 retire(work, self.timeout, ordered)
         except (RuntimeError, TimeoutError) as e:  # gloo: connection reset / closed by peer, or timed out
             raise self._error(b, peer, sending, e) from e
-        if not sending and st.staged:
+        if not sending and st.staged:  # the codec's casts, if any, run after the copies in the same graph
             self._graphs.run(b, ("unpack", slot.data_ptr()),
-                             lambda st=st, i=slot: unpack_pairs(st.staged, i, tensors), slot.device)
+                             lambda st=st, i=slot: unpacked(self.codec, unpack_pairs(st.staged, i, tensors)),
+                             slot.device)
 
     def _error(self, b: Bucket, peer: int, sending: bool, cause: Exception) -> TransportError:
         pair = b.pair
@@ -309,7 +316,7 @@ class P2PTransport:
                     posts = [(x, peer, b.index, False) for x in st.tensors(slot)]
                     self._retire_all(b, self._post(b, peer, posts, device), False)
                     if st.staged:
-                        copy_pairs(unpack_pairs(st.staged, slot, targets))
+                        run_landing(unpacked(codec, unpack_pairs(st.staged, slot, targets)))
                     decoder.decode(b, h, None, targets, slot)
                 else:
                     payload = torch.empty(size, dtype=torch.uint8, device=device)
@@ -440,7 +447,7 @@ class P2PReceiver(Receiver):
         client = ctx.link.client(self.options.timeout_s)
         group = job_group(client, ranks, ranks.infer(ctx.instance, ctx.rank), self.options, ctx.device)
         self.transport = P2PTransport(group, ranks, timeout_s=self.options.timeout_s,
-                                      coalesce=self.options.mode == "sync")
+                                      coalesce=self.options.mode == "sync", codec=self.options.codec)
         self.plans = ctx.plans
         self.decoder = self.options.codec.decoder(ctx.plans) if self.options.framed else None
 
