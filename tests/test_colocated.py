@@ -23,6 +23,7 @@ import torch
 from helpers import forkserver
 from helpers import same as _same
 from helpers import simulate
+from weightsync.codec.full import FullCodec
 from weightsync.engines import make_layout
 from weightsync.errors import ConfigError
 from weightsync.layout.materialize import TORCH_DTYPES, scatter
@@ -309,13 +310,39 @@ def _setup(case: dict):
     return spec, src, dst, ranks, planner
 
 
+def _canonical(case: dict, spec, seed: int, cast: bool = False) -> dict[str, torch.Tensor]:
+    """A step's canonical weights: ``random_canonical``, or (``fp32_data``) random fp32 values, most of which bf16
+    cannot hold -- cast to bf16 when ``cast``: the reference cast a bf16 receiver must hold, bit for bit."""
+    if not case.get("fp32_data"):
+        return random_canonical(spec, seed)
+    g = torch.Generator().manual_seed(seed)
+    out = {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}
+    return {n: v.to(torch.bfloat16) for n, v in out.items()} if cast else out
+
+
+def _record_landings() -> list:
+    """Each landing the full codec builds in this process (its ``land``, its ``unpacked``), with how many of its
+    pairs were casts."""
+    from weightsync.codec import base, full
+
+    landed, real = [], base.landing
+
+    def recording(pairs):
+        got = real(pairs)
+        landed.append((sum(d.dtype != s.dtype for d, s in pairs), got))
+        return got
+
+    base.landing = full.landing = recording
+    return landed
+
+
 def trainer(case: dict, t: int, path: str, cmds, results) -> None:
     """Training rank ``t``: hold the local tensors, export them once, overwrite them in place on command."""
     try:
         spec, src, _, _, _ = _setup(case)
         layout = src.layout(t)
         dev = case.get("device", "cpu")
-        tensors = scatter(layout, random_canonical(spec, case["seeds"][0]), device=dev)
+        tensors = scatter(layout, _canonical(case, spec, case["seeds"][0]), device=dev)
         params = {n: torch.nn.Parameter(x, requires_grad=False) for n, x in tensors.items()}  # as a model holds them
         _publish(path, share.export_tensors(params))
         results.put((("train", t), "ready", ""))
@@ -323,7 +350,7 @@ def trainer(case: dict, t: int, path: str, cmds, results) -> None:
             cmd = cmds.get(timeout=60)
             if cmd[0] == "exit":
                 return
-            new = scatter(layout, random_canonical(spec, cmd[1]), device=dev)
+            new = scatter(layout, _canonical(case, spec, cmd[1]), device=dev)
             with torch.no_grad():
                 for n, p in params.items():
                     p.mul_(0).add_(new[n])  # a training step: same tensors, new values
@@ -364,7 +391,9 @@ def worker(case: dict, g: int, port: int, paths: list[str], together, cmds, resu
                 srcs[t] = share.import_tensors(json.load(f))
         pg = new_group("127.0.0.1", port, g, ranks.world_size, timeout_s=30) if ranks.needs_group else None
         transport = ColocatedTransport(pg, ranks, me=g, window=case.get("window", 2), timeout_s=TIMEOUT_S,
-                                       direct_min=case.get("direct_min", DIRECT_MIN_BYTES))
+                                       direct_min=case.get("direct_min", DIRECT_MIN_BYTES),
+                                       codec=FullCodec() if case.get("codec") == "full" else None)
+        landed = _record_landings() if case.get("fp32_data") else None
         dsts = {
             n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=case.get("device", "cpu"))
             for n, t in layout.tensors.items()
@@ -402,9 +431,13 @@ def worker(case: dict, g: int, port: int, paths: list[str], together, cmds, resu
             stats = transport.run(recv_plans, send_plans, dsts, srcs, targets)
             if ranks.push:
                 together.wait(30)  # nor do I check them before everyone pushing into them is done
-            want = scatter(layout, random_canonical(spec, seed))
+            want = scatter(layout, _canonical(case, spec, seed, cast=True))
             bad = [n for n in want if not _same(dsts[n].cpu(), want[n])]
             assert not bad, f"step seed {seed}: wrong values in {bad[:5]}"
+            if landed is not None:  # every cast the codec's work, after byte copies (BatchedCopy refuses a cast)
+                assert landed and all(n == 0 or (ld.work is not None and all(d.dtype == s.dtype for d, s in ld.copies))
+                                      for n, ld in landed), landed
+                assert sum(n for n, _ in landed) > 0, "no piece was cast"
             assert ptrs == {n: x.data_ptr() for n, x in dsts.items()}, "destination tensors were reallocated"
             assert src_ptrs == {t: {n: x.data_ptr() for n, x in ts.items()} for t, ts in srcs.items()}
             now = [b.data_ptr() for b in transport._buffers]
@@ -525,6 +558,32 @@ MODES = {"one host": {}, "one host, pushing": {"push": True}, "one host, no peer
 def test_colocated_several_steps(name, mode, tmp_path):
     """After every step each inference tensor equals scatter(its layout, the trainers' current weights)."""
     _run_steps({**CASES[name], "seeds": [21, 22, 23], **MODES[mode]}, tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["one host", "a host per GPU"])
+def test_a_cast_lands_as_the_codecs_work(mode, tmp_path):
+    """fp32 masters (random fp32 values, most not bf16-exact) into a bf16 engine, the full codec given: the direct
+    copies (its ``land``) and, a host per GPU, the buckets received through the group (its ``unpacked``) land as
+    byte copies batched by the transport and the casts as the codec's work after them; every poisoned target ends
+    bit for bit the reference cast ``src.to(bf16)``, every step (the landings are built once and replayed)."""
+    case = dict(model="tiny-qwen3", train="fsdp:dp=2,fp32=1", infer="vllm:tp=2", instances=1, budget=16 << 10,
+                expect_remote=True, codec="full", fp32_data=True)
+    _run_steps({**case, "seeds": [21, 22], **MODES[mode]}, tmp_path)
+
+
+def test_colocated_refuses_a_cast_without_a_codec():
+    """With no codec a direct copy between two dtypes is refused by name at the first step, before any byte moved
+    (the cast is the full codec's)."""
+    spec = load_spec("tiny-qwen3")
+    src, dst = make_layout(spec, "hf:fp32=1"), make_layout(spec, "hf")
+    ranks = ColocatedRanks(1, 1)
+    planner = Planner(src, dst, 1, topology=ranks.topology, bucket_bytes=16 << 10)
+    trainer = scatter(src.layout(0), random_canonical(spec, 1))
+    live = {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype]) for n, t in dst.layout(0).tensors.items()}
+    with pytest.raises(ValueError, match=r"torch.float32 .* lands in a torch.bfloat16 .* no codec was given to cast "
+                                         r"it: pass the full codec"):
+        ColocatedTransport(None, ranks, me=0).run(planner.recv_plan(0, 0), {}, live, {0: trainer})
+    assert all(t.isnan().all() for t in live.values())
 
 
 @pytest.mark.gpu

@@ -12,8 +12,9 @@ gets a *proxy*, the inference worker that opened those tensors and acts for it:
   of the host (PEER) the trainer's memory is mapped into my own CUDA context (CUDA IPC with lazy
   peer access: no context on the other GPU) and my kernel reads it over NVLink. Measured on 2 x H200
   (``benchmarks/peer_push.py``): 4 GiB each way, both GPUs at once, in 12.9 ms with a same-GPU 4 GiB
-  copy beside it, against 15.9 ms for NCCL send/recv through buffers. Converting dtypes as unpacking
-  would: bitwise the same result as pack -> unpack (one cast, source dtype -> destination dtype);
+  copy beside it, against 15.9 ms for NCCL send/recv through buffers. Dtypes are converted by the
+  codec (its ``land``; received buckets by its ``unpacked``): bitwise the same result as pack -> unpack
+  (one cast, source dtype -> destination dtype);
 - with :attr:`ColocatedRanks.push` (per instance), such a cross-GPU bucket is instead PUSHED by the
   worker of my instance on the trainer's GPU, whose kernel writes it into my tensors (opened by CUDA
   IPC in its context): a kernel writes into another GPU faster than it reads from it (11.8 against
@@ -77,13 +78,13 @@ from weightsync.transport.nccl import (
 from weightsync.transport.pack import (
     DIRECT_MIN_BYTES,
     Landing,
-    Pairs,
     Staging,
     direct_pairs,
     pack_pairs,
     segments,
     stage,
     unpack_pairs,
+    unpacked,
 )
 
 Plans = Mapping[Pair, list[Bucket]]
@@ -394,7 +395,8 @@ class ColocatedTransport:
         """``group``: the inference workers' group, needed only when the job spans hosts
         (:attr:`ColocatedRanks.needs_group`); without it, ``me`` is this worker's group rank. ``codec``: how
         the direct copies land (its ``land``: :mod:`weightsync.codec`, the full codec's copies and casts, FP8's
-        quantization); None: the plan's bytes copied as they are (a pair of two dtypes converts in ``copy_``)."""
+        quantization) and the buckets received through the group (its ``unpacked``); None: the plan's bytes
+        as byte copies only (a pair of two dtypes is refused: the cast is the full codec's)."""
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         if group is None:
@@ -503,11 +505,12 @@ class ColocatedTransport:
                 side.wait_stream(torch.cuda.current_stream(dev))
                 sides.append(side)
 
-            def pairs(buckets=buckets) -> Pairs | Landing:
+            def pairs(buckets=buckets) -> Landing:
                 src = src_tensors_by_train_rank
                 if self.codec is not None:  # the codec says how its bytes land (copies, casts, quantization)
                     return self.codec.land([(b, src[b.src_rank], dst) for b, dst in buckets])
-                return [p for b, dst in buckets for p in direct_pairs(segments(b), src[b.src_rank], dst)]
+                return unpacked(None, [p for b, dst in buckets
+                                       for p in direct_pairs(segments(b), src[b.src_rank], dst)])
 
             with torch.cuda.stream(side) if side is not None else _nothing():
                 self._graphs.run(recv_plans, kind, pairs, dev, cap)
@@ -591,9 +594,10 @@ class ColocatedTransport:
                 kind, b, peer, _, _ = held[0]
                 raise self._error(kind, b, peer, e) from e
         for kind, b, _, slot, st in held:
-            if kind == _RECV and st.staged:
+            if kind == _RECV and st.staged:  # the codec's casts, if any, run after the copies in the same graph
                 self._graphs.run(b, ("unpack", slot.data_ptr()),
-                                 lambda st=st, i=slot: unpack_pairs(st.staged, i, dst), slot.device)
+                                 lambda st=st, i=slot: unpacked(self.codec, unpack_pairs(st.staged, i, dst)),
+                                 slot.device)
         return [slot for _, _, _, slot, _ in held]
 
     def _coalesce(self, dev: torch.device) -> bool:
