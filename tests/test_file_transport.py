@@ -102,6 +102,45 @@ def test_in_process_several_steps(name, tmp_path):
         assert os.listdir(tmp_path) == [], "every file is deleted once consumed"
 
 
+def test_a_cast_lands_as_the_codecs_work(tmp_path, monkeypatch):
+    """fp32 masters (random fp32 values, most not bf16-exact) into a bf16 engine: every bucket read from its file
+    lands as the full codec's landing -- byte copies, the casts as the codec's work -- and the poisoned targets end
+    bit for bit the reference cast, ``src.to(bf16)``. A reader given no codec refuses the cast by name and writes
+    nothing."""
+    from weightsync.codec import base
+    from weightsync.codec.full import FullCodec
+
+    landed = []
+    real = base.landing
+
+    def recording(pairs):
+        got = real(pairs)
+        landed.append((sum(d.dtype != s.dtype for d, s in pairs), got))
+        return got
+
+    monkeypatch.setattr(base, "landing", recording)
+    job = Job(dict(model="tiny-qwen3", train="fsdp:dp=2,fp32=1", infer="vllm:tp=2", instances=1, budget=16 << 10))
+    g = torch.Generator().manual_seed(5)
+    canon = {t.name: torch.randn(t.shape, generator=g) for t in job.spec.tensors}  # fp32, not rounded to bf16
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in canon.values())
+    for r in range(job.src.world_size):
+        FileTransport(tmp_path).send(job.planner.send_plan(r), scatter(job.src.layout(r), canon), step=1)
+    cast = {n: v.to(torch.bfloat16) for n, v in canon.items()}
+    for who in job.dsts:
+        plans, got = job.planner.recv_plan(*who), _poisoned(job.dst.layout(who[1]))
+        with pytest.raises(ValueError, match=r"torch.float32 .* lands in a torch.bfloat16 .* no codec was given to "
+                                             r"cast it: pass the full codec"):
+            FileTransport(tmp_path, consume=False, timeout_s=2).recv(plans, got, step=1)
+        assert all(t.isnan().all() for t in got.values())
+        FileTransport(tmp_path, consume=False, timeout_s=2, codec=FullCodec()).recv(plans, got, step=1)
+        want = scatter(job.dst.layout(who[1]), cast)
+        bad = [n for n in want if not _same(got[n], want[n])]
+        assert not bad, f"instance {who[0]} rank {who[1]}: wrong values in {bad[:5]}"
+    assert landed and all(n == 0 or (ld.work is not None and all(d.dtype == s.dtype for d, s in ld.copies))
+                          for n, ld in landed)
+    assert sum(n for n, _ in landed) > 0  # the casts were the codec's
+
+
 def test_file_is_plain_safetensors(tmp_path):
     """What a person debugging finds: one bucket.{i} uint8 tensor per bucket, and the metadata."""
     job = Job(CASES["llama3 fsdp:dp=2 -> sglang:tp=2, 512 B buckets"])

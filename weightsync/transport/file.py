@@ -23,7 +23,8 @@ complete. A file that already has the final name (an earlier run's, left by a cr
 The receiver polls the directory (``poll_s`` sleep) for its pairs' files of the step, consuming
 each as it appears, in any order: it checks the metadata -- the step, the pair and the pair hash
 must equal its own plan's, and the bucket count and every bucket's size must match -- unpacks every
-bucket into the live tensors in place (:func:`weightsync.transport.pack.unpack`) and deletes the
+bucket into the live tensors in place, landing it as the codec says (:func:`weightsync.transport.pack.unpacked`:
+byte copies, the full codec's casts where a tensor's dtype is not the wire's) and deletes the
 file (each pair's file has exactly one consumer). A file that fails a check is left in place for
 inspection and raises :class:`TransportError` naming the pair. If ``timeout_s`` passes with no new
 file arriving, it raises a :class:`TransportError` naming the missing pair(s); sooner, with a ``watch``
@@ -56,10 +57,11 @@ from safetensors import safe_open
 
 from weightsync.plan.planner import Bucket, Pair, pair_hash
 from weightsync.errors import TransportError
-from weightsync.transport.base import BASE_PROOF, Buffers, Receiver, ReceiverContext, Sender, SenderContext, StepStats
+from weightsync.transport.base import (BASE_PROOF, Buffers, Codec, Receiver, ReceiverContext, Sender, SenderContext,
+                                       StepStats)
 from weightsync.transport.liveness import TrainerWatch
 from weightsync.transport.p2p import TransferStats, describe
-from weightsync.transport.pack import pack, unpack
+from weightsync.transport.pack import pack, run_landing, segments, unpack_pairs, unpacked
 from weightsync.transport.private import private_directory, private_opener
 
 log = logging.getLogger("weightsync.transport.file")
@@ -124,7 +126,9 @@ class FileTransport:
 
     ``step_fn``: returns the current step when ``send``/``recv`` get no ``step=``. ``timeout_s``: how
     long a receiver waits with no new file arriving before it gives up. ``poll_s``: the receiver's
-    sleep between looks at the directory.
+    sleep between looks at the directory. ``codec``: how a receiver's unpacked buckets land
+    (:meth:`~weightsync.transport.base.Codec.unpacked`: the full codec's casts where a tensor's dtype is not
+    the wire's); None: byte copies only, a cast refused.
     """
 
     def __init__(
@@ -137,6 +141,7 @@ class FileTransport:
         consume: bool = True,
         watch: TrainerWatch | None = None,
         total_s: float | None = None,
+        codec: Codec | None = None,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -151,6 +156,7 @@ class FileTransport:
         #: a receive's whole budget, however steadily files arrive (a job's receivers: ``timeout_s``, so a
         #: worker's call returns before the engine's RPC deadline); None: only ``timeout_s`` without a new file
         self.total_s = total_s
+        self.codec = codec
         private_directory(self.directory)  # 0700, files 0600: other users of the host must not read the weights
         self._buffer: torch.Tensor | None = None  # the sender's packing buffer, reused every step
 
@@ -199,7 +205,8 @@ class FileTransport:
             arrived = [pair for pair, path in pending.items() if os.path.exists(path)]
             for pair in arrived:
                 path = pending.pop(pair)
-                b, n = self._consume(step, pair, plans[pair], path, tensors) if consume is None else consume(pair, path)
+                b, n = (self._consume(step, pair, plans[pair], path, tensors, self.codec) if consume is None
+                        else consume(pair, path))
                 buckets, nbytes = buckets + b, nbytes + n
             if arrived:
                 last_progress = time.monotonic()
@@ -388,7 +395,7 @@ class FileTransport:
             live = [b for b in plans[pair] if b.nbytes > 0]
             moved = self._read_frames(step, held, pair, plans[pair], live, targets, slot, decoder, codec)
             if moved is None:
-                _, moved = self._consume(step, pair, plans[pair], path, targets)
+                _, moved = self._consume(step, pair, plans[pair], path, targets, codec)
                 decoder.whole(pair, live)
             return len(live), moved
 
@@ -489,8 +496,10 @@ class FileTransport:
             os.replace(tmp, final)  # atomic in one directory: the final name appears complete
 
     def _consume(
-        self, step: int, pair: Pair, buckets: list[Bucket], path: str, tensors: Mapping[str, torch.Tensor]
+        self, step: int, pair: Pair, buckets: list[Bucket], path: str, tensors: Mapping[str, torch.Tensor],
+        codec: Codec | None,
     ) -> tuple[int, int]:
+        """Check and land the pair's full file (its buckets as ``codec`` lands the plan's bytes)."""
         def bad(why: str, cause: Exception | None = None) -> TransportError:
             err = TransportError(f"step {step}: the file of {describe(pair)} ({path}) {why}", peer=pair[0], pair=pair)
             err.__cause__ = cause
@@ -531,7 +540,7 @@ class FileTransport:
                     raise bad(f"bucket {b.index} has {buf.numel()} {buf.dtype} elements, planned {b.nbytes} bytes")
                 if buf.device != device:
                     buf = buf.to(device)
-                unpack(b, buf, tensors)
+                run_landing(unpacked(codec, unpack_pairs(segments(b), buf, tensors)))
                 count, nbytes = count + 1, nbytes + b.nbytes
         if self.consume:
             os.unlink(path)  # consumed: each pair's file has exactly one reader
@@ -593,7 +602,7 @@ class FileReceiver(Receiver):
         if ctx.watch is not None:
             ctx.watch.connect({pair[0] for pair in self.plans}, self.options.timeout_s)
         self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s, consume=False,
-                                       watch=ctx.watch, total_s=self.options.timeout_s)
+                                       watch=ctx.watch, total_s=self.options.timeout_s, codec=self.options.codec)
         # the frames file when this worker proves its base, else the full file
         self.decoder = self.options.codec.decoder(self.plans) if self.options.framed else None
 
