@@ -20,6 +20,7 @@ import uuid
 import pytest
 import torch
 
+from weightsync.codec.full import FullCodec
 from weightsync.engines import make_layout
 from weightsync.errors import TransportError, WeightsMoved
 from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
@@ -68,10 +69,12 @@ def exact(got: dict, layout, spec, step: int) -> list[str]:
 class Job:
     """Senders for every training rank and receivers for every (instance, rank), each its own agent. An engine
     declared ``quant=fp8`` holds its FP8 layout (e4m3 weights, fp32 ``_scale_inv``) and the job runs the fp8 codec,
-    as the session sets it up (weightsync.codec.fp8 ``fp8_options``, a block-aligned plan)."""
+    as the session sets it up (weightsync.codec.fp8 ``fp8_options``, a block-aligned plan); any other runs the full
+    codec, as the session does (``codec``: another, or None)."""
 
     def __init__(self, meta: str, model: str, train: str, infer: str, instances: int = 1, mode: str = "sync",
-                 bucket_bytes: int = 4096, tensors=None, sender_instances: int | None = None):
+                 bucket_bytes: int = 4096, tensors=None, sender_instances: int | None = None,
+                 codec: FullCodec | None = FullCodec()):
         from weightsync.codec.fp8 import fp8_options
         from weightsync.plan.job import block_aligned
         from weightsync.quant.layout import fp8_layout
@@ -90,7 +93,7 @@ class Job:
         job = f"nixl-{uuid.uuid4().hex[:8]}"
         self.link = MetaLink(meta, job)
         self.client = MetaClient(meta, job, timeout=TIMEOUT_S)
-        options = fp8 or TransportOptions("nixl", mode, timeout_s=TIMEOUT_S)
+        options = fp8 or TransportOptions("nixl", mode, timeout_s=TIMEOUT_S, codec=codec)
         self.train = {r: scatter(self.src.layout(r), canonical(self.spec, 0)) for r in range(self.src.world_size)}
         if tensors is not None:
             tensors(self.train)
@@ -167,6 +170,51 @@ def test_sync_bit_exact_live_and_staged(meta, name):
         assert moved == sum(b.nbytes for r in job.senders for bs in job.planner.send_plan(r).values() for b in bs)
     finally:
         job.close()
+
+
+def test_a_cast_lands_as_the_codecs_work(meta, monkeypatch):
+    """fp32 masters (random fp32 values, most not bf16-exact) into a bf16 engine: each staged bucket lands as the full
+    codec's landing -- byte copies for the transport, the casts as its work -- and the targets (poisoned) equal the
+    reference cast, ``src.to(bf16)``, bit for bit. Without a codec the worker refuses the cast by name before it
+    writes a byte of the step."""
+    from weightsync.codec import base
+
+    landed = []
+    real = base.landing
+
+    def recording(pairs):
+        got = real(pairs)
+        landed.append((sum(d.dtype != s.dtype for d, s in pairs), got))
+        return got
+
+    monkeypatch.setattr(base, "landing", recording)
+    spec = load_spec("tiny-qwen3")
+    g = torch.Generator().manual_seed(7)
+    canon = {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}  # fp32, not rounded to bf16
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in canon.values())
+    want = scatter(make_layout(spec, "vllm:tp=2").layout(0), {n: v.to(torch.bfloat16) for n, v in canon.items()})
+    for codec in (FullCodec(), None):
+        job = Job(meta, model="tiny-qwen3", train="hf:fp32=1", infer="vllm:tp=2", codec=codec)
+        try:
+            for r, t in job.train.items():
+                fill_from(job.src.layout(r), t, canon)
+                job.senders[r].send(1)
+            rx, got = job.receivers[0, 0], job.targets[0, 0]
+            if codec is None:
+                with pytest.raises(ValueError, match=r"torch.float32 .* lands in a torch.bfloat16 .* no codec was "
+                                                     r"given to cast it: pass the full codec"):
+                    rx.receive(1, got)
+                assert all(t.isnan().all() for t in got.values())
+                continue
+            rx.receive(1, got)
+            bad = [n for n, w in want.items() if not (torch.equal(got[n].isnan(), w.isnan())
+                                                      and torch.equal(got[n].nan_to_num(), w.nan_to_num()))]
+            assert not bad, bad
+            assert landed and all(n == 0 or (ld.work is not None and all(d.dtype == s.dtype for d, s in ld.copies))
+                                  for n, ld in landed)
+            assert sum(n for n, _ in landed) > 0  # every fp32 piece went through a slot and the codec's cast
+        finally:
+            job.close()
 
 
 def test_staged_slots_and_merged_descriptors(meta):

@@ -22,8 +22,9 @@ piece against it (tensor, dtype, shape as the planner expects, bounds inside a r
 before any byte moves, and compute each piece's remote byte runs. Per target set (live tensors, or a
 staged reader's copy; prepared on first use): register the local memory (GPU: allocator segments);
 every segment whose destination is contiguous and in the wire dtype is read in place, the others
-through two registered staging slots (each as large as the most one bucket stages) and unpacked
-(converting dtype). A packed box is one run; the in-place reads are ordered by remote address and runs
+through two registered staging slots (each as large as the most one bucket stages) and unpacked as the
+codec lands them (:func:`~weightsync.transport.pack.unpacked`: the full codec's casts into another dtype than
+the wire's). A packed box is one run; the in-place reads are ordered by remote address and runs
 that continue each other on both sides (inside one registration) merged into one descriptor, the lists
 prepared once (``prep_xfer_dlist``) and every step replayed (``make_prepped_xfer`` handles, re-posted;
 a peer's in-place reads as transfers of at most ``POST_CHUNK`` descriptors, so the first copies run
@@ -759,7 +760,7 @@ class NixlReceiver(Receiver):
         return [(r, self.header_bufs[r]) for r, _ in self.header_handles]
 
     def _read(self, targets: Mapping[str, torch.Tensor], t0: float) -> StepStats:
-        from weightsync.transport.pack import copy_pairs, unpack_pairs
+        from weightsync.transport.pack import run_landing, unpack_pairs, unpacked
 
         prog = self._program(targets)
         pending = [(h, pair, None) for pair, h in prog.direct]
@@ -772,9 +773,12 @@ class NixlReceiver(Receiver):
 
         on_gpu = bool(targets) and next(iter(targets.values())).device.type == "cuda"
 
+        codec = self.options.codec
+
         def finish(bt: Batch, h, slot: int) -> None:
             self._wait([(h, bt.pair, bt.bucket)])
-            copy_pairs(unpack_pairs(bt.segments, self.slots[slot], targets))
+            # the plan's bytes as the codec lands them: byte copies, then its casts (an fp32 trainer into bf16)
+            run_landing(unpacked(codec, unpack_pairs(bt.segments, self.slots[slot], targets)))
             if on_gpu:  # the unpack has read the slot before NIXL writes the next batch into it
                 torch.cuda.current_stream().synchronize()
 
