@@ -121,13 +121,14 @@ def odd_widths(dev, g) -> Case:
     ]
 
 
-def dtype_conversion(dev, g) -> Case:
-    a, b = _rand((100, 30), torch.float32, dev, g), _rand((40, 30), torch.float32, dev, g)
+def strided_fallback(dev, g) -> Case:
+    a, b = _rand((100, 30), torch.bfloat16, dev, g), _rand((40, 30), torch.float32, dev, g)
     c = _rand(77, torch.float32, dev, g)
-    bases = [_poisoned((100, 30), torch.bfloat16, dev), _poisoned((30, 40), torch.float32, dev),
+    bases = [_poisoned((100, 60), torch.bfloat16, dev), _poisoned((30, 40), torch.float32, dev),
              _poisoned(77, torch.float32, dev)]
-    # a conversion and a transposed source (innermost stride 40) fall back; the last pair is tiles
-    return bases, lambda d: [(d[0], a), (d[1], b.t()), (d[2], c)]
+    # every other column of the destination and a transposed source (innermost strides 2 and 40) fall back to
+    # copy_; the last pair is tiles
+    return bases, lambda d: [(d[0][:, ::2], a), (d[1], b.t()), (d[2], c)]
 
 
 def zero_size(dev, g) -> Case:
@@ -167,7 +168,7 @@ def expanded_source(dev, g) -> Case:
     return bases, lambda d: [(d[0], row.expand(10, 64)), (d[1], cube.expand(5, 3, 7))]
 
 
-CASES = [contiguous_1d, row_ranges, column_halves, stacked_experts, odd_widths, dtype_conversion, zero_size,
+CASES = [contiguous_1d, row_ranges, column_halves, stacked_experts, odd_widths, strided_fallback, zero_size,
          many_small, expanded_source]
 
 
@@ -192,7 +193,7 @@ def test_facts(device):
     bc = _check(odd_widths(device, g))
     assert {1, 2, 4, 8} <= set(bc.groups), bc.groups
     assert bc.fallback == 0 and bc.skipped == 0
-    bc = _check(dtype_conversion(device, g))
+    bc = _check(strided_fallback(device, g))
     assert bc.fallback == 2 and bc.tiles == 1
     bc = _check(zero_size(device, g))
     assert bc.skipped == 2 and bc.fallback == 0 and bc.tiles == 1
@@ -272,6 +273,17 @@ def test_rejects_bad_pairs():
     with pytest.raises(ValueError, match="tile_bytes"):
         BatchedCopy([], tile_bytes=0)
     BatchedCopy([]).run()  # nothing to do
+
+
+def test_refuses_a_cast():
+    """A pair of two dtypes is a cast, never a byte copy: refused at construction, naming both sides (the cast is a
+    codec's work, run after the copies as ``Landing.work``), even beside pairs it would copy."""
+    ok_dst, ok_src = torch.zeros(8), torch.ones(8)
+    with pytest.raises(ValueError, match=r"torch.float32 \(4, 6\) -> torch.bfloat16 \(4, 6\) pair is a cast.*"
+                                         r"a cast is a codec's work: pass it as Landing.work"):
+        BatchedCopy([(ok_dst, ok_src), (torch.zeros(4, 6, dtype=torch.bfloat16), torch.ones(4, 6))])
+    with pytest.raises(ValueError, match=r"torch.bfloat16 \(24,\) -> torch.float32 \(4, 6\) pair is a cast"):
+        BatchedCopy([(torch.zeros(4, 6), torch.ones(24, dtype=torch.bfloat16))])  # shaped apart too
 
 
 # --- GPU only ---

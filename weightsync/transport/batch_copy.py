@@ -19,10 +19,15 @@ moves integers of ``min(alignment, 8)`` bytes (Triton has no 128-bit integer); t
 int64 with 16-byte alignment hints, so the compiler may emit 128-bit accesses. Typical bf16/fp32
 weights are all in the 16 group: one launch.
 
-The fallback. Pairs that are not byte copies -- a dtype conversion, an innermost stride other than
-1 on either side, a conjugate or negative view, a destination with a repeated (stride-0) dim, views
-of different shapes (same elements in the same row-major order) that neither reshapes as a view of
--- are done with ``copy_`` after the kernels. Zero-element pairs are skipped.
+No casts. Every pair is of one dtype: a pair whose dtypes differ is refused at construction. Converting
+to the receiver's dtype is a codec's work (:meth:`weightsync.transport.base.Codec.unpacked`, the full
+codec's ``landing``), which hands its casts to the transport as ``Landing.work``, run after the copies
+(:mod:`weightsync.transport.pack`).
+
+The fallback. Pairs of one dtype that are not plain byte runs -- an innermost stride other than 1 on
+either side, a conjugate or negative view, a destination with a repeated (stride-0) dim, views of
+different shapes (same elements in the same row-major order) that neither reshapes as a view of -- are
+done with ``copy_`` after the kernels. Zero-element pairs are skipped.
 
 Graph capture. :meth:`BatchedCopy.run` allocates nothing, never synchronizes and copies nothing
 from the host: it can be captured in a CUDA graph and replayed. Construction does the one H2D copy
@@ -132,8 +137,8 @@ class BatchedCopy:
     """A fixed list of (dst, src) copies, executed by one kernel launch per alignment group.
 
     Build once (outside any CUDA graph capture), call :meth:`run` every step; rebuild when any of
-    the tensors moves. ``pairs`` are views of equal shape on one device, possibly non-contiguous,
-    possibly of different dtypes (those are copied with ``copy_``).
+    the tensors moves. ``pairs`` are views of one dtype and as many elements on one device, possibly
+    non-contiguous; a pair of two dtypes is refused (a cast is a codec's work: ``Landing.work``).
     """
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], tile_bytes: int = TILE_BYTES,
@@ -153,6 +158,10 @@ class BatchedCopy:
         self.skipped = 0
         groups: dict[int, list[Tile]] = {a: [] for a in ALIGNS}
         for dst, src in self._pairs:
+            if dst.dtype != src.dtype:
+                raise ValueError(f"a {src.dtype} {tuple(src.shape)} -> {dst.dtype} {tuple(dst.shape)} pair is a cast, "
+                                 "not a byte copy: a cast is a codec's work: pass it as Landing.work (the full "
+                                 "codec's landing, weightsync.codec.full.landing, splits such pairs off)")
             if dst.shape != src.shape:  # the same elements in the same row-major order, shaped apart
                 if dst.numel() != src.numel():
                     raise ValueError(f"size mismatch: dst {tuple(dst.shape)} vs src {tuple(src.shape)}")
@@ -221,7 +230,7 @@ class BatchedCopy:
 
     @property
     def fallback(self) -> int:
-        """Pairs copied with ``copy_`` (dtype conversions, non-unit innermost strides...)."""
+        """Pairs copied with ``copy_`` (of one dtype: non-unit innermost strides, conjugate views...)."""
         return len(self._fallback)
 
     @property

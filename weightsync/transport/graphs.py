@@ -69,9 +69,10 @@ class CopyGraphs:
         """Do the copies ``pairs()`` lists -- the copies of ``owner`` (a bucket, a plan) named ``tag`` --
         on the current stream: batched into one kernel (on at most ``programs`` CTAs when given) and,
         on CUDA, replayed from its graph, both built on first use. The entry keeps ``owner`` alive, so
-        its identity cannot pass to another object. ``pairs()`` may give a codec's
-        :class:`~weightsync.transport.pack.Landing`: its copies batched so, its work after them in the same graph
-        (run once before the capture, so that its kernels are compiled and loaded outside it)."""
+        its identity cannot pass to another object. ``pairs()`` gives byte copies (a pair of two dtypes is refused:
+        a cast is a codec's) or a codec's :class:`~weightsync.transport.pack.Landing` (its casts, quantization):
+        its copies batched so, its work after them in the same graph (run once before the capture, so that its
+        kernels are compiled and loaded outside it)."""
         key = (id(owner), tag)
         got = self._graphs.get(key)
         if got is None or got[0] is not owner:
