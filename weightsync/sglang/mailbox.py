@@ -310,10 +310,11 @@ def _handler(model: torch.nn.Module, instance: str, rank: int, directory: str,
     from weightsync.runtime import wire
 
     grad_mode = _grad_mode()
+    keys: dict[str, bytes] = {}  # the instance's key, read and checked at the first call (wire.decode)
 
     def handle(payload: bytes) -> bytes:
         try:
-            call = wire.decode(payload)
+            call = wire.decode(payload, keys)
             if call.dir != directory or call.instance != instance:
                 raise wire.WireError(f"a call signed for {call.dir!r} (instance {call.instance}) arrived in the mailbox "
                                      f"of {directory!r}: refused")

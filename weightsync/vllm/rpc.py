@@ -44,14 +44,16 @@ def pack_call(channel: CallChannel, seq: int, fn: Callable[..., Any], args: tupl
                         f"{e}") from e
 
 
-def unpack_call(blob: Any, last_seq: dict[str, int], directory: str | None = None) -> tuple[Callable[..., Any], tuple]:
+def unpack_call(blob: Any, last_seq: dict[str, int], directory: str | None = None,
+                keys: dict[str, bytes] | None = None) -> tuple[Callable[..., Any], tuple]:
     """Authenticate and decode a message (worker side): :class:`~weightsync.runtime.wire.WireError`, before
     anything is unpickled, for bytes not signed by the instance's control process, and for a message already
     run (``last_seq``: this worker's last call number per instance, updated here). ``directory``: the message
-    must name this key directory (a mailbox's: its instance's own key, not another instance's of this user)."""
+    must name this key directory (a mailbox's: its instance's own key, not another instance's of this user).
+    ``keys``: the keys read so far (:func:`weightsync.runtime.wire.decode`: a mailbox reads its key once)."""
     if not isinstance(blob, (bytes, bytearray)):
         raise wire.WireError(f"weightsync_call takes weightsync's signed bytes, not {type(blob).__name__}")
-    call = wire.decode(bytes(blob))
+    call = wire.decode(bytes(blob), keys)
     if directory is not None and call.dir != directory:
         raise wire.WireError(f"a call signed for {call.dir!r} arrived in the mailbox of {directory!r}: refused")
     last = last_seq.get(call.instance, 0)

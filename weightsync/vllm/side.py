@@ -99,9 +99,11 @@ def serve_mailbox(host: Any, directory: str, last_seq: dict[str, int]) -> None:
     for d in [d for d, server in servers.items() if not server.alive]:  # their instance closed: forget them
         del servers[d]
 
+    keys: dict[str, bytes] = {}  # the instance's key, read and checked at the first call
+
     def handle(payload: bytes) -> bytes:
         def run():
-            fn, args = unpack_call(payload, last_seq, directory)
+            fn, args = unpack_call(payload, last_seq, directory, keys)
             return host._weightsync_worker().run(fn, args)
 
         return answer(run)
