@@ -233,3 +233,34 @@ def assert_job_tokens_only(tokens: list, handed: list, jobs_of) -> None:
         assert not any(admin in text for admin in tokens), f"{participant} was handed an admin token"
         for job in jobs_of(participant):
             assert any(job_token(admin, job) in text for admin in tokens), f"{participant} lacks job {job}'s token"
+
+
+def canonical_weights(case: dict, spec: ModelSpec, seed: int, cast: bool = False) -> dict[str, torch.Tensor]:
+    """A step's canonical weights: ``random_canonical``, or (``case["fp32_data"]``) random fp32 values, most of which
+    bf16 cannot hold -- cast to bf16 when ``cast``: the reference cast a bf16 receiver must hold, bit for bit."""
+    from weightsync.testing import random_canonical
+
+    if not case.get("fp32_data"):
+        return random_canonical(spec, seed)
+    g = torch.Generator().manual_seed(seed)
+    out = {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}
+    return {n: v.to(torch.bfloat16) for n, v in out.items()} if cast else out
+
+
+def record_landings(set_attr=setattr, full_too: bool = False) -> list:
+    """Each landing the full codec builds in this process from now on (``codec.base.landing``; ``full_too``: also
+    the name ``codec.full`` re-exports, which its ``land`` calls), as (how many of its pairs were casts, the landing).
+    ``set_attr``: how to patch (``monkeypatch.setattr`` in a test; plain ``setattr`` in a worker process)."""
+    from weightsync.codec import base, full
+
+    landed, real = [], base.landing
+
+    def recording(pairs):
+        got = real(pairs)
+        landed.append((sum(d.dtype != s.dtype for d, s in pairs), got))
+        return got
+
+    set_attr(base, "landing", recording)
+    if full_too:
+        set_attr(full, "landing", recording)
+    return landed

@@ -20,7 +20,9 @@ import traceback
 import pytest
 import torch
 
+from helpers import canonical_weights as _canonical
 from helpers import forkserver
+from helpers import record_landings
 from helpers import same as _same
 from helpers import simulate
 from weightsync.codec.full import FullCodec
@@ -310,30 +312,8 @@ def _setup(case: dict):
     return spec, src, dst, ranks, planner
 
 
-def _canonical(case: dict, spec, seed: int, cast: bool = False) -> dict[str, torch.Tensor]:
-    """A step's canonical weights: ``random_canonical``, or (``fp32_data``) random fp32 values, most of which bf16
-    cannot hold -- cast to bf16 when ``cast``: the reference cast a bf16 receiver must hold, bit for bit."""
-    if not case.get("fp32_data"):
-        return random_canonical(spec, seed)
-    g = torch.Generator().manual_seed(seed)
-    out = {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}
-    return {n: v.to(torch.bfloat16) for n, v in out.items()} if cast else out
 
 
-def _record_landings() -> list:
-    """Each landing the full codec builds in this process (its ``land``, its ``unpacked``), with how many of its
-    pairs were casts."""
-    from weightsync.codec import base, full
-
-    landed, real = [], base.landing
-
-    def recording(pairs):
-        got = real(pairs)
-        landed.append((sum(d.dtype != s.dtype for d, s in pairs), got))
-        return got
-
-    base.landing = full.landing = recording
-    return landed
 
 
 def trainer(case: dict, t: int, path: str, cmds, results) -> None:
@@ -393,7 +373,7 @@ def worker(case: dict, g: int, port: int, paths: list[str], together, cmds, resu
         transport = ColocatedTransport(pg, ranks, me=g, window=case.get("window", 2), timeout_s=TIMEOUT_S,
                                        direct_min=case.get("direct_min", DIRECT_MIN_BYTES),
                                        codec=FullCodec() if case.get("codec") == "full" else None)
-        landed = _record_landings() if case.get("fp32_data") else None
+        landed = record_landings(full_too=True) if case.get("fp32_data") else None
         dsts = {
             n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=case.get("device", "cpu"))
             for n, t in layout.tensors.items()

@@ -20,6 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from helpers import record_landings
+
 from weightsync.engines import make_layout
 from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
 from weightsync.plan.planner import Planner, pair_hash
@@ -107,18 +109,9 @@ def test_a_cast_lands_as_the_codecs_work(tmp_path, monkeypatch):
     lands as the full codec's landing -- byte copies, the casts as the codec's work -- and the poisoned targets end
     bit for bit the reference cast, ``src.to(bf16)``. A reader given no codec refuses the cast by name and writes
     nothing."""
-    from weightsync.codec import base
     from weightsync.codec.full import FullCodec
 
-    landed = []
-    real = base.landing
-
-    def recording(pairs):
-        got = real(pairs)
-        landed.append((sum(d.dtype != s.dtype for d, s in pairs), got))
-        return got
-
-    monkeypatch.setattr(base, "landing", recording)
+    landed = record_landings(monkeypatch.setattr)
     job = Job(dict(model="tiny-qwen3", train="fsdp:dp=2,fp32=1", infer="vllm:tp=2", instances=1, budget=16 << 10))
     g = torch.Generator().manual_seed(5)
     canon = {t.name: torch.randn(t.shape, generator=g) for t in job.spec.tensors}  # fp32, not rounded to bf16

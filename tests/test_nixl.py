@@ -30,7 +30,7 @@ from weightsync.plan.planner import Planner
 from weightsync.spec import load_spec
 from weightsync.testing import random_canonical
 from weightsync.transport.base import MetaLink, ReceiverContext, SenderContext, TransportOptions
-from helpers import nixl_missing
+from helpers import nixl_missing, record_landings
 
 NIXL = nixl_missing()
 
@@ -177,17 +177,7 @@ def test_a_cast_lands_as_the_codecs_work(meta, monkeypatch):
     codec's landing -- byte copies for the transport, the casts as its work -- and the targets (poisoned) equal the
     reference cast, ``src.to(bf16)``, bit for bit. Without a codec the worker refuses the cast by name before it
     writes a byte of the step."""
-    from weightsync.codec import base
-
-    landed = []
-    real = base.landing
-
-    def recording(pairs):
-        got = real(pairs)
-        landed.append((sum(d.dtype != s.dtype for d, s in pairs), got))
-        return got
-
-    monkeypatch.setattr(base, "landing", recording)
+    landed = record_landings(monkeypatch.setattr)
     spec = load_spec("tiny-qwen3")
     g = torch.Generator().manual_seed(7)
     canon = {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}  # fp32, not rounded to bf16

@@ -17,7 +17,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from helpers import canonical_weights as _canonical
 from helpers import forkserver
+from helpers import record_landings
 from helpers import same as _same
 from helpers import simulate
 
@@ -26,7 +28,6 @@ from weightsync.engines import make_layout
 from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
 from weightsync.plan.planner import Planner
 from weightsync.spec import load_spec
-from weightsync.testing import random_canonical
 from weightsync.transport import p2p
 from weightsync.transport.group import free_port, new_group
 from weightsync.transport.pack import DIRECT_MIN_BYTES
@@ -54,29 +55,8 @@ def _die_after(name: str, calls: int) -> None:
     setattr(p2p, name, dying)
 
 
-def _canonical(case: dict, spec, seed: int, cast: bool = False) -> dict[str, torch.Tensor]:
-    """A step's canonical weights: ``random_canonical``, or (``fp32_data``) random fp32 values, most of which bf16
-    cannot hold -- cast to bf16 when ``cast``: the reference cast a bf16 receiver must hold, bit for bit."""
-    if not case.get("fp32_data"):
-        return random_canonical(spec, seed)
-    g = torch.Generator().manual_seed(seed)
-    out = {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}
-    return {n: v.to(torch.bfloat16) for n, v in out.items()} if cast else out
 
 
-def _record_landings() -> list:
-    """Each landing the full codec builds in this process, with how many of its pairs were casts."""
-    from weightsync.codec import base
-
-    landed, real = [], base.landing
-
-    def recording(pairs):
-        got = real(pairs)
-        landed.append((sum(d.dtype != s.dtype for d, s in pairs), got))
-        return got
-
-    base.landing = recording
-    return landed
 
 
 def worker(case: dict, role: str, who: tuple[int, ...], port: int, results) -> None:
@@ -100,7 +80,7 @@ def worker(case: dict, role: str, who: tuple[int, ...], port: int, results) -> N
         transport = P2PTransport(pg, ranks, window=case.get("window", 2), timeout_s=TIMEOUT_S,
                                  direct_min=case.get("direct_min", DIRECT_MIN_BYTES),
                                  codec=FullCodec() if case.get("codec") == "full" else None)
-        landed = _record_landings() if case.get("fp32_data") and role == "infer" else None
+        landed = record_landings() if case.get("fp32_data") and role == "infer" else None
         if case.get("die") == (role, who):
             _die_after("pack_pairs" if role == "train" else "unpack_pairs", case["die_after"])
         if case.get("stall") == (role, who):  # alive, in the group, but never posts its side
