@@ -1186,12 +1186,14 @@ def _update(inst, spec, seed, *extra):
     return canonical, out
 
 
-def test_a_mailbox_update_sends_no_sglang_request_holds_the_writer_lock_and_lands_bit_exact(looping):
+@pytest.mark.parametrize("in_place", [True, False], ids=["lock-in-place", "lock-through-loop"])
+def test_a_mailbox_update_sends_no_sglang_request_holds_the_writer_lock_and_lands_bit_exact(looping, in_place):
     """Set-up: two requests through update_weights_from_tensor (the probe, then serve_mailbox). Each quiet update after
     it: no update_weights_from_tensor at all (no pause/flush/continue either), every call on the mailbox threads with
     SGLang's model-update writer lock held, released after; the first update flushes both ranks' caches from the
     scheduler threads themselves; the weights bit-exact."""
     spec, layout, eng, inst = looping()
+    inst.lock_in_place = in_place
     _SEEN.clear()
     _SEEN["engine"] = eng
     assert inst.mailbox and inst.trips == 2 and eng.log.count(("update", 0)) == 2
@@ -1212,6 +1214,39 @@ def test_a_mailbox_update_sends_no_sglang_request_holds_the_writer_lock_and_land
     # SGLang's path
     assert eng.generate("g")["text"] == "out:g"
     assert inst.call(rank_and_count, "x")[1][2] == "x" and inst.trips == 3
+
+
+def test_the_writer_lock_is_taken_in_place_only_where_acquire_writer_would_not_wait():
+    """``take_writer_in_place``/``release_writer_in_place`` against 0.5.14's RWLock logic: taken with the loop idle
+    and nobody at the lock; refused with a request in flight or a reader in; undecided (None) on a running loop; a
+    reader that began waiting meanwhile is released through the loop (it must be woken), and then gets in."""
+    loop = asyncio.new_event_loop()
+    try:
+        tm = types.SimpleNamespace(model_update_lock=RWLock(), rid_to_state={})
+        lock = tm.model_update_lock
+        assert S.take_writer_in_place(tm, loop) is True and lock._writer_active
+        assert S.take_writer_in_place(tm, loop) is False  # held: a second writer would wait
+        assert S.release_writer_in_place(lock, loop) and not lock._writer_active
+        tm.rid_to_state["r"] = object()
+        assert S.take_writer_in_place(tm, loop) is False and not lock._writer_active
+        del tm.rid_to_state["r"]
+        loop.run_until_complete(lock.acquire_reader())
+        assert S.take_writer_in_place(tm, loop) is False
+        loop.run_until_complete(lock.release_reader())
+
+        async def inside():
+            return S.take_writer_in_place(tm, loop), S.release_writer_in_place(lock, loop)
+
+        assert loop.run_until_complete(inside()) == (None, False)
+        assert S.take_writer_in_place(tm, loop) is True
+        reader = loop.create_task(lock.acquire_reader())
+        loop.run_until_complete(asyncio.sleep(0.01))  # the request reached the lock and waits on its condition
+        assert not reader.done() and not S.release_writer_in_place(lock, loop) and lock._writer_active
+        loop.run_until_complete(lock.release_writer())
+        loop.run_until_complete(asyncio.wait_for(reader, 5))
+        assert lock._readers == 1 and not lock._writer_active
+    finally:
+        loop.close()
 
 
 def test_the_flush_runs_only_when_a_batch_ran_since_the_last_one(looping):

@@ -12,7 +12,8 @@ it (:class:`~weightsync.instances.sglang.SGLangInstance`, ``mailbox=True``).
 ``weightsync/instances/sglang.py``):
 
 1. *No request can enter.* Before the first call of the update the control process takes SGLang's own
-   model-update writer lock (``tokenizer_manager.model_update_lock.acquire_writer()``, the lock
+   model-update writer lock (``tokenizer_manager.model_update_lock.acquire_writer()``, or its exact effect in place
+   while the engine's loop is idle: ``instances/sglang.py:take_writer_in_place``; the lock
    ``update_weights_from_tensor`` takes when generation is not paused, ``managers/tokenizer_control_mixin.py``);
    every generate request holds the reader lock from before it is tokenized until its last output
    (``managers/tokenizer_manager.py:TokenizerManager.generate_request``), so none is sent to a scheduler until the
