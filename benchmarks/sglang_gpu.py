@@ -515,13 +515,13 @@ def _pings(inst, n: int = 20) -> list[tuple[float, float]]:
     return out
 
 
-def overhead(out: Path, steps: int = 15) -> dict:
-    """Where an update's time goes in SGLang's call path (tiny Llama, co-located trainer), A/B/C in one run: per
+def overhead(out: Path, steps: int = 24) -> dict:
+    """Where an update's time goes in SGLang's call path (tiny Llama, co-located trainer), four arms in one run: per
     step the reader's phases and ``SGLangInstance.last_timing``, in turn ``quiet_updates=False`` (pause, call,
     flush, continue: four round trips), quiet through SGLang's request path (``use_mailbox=False``: the call alone,
     flushing in its own request, ``flush_in_calls``) and quiet through the call mailbox (no request; the flush by the
-    scheduler's thread); a greedy generate after every step, so every update has KV to flush;
-    then bare calls (a ping there and back) with the message in a tensor and in the name, ``Engine.flush_cache()``,
+    scheduler's thread), its writer lock taken in place and, last arm, through the engine's loop; a greedy generate
+    after every step, so every update has KV to flush; then bare calls (a ping there and back) with the message in a tensor and in the name, ``Engine.flush_cache()``,
     and ``torch.cuda.empty_cache()`` inside the scheduler."""
     import statistics
 
@@ -540,14 +540,15 @@ def overhead(out: Path, steps: int = 15) -> dict:
     try:
         with MetaServer().start() as meta:
             plan = [(k, 1 + k % 2) for k in range(1, steps + 1)]
-            arms = ("paused", "quiet", "mailbox")
+            arms = ("paused", "quiet", "mailbox", "mailbox-loop")  # mailbox-loop: the writer lock through the loop
             trainer = Trainer(path, meta.url, "overhead", plan, colocate=True)
             reader = WeightReader(inst, meta=meta.url, job="overhead", instance_id=0, instances=1, timeout_s=120,
                                   colocate=True).connect()
             for step, _ in plan:
-                arm = arms[step % 3]
+                arm = arms[step % len(arms)]
                 inst.quiet_updates = arm != "paused"
-                inst.use_mailbox = arm == "mailbox"
+                inst.use_mailbox = arm.startswith("mailbox")
+                inst.lock_in_place = arm == "mailbox"
                 t0 = time.perf_counter()
                 reader.update(step)
                 rec = {"step": step, "arm": arm, "quiet": inst.last_quiet, "mailbox": inst.last_mailbox,
@@ -559,7 +560,7 @@ def overhead(out: Path, steps: int = 15) -> dict:
                 generate(own.engine)  # as an RL loop does: KV in the cache, so the next update must flush it
             reader.close()
             res["trainer"] = trainer.result()
-        timed = res["steps"][3:]  # steps 1-3 open handles and compile (one step of each arm)
+        timed = res["steps"][len(arms):]  # the first steps open handles and compile (one step of each arm)
         for arm in arms:
             w = [r["reader_ms"]["workers"] for r in timed if r["arm"] == arm]
             res[f"workers_ms_median_{arm}"] = statistics.median(w) if w else None
@@ -582,8 +583,13 @@ def overhead(out: Path, steps: int = 15) -> dict:
             flushes.append((time.perf_counter() - t0) * 1e3)
         res["flush_ms"] = flushes
         res["empty_cache_ms"] = [inst.call(empty_cache_seconds)[0] * 1e3 for _ in range(5)]
+        for arm in ("mailbox", "mailbox-loop"):
+            lock = [r["instance_ms"].get("lock", 0) + r["instance_ms"].get("unlock", 0) for r in timed if r["arm"] == arm]
+            res[f"lock_unlock_ms_median_{arm}"] = statistics.median(lock) if lock else None
         log(f"[overhead] workers ms paused {res['workers_ms_median_paused']} quiet {res['workers_ms_median_quiet']} "
-            f"mailbox {res['workers_ms_median_mailbox']} (steps through the mailbox: {res['mailbox_used']}); "
+            f"mailbox {res['workers_ms_median_mailbox']} mailbox-loop {res['workers_ms_median_mailbox-loop']} "
+            f"(lock+unlock ms in place {res['lock_unlock_ms_median_mailbox']}, through the loop "
+            f"{res['lock_unlock_ms_median_mailbox-loop']}; steps through the mailbox: {res['mailbox_used']}); "
             f"flush ms {flushes}; empty_cache ms {res['empty_cache_ms']}")
     except Exception as e:  # noqa: BLE001
         res["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")

@@ -5,17 +5,17 @@
 # spread over xdist workers. Run from the repo root on the device, carrying .sgkit, .nixlwhl and .snap_sglang
 # (src.tar.gz: `git archive` of the commit, commit: its hash, *.whl: pytest-xdist and execnet):
 #   bash .snap_sglang/sglang_gpu.sh      (results under $OUT; STAGES="bench overhead colo test" picks stages;
-#                                         the default: bench overhead test)
+#                                         the default: bench overhead test; SCENARIOS=colo-1gpu,nixl-1gpu and
+#                                         BENCH_STEPS=N for the bench; *_LIMIT: each stage's seconds)
 # Build the snapshot of a commit first:  git archive --format=tar.gz -o .snap_sglang/src.tar.gz HEAD &&
 #   git rev-parse --short HEAD > .snap_sglang/commit && cp benchmarks/sglang_gpu.sh .snap_sglang/
 # (go.sh sets S: this script's own folder variable is SNAP.)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 R=$PWD; SNAP=$R/.snap_sglang; W=/tmp/ws; T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-rm -rf $W && mkdir -p $W /tmp/nixlsite /tmp/xd /tmp/sgk-jit && tar -xzf $SNAP/src.tar.gz -C $W || exit 3
+rm -rf $W && mkdir -p $W /tmp/nixlsite /tmp/xd && tar -xzf $SNAP/src.tar.gz -C $W || exit 3
 tar -xJf $R/.nixlwhl/nixl_cu13_cp312_ucx.tar.xz -C /tmp/nixlsite || exit 4
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/xd $SNAP/*.whl || exit 5
-tar -xzf $R/.sgkit/sgkit-jit-h200-qwen3-8b.tgz -C /tmp/sgk-jit  # SGLang's JIT kernels built on the H200 (qwen3-8b's too)
 . $R/.sgkit/go.sh
 export PYTHONPATH=/tmp/nixlsite:/tmp/xd:$PYTHONPATH WEIGHTSYNC_COMMIT=$(cat $SNAP/commit) WEIGHTSYNC_GPU_OUT=$OUT/test-gpu
 python3 -c "import sys,torch,sglang;print(sys.version.split()[0], torch.__version__, sglang.__version__, torch.cuda.get_device_name(0))"
@@ -23,8 +23,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 cd $W
 has() { case " ${STAGES:-bench overhead test} " in *" $1 "*) return 0;; esac; return 1; }
 if has bench; then
-echo "== $(el) s bench colo-1gpu (sglang, faithful)"
-stage bench "${BENCH_LIMIT:-140}" python3 benchmarks/sglang_gpu.py bench --out $OUT --scenarios colo-1gpu > $OUT/bench.log 2>&1
+echo "== $(el) s bench ${SCENARIOS:-colo-1gpu} (sglang, faithful)"
+stage bench "${BENCH_LIMIT:-140}" python3 benchmarks/sglang_gpu.py bench --out $OUT --scenarios ${SCENARIOS:-colo-1gpu} \
+  --steps ${BENCH_STEPS:-5} > $OUT/bench.log 2>&1
 grep "\[bench\]" $OUT/bench.log | cut -c1-400
 fi
 if has overhead; then
