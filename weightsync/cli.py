@@ -14,7 +14,7 @@ def _plan(args: argparse.Namespace) -> int:
     from weightsync.engines import make_layout
     from weightsync.plan.job import block_aligned
     from weightsync.plan.planner import Planner
-    from weightsync.plan.simulate import Deployment
+    from weightsync.plan.simulate import Deployment, cost_model
     from weightsync.plan.stats import format_stats, job_stats, rank_stats
     from weightsync.plan.topology import Topology
     from weightsync.spec import load_spec
@@ -38,13 +38,14 @@ def _plan(args: argparse.Namespace) -> int:
     if transport == "colocated" and not args.colocate:
         raise WeightSyncError("--transport colocated needs --colocate (the inference ranks on the training GPUs)")
     deployment = Deployment(transport, args.receiver, args.codec, args.changed)  # the simulator's (plan.simulate)
+    cost = cost_model(args.gpu)  # the constants measured on that GPU
     if args.rank:
         try:
-            stats = rank_stats(planner, args.rank, deployment)
+            stats = rank_stats(planner, args.rank, deployment, cost)
         except ValueError as e:
             raise WeightSyncError(str(e)) from None
     else:
-        stats = job_stats(planner, deployment)
+        stats = job_stats(planner, deployment, cost)
     if args.json:
         print(json.dumps(stats.to_json()))
     else:
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--codec", choices=["full", "fp8", "delta"], default="full",
                       help="for the predicted step: bytes on the wire (fp8: an estimate; delta: at --changed)")
     plan.add_argument("--changed", type=float, default=0.01, help="delta: fraction changed a step (default 0.01)")
+    plan.add_argument("--gpu", choices=["h200", "h100"], default="h200",
+                      help="predict with the costs measured on this GPU (default h200; plan.simulate.GPUS)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_plan)
 

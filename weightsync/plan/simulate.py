@@ -24,9 +24,13 @@ number was measured here and says where:
   the copy graph at the encode's rate); delta at a measured change fraction, with the encode, the
   receiver's proof and the apply at their measured rates.
 
+The constants are one GPU's (and its host's): :class:`CostModel`'s defaults are the H200's, :data:`H100` the
+profile of what one H100 measured, each selected by name (:data:`GPUS`, :func:`cost_model`; ``weightsync plan
+--gpu``; a bench record's GPU by :func:`gpu_of`).
+
 Used by ``weightsync plan`` for the cases that cannot be run here (thousands of GPUs), and checked
-against every recorded run that one or two H200s could make (tests/test_simulate.py, BENCHMARKS.md
-"Simulator with per-descriptor and signalling costs").
+against every recorded run that one or two H200s or one H100 could make (tests/test_simulate.py, BENCHMARKS.md
+"Simulator with per-descriptor and signalling costs" and session 16).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from weightsync.errors import ConfigError
 from weightsync.plan.descriptors import POST_CHUNK, WorkerCounts
@@ -108,7 +112,8 @@ def _rates(fraction: float, encode_s: float, proof_s: float, apply_s: float) -> 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Every cost the step prediction charges, each measured on the H200 hosts (source beside it).
+    """Every cost the step prediction charges, each measured on the H200 hosts (source beside it): the H200
+    profile (``gpu="h200"``). :data:`H100` is the same model with what the H100 runs measured in its place.
 
     "s10-final colo" is ``benchmarks/results/2026-12-01-h200x1-s10-final-colo-1gpu.json``, "s10-final
     nixl" ``...-s10-final-nixl-1gpu.json`` (line 5: the JSON after NIXL's log lines), "real vLLM"
@@ -116,6 +121,7 @@ class CostModel:
     "signals" ``2026-11-30-h200x2-signals.txt``, all under ``benchmarks/results/``.
     """
 
+    gpu: str = "h200"  # the profile's name (GPUS): which GPU, and host, these constants were measured on
     links: LinkModel = field(default_factory=LinkModel)
     # co-located: the copy kernel's rate against the device copy, on 8B's 40 MB runs (BENCHMARKS.md session
     # 3, "Copy kernel tuned": microbenchmark 0.93)
@@ -207,6 +213,67 @@ class CostModel:
         return min(self.delta_rates, key=lambda r: abs(math.log(r.fraction / fraction)))
 
 
+#: session 15's files, on one H100 80GB HBM3 (BENCHMARKS.md "Session 15 (2026-12-06)"), under benchmarks/results/
+H100_RUNS = "2026-12-06-h100x1-"
+
+#: One H100 80GB HBM3 (session 15), from its runs' own measurements, each with its file (under benchmarks/results/,
+#: less the ``2026-12-06-h100x1-`` prefix). The CPU-side costs are the first call's host's (the call that ran
+#: colo-1gpu, nixl-1gpu and the real vLLM receiver at ``cc55ce7``, the code after issue 23); the second call's
+#: host ran every CPU phase 2-4x faster (BENCHMARKS.md session 15: ``reader.posting`` 0.1 against 0.4 ms), so
+#: its runs lie below this profile (tests/test_simulate.py ``OTHER_HOST``). Not measured on an H100, so the H200's
+#: values stand: NVLink, the NICs and the per-bucket latency (one GPU has no link to time), p2p's CPU per NCCL
+#: message (no two-GPU run), the doorbell and the MetaServer's signals and CPU, the real SGLang receiver and the
+#: engines' old ``collective_rpc`` trips, FP8's encode and decode rates and delta's rates (no FP8 or delta run).
+H100 = CostModel(
+    gpu="h100",
+    # the device copy: the median of the twelve qwen3-8b bench runs' measured ceiling_bytes_per_s (each run's
+    # floor_seconds is its bytes over it; 1.429-1.488 TB/s): qwen3-8b-colo-1gpu-*, qwen3-8b-nixl-1gpu-ab-*,
+    # real-vllm026-colo-1gpu-cc55ce7 (both rows)
+    links=LinkModel(hbm_copy_bytes_per_s=1.4805e12),
+    # the copy kernel (wide accesses, the default since 6d7bc4a) against a 4 GiB copy_: 400 x 40 MB in a graph,
+    # 0.9746 (batch-copy-forms-cc55ce7, A batched-graph-wide; the measure the H200's 0.93 is)
+    colocated_copy_efficiency=0.9746,
+    # qwen3-8b-colo-1gpu-ab2-cc55ce7 (the middle of the host's three cc55ce7 faithful colo-1gpu runs in each of
+    # these three: ab1, ab2, real-vllm026-colo-1gpu-cc55ce7's faithful row): reader.started 0.150 ms; median_seconds
+    # - reader.workers 12.210 - 11.997 ms; reader.workers - reader.transport 11.997 - 11.423 ms
+    colocated_setup_s=0.150e-3,
+    step_round_s=12.210e-3 - 11.997e-3,
+    faithful_call_s=11.997e-3 - 11.423e-3,
+    # real vLLM 0.26 through the call mailbox: reader.workers - reader.transport 13.197 - 12.012 ms
+    # (real-vllm026-colo-1gpu-cc55ce7, its vllm row)
+    vllm_step_s=13.197e-3 - 12.012e-3,
+    # nixl, the reader without NIXL's progress thread (the copies run while it posts): reader.posting 1.928 ms
+    # for the 399 descriptors, reader.started 0.656 ms less the first transfer's 64 (qwen3-8b-nixl-1gpu-ab-cc55ce7)
+    nixl_descriptor_s=1.928e-3 / 399,
+    nixl_setup_s=0.656e-3 - 64 * 1.928e-3 / 399,
+)
+
+#: the profiles by name (``weightsync plan --gpu``)
+GPUS: dict[str, CostModel] = {"h200": CostModel(), "h100": H100}
+
+
+def cost_model(gpu: str = "h200") -> CostModel:
+    """The cost model measured on ``gpu`` (a :data:`GPUS` name)."""
+    try:
+        return GPUS[gpu.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown gpu {gpu!r}; known: {', '.join(GPUS)}") from None
+
+
+_GPU_NAME = re.compile(r"\b(h100|h200)(?:x\d+)?\b", re.IGNORECASE)
+
+
+def gpu_of(record: Mapping | None = None, name: str = "") -> str:
+    """The :data:`GPUS` profile a bench record ran on: its ``gpus`` (the devices' names, e.g. "NVIDIA H100 80GB
+    HBM3"), else its results file's name (``...-h100x1-...``, ``...-h200x2-...``). Refuses a GPU without a
+    profile, or one that says neither."""
+    names = [str(g) for g in (record or {}).get("gpus") or []] or [name]
+    found = {m.group(1).lower() for n in names for m in [_GPU_NAME.search(n.replace("-", " "))] if m}
+    if len(found) != 1:
+        raise ConfigError(f"no one GPU profile for {names!r}; known: {', '.join(GPUS)}")
+    return found.pop()
+
+
 @dataclass(frozen=True)
 class Deployment:
     """How a planned job moves its bytes: the transport, the receivers, the codec, the signals."""
@@ -255,6 +322,7 @@ class StepPrediction:
     messages: int  # p2p: the busiest worker's messages a step
     pack_s: float = 0.0  # nixl: the busiest trainer's copy of its strided boxes into its pack region, a step
     move_s: float = 0.0  # the transport's part: posting, set-up and data as they combine (pack_s included)
+    gpu: str = "h200"  # the profile the costs came from (CostModel.gpu)
 
 
 _FP8 = re.compile(r"(^|\.)[a-z0-9_]*proj(_with_mqa)?\.weight$")
@@ -301,10 +369,8 @@ def predict_step(
     d = deployment.on(topology)
     sizes = [wire_bytes(b, d, cost, spec) for b in buckets]
     recv: dict[tuple[int, int], int] = defaultdict(int)  # full bytes each worker holds (proof, apply)
-    send: dict[int, int] = defaultdict(int)
     for b in buckets:
         recv[b.dst_instance, b.dst_rank] += b.nbytes
-        send[b.src_rank] += b.nbytes
     hbm = links.hbm_copy_bytes_per_s * (cost.colocated_copy_efficiency if d.transport == "colocated" else 1.0)
     per_bucket = links.latency_s if d.transport == "p2p" else 0.0  # NCCL: a group per bucket
     hbm_sizes = None
@@ -354,11 +420,14 @@ def predict_step(
     if d.codec == "fp8" and buckets and d.transport != "colocated":
         codec_s = _fp8_codec_s(buckets, sizes, topology, data_s, cost)
     if d.codec == "delta" and buckets:
+        from weightsync.delta.state import signature  # lazily: it imports torch
+
         r = cost.delta_at(d.changed)
-        instances = max(1, topology.instances)
-        # the sender encodes each distinct bucket once (instances alike share it); the receiver proves what
-        # it holds, then applies; the worker starts after the step is announced, so they add
-        codec_s = (max(send.values()) / instances / r.encode_bytes_per_s
+        # the sender encodes each distinct bucket once, by the key its encoder stores the previous version under
+        # (codec.delta.DeltaEncoder: buckets of one signature, instances of one layout, share one encoding); the
+        # receiver proves what it holds, then applies; the worker starts after the step is announced, so they add
+        encode = _distinct_bytes(buckets, signature)
+        codec_s = (encode / r.encode_bytes_per_s
                    + max(recv.values()) / r.proof_bytes_per_s + max(recv.values()) / r.apply_bytes_per_s)
 
     if d.doorbells:
@@ -369,13 +438,21 @@ def predict_step(
     receiver_s = {"faithful": cost.faithful_call_s, "vllm": cost.vllm_step_s, "sglang": cost.sglang_step_s}[d.receiver]
     seconds = signal_s + receiver_s + move_s + codec_s
     return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, sum(sizes), descriptors, msgs,
-                          pack_s, move_s)
+                          pack_s, move_s, cost.gpu)
 
 
 def _source_key(b: Bucket) -> tuple:
     """What the fp8 encoder keys a bucket's frame by (codec.fp8.payload_key): buckets that read the same source
     boxes as the same canonical boxes share one frame, encoded once (instances of one layout)."""
     return tuple((c.canonical, c.canon_box, c.src_tensor, c.src_box) for c in b.copies)
+
+
+def _distinct_bytes(buckets: Sequence[Bucket], key) -> int:
+    """The busiest training rank's bytes over its distinct buckets by ``key`` (what its encoder encodes a step)."""
+    distinct: dict[int, dict] = defaultdict(dict)
+    for b in buckets:
+        distinct[b.src_rank][key(b)] = b.nbytes
+    return max((sum(v.values()) for v in distinct.values()), default=0)
 
 
 def _fp8_codec_s(buckets: Sequence[Bucket], sizes: Sequence[int], topology: Topology, data_s: float,
@@ -390,17 +467,15 @@ def _fp8_codec_s(buckets: Sequence[Bucket], sizes: Sequence[int], topology: Topo
     slower than HBM (NVLink, a NIC) the decode hides under the READ and only what it takes beyond the data
     time shows, plus the last chunk's decode (a chunk is at most the largest frame), which nothing follows.
     """
-    distinct: dict[int, dict[tuple, int]] = defaultdict(dict)
     wire: dict[tuple[int, int], int] = defaultdict(int)
     largest: dict[tuple[int, int], int] = defaultdict(int)
     on_gpu: dict[tuple[int, int], bool] = defaultdict(lambda: True)
     for b, n in zip(buckets, sizes):
-        distinct[b.src_rank][_source_key(b)] = b.nbytes
         w = (b.dst_instance, b.dst_rank)
         wire[w] += n
         largest[w] = max(largest[w], n)
         on_gpu[w] &= topology.train_gpu(b.src_rank) == topology.infer_gpu(*w)
-    encode_s = max(sum(v.values()) for v in distinct.values()) / cost.fp8_encode_bytes_per_s
+    encode_s = _distinct_bytes(buckets, _source_key) / cost.fp8_encode_bytes_per_s
     rate = cost.fp8_decode_bytes_per_s
     decode_s = max(wire[w] / rate if on_gpu[w] else max(0.0, wire[w] / rate - data_s) + largest[w] / rate
                    for w in wire)

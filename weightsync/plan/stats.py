@@ -176,7 +176,7 @@ def format_stats(s: PlanStats) -> str:
     codec = f"delta at {d.changed:g} changed" if d.codec == "delta" else d.codec
     lines += [
         f"  predicted time    {s.predicted_seconds * 1e3:.2f} ms a step ({d.transport}, {d.receiver} receivers, {codec}, "
-        f"{'doorbells' if d.doorbells else 'MetaServer'})",
+        f"{'doorbells' if d.doorbells else 'MetaServer'}, {p.gpu} costs)",
         f"    data            {p.data_s * 1e3:.2f} ms (busiest link, {b(p.wire_bytes)} on the wire)",
         f"    posting         {p.post_s * 1e3:.2f} ms (busiest worker: {p.descriptors} NIXL descriptors, "
         f"{p.messages} messages)",
