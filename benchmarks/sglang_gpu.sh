@@ -6,7 +6,8 @@
 # (src.tar.gz: `git archive` of the commit, commit: its hash, *.whl: pytest-xdist and execnet):
 #   bash .snap_sglang/sglang_gpu.sh      (results under $OUT; STAGES="bench overhead colo test" picks stages;
 #                                         the default: bench overhead test; SCENARIOS=colo-1gpu,nixl-1gpu and
-#                                         BENCH_STEPS=N for the bench; *_LIMIT: each stage's seconds)
+#                                         BENCH_STEPS=N for the bench; *_LIMIT: each stage's seconds; TEST_ARGS:
+#                                         more pytest arguments, e.g. -k to pick tests)
 # Build the snapshot of a commit first:  git archive --format=tar.gz -o .snap_sglang/src.tar.gz HEAD &&
 #   git rev-parse --short HEAD > .snap_sglang/commit && cp benchmarks/sglang_gpu.sh .snap_sglang/
 # (go.sh sets S: this script's own folder variable is SNAP.)
@@ -41,7 +42,7 @@ fi
 if has test; then
 echo "== $(el) s make test-gpu (SGLang kit on the path, -n ${WORKERS:-6})"
 # -v: each test's name as it ends (a stage cut by its time limit still says which passed)
-PYTEST_ADDOPTS="-v -n ${WORKERS:-6} --dist loadgroup --durations=15" stage testgpu "${TEST_LIMIT:-420}" make test-gpu > $OUT/test-gpu.log 2>&1
+PYTEST_ADDOPTS="-v -n ${WORKERS:-6} --dist loadgroup --durations=15 ${TEST_ARGS:-}" stage testgpu "${TEST_LIMIT:-420}" make test-gpu > $OUT/test-gpu.log 2>&1
 echo "test-gpu at $(el) s"; grep -v "Benchmark\|warner" $OUT/test-gpu.log | grep "FAILED\|ERROR\|node down\|crashed\|passed\|failed\|s call" | cut -c1-240 | tail -n 60
 fi
 ps -eo pid,etime,cmd | grep -c "sglang\|python3" || true
