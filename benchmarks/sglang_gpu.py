@@ -565,7 +565,7 @@ def overhead(out: Path, steps: int = 24) -> dict:
             w = [r["reader_ms"]["workers"] for r in timed if r["arm"] == arm]
             res[f"workers_ms_median_{arm}"] = statistics.median(w) if w else None
         res["mailbox_used"] = [r["step"] for r in res["steps"] if r["mailbox"]]
-        inst.use_mailbox = True
+        inst.use_mailbox = inst.quiet_updates = inst.lock_in_place = True  # the arms' last step may have set them off
         for in_name in (False, True):
             inst._in_name = in_name and res["name_payload"]
             res[f"ping_ms_there_back_{'name' if inst._in_name else 'tensor'}"] = _pings(inst)
