@@ -22,7 +22,7 @@ from weightsync.engines import make_layout
 from weightsync.plan.descriptors import count_workers, span
 from weightsync.plan.planner import Planner
 from weightsync.errors import ConfigError
-from weightsync.plan.simulate import GPUS, H100, H100_RUNS, CostModel, Deployment, cost_model, gpu_of, predict_step
+from weightsync.plan.simulate import GPUS, H100, H100_RUNS, H100_SESSION15, CostModel, Deployment, cost_model, gpu_of, predict_step
 from weightsync.plan.topology import Topology
 from weightsync.spec import load_spec
 
@@ -160,6 +160,12 @@ RECORDED = [
     # ...-colo-1gpu-real-vllm026-resetafter-experiment-22c0d7b.json, a patched snapshot (no prefix-cache reset
     # in pause), not code of this repository
     ("2026-12-06-h100x1-qwen3-8b-colo-1gpu-faithful-22c0d7b.json", "faithful", "none"),
+    # session 16, a third host (f7c86f7: real SGLang 0.5.14 through the call mailbox, the writer lock taken in place),
+    # each with the layout-faithful receiver of the same call; the colo sglang row gave the profile's sglang_step_s
+    ("2026-12-06-h100x1-real-sglang0514-colo-1gpu-sglang-f7c86f7.json", "sglang", "none"),
+    ("2026-12-06-h100x1-real-sglang0514-colo-1gpu-faithful-f7c86f7.json", "faithful", "none"),
+    ("2026-12-06-h100x1-real-sglang0514-nixl-1gpu-sglang-f7c86f7.json", "sglang", "none"),
+    ("2026-12-06-h100x1-real-sglang0514-nixl-1gpu-faithful-f7c86f7.json", "faithful", "none"),
 ]
 
 #: nixl-1gpu runs whose medians lie outside 10% of the model with its one per-descriptor cost: their CPU
@@ -252,8 +258,9 @@ def _h100(name: str, receiver: str = "faithful") -> dict:
 def test_h100_profile_is_its_runs_measurements():
     """Each constant of the H100 profile is what its named file measured (simulate.H100's comments), to the
     digits written there; what the H100 did not measure stays the H200's."""
-    runs = [r for f in sorted(RESULTS.glob(H100_RUNS + "*.json")) for r in load_runs(f.name)]
-    assert len(runs) == 12 and all(gpu_of(r) == "h100" for r in runs)
+    runs = [r for f in sorted(RESULTS.glob(H100_RUNS + "*.json")) for r in load_runs(f.name)
+            if f.stem.endswith(H100_SESSION15)]
+    assert len(runs) == 12 and all(gpu_of(r) == "h100" and r["commit"] in H100_SESSION15 for r in runs)
     ceiling = statistics.median(r["ceiling_bytes_per_s"] for r in runs)
     assert H100.links.hbm_copy_bytes_per_s == pytest.approx(ceiling, rel=1e-4)
     for r in runs:  # each run's floor is its bytes over its own ceiling
@@ -275,17 +282,40 @@ def test_h100_profile_is_its_runs_measurements():
         assert statistics.median(map(phase, three)) == phase(colo)
     v = _h100("real-vllm026-colo-1gpu-cc55ce7.json", "vllm")["phase_median_seconds"]
     assert H100.vllm_step_s == pytest.approx(v["reader.workers"] - v["reader.transport"], abs=1e-6)
+    sg = _h100("real-sglang0514-colo-1gpu-sglang-f7c86f7.json", "sglang")["phase_median_seconds"]
+    assert H100.sglang_step_s == pytest.approx(sg["reader.workers"] - sg["reader.transport"], abs=1e-6)
     n = _h100("qwen3-8b-nixl-1gpu-ab-cc55ce7.json")["phase_median_seconds"]
     _, _, (worker,) = planned("qwen3-8b", "nixl-1gpu")
     assert H100.nixl_descriptor_s == pytest.approx(n["reader.posting"] / worker.nixl_descriptors, rel=1e-3)
     assert H100.nixl_setup_s == pytest.approx(n["reader.started"] - 64 * H100.nixl_descriptor_s, abs=1e-6)
     h200 = CostModel()
     measured = {"gpu", "links", "colocated_copy_efficiency", "colocated_setup_s", "step_round_s", "faithful_call_s",
-                "vllm_step_s", "nixl_descriptor_s", "nixl_setup_s"}
+                "vllm_step_s", "sglang_step_s", "nixl_descriptor_s", "nixl_setup_s"}
     for f in CostModel.__dataclass_fields__:
         if f not in measured:
             assert getattr(H100, f) == getattr(h200, f), f
     assert replace(H100.links, hbm_copy_bytes_per_s=h200.links.hbm_copy_bytes_per_s) == h200.links
+
+
+def test_h100_sglang_host_differs_around_the_call_not_in_it():
+    """The SGLang receiver's cost (simulate.H100.sglang_step_s) came from session 16's host, not the first call's host
+    that gave the other CPU costs. Its faithful row of the same call shows how the two compare: its step round and
+    set-up below each of the first host's three cc55ce7 faithful colo-1gpu runs, its NIXL posting below the first
+    host's nixl run, but its receiver's call (the phase sglang_step_s replaces faithful_call_s in) within their
+    spread; hence the SGLang row's call taken as measured, not shifted by the hosts' difference."""
+    def phases(r):
+        p = r["phase_median_seconds"]
+        return {"round": r["median_seconds"] - p["reader.workers"], "call": p["reader.workers"] - p["reader.transport"],
+                "set-up": p["reader.started"]}
+
+    first = [phases(_h100(n)) for n in ("qwen3-8b-colo-1gpu-ab1-cc55ce7.json", "qwen3-8b-colo-1gpu-ab2-cc55ce7.json",
+                                         "real-vllm026-colo-1gpu-cc55ce7.json")]
+    third = phases(_h100("real-sglang0514-colo-1gpu-faithful-f7c86f7.json"))
+    for k in ("round", "set-up"):
+        assert third[k] < min(f[k] for f in first), (k, third[k])
+    assert min(f["call"] for f in first) <= third["call"] <= max(f["call"] for f in first), third["call"]
+    nixl = _h100("real-sglang0514-nixl-1gpu-faithful-f7c86f7.json")["phase_median_seconds"]["reader.posting"]
+    assert nixl < 0.8 * _h100("qwen3-8b-nixl-1gpu-ab-cc55ce7.json")["phase_median_seconds"]["reader.posting"]
 
 
 def test_h200_profile_misses_the_h100_runs():

@@ -213,22 +213,32 @@ class CostModel:
         return min(self.delta_rates, key=lambda r: abs(math.log(r.fraction / fraction)))
 
 
-#: session 15's files, on one H100 80GB HBM3 (BENCHMARKS.md "Session 15 (2026-12-06)"), under benchmarks/results/
+#: the H100 runs' files, on one H100 80GB HBM3 (BENCHMARKS.md "Session 15 (2026-12-06)" and "Session 16"), under
+#: benchmarks/results/
 H100_RUNS = "2026-12-06-h100x1-"
+#: the commits session 15 ran (its files end in them): the runs the profile's device copy is the median of
+H100_SESSION15 = ("f8eb9d9", "cc55ce7", "22c0d7b")
 
 #: One H100 80GB HBM3 (session 15), from its runs' own measurements, each with its file (under benchmarks/results/,
 #: less the ``2026-12-06-h100x1-`` prefix). The CPU-side costs are the first call's host's (the call that ran
 #: colo-1gpu, nixl-1gpu and the real vLLM receiver at ``cc55ce7``, the code after issue 23); the second call's
 #: host ran every CPU phase 2-4x faster (BENCHMARKS.md session 15: ``reader.posting`` 0.1 against 0.4 ms), so
-#: its runs lie below this profile (tests/test_simulate.py ``OTHER_HOST``). Not measured on an H100, so the H200's
-#: values stand: NVLink, the NICs and the per-bucket latency (one GPU has no link to time), p2p's CPU per NCCL
-#: message (no two-GPU run), the doorbell and the MetaServer's signals and CPU, the real SGLang receiver and the
-#: engines' old ``collective_rpc`` trips, FP8's encode and decode rates and delta's rates (no FP8 or delta run).
+#: its runs lie below this profile (tests/test_simulate.py ``OTHER_HOST``). The real SGLang receiver's cost is session
+#: 16's (one call at ``f7c86f7``, the receiver through the call mailbox with the writer lock taken in place,
+#: ``af98eeb``), on a third host: around the receiver's call it ran faster than the first (step round 0.08 against
+#: 0.21 ms, co-located set-up 0.10 against 0.15, NIXL posting 3.7 against 4.8 us a descriptor), but the receiver's
+#: call itself, the phase this constant stands for, was within the first host's own spread (the faithful worker's
+#: 0.50 ms against that host's three 0.48-0.60), so the SGLang row's is taken as measured, as the H200's and vLLM's
+#: were. Not measured on an H100, so the H200's values stand: NVLink, the NICs and the per-bucket latency (one GPU
+#: has no link to time), p2p's CPU per NCCL message (no two-GPU run), the doorbell and the MetaServer's signals and
+#: CPU, the engines' old ``collective_rpc`` trips, FP8's encode and decode rates and delta's rates (no FP8 or delta
+#: run).
 H100 = CostModel(
     gpu="h100",
     # the device copy: the median of the twelve qwen3-8b bench runs' measured ceiling_bytes_per_s (each run's
     # floor_seconds is its bytes over it; 1.429-1.488 TB/s): qwen3-8b-colo-1gpu-*, qwen3-8b-nixl-1gpu-ab-*,
-    # real-vllm026-colo-1gpu-cc55ce7 (both rows)
+    # real-vllm026-colo-1gpu-cc55ce7 (both rows), all of session 15 (H100_SESSION15); session 16's four f7c86f7 runs
+    # (1.478-1.491 TB/s) would move the median of all sixteen by 0.07%
     links=LinkModel(hbm_copy_bytes_per_s=1.4805e12),
     # the copy kernel (wide accesses, the default since 6d7bc4a) against a 4 GiB copy_: 400 x 40 MB in a graph,
     # 0.9746 (batch-copy-forms-cc55ce7, A batched-graph-wide; the measure the H200's 0.93 is)
@@ -242,6 +252,11 @@ H100 = CostModel(
     # real vLLM 0.26 through the call mailbox: reader.workers - reader.transport 13.197 - 12.012 ms
     # (real-vllm026-colo-1gpu-cc55ce7, its vllm row)
     vllm_step_s=13.197e-3 - 12.012e-3,
+    # real SGLang 0.5.14 through the call mailbox, the writer lock taken in place: reader.workers - reader.transport
+    # 12.460 - 11.249 ms (real-sglang0514-colo-1gpu-sglang-f7c86f7; the faithful receiver of the same call: 11.791
+    # - 11.289 = 0.502 ms, so the SGLang receiver costs 0.709 ms more; taken on the profile's faithful 0.574 ms
+    # instead, 1.283 ms, it would predict the four f7c86f7 rows as well, within 3.5%)
+    sglang_step_s=12.460e-3 - 11.249e-3,
     # nixl, the reader without NIXL's progress thread (the copies run while it posts): reader.posting 1.928 ms
     # for the 399 descriptors, reader.started 0.656 ms less the first transfer's 64 (qwen3-8b-nixl-1gpu-ab-cc55ce7)
     nixl_descriptor_s=1.928e-3 / 399,
