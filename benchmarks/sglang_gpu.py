@@ -528,7 +528,7 @@ def overhead(out: Path, steps: int = 24) -> dict:
     from weightsync.meta.server import MetaServer
     from weightsync.runtime.reader import WeightReader
     from weightsync.sglang.engine import EngineOptions, generate, start
-    from weightsync.sglang.verify import empty_cache_seconds
+    from weightsync.sglang.verify import empty_cache_seconds, switch_interval
 
     res: dict = {"stage": "overhead", "steps": [], "errors": []}
     root = Path(tempfile.mkdtemp(prefix="sglang-overhead-"))
@@ -574,6 +574,11 @@ def overhead(out: Path, steps: int = 24) -> dict:
         try:
             if inst.last_mailbox:
                 res["ping_ms_there_back_mailbox"] = _pings(inst)
+                # the GIL hypothesis: the mailbox thread waits for the GIL behind the scheduler's spinning loop
+                before = inst.call(switch_interval, 0.0002)[0]  # TP=1 here
+                res["ping_ms_there_back_mailbox_switch_0.2ms"] = _pings(inst)
+                inst.call(switch_interval, before)
+                res["switch_interval_s_before"] = before
         finally:
             inst.resume()
         flushes = []
@@ -590,7 +595,8 @@ def overhead(out: Path, steps: int = 24) -> dict:
             f"mailbox {res['workers_ms_median_mailbox']} mailbox-loop {res['workers_ms_median_mailbox-loop']} "
             f"(lock+unlock ms in place {res['lock_unlock_ms_median_mailbox']}, through the loop "
             f"{res['lock_unlock_ms_median_mailbox-loop']}; steps through the mailbox: {res['mailbox_used']}); "
-            f"flush ms {flushes}; empty_cache ms {res['empty_cache_ms']}")
+            f"flush ms {flushes}; empty_cache ms {res['empty_cache_ms']}; ping medians ms (there, back) "
+            f"{ {k: tuple(round(statistics.median(x), 3) for x in zip(*v)) for k, v in res.items() if k.startswith('ping')} }")
     except Exception as e:  # noqa: BLE001
         res["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
         log(f"[overhead] FAILED {e}")

@@ -1523,3 +1523,21 @@ def test_validate_via_sglangs_loader_compares_every_tensor_with_a_fresh_load_and
         assert S.SGLangInstance(eng, timeout_s=30).validate_via == "layout"
     finally:
         inst.close()
+
+
+def test_the_switch_interval_call_sets_and_restores_the_workers_gil_interval(looping):
+    """``verify.switch_interval`` (the overhead bench's GIL experiment) travels as a signed call and returns the
+    interval it replaced (the stand-in's two schedulers share this process: the second rank sees the first's)."""
+    import sys
+
+    from weightsync.sglang.verify import switch_interval
+
+    spec, layout, eng, inst = looping()
+    before = sys.getswitchinterval()
+    try:
+        got = inst.call(switch_interval, 0.001)
+        assert len(got) == 2 and before in got and set(got) <= {before, 0.001}, got
+        assert sys.getswitchinterval() == 0.001
+        assert set(inst.call(switch_interval, None)) == {0.001}
+    finally:
+        sys.setswitchinterval(before)

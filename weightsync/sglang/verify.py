@@ -77,6 +77,17 @@ def ping(ctx: Any) -> float:
     return time.time()
 
 
+def switch_interval(ctx: Any, seconds: float | None) -> float:
+    """Set this worker process's GIL switch interval (None: leave it) and return the one before: the overhead bench
+    asks whether a mailbox call waits for the GIL behind SGLang's spinning scheduler loop (benchmarks/sglang_gpu.py)."""
+    import sys
+
+    before = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
+    return before
+
+
 def empty_cache_seconds(ctx: Any) -> float:
     """How long ``torch.cuda.empty_cache()`` takes in this worker now (what SGLang's flush and continue run)."""
     import time
@@ -104,5 +115,5 @@ def differences(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
                   for n in set(a) | set(b) if a.get(n) != b.get(n))
 
 
-__all__ = ["computed", "digests", "computed_digests", "loaded_problems", "differences", "ping", "empty_cache_seconds",
+__all__ = ["computed", "digests", "computed_digests", "loaded_problems", "differences", "ping", "switch_interval", "empty_cache_seconds",
            "flip"]
