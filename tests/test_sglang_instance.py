@@ -1208,6 +1208,9 @@ def test_a_mailbox_update_sends_no_sglang_request_holds_the_writer_lock_and_land
     tm = eng.tokenizer_manager
     assert not eng.loop.run_until_complete(tm.model_update_lock.is_locked())
     assert {"lock", "mailbox", "unlock"} <= set(inst.last_timing) and "calls" not in inst.last_timing
+    # the handler's phases (the slowest rank's), inside the handler's time
+    phases = [inst.last_timing[f"mailbox_{n}"] for n in ("decode", "context", "run")]
+    assert all(0 < t <= inst.last_timing["mailbox_handler"] for t in phases), inst.last_timing
     assert inst.served_version == "1" and inst.last_call is not None
     _exact(layout, eng, canonical)
     # generation between updates still works (the reader lock is free again), and calls outside an update take

@@ -999,6 +999,9 @@ class SGLangInstance:
         timing["mailbox"] = timing.get("mailbox", 0.0) + time.perf_counter() - started
         timing["mailbox_handler"] = timing.get("mailbox_handler", 0.0) + last.handler  # decode, run, flush, encode
         timing["mailbox_synced"] = timing.get("mailbox_synced", 0.0) + last.synced  # the two device syncs
+        for name in {n for a in answers for n, _ in a.spent}:  # the handler's phases, the slowest rank's
+            key = f"mailbox_{name}"
+            timing[key] = timing.get(key, 0.0) + max(dict(a.spent).get(name, 0.0) for a in answers)
         errors = {rank: a.error for rank, a in enumerate(answers) if not a.ok}
         if errors:
             first = min(errors)

@@ -314,6 +314,7 @@ def _handler(model: torch.nn.Module, instance: str, rank: int, directory: str,
     keys: dict[str, bytes] = {}  # the instance's key, read and checked at the first call (wire.decode)
 
     def handle(payload: bytes) -> bytes:
+        t0 = time.perf_counter()
         try:
             call = wire.decode(payload, keys)
             if call.dir != directory or call.instance != instance:
@@ -327,14 +328,17 @@ def _handler(model: torch.nn.Module, instance: str, rank: int, directory: str,
             log.error("weightsync mailbox on rank %s refused a message: %s: %s", rank, type(e).__name__, e)
             return pickle.dumps(W.RpcAnswer(False, error=error_record(e)))
         try:
+            t1 = time.perf_counter()
             ctx = W.worker_context(model, instance, rank)
+            t2 = time.perf_counter()
             _LOCAL.gate = (gate, rank)
             try:
                 with W.running(model), grad_mode():
                     value = call.fn(ctx, *call.args)
             finally:
                 _LOCAL.gate = None
-            return pickle.dumps(W.RpcAnswer(True, value))
+            spent = (("decode", t1 - t0), ("context", t2 - t1), ("run", time.perf_counter() - t2))
+            return pickle.dumps(W.RpcAnswer(True, value, spent=spent))
         except BaseException as e:  # noqa: BLE001 -- reported to the control process; the engine stays up
             return pickle.dumps(W.RpcAnswer(False, error=error_record(e)))
 

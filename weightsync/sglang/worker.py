@@ -30,6 +30,8 @@ class RpcAnswer:
     ok: bool
     value: Any = None
     error: tuple | None = None
+    #: a mailbox call's handler phases, (name, seconds): where a call's time goes beside the transport's own
+    spent: tuple[tuple[str, float], ...] = ()
 
 
 class _Binding:
