@@ -288,7 +288,7 @@ def test_a_bound_module_tree_is_checked_without_named_parameters_and_a_replaceme
             walks.append(1)
             return super().named_parameters(*a, **k)
 
-    for change in ("param", "module", "added"):
+    for change in ("param", "module", "added", "deleted", "dict write"):
         model = tree()
         model.__class__ = Counted
         inst = f"bind-{change}"
@@ -302,13 +302,43 @@ def test_a_bound_module_tree_is_checked_without_named_parameters_and_a_replaceme
             elif change == "module":
                 model[1] = torch.nn.Sequential(torch.nn.Linear(3, 2))
                 want = "1.0.weight"
-            else:
+            elif change == "added":
                 model[1][0].register_parameter("extra", torch.nn.Parameter(torch.zeros(1), requires_grad=False))
                 want = "replaced 0 parameters"
+            elif change == "deleted":  # no registration hook fires: the per-call parameter check finds it
+                del model[1][0].bias
+                want = "1.0.bias"
+            else:  # a direct _parameters write fires no hook either
+                model[0]._parameters["bias"] = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+                want = "0.bias"
             with pytest.raises(WeightsMoved, match=re.escape(want)):
                 W.worker_context(model, inst, 0)
         finally:
             W.CONTEXTS.pop((inst, 0), None)
+
+
+def test_the_whole_tree_is_walked_only_after_a_registration_somewhere(monkeypatch):
+    """The per-call check walks the module tree only when a module or parameter was registered in the process since
+    the last walk (torch's global registration hooks); a registration in an unrelated module costs one walk, found
+    intact, and the next call is cheap again."""
+    from weightsync.sglang import worker as W
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    walks = []
+    original = W._Binding._tree_intact
+    monkeypatch.setattr(W._Binding, "_tree_intact", lambda self: walks.append(1) or original(self))
+    try:
+        ctx = W.worker_context(model, "walks", 0)
+        for _ in range(3):
+            assert W.worker_context(model, "walks", 0) is ctx
+        assert walks == []
+        torch.nn.Linear(2, 2)  # registers two parameters elsewhere
+        assert W.worker_context(model, "walks", 0) is ctx and walks == [1]
+        assert W.worker_context(model, "walks", 0) is ctx and walks == [1]
+    finally:
+        W.CONTEXTS.pop(("walks", 0), None)
 
 
 def test_transform_refusals_name_the_layers():
