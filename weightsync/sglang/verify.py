@@ -115,5 +115,5 @@ def differences(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
                   for n in set(a) | set(b) if a.get(n) != b.get(n))
 
 
-__all__ = ["computed", "digests", "computed_digests", "loaded_problems", "differences", "ping", "switch_interval", "empty_cache_seconds",
-           "flip"]
+__all__ = ["computed", "digests", "computed_digests", "loaded_problems", "differences", "ping", "switch_interval",
+           "empty_cache_seconds", "flip"]
