@@ -521,8 +521,9 @@ def overhead(out: Path, steps: int = 24) -> dict:
     flush, continue: four round trips), quiet through SGLang's request path (``use_mailbox=False``: the call alone,
     flushing in its own request, ``flush_in_calls``) and quiet through the call mailbox (no request; the flush by the
     scheduler's thread), its writer lock taken in place and, last arm, through the engine's loop; a greedy generate
-    after every step, so every update has KV to flush; then bare calls (a ping there and back) with the message in a tensor and in the name, ``Engine.flush_cache()``,
-    and ``torch.cuda.empty_cache()`` inside the scheduler."""
+    after every step, so every update has KV to flush; then bare calls (a ping there and back) with the message in a
+    tensor, in the name and through the mailbox (at the default GIL switch interval and at 0.2 ms),
+    ``Engine.flush_cache()``, and ``torch.cuda.empty_cache()`` inside the scheduler."""
     import statistics
 
     from weightsync.meta.server import MetaServer
