@@ -130,6 +130,44 @@ def test_a_worker_killed_mid_call_is_seen_at_once(workers):
         workers.box.call([b"a", b"b"], 5)
 
 
+def test_a_close_from_another_thread_wakes_the_call_which_closes_the_pipes_as_it_leaves(workers):
+    """close() during a call (an instance shut down from another thread) does not close descriptors under the
+    call still polling them: it wakes the call, which raises naming why and closes them itself."""
+    import threading
+
+    box = workers.box
+    fds = list(box._requests + box._answers)
+    seen = []
+
+    def close_now():
+        box.close("shutting down")
+        seen.append(list(box._requests + box._answers))  # still open: the call owns them until it leaves
+
+    t0 = time.perf_counter()
+    threading.Timer(0.3, close_now).start()
+    with pytest.raises(MailboxError, match=r"closed during the call \(shutting down\)"):
+        box.call([b"sleep:30", b"sleep:30"], 60)
+    assert time.perf_counter() - t0 < 10  # woken, not the 60 s deadline nor the 30 s handlers
+    assert seen == [fds] and box._requests == [] and box._answers == [] and box.closed == "shutting down"
+    with pytest.raises(MailboxError, match="closed"):
+        box.call([b"a", b"b"], 5)
+
+
+def test_a_second_call_while_one_is_in_flight_is_refused(workers):
+    import threading
+
+    box = workers.box
+    got = []
+    first = threading.Thread(target=lambda: got.append(box.call([b"sleep:1", b"x"], 30)))
+    first.start()
+    time.sleep(0.2)
+    with pytest.raises(MailboxError, match="another call is in flight"):
+        box.call([b"a", b"b"], 5)
+    first.join(10)
+    assert got == [[b"slept", b"rank-answer:x"]]
+    assert box.call([b"a", b"b"], 30) == [b"rank-answer:a", b"rank-answer:b"]  # the refused call broke nothing
+
+
 def test_a_call_past_its_deadline_times_out_and_closes(workers):
     t0 = time.perf_counter()
     with pytest.raises(MailboxTimeout, match=r"ranks \[1\] did not answer the step within its 1 s") as e:

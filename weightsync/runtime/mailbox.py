@@ -168,7 +168,10 @@ class Mailbox:
     """The control process's end: ``call`` sends one request to each worker and returns their answers.
 
     Made before the workers serve (it creates the FIFOs and opens the answer ends), :meth:`connect`\\ ed after
-    (the request ends open only while a worker reads). One call at a time."""
+    (the request ends open only while a worker reads). One call at a time: a second call while one runs is refused.
+    :meth:`close` may come from any thread: during a call it wakes the call (which raises :class:`MailboxError`
+    naming why) and the call's thread closes the pipes as it leaves -- never under a call still polling them, whose
+    descriptor numbers the process could otherwise hand to a file opened meanwhile."""
 
     def __init__(self, directory: str, ranks: int):
         _check_directory(directory)
@@ -180,6 +183,9 @@ class Mailbox:
         self.closed: str | None = None
         #: the last call's :class:`CallTiming`
         self.last: CallTiming | None = None
+        self._lock = threading.Lock()  # guards closed, _calling and closing the descriptors
+        self._calling = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # close() wakes a call in flight
         try:
             for r in range(ranks):
                 for path in (self.address.request(r), self.address.answer(r)):
@@ -207,10 +213,24 @@ class Mailbox:
         :class:`MailboxDied` when a worker's end closes (process dead, thread ended), :class:`MailboxTimeout` at
         the deadline, :class:`MailboxError` when a worker's serving failed outside the call (its device); after
         the first two the mailbox is closed."""
-        if self.closed is not None:
-            raise MailboxError(f"the mailbox is closed ({self.closed})")
-        if len(requests) != self.ranks or len(self._requests) != self.ranks:
-            raise MailboxError(f"{len(requests)} requests for {self.ranks} ranks, {len(self._requests)} connected")
+        with self._lock:
+            if self.closed is not None:
+                raise MailboxError(f"the mailbox is closed ({self.closed})")
+            if self._calling:
+                raise MailboxError(f"{what}: another call is in flight (a mailbox runs one call at a time)")
+            if len(requests) != self.ranks or len(self._requests) != self.ranks:
+                raise MailboxError(f"{len(requests)} requests for {self.ranks} ranks, {len(self._requests)} "
+                                   "connected")
+            self._calling = True
+        try:
+            return self._call(requests, timeout_s, what)
+        finally:
+            with self._lock:
+                self._calling = False
+                if self.closed is not None:  # closed during the call (here or by another thread): close now
+                    self._close_fds()
+
+    def _call(self, requests: Sequence[bytes], timeout_s: float, what: str) -> list[bytes]:
         self._seq += 1
         seq = self._seq
         t0 = time.perf_counter()
@@ -224,6 +244,7 @@ class Mailbox:
             poller.register(fd, select.POLLOUT)
         for fd in readers:
             poller.register(fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         try:
             while out or readers:
                 for fd in list(out):  # write what the pipes take without waiting
@@ -246,6 +267,8 @@ class Mailbox:
                     raise MailboxTimeout(f"ranks {missing} did not answer {what} within its {timeout_s:g} s deadline",
                                          missing)
                 for fd, ev in poller.poll(max(1, int(left * 1000) + 1) if left < 3600 else 3_600_000):
+                    if fd == self._wake_r:
+                        raise MailboxError(f"{what}: the mailbox was closed during the call ({self.closed})")
                     if fd not in readers:
                         continue
                     r, rd = readers[fd]
@@ -273,15 +296,27 @@ class Mailbox:
         return [answers[r][1] for r in range(self.ranks)]
 
     def close(self, why: str = "closed") -> None:
-        """Close this end; the workers' threads see it and end."""
-        if self.closed is None:
-            self.closed = why
-        for fd in self._requests + self._answers:
+        """Close this end; the workers' threads see it and end. From another thread during a call: the call is
+        woken and raises, and closes the pipes as it leaves (see the class docstring)."""
+        with self._lock:
+            if self.closed is None:
+                self.closed = why
+            if self._calling:
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:  # already woken
+                    pass
+                return
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in self._requests + self._answers + [self._wake_r, self._wake_w]:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self._requests, self._answers = [], []
+        self._wake_r = self._wake_w = -1
 
 
 class MailboxServer:
