@@ -1041,11 +1041,16 @@ class LoopScheduler:
             elif self.stale_batch:
                 self.stale_batch = False  # processed now: fully idle from the next iteration on
             else:
-                time.sleep(0.0002)  # on_idle (SGLang spins here; a short sleep spares this shared machine)
+                self.on_idle()
 
     def process_input_requests(self, recv_reqs):
         for req in recv_reqs:
             req()
+
+    def on_idle(self):
+        """0.5.14 ``Scheduler.on_idle``: the idle housekeeping (SGLang's is Python checks holding the GIL)."""
+        self.housekeeping = getattr(self, "housekeeping", 0) + 1
+        time.sleep(0.0002)  # SGLang spins here; a short sleep spares this shared machine
 
     def run_batch(self):
         self.queued_batches -= 1
@@ -1280,6 +1285,56 @@ def test_the_writer_lock_is_taken_in_place_only_where_acquire_writer_would_not_w
         assert lock._readers == 1 and not lock._writer_active
     finally:
         loop.close()
+
+
+def test_the_idle_housekeeping_is_skipped_while_a_call_is_coming_and_restored_after():
+    """The gate wraps the scheduler's ``on_idle``: with a call waiting in (or running from) a mailbox the scheduler
+    skips that iteration's housekeeping and goes straight on to the gate; otherwise SGLang's own runs; removing the
+    last mailbox gives the scheduler its methods back."""
+    from weightsync.sglang.mailbox import SchedulerGate
+
+    class Server:
+        alive, active, waiting = True, False, False
+
+        def pending(self):
+            return self.waiting
+
+        def stop(self):
+            self.alive = False
+
+    class Scheduler:
+        forward_ct = 0
+        runs = 0
+
+        def process_input_requests(self, reqs):
+            return None
+
+        def is_fully_idle(self):
+            return True
+
+        def flush_cache(self, empty_cache=True):
+            return True
+
+        def on_idle(self):
+            self.runs += 1
+
+    sched, server = Scheduler(), Server()
+    gate = SchedulerGate.of(sched)
+    gate.add("/nowhere", server)
+    sched.on_idle()
+    assert sched.runs == 1 and gate.skipped_idle == 0
+    server.waiting = True  # a call's bytes wait in the pipe
+    sched.on_idle()
+    server.waiting, server.active = False, True  # the call runs
+    sched.on_idle()
+    assert sched.runs == 1 and gate.skipped_idle == 2
+    server.active = False
+    sched.on_idle()
+    assert sched.runs == 2
+    gate.remove(None)
+    assert "on_idle" not in vars(sched) and "process_input_requests" not in vars(sched)
+    sched.on_idle()
+    assert sched.runs == 3
 
 
 def test_the_flush_runs_only_when_a_batch_ran_since_the_last_one(looping):

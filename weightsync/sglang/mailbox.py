@@ -86,6 +86,9 @@ log = logging.getLogger("weightsync.sglang.mailbox")
 _GATE_ATTR = "_weightsync_gate"
 #: what the gate needs of SGLang's scheduler (0.5.14 ``managers/scheduler.py:Scheduler``)
 SCHEDULER_NEEDS = ("process_input_requests", "is_fully_idle", "flush_cache")
+#: the scheduler's idle housekeeping, skipped for an iteration while a call is coming or running (0.5.14
+#: ``scheduler.py:Scheduler.on_idle``, called by both event loops when no batch runs; see :class:`SchedulerGate`)
+IDLE_HOUSEKEEPING = ("on_idle",)
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,16 @@ class SchedulerGate:
     flushes the cache when a call asks (module docstring, points 4 and the flush).
 
     Installed once per scheduler by :meth:`of` (a wrapper on the scheduler object's ``process_input_requests``,
-    the call each loop iteration makes after receiving requests, in every 0.5.14 event loop)."""
+    the call each loop iteration makes after receiving requests, in every 0.5.14 event loop). Also wrapped, where
+    the scheduler has it: its idle housekeeping (:data:`IDLE_HOUSEKEEPING`), skipped for an iteration while a call
+    is coming or running, so that the scheduler thread reaches the gate without finishing it first.
+
+    Why the skip: 0.5.14's ``Scheduler.on_idle`` runs every idle iteration (pool and request-pool leak checks, a
+    tree-cache sanity check, metrics, KV events, ...), all Python holding the GIL. A call that arrives during it ran,
+    until the scheduler came round to the gate, against a thread that yields the GIL only at its switch interval: on
+    one H100 host the handler's first steps took 0.17 ms (decode; 0.016 ms on a CPU host) and 0.75 ms (the binding
+    check), the transfer after them ran at full speed (BENCHMARKS.md, session 16). Skipping one iteration's
+    housekeeping changes nothing SGLang relies on: the next idle iteration runs it."""
 
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
@@ -144,6 +156,14 @@ class SchedulerGate:
         self._original: Callable[..., Any] = scheduler.process_input_requests
         self.sleeper = self._register_sleeper()
         scheduler.process_input_requests = self._hook
+        #: idle iterations whose housekeeping was skipped because a call was coming or running (tests and timing)
+        self.skipped_idle = 0
+        self._idle: dict[str, Callable[..., Any]] = {}  # the wrapped housekeeping methods, by name
+        for name in IDLE_HOUSEKEEPING:
+            original = getattr(scheduler, name, None)
+            if callable(original) and name not in vars(scheduler):
+                self._idle[name] = original
+                setattr(scheduler, name, self._idle_hook(original))
 
     @classmethod
     def of(cls, scheduler: Any) -> "SchedulerGate":
@@ -182,6 +202,16 @@ class SchedulerGate:
     def _hook(self, *args: Any, **kwargs: Any) -> Any:
         self.at_safe_point()
         return self._original(*args, **kwargs)
+
+    def _idle_hook(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def idle(*args: Any, **kwargs: Any) -> Any:
+            if self._flush is None and not self._calls():
+                return original(*args, **kwargs)
+            self.skipped_idle += 1  # a call is coming or running: straight on to the gate
+            return None
+
+        idle.weightsync_gate = self  # type: ignore[attr-defined]
+        return idle
 
     def _calls(self) -> bool:
         """A call waits in, or is being run by, a mailbox of this scheduler."""
@@ -278,6 +308,9 @@ class SchedulerGate:
             self.servers.clear()
             if self.scheduler.__dict__.get("process_input_requests") == self._hook:
                 del self.scheduler.process_input_requests
+            for name in self._idle:
+                if getattr(self.scheduler.__dict__.get(name), "weightsync_gate", None) is self:
+                    delattr(self.scheduler, name)
             self.scheduler.__dict__.pop(_GATE_ATTR, None)
             poller = getattr(getattr(self.scheduler, "idle_sleeper", None), "poller", None)
             if self.sleeper and poller is not None:
@@ -397,4 +430,4 @@ def then_flush(ctx: Any, empty_cache: bool, wait_s: float, fn: Callable[..., Any
 
 
 __all__ = ["SchedulerGate", "MailboxStarted", "serve_mailbox", "stop_mailbox", "then_flush", "current_gate",
-           "SCHEDULER_NEEDS"]
+           "SCHEDULER_NEEDS", "IDLE_HOUSEKEEPING"]
