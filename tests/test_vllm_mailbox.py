@@ -2,7 +2,7 @@
 
 Part 1, no vLLM: the mailbox between this process and real worker processes (spawned): answers in rank
 order, large frames both ways, a worker process killed mid-call (WorkerDied-style, at once), a call past its
-deadline, the control process closing, and the FIFO/directory checks (a link, a loose mode, a non-private
+deadline, the control process closing, a close from another thread during a call, a second call refused, and the FIFO/directory checks (a link, a loose mode, a non-private
 directory refused). The vLLM handler (``weightsync.vllm.side.serve_mailbox``, the real one) on a stand-in
 worker: a signed call runs, a raw pickle, a forged MAC, a replay and a call signed for another instance's
 directory are refused with nothing run.
