@@ -439,6 +439,11 @@ def api_of(engine: Any) -> str:
 _RWLOCK_FIELDS = ("_lock", "_cond", "_readers", "_writer_active", "_waiting_writers")
 
 
+def _lock_in_reach(lock: Any, loop: Any) -> bool:
+    """The lock is 0.5.14's ``RWLock`` and no coroutine of its loop runs now: its state may be read and set here."""
+    return not loop.is_running() and all(hasattr(lock, f) for f in _RWLOCK_FIELDS)
+
+
 def take_writer_in_place(tm: Any, loop: Any) -> bool | None:
     """Take the tokenizer manager's model-update writer lock without running the engine's event loop, where that is
     exactly what ``acquire_writer()`` would do: True (taken), False (a request holds, waits for or is in flight
@@ -452,7 +457,7 @@ def take_writer_in_place(tm: Any, loop: Any) -> bool | None:
     ``Engine`` drives its loop only inside its own calls (``run_until_complete``), from the one thread that uses it,
     which here is the reader's. A running loop, or an ``RWLock`` without 0.5.14's fields: None."""
     lock = tm.model_update_lock
-    if loop.is_running() or not all(hasattr(lock, f) for f in _RWLOCK_FIELDS):
+    if not _lock_in_reach(lock, loop):
         return None
     if tm.rid_to_state or lock._lock.locked() or lock._writer_active or lock._readers or lock._waiting_writers:
         return False
@@ -464,7 +469,7 @@ def release_writer_in_place(lock: Any, loop: Any) -> bool:
     """Release a writer lock taken by :func:`take_writer_in_place` without the loop, where nobody waits on it (no
     waiter to notify: ``release_writer()`` would only clear ``_writer_active``); False: release it through the
     loop (a request began waiting meanwhile, or the loop runs)."""
-    if loop.is_running() or not all(hasattr(lock, f) for f in _RWLOCK_FIELDS) or lock._lock.locked():
+    if not _lock_in_reach(lock, loop) or lock._lock.locked():
         return False
     waiters = getattr(lock._cond, "_waiters", None)  # asyncio.Condition's waiting coroutines (a deque, CPython 3.10+)
     if waiters is None or len(waiters):

@@ -158,11 +158,11 @@ class SchedulerGate:
         scheduler.process_input_requests = self._hook
         #: idle iterations whose housekeeping was skipped because a call was coming or running (tests and timing)
         self.skipped_idle = 0
-        self._idle: dict[str, Callable[..., Any]] = {}  # the wrapped housekeeping methods, by name
+        self._idle: list[str] = []  # the names of the housekeeping methods wrapped on this scheduler
         for name in IDLE_HOUSEKEEPING:
             original = getattr(scheduler, name, None)
             if callable(original) and name not in vars(scheduler):
-                self._idle[name] = original
+                self._idle.append(name)
                 setattr(scheduler, name, self._idle_hook(original))
 
     @classmethod

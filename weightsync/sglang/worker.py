@@ -54,6 +54,9 @@ def _count_registrations() -> None:
                       register_module_parameter_registration_hook(counted)])
 
 
+_PARAMETERS = operator.attrgetter("_parameters")
+
+
 class _Binding:
     """The model's module tree as weightsync bound it, to tell cheaply that nothing was replaced since.
 
@@ -75,18 +78,19 @@ class _Binding:
         self.model = model
         self.edges = [(m, n, c) for _, m in mods for n, c in m._modules.items()]
         self.counts = [(m, len(m._parameters), len(m._modules)) for _, m in mods]
-        self.params = [(m, n, p) for _, m in mods for n, p in m._parameters.items() if p is not None]
-        self.param_dicts = [m._parameters for m, _, _ in self.params]
-        self.param_names = [n for _, n, _ in self.params]
-        self.param_objects = [p for _, _, p in self.params]
-        owned = {id(p) for _, _, p in self.params}
+        params = [(m, n, p) for _, m in mods for n, p in m._parameters.items() if p is not None]
+        self.param_owners = [m for m, _, _ in params]
+        self.param_names = [n for _, n, _ in params]
+        self.param_objects = [p for _, _, p in params]
+        owned = {id(p) for p in self.param_objects}
         #: False where the tree does not hold every bound tensor (a model keeping them elsewhere): the slow check then
         self.covers = all(id(t) in owned for t in tensors.values())
 
     def intact(self, model: torch.nn.Module) -> bool:
         if model is not self.model or not self.covers:
             return False
-        if not all(map(operator.is_, map(dict.get, self.param_dicts, self.param_names), self.param_objects)):
+        held = map(dict.get, map(_PARAMETERS, self.param_owners), self.param_names)  # each module's dict as it is now
+        if not all(map(operator.is_, held, self.param_objects)):
             return False
         if _REGISTRATIONS[0] == self.registrations:
             return True
@@ -96,13 +100,11 @@ class _Binding:
         return True
 
     def _tree_intact(self) -> bool:
+        """The edges and counts as bound (the parameter objects were checked just before, in :meth:`intact`)."""
         for m, n, c in self.edges:
             if m._modules.get(n) is not c:
                 return False
-        for m, n_params, n_mods in self.counts:
-            if len(m._parameters) != n_params or len(m._modules) != n_mods:
-                return False
-        return all(m._parameters.get(n) is p for m, n, p in self.params)
+        return all(len(m._parameters) == n_params and len(m._modules) == n_mods for m, n_params, n_mods in self.counts)
 
 
 def worker_context(model: torch.nn.Module, instance: str, rank: int) -> WorkerContext:
