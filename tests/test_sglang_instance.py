@@ -1049,7 +1049,6 @@ class LoopScheduler:
 
     def on_idle(self):
         """0.5.14 ``Scheduler.on_idle``: the idle housekeeping (SGLang's is Python checks holding the GIL)."""
-        self.housekeeping = getattr(self, "housekeeping", 0) + 1
         time.sleep(0.0002)  # SGLang spins here; a short sleep spares this shared machine
 
     def run_batch(self):
