@@ -2,7 +2,7 @@
 
 Part 1, no vLLM: the mailbox between this process and real worker processes (spawned): answers in rank
 order, large frames both ways, a worker process killed mid-call (WorkerDied-style, at once), a call past its
-deadline, the control process closing, a close from another thread during a call, a second call refused, and the FIFO/directory checks (a link, a loose mode, a non-private
+deadline, the control process closing, the on_posted hook (a handler's transfer posted, ahead of its answer), a close from another thread during a call, a second call refused, and the FIFO/directory checks (a link, a loose mode, a non-private
 directory refused). The vLLM handler (``weightsync.vllm.side.serve_mailbox``, the real one) on a stand-in
 worker: a signed call runs, a raw pickle, a forged MAC, a replay and a call signed for another instance's
 directory are refused with nothing run.
@@ -45,6 +45,13 @@ def _echo(payload: bytes) -> bytes:
     if payload.startswith(b"sleep:"):
         time.sleep(float(payload[6:]))
         return b"slept"
+    if payload.startswith(b"posted:"):  # a transfer: posted, then the device's part (a sleep)
+        from weightsync.transport.posted import posted
+
+        posted()
+        posted()  # a second one in the same call says nothing more
+        time.sleep(float(payload[7:]))
+        return b"done"
     if payload.startswith(b"raise"):
         raise ValueError("the handler raised")
     if payload.startswith(b"big:"):
@@ -109,6 +116,27 @@ def test_answers_in_rank_order_and_large_frames(workers):
     assert 0.2 <= t.handler <= t.seconds and t.synced >= 0.0
     for i in range(50):  # many calls in a row, each its own call number
         assert box.call([b"%d" % i] * 2, 30) == [b"rank-answer:" + (b"%d" % i)[::-1]] * 2
+
+
+def test_on_posted_runs_once_every_rank_posted_while_the_call_is_in_flight(workers):
+    """A handler's transport says its copies are posted (weightsync.transport.posted): the control process's
+    on_posted hook runs once, as soon as every rank posted or answered, before the call returns; a call where no
+    rank posted never runs it."""
+    box, hooks = workers.box, []
+    t0 = time.perf_counter()
+    assert box.call([b"posted:0.5", b"posted:0.5"], 30, on_posted=lambda: hooks.append(time.perf_counter())) == \
+        [b"done", b"done"]
+    returned = time.perf_counter()
+    assert len(hooks) == 1 and returned - hooks[0] > 0.3, (hooks, returned - t0)  # well before the answers
+    hooks.clear()
+    assert box.call([b"posted:0.5", b"x"], 30, on_posted=lambda: hooks.append(time.perf_counter())) == \
+        [b"done", b"rank-answer:x"]
+    assert len(hooks) == 1 and time.perf_counter() - hooks[0] > 0.3  # rank 1 answered, rank 0 posted
+    hooks.clear()
+    assert box.call([b"a", b"b"], 30, on_posted=lambda: hooks.append(1)) == [b"rank-answer:a", b"rank-answer:b"]
+    assert hooks == []
+    assert box.call([b"posted:0", b"posted:0"], 30, on_posted=lambda: 1 / 0) == [b"done", b"done"]  # logged only
+    assert box.call([b"c", b"d"], 30) == [b"rank-answer:c", b"rank-answer:d"]  # still in step
 
 
 def test_a_handler_that_raises_is_answered_as_a_failure(workers):

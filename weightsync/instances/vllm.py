@@ -18,9 +18,11 @@ Start the engine with weightsync's worker extension, then hand it to an unchange
   call; where every layer is in place (GPU, unquantized) there is none, and no call is made.
 - ``pause``: ``AsyncLLM.pause_generation(mode=pause_mode)`` (``"keep"`` freezes in-flight requests);
   the offline ``LLM`` generates only inside ``generate()``, so there is nothing to pause. With the mailbox
-  up, ``pause`` also starts ``reset_prefix_cache()`` (cached KV of the old weights: an engine-core trip that
-  touches no worker, ``v1/core/sched/scheduler.py`` ``reset_prefix_cache``, 0.26) beside the receive, and
-  ``resume`` waits for it; without the mailbox ``resume`` resets. Then ``resume_generation``.
+  up, ``reset_prefix_cache()`` (cached KV of the old weights: an engine-core trip that touches no worker,
+  ``v1/core/sched/scheduler.py`` ``reset_prefix_cache``, 0.26) runs beside the receive: started the moment
+  every worker has posted its copies (:mod:`weightsync.transport.posted`; started sooner, the engine core's
+  thread handling it contends for the GIL with the receive's Python, in one process at TP = 1), else by
+  ``resume``, which waits for it; without the mailbox ``resume`` resets. Then ``resume_generation``.
 - ``set_version(step)``: ``update_weight_version(str(step))``, readable with ``get_weight_version()``
   (vLLM >= 0.32; 0.26 has no weight version: there ``get_version`` answers the last step set here).
 - ``withhold(reason)``: after a failed non-staged update (the weights a mix of two steps) the engine serves
@@ -110,7 +112,8 @@ class VLLMInstance:
         self._version = "default"  # vLLM's own initial weight version
         self._mailbox = None  # the call mailbox, once up
         self._client = threading.Lock()  # one call at a time through the offline LLM's engine client
-        self._reset: concurrent.futures.Future | None = None  # the prefix-cache reset started by pause()
+        self._reset_due = False  # paused with the mailbox up: the prefix cache is reset once the workers posted
+        self._reset: concurrent.futures.Future | None = None  # the prefix-cache reset, once started
         self._background: _Background | None = None
         #: engine-core trips made through collective_rpc (set-up and fallback calls; none a step with the mailbox)
         self.trips = 0
@@ -188,13 +191,19 @@ class VLLMInstance:
             self._paused = True
         if self._mailbox is not None and self._broken is None and self._reset is None:
             # nothing generates until resume() (offline: idle; AsyncLLM: paused), so the reset may run beside the
-            # receive: the update's calls go through the mailbox, not the engine client
-            if self.is_async:
-                self._reset = asyncio.run_coroutine_threadsafe(self.llm.reset_prefix_cache(), self.loop)
-            else:
-                self._reset = self._background.submit(self._locked, self.llm.reset_prefix_cache)
+            # receive: the update's calls go through the mailbox, not the engine client (_mail starts it)
+            self._reset_due = True
+
+    def _start_reset(self) -> None:
+        """Start the prefix-cache reset pause() made due (on the reader's thread; the engine client's own)."""
+        self._reset_due = False
+        if self.is_async:
+            self._reset = asyncio.run_coroutine_threadsafe(self.llm.reset_prefix_cache(), self.loop)
+        else:
+            self._reset = self._background.submit(self._locked, self.llm.reset_prefix_cache)
 
     def resume(self) -> None:
+        self._reset_due = False  # still due: no call of this update said its copies were posted (reset below)
         pending, self._reset = self._reset, None
         if self._broken is not None:
             return
@@ -247,6 +256,7 @@ class VLLMInstance:
         return self._run(self.llm.get_weight_version()) if self.is_async else self.llm.get_weight_version()
 
     def close(self) -> None:
+        self._reset_due = False
         pending, self._reset = self._reset, None
         if pending is not None:
             with contextlib.suppress(Exception):  # closing: the engine may be gone
@@ -302,7 +312,8 @@ class VLLMInstance:
         if self._broken is not None:
             raise InstanceError(f"{self!r} is unusable: {self._broken}")
         try:
-            answers = self._mailbox.call([payload] * self.world_size, timeout, what)
+            answers = self._mailbox.call([payload] * self.world_size, timeout, what,
+                                         self._start_reset if self._reset_due else None)
             self.last_call = last = self._mailbox.last
             if last is not None:
                 for name, sec in (("call", last.seconds), ("call.handler", last.handler), ("call.synced", last.synced)):

@@ -21,6 +21,11 @@ before anything is decoded, a restricted unpickler, each call number run at most
 engine's own call method would (``weightsync.vllm.rpc.answer``). A worker opens only a FIFO of its own uid,
 mode 0600, in a private weightsync directory, never through a link.
 
+**Posted.** While a handler runs, :func:`weightsync.transport.posted.posted` (a transport calls it once every copy
+of the step is in flight) sends the control process a ``POSTED`` frame ahead of the answer; ``call(...,
+on_posted=...)`` runs its hook once every rank has posted (or answered): the engine adapter starts there the work
+that would otherwise contend with the workers' posting (vLLM's prefix-cache reset).
+
 **Devices.** The serving thread runs with the worker's device current (``torch.cuda.set_device``), and
 synchronizes it before running a call and again before answering: the answer is sent only once every
 kernel the call launched has finished, on whatever stream, so the control process that reads it (and
@@ -52,6 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync.transport.posted import hooked
 from weightsync.transport.private import check_private_directory
 
 log = logging.getLogger("weightsync.runtime.mailbox")
@@ -60,7 +66,7 @@ log = logging.getLogger("weightsync.runtime.mailbox")
 #: carries the seconds the worker spent in the handler and in the two device syncs (:class:`CallTiming`)
 _FRAME = struct.Struct(">BQQ")
 _ANSWER = struct.Struct(">BQQdd")
-CALL, ANSWER, FAILED = 1, 2, 3
+CALL, ANSWER, FAILED, POSTED = 1, 2, 3, 4
 _CHUNK = 1 << 20
 #: the names a mailbox directory may carry (weightsync.runtime.wire.DIR_PREFIXES, repeated: no import of torch here)
 DIR_PREFIXES = ("weightsync-sglang-", "weightsync-vllm-")
@@ -207,8 +213,10 @@ class Mailbox:
                 why = "no thread reads it" if e.errno == errno.ENXIO else e.strerror
                 raise MailboxError(f"rank {r}'s mailbox cannot be opened ({why})") from e
 
-    def call(self, requests: Sequence[bytes], timeout_s: float, what: str = "the call") -> list[bytes]:
-        """Send ``requests[r]`` to rank r, every rank at once; each rank's answer, in rank order.
+    def call(self, requests: Sequence[bytes], timeout_s: float, what: str = "the call",
+             on_posted: Callable[[], None] | None = None) -> list[bytes]:
+        """Send ``requests[r]`` to rank r, every rank at once; each rank's answer, in rank order. ``on_posted``: run
+        (on this thread, once) when every rank has said its transfer is posted or has answered, if one said so.
 
         :class:`MailboxDied` when a worker's end closes (process dead, thread ended), :class:`MailboxTimeout` at
         the deadline, :class:`MailboxError` when a worker's serving failed outside the call (its device); after
@@ -223,14 +231,15 @@ class Mailbox:
                                    "connected")
             self._calling = True
         try:
-            return self._call(requests, timeout_s, what)
+            return self._call(requests, timeout_s, what, on_posted)
         finally:
             with self._lock:
                 self._calling = False
                 if self.closed is not None:  # closed during the call (here or by another thread): close now
                     self._close_fds()
 
-    def _call(self, requests: Sequence[bytes], timeout_s: float, what: str) -> list[bytes]:
+    def _call(self, requests: Sequence[bytes], timeout_s: float, what: str,
+              on_posted: Callable[[], None] | None) -> list[bytes]:
         self._seq += 1
         seq = self._seq
         t0 = time.perf_counter()
@@ -239,6 +248,8 @@ class Mailbox:
         readers = {self._answers[r]: (r, _Reader(_ANSWER)) for r in range(self.ranks)}
         spent: list[tuple[float, float]] = []
         answers: dict[int, tuple[int, bytes]] = {}
+        posted: set[int] = set()  # ranks whose transfer is posted (or that answered)
+        said = False  # a rank sent POSTED
         poller = select.poll()
         for fd in out:
             poller.register(fd, select.POLLOUT)
@@ -279,12 +290,23 @@ class Mailbox:
                                           "its mailbox thread ended)", r) from None
                     if whole:
                         kind, got, body = rd.frame()
-                        answers[r] = (kind, body)
-                        spent.append(rd.times())
                         if got != seq:
                             raise MailboxError(f"rank {r} answered call {got}, not {seq}: out of step")
-                        del readers[fd]
-                        poller.unregister(fd)
+                        posted.add(r)
+                        if kind == POSTED:
+                            said = True
+                            readers[fd] = (r, _Reader(_ANSWER))  # the answer follows
+                        else:
+                            answers[r] = (kind, body)
+                            spent.append(rd.times())
+                            del readers[fd]
+                            poller.unregister(fd)
+                        if on_posted is not None and said and len(posted) == self.ranks:
+                            hook, on_posted = on_posted, None
+                            try:
+                                hook()
+                            except Exception:  # noqa: BLE001 -- the caller's hook: never breaks the call
+                                log.exception("%s: the call's on_posted hook raised", what)
         except (MailboxDied, MailboxTimeout, MailboxError) as e:
             self.close(str(e))
             raise
@@ -359,7 +381,8 @@ class MailboxServer:
                 try:
                     self._sync()
                     t1 = time.perf_counter()
-                    reply, rkind = self.handle(payload), ANSWER
+                    with hooked(lambda seq=seq: self._send(_ANSWER.pack(POSTED, seq, 0, 0.0, 0.0))):
+                        reply, rkind = self.handle(payload), ANSWER
                     handler = time.perf_counter() - t1
                     self._sync()  # every kernel the call launched is done before the answer says so
                 except BaseException as e:  # noqa: BLE001 -- answered; the handler itself never raises

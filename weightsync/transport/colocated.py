@@ -63,6 +63,7 @@ from weightsync.transport.base import (
     StepStats,
 )
 from weightsync.transport.graphs import CopyGraphs
+from weightsync.transport.posted import posted as all_posted
 from weightsync.transport.nccl import (
     DEFAULT_WINDOW,
     coalescing,
@@ -525,6 +526,7 @@ class ColocatedTransport:
         for side in sides:
             torch.cuda.current_stream(dev).wait_stream(side)
         done_posting = time.perf_counter() - start
+        all_posted()  # the rest is the device's: the runner may start its own work beside the copies
         error = None
         if during is not None:
             try:

@@ -81,6 +81,7 @@ from weightsync.transport.base import (
     StepStats,
 )
 from weightsync.transport.graphs import CopyGraphs
+from weightsync.transport.posted import posted as all_posted
 from weightsync.transport.pack import Landing, join
 from weightsync.transport.nixl_wire import (
     HEADER_WORDS,
@@ -790,6 +791,7 @@ class NixlReceiver(Receiver):
                 started = time.perf_counter() - t0
             window.append((bt, h, slot))
         posted = time.perf_counter() - t0
+        all_posted()  # the rest is NIXL's and the device's (the staged batches' unpacks excepted)
         for item in window:
             finish(*item)
         self._wait(pending)

@@ -75,6 +75,7 @@ from weightsync.transport.base import (
     StepStats,
 )
 from weightsync.transport.graphs import CopyGraphs
+from weightsync.transport.posted import posted as all_posted
 from weightsync.transport.nccl import (  # noqa: F401 - re-exported: the names callers knew here
     DEFAULT_WINDOW,
     abort,
@@ -183,6 +184,7 @@ class P2PTransport:
         while inflight:
             self._finish(*inflight.popleft(), tensors, sending, ordered)
         done_posting = time.perf_counter() - start
+        all_posted()  # the rest is the device's
         if ordered:
             settle(posted, self.timeout.total_seconds(), device, self.group)
         return TransferStats(len(ops), sum(b.nbytes for b in ops), time.perf_counter() - start, done_posting)
