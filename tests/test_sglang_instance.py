@@ -1019,6 +1019,7 @@ class LoopScheduler:
         self.stale_batch = False  # the overlap scheduler's last batch of a request that already finished
         self.iterations = 0
         self.flush_threads: list[int] = []
+        self.flush_at: list[float] = []  # time.monotonic() of each flush
         self.stuck = threading.Event()  # set: the loop hangs (never reaches process_input_requests)
         self.stopped = False
         self.updater = types.SimpleNamespace(scheduler=self, flush_cache=self.flush_cache,
@@ -1064,6 +1065,7 @@ class LoopScheduler:
         idle = self.is_fully_idle()
         self.engine.log.append(("scheduler flush", self.rank, idle, empty_cache))
         self.flush_threads.append(threading.get_ident())
+        self.flush_at.append(time.monotonic())
         return idle
 
     def update_weights_from_tensor(self, named):
@@ -1202,6 +1204,23 @@ def steps_aside(ctx):
     before = sch.iterations
     time.sleep(0.1)
     return gate.parks, sch.iterations - before
+
+
+def posts_then_copies(ctx, seconds):
+    """On the mailbox thread, shaped like a receive: its transport says the copies are posted, then they run
+    (``seconds`` asleep, the GIL released); returns when they ended."""
+    from weightsync.transport.posted import posted
+
+    posted()
+    time.sleep(seconds)
+    return time.monotonic()
+
+
+def posts_then_raises(ctx):
+    from weightsync.transport.posted import posted
+
+    posted()
+    raise RuntimeError("the copies failed")
 
 
 def hang(ctx, key):
@@ -1358,6 +1377,42 @@ def test_the_flush_runs_only_when_a_batch_ran_since_the_last_one(looping):
     eng.log.clear()
     _update(inst, spec, 4)
     assert sorted(eng.log) == [("scheduler flush", 0, True, False), ("scheduler flush", 1, True, False)]
+
+
+def test_the_flush_runs_beside_the_posted_copies_and_the_answer_waits_for_it(looping):
+    """A batch ran since the last flush: the call whose transport posts its copies has the scheduler threads flush
+    while they run (before the call's work ended), and the call waits for nothing more; a call that raises after
+    its posting withdraws an order not yet run."""
+    spec, layout, eng, inst = looping(empty_cache_on_resume=False)
+    _update(inst, spec, 1)
+    eng.generate("between")
+    inst.pause()
+    try:
+        ended = inst.call(posts_then_copies, 0.3)
+        timing = dict(inst.last_timing)
+        canonical = random_canonical(spec, seed=2)
+        inst.call(write_canonical, canonical, preset("tiny-qwen3"), inst.engine)  # nothing more to flush
+    finally:
+        inst.resume()
+    assert [len(s.flush_at) for s in eng.schedulers] == [2, 2]
+    assert all(s.flush_at[-1] < end for s, end in zip(eng.schedulers, ended)), ([s.flush_at for s in eng.schedulers],
+                                                                               ended)
+    assert all(set(s.flush_threads) == {s.thread.ident} for s in eng.schedulers)
+    assert timing["flush_waited"] < 0.1 and 0 < timing["flush_in_calls"], timing
+    _exact(layout, eng, canonical)
+    eng.generate("again")
+    gates = [sch.__dict__["_weightsync_gate"] for sch in eng.schedulers]
+    for sch in eng.schedulers:
+        sch.stuck.set()  # the loops do not come round: an order stays unrun
+    inst.pause()
+    try:
+        with pytest.raises(RuntimeError, match="the copies failed"):
+            inst.call(posts_then_raises)
+        assert [g._flush for g in gates] == [None, None]  # withdrawn
+    finally:
+        for sch in eng.schedulers:
+            sch.stuck.clear()
+        inst.resume()
 
 
 def test_the_scheduler_thread_waits_in_its_gate_while_a_call_runs(looping):

@@ -956,8 +956,9 @@ class SGLangInstance:
     def _unflushed(self, results: list[Any]) -> list[Any]:
         """A quiet update's answers (:class:`Flushed`): whether every rank flushed, the flush's time, the values."""
         self._flushed = all(isinstance(r, Flushed) and r.flushed for r in results)
-        self.last_timing["flush_in_calls"] = self.last_timing.get("flush_in_calls", 0.0) + max(
-            (r.seconds for r in results if isinstance(r, Flushed)), default=0.0)
+        for name, of in (("flush_in_calls", lambda r: r.seconds), ("flush_waited", lambda r: r.waited)):
+            self.last_timing[name] = self.last_timing.get(name, 0.0) + max(
+                (of(r) for r in results if isinstance(r, Flushed)), default=0.0)
         return [r.value if isinstance(r, Flushed) else r for r in results]
 
     def _mail(self, fn: Callable[..., Any], timeout_s: float, *args: Any) -> list[Any]:

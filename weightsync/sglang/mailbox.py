@@ -36,10 +36,11 @@ it (:class:`~weightsync.instances.sglang.SGLangInstance`, ``mailbox=True``).
    waiting for rank 0's, which is just as idle.
 
 **The KV cache is flushed by the scheduler's own thread.** The radix cache, the KV pools and the scheduler's batch
-fields belong to the scheduler thread, so the mailbox thread never touches them. After a call, if the scheduler ran
-a batch since weightsync last flushed it (``Scheduler.forward_ct``, counted in ``run_batch``: KV enters the cache
+fields belong to the scheduler thread, so the mailbox thread never touches them. Once a call's copies are posted
+(:mod:`weightsync.transport.posted`; after the call where it posts none), if the scheduler ran a batch since
+weightsync last flushed it (``Scheduler.forward_ct``, counted in ``run_batch``: KV enters the cache
 only from a batch's forward, so an unchanged count means nothing was cached since), the mailbox thread hands a flush
-order to the gate and waits: the scheduler thread runs ``Scheduler.flush_cache(empty_cache)`` at its next loop
+order to the gate, and waits for it before answering: the scheduler thread runs ``Scheduler.flush_cache(empty_cache)`` at its next loop
 iteration where ``is_fully_idle()`` (within one or two iterations: a batch launched for a finished request is
 processed first) -- exactly where and how SGLang runs its own ``FlushCacheReqInput``
 (``scheduler_components/flush_wrapper.py:SchedulerFlushWrapper.handle`` calls the same ``flush_cache`` from
@@ -79,6 +80,7 @@ import torch
 
 from weightsync.errors import InstanceError
 from weightsync.runtime.mailbox import MailboxAddress, MailboxServer, serve
+from weightsync.transport.posted import hooked
 
 log = logging.getLogger("weightsync.sglang.mailbox")
 
@@ -105,6 +107,7 @@ class _FlushOrder:
     """A flush the mailbox thread asks the scheduler thread for (:meth:`SchedulerGate.flush_after`)."""
 
     empty_cache: bool
+    count: int | None = None  # the scheduler's forward_ct when ordered (flushed_at, once it flushed)
     done: bool = False
     ok: bool = False
     seconds: float = 0.0
@@ -259,15 +262,16 @@ class SchedulerGate:
         with self.cond:
             self.cond.notify_all()
 
-    def flush_after(self, value: Any, empty_cache: bool, wait_s: float, rank: int) -> Any:
-        """``value`` as a :class:`~weightsync.instances.sglang.Flushed`: the scheduler's cache flushed by its own
-        thread if it ran a batch since weightsync last flushed it (module docstring)."""
-        from weightsync.sglang.worker import Flushed, flush_due, flushed_at
+    def order_flush(self, empty_cache: bool) -> _FlushOrder | None:
+        """Hand the scheduler thread a flush order if it ran a batch since weightsync last flushed it (module
+        docstring); None where nothing needs flushing. It runs at the scheduler's next safe point: during a call's
+        copies (:func:`then_flush`), while this thread waits on the device."""
+        from weightsync.sglang.worker import flush_due
 
         count = flush_due(self.scheduler)
         if count is False:
-            return Flushed(value, True, 0.0, skipped=True)
-        order = _FlushOrder(empty_cache)
+            return None
+        order = _FlushOrder(empty_cache, count)
         with self.cond:
             self._flush = order
             self.cond.notify_all()
@@ -275,19 +279,36 @@ class SchedulerGate:
             os.write(self._wake_w, b"f")  # a scheduler asleep in its idle poller wakes
         except BlockingIOError:
             pass
-        deadline = time.monotonic() + wait_s
+        return order
+
+    def cancel(self, order: _FlushOrder) -> None:
+        """Withdraw an order not yet run (the call it was for failed); one already run stays run."""
+        with self.cond:
+            if self._flush is order:
+                self._flush = None
+
+    def flush_after(self, value: Any, order: _FlushOrder | None, wait_s: float, rank: int) -> Any:
+        """``value`` as a :class:`~weightsync.instances.sglang.Flushed` once ``order`` (:meth:`order_flush`) has run
+        (None: nothing needed flushing); :class:`InstanceError` where the scheduler did not come round in time."""
+        from weightsync.sglang.worker import Flushed, flushed_at
+
+        if order is None:
+            return Flushed(value, True, 0.0, skipped=True)
+        t0 = time.monotonic()
+        deadline = t0 + wait_s
         with self.cond:
             while not order.done and (left := deadline - time.monotonic()) > 0:
                 self.cond.wait(left)
             if self._flush is order:
                 self._flush = None
+        waited = time.monotonic() - t0
         if not order.done:
             raise InstanceError(f"rank {rank}: SGLang's scheduler thread did not come round to flush the KV cache "
                                 f"within {wait_s:g} s of the weights landing (is its loop stuck?); the cache may hold KV "
                                 "computed with the previous weights, so this update failed")
         if order.ok:
-            flushed_at(self.scheduler, count)
-        return Flushed(value, order.ok, order.seconds)
+            flushed_at(self.scheduler, order.count)
+        return Flushed(value, order.ok, order.seconds, waited=waited)
 
     # -- set-up ---------------------------------------------------------------------------------------------
     def add(self, directory: str, server: MailboxServer) -> None:
@@ -420,13 +441,25 @@ def stop_mailbox(ctx: Any, directory: str | None) -> None:
 
 
 def then_flush(ctx: Any, empty_cache: bool, wait_s: float, fn: Callable[..., Any], *args: Any) -> Any:
-    """A call of a quiet update on the mailbox thread: ``fn(ctx, *args)``, then the KV-cache flush by the
-    scheduler's own thread where a batch ran since the last one (:meth:`SchedulerGate.flush_after`)."""
+    """A call of a quiet update on the mailbox thread: ``fn(ctx, *args)`` and the KV-cache flush by the
+    scheduler's own thread where a batch ran since the last one, answered once both are done. The flush is ordered
+    the moment ``fn``'s transport has posted its copies (:mod:`weightsync.transport.posted`), so the scheduler
+    thread runs it while they run; where ``fn`` posts nothing, after ``fn``. Flushing any time in the update is the
+    same: no request enters and no batch runs until the instance releases SGLang's writer lock (module docstring)."""
     here = current_gate()
     if here is None:
         raise InstanceError("then_flush runs on weightsync's SGLang mailbox thread only")
     gate, rank = here
-    return gate.flush_after(fn(ctx, *args), empty_cache, wait_s, rank)
+    orders: list[_FlushOrder | None] = []
+    try:
+        with hooked(lambda: orders.append(gate.order_flush(empty_cache))):
+            value = fn(ctx, *args)
+    except BaseException:
+        for order in orders:
+            if order is not None:
+                gate.cancel(order)
+        raise
+    return gate.flush_after(value, orders[0] if orders else gate.order_flush(empty_cache), wait_s, rank)
 
 
 __all__ = ["SchedulerGate", "MailboxStarted", "serve_mailbox", "stop_mailbox", "then_flush", "current_gate",

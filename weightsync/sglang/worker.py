@@ -152,6 +152,7 @@ class Flushed:
     value: Any
     flushed: bool | None
     seconds: float = 0.0  # the flush itself, in the scheduler
+    waited: float = 0.0  # what the call waited for it after its own work (the flush ran beside the copies: ~0)
     skipped: bool = False  # nothing ran since this worker's last flush: the cache holds nothing to drop
 
 

