@@ -29,6 +29,8 @@ import pytest
 import torch
 
 from weightsync.runtime import wire
+from mailbox_worker import echo as _echo
+from mailbox_worker import worker_main as _worker_main
 from weightsync.runtime.mailbox import (
     Mailbox,
     MailboxAddress,
@@ -39,31 +41,6 @@ from weightsync.runtime.mailbox import (
 )
 
 # -- part 1: the mailbox between processes -------------------------------------------------------------------
-
-
-def _echo(payload: bytes) -> bytes:
-    if payload.startswith(b"sleep:"):
-        time.sleep(float(payload[6:]))
-        return b"slept"
-    if payload.startswith(b"posted:"):  # a transfer: posted, then the device's part (a sleep)
-        from weightsync.transport.posted import posted
-
-        posted()
-        posted()  # a second one in the same call says nothing more
-        time.sleep(float(payload[7:]))
-        return b"done"
-    if payload.startswith(b"raise"):
-        raise ValueError("the handler raised")
-    if payload.startswith(b"big:"):
-        n = int(payload[4:])
-        return bytes(range(256)) * (n // 256)
-    return b"rank-answer:" + payload[::-1]
-
-
-def _worker_main(directory: str, rank: int, ready) -> None:
-    serve(MailboxAddress(directory), rank, _echo)
-    ready.set()
-    time.sleep(300)  # killed by the test (an Event a killed waiter held would hang the setter)
 
 
 @pytest.fixture()
