@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/weightsync-reset-overlap")
     args = ap.parse_args()
     from vllm_harness import checkpoint, start_llm, stop_llm  # tests/
+    from vllm_reset_overlap import mimic as sent  # by this module's name: the worker imports it (benchmarks/)
 
     from weightsync.instances.vllm import VLLMInstance
     from weightsync.spec import load_spec
@@ -64,7 +65,7 @@ def main() -> None:
                 inst.pause()
             if arm == "atpause":
                 inst._start_reset()
-            (_, turns), = inst.call(mimic, args.busy_ms / 1e3, 0.005)
+            (_, turns), = inst.call(sent, args.busy_ms / 1e3, 0.005)
             t1 = time.perf_counter()
             if arm != "none":
                 inst.resume()
