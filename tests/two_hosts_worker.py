@@ -90,6 +90,9 @@ def train(a: dict) -> dict:
               "sent_bytes": writer.bytes_per_step}
     if rank == 0:  # what the MetaServer holds (the driver, outside both namespaces, cannot reach it)
         c = writer.client
+        # every rank's `written` of the last step recorded (the other trainer may still be recording its own: a
+        # summary read before would show complete_step one behind, seen once in a full run at load 6)
+        c.wait_written(a["steps"], timeout=a["timeout"])
         report["participants"] = [{k: getattr(p, k) for k in ("role", "rank", "instance", "host")} for p in c.participants()]
         report["summary"] = c.summary()
         report["group"] = _lookup(c, "group")
