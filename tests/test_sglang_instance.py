@@ -1415,6 +1415,23 @@ def test_the_flush_runs_beside_the_posted_copies_and_the_answer_waits_for_it(loo
         inst.resume()
 
 
+@pytest.mark.parametrize("posts", [True, False], ids=["checked-beside-the-copies", "checked-after-the-call"])
+def test_a_parameter_sglang_replaced_fails_the_mailbox_call_before_its_answer(looping, posts):
+    """The per-call binding check runs once the call's copies are posted (or after a call that posts none), never
+    later than the answer: a parameter replaced on one rank since the binding fails the call with WeightsMoved
+    naming it, and the reader would withhold the engine."""
+    spec, layout, eng, inst = looping()
+    _update(inst, spec, 1)
+    name = next(iter(eng.models[1]._p))
+    eng.models[1]._p[name] = torch.nn.Parameter(eng.models[1]._p[name].detach().clone(), requires_grad=False)
+    inst.pause()
+    try:
+        with pytest.raises(WeightsMoved, match=re.escape(name)):
+            inst.call(posts_then_copies, 0.05) if posts else inst.call(rank_and_count, "x")
+    finally:
+        inst.resume()
+
+
 def test_the_scheduler_thread_waits_in_its_gate_while_a_call_runs(looping):
     spec, layout, eng, inst = looping()
     inst.pause()
