@@ -118,7 +118,7 @@ class VLLMInstance:
         #: engine-core trips made through collective_rpc (set-up and fallback calls; none a step with the mailbox)
         self.trips = 0
         #: the last mailbox call's timing (:class:`~weightsync.runtime.mailbox.CallTiming`), and the seconds the last
-        #: resume() waited for the prefix-cache reset pause() started (0 when it was done by then)
+        #: resume() waited for the prefix-cache reset the update started (0 when it was done by then)
         self.last_call = None
         #: where this update's mailbox calls spent their time (seconds, summed over the update's calls since
         #: ``pause``): ``call`` the control process's wall time, ``call.handler`` / ``call.synced`` the slowest
@@ -293,7 +293,7 @@ class VLLMInstance:
             return fn()
 
     def _wait_reset(self, pending: concurrent.futures.Future) -> bool:
-        """The prefix-cache reset pause() started, within the instance's deadline."""
+        """The prefix-cache reset the update started (at the posting), within the instance's deadline."""
         try:
             return pending.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError as e:
