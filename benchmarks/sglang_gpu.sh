@@ -41,6 +41,9 @@ grep "step .* <- seed\|FAILED\|verified\|refused\|killed-" $OUT/colo.log | cut -
 fi
 if has test; then
 echo "== $(el) s make test-gpu (SGLang kit on the path, -n ${WORKERS:-6})"
+# one kit on the path: a vLLM kit an earlier call installed on this warm machine (/tmp/site, which make test-gpu puts
+# first) would load this kit's FlashInfer and fail its JIT build (session 17); set aside, not deleted
+if [ -f /tmp/site/vllm/__init__.py ]; then rm -rf /tmp/site.vllm-kit; mv /tmp/site /tmp/site.vllm-kit; echo "vLLM kit in /tmp/site set aside"; fi
 # -v: each test's name as it ends (a stage cut by its time limit still says which passed)
 PYTEST_ADDOPTS="-v -n ${WORKERS:-6} --dist loadgroup --durations=15 ${TEST_ARGS:-}" stage testgpu "${TEST_LIMIT:-420}" make test-gpu > $OUT/test-gpu.log 2>&1
 echo "test-gpu at $(el) s"; grep -v "Benchmark\|warner" $OUT/test-gpu.log | grep "FAILED\|ERROR\|node down\|crashed\|passed\|failed\|s call" | cut -c1-240 | tail -n 60
