@@ -143,7 +143,10 @@ class SchedulerGate:
     until the scheduler came round to the gate, against a thread that yields the GIL only at its switch interval: on
     one H100 host the handler's first steps took 0.17 ms (decode; 0.016 ms on a CPU host) and 0.75 ms (the binding
     check), the transfer after them ran at full speed (BENCHMARKS.md, session 16). Skipping one iteration's
-    housekeeping changes nothing SGLang relies on: the next idle iteration runs it."""
+    housekeeping changes nothing SGLang relies on: the next idle iteration runs it. Measured with the skip (session
+    17, another H100 host): the decode still took 0.14 ms, so the housekeeping was not what slowed it (the
+    once-a-step wake-up onto cold caches fits); the mailbox round trip fell from 0.54 to 0.35 ms, not separated from
+    the host. Kept: the scheduler reaches its gate without a housekeeping pass first."""
 
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
@@ -208,13 +211,17 @@ class SchedulerGate:
 
     def _idle_hook(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def idle(*args: Any, **kwargs: Any) -> Any:
-            if self._flush is None and not self._calls():
+            if not self._wanted():
                 return original(*args, **kwargs)
             self.skipped_idle += 1  # a call is coming or running: straight on to the gate
             return None
 
         idle.weightsync_gate = self  # type: ignore[attr-defined]
         return idle
+
+    def _wanted(self) -> bool:
+        """The scheduler thread is wanted at its gate: a flush order waits, or a call is coming or running."""
+        return self._flush is not None or self._calls()
 
     def _calls(self) -> bool:
         """A call waits in, or is being run by, a mailbox of this scheduler."""
@@ -224,7 +231,7 @@ class SchedulerGate:
         """Run by the scheduler thread once per loop iteration: wait (GIL released) while a call is coming or
         running; run a flush order when the scheduler is fully idle (else go on: the loop finishes a batch launched
         for a request that already ended, and comes back)."""
-        if self._flush is None and not self._calls():
+        if not self._wanted():
             return
         self._drain()
         started = time.monotonic()
@@ -299,8 +306,7 @@ class SchedulerGate:
         with self.cond:
             while not order.done and (left := deadline - time.monotonic()) > 0:
                 self.cond.wait(left)
-            if self._flush is order:
-                self._flush = None
+        self.cancel(order)  # not run in time: withdrawn
         waited = time.monotonic() - t0
         if not order.done:
             raise InstanceError(f"rank {rank}: SGLang's scheduler thread did not come round to flush the KV cache "
@@ -504,14 +510,13 @@ def then_flush(ctx: Any, empty_cache: bool, wait_s: float, fn: Callable[..., Any
     if here is None:
         raise InstanceError("then_flush runs on weightsync's SGLang mailbox thread only")
     gate, rank = here
-    orders: list[_FlushOrder | None] = []
+    orders: list[_FlushOrder | None] = []  # the hook's one order (None: nothing to flush), once the copies are posted
     try:
         with hooked(lambda: orders.append(gate.order_flush(empty_cache))):
             value = fn(ctx, *args)
     except BaseException:
-        for order in orders:
-            if order is not None:
-                gate.cancel(order)
+        if orders and orders[0] is not None:
+            gate.cancel(orders[0])
         raise
     return gate.flush_after(value, orders[0] if orders else gate.order_flush(empty_cache), wait_s, rank)
 
