@@ -22,6 +22,18 @@ def echo(payload: bytes) -> bytes:
         posted()  # a second one in the same call says nothing more
         time.sleep(float(payload[7:]))
         return b"done"
+    if payload.startswith(b"gated:"):  # a receive sent early: set-up, the go, the copies; what it saw, to a file
+        from weightsync.transport.gate import StepCancelled, ready
+
+        began = time.time()
+        try:
+            waited = ready()
+            outcome = f"went {began:.6f} {time.time():.6f} {waited:.6f} {ready():.6f}"
+        except StepCancelled as e:
+            outcome = f"cancelled {e}"
+        with open(payload[6:].decode(), "w") as f:
+            f.write(outcome)
+        return b"received"
     if payload.startswith(b"raise"):
         raise ValueError("the handler raised")
     if payload.startswith(b"big:"):

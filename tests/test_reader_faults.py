@@ -86,7 +86,7 @@ def _trainer(meta: str, job: str, steps: list[int], timeout_s: float, stop_at: i
     spec = load_spec(MODEL)
     engine = make_layout(spec, "hf")
     rank = TrainRank(engine, 0, engine.layout(0), scatter(engine.layout(0), weights(spec, 0)), spec)
-    transport = FAULTS[fault][0]
+    transport = {**FAULTS, **OTHER_FAULTS}[fault][0]
     if transport == "nixl":
         os.environ.update(UCX_OVER_TCP)
     writer = WeightWriter(rank, meta=meta, job=job, timeout_s=timeout_s, bucket_bytes=BUCKET, directory=directory,
@@ -133,6 +133,8 @@ def _stop_dead(writer, fault: str, sig: int) -> None:
             return real_send(step)
 
         sender.send = send
+    elif fault == "colocated-unwritten":  # instead of ringing `written`: the step never comes
+        writer.session.written_bell.ring = lambda step: die()
     elif fault == "colocated":  # right after ringing `written` (the reader may copy), before recording it
         bell = writer.session.written_bell
         real_ring = bell.ring
@@ -187,6 +189,10 @@ FAULTS = {
     "nixl-written": ("nixl", "the trainer's `written`, never rung (the beacon)"),
     "nixl-written-long-poll": ("nixl", "the same, long-polled as by a reader on another host (no bells)"),
     "colocated": ("colocated", "the trainer's `written`, rung but not recorded (the beacon)"),
+}
+#: faults with tests of their own (not test_trainer_dead_with_a_bucket_in_flight's)
+OTHER_FAULTS = {
+    "colocated-unwritten": ("colocated", "the trainer's `written`, never rung: a call sent early is called off"),
 }
 
 
@@ -284,6 +290,52 @@ def test_trainer_dead_with_a_bucket_in_flight(server, spawn, tmp_path, monkeypat
             reader.update(3)
         assert time.monotonic() - t0 < 8.0
     assert reader.version == 1 and same(inst.snapshot(), step1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
+def test_a_step_never_written_is_called_off_before_any_copy(server, spawn, sig):
+    """Co-located, on an instance whose calls can go out early (a faithful worker process): update(2) sends its
+    call while the trainer still writes, and the worker sets up and waits at its first copy for the go
+    (weightsync.transport.gate). The trainer stops dead instead of announcing step 2: the update fails within
+    seconds naming training rank 0, every worker called the step off before any copy, so the reader -- not
+    staged -- still holds step 1 bit for bit, says so (``version``) and withholds nothing; the workers stay in
+    step for the next call."""
+    from weightsync.instances.faithful import FaithfulInstance, snapshot
+    from weightsync.local.instances import worker_start_method
+    from weightsync.runtime.reader import WeightReader
+    from weightsync.spec import load_spec
+    from weightsync.transport.liveness import TrainerLost
+
+    class Spied(FaithfulInstance):
+        early, withheld = 0, []
+
+        def call_when(self, gate, fn, *args, timeout_s=None):
+            Spied.early += 1
+            return super().call_when(gate, fn, *args, timeout_s=timeout_s)
+
+        def withhold(self, reason):
+            Spied.withheld.append(reason)
+
+    job, timeout = f"unwritten-{sig}", 30.0
+    trainer = spawn(_trainer, server.url, job, [1, 2], timeout, 2, sig, "colocated-unwritten", None)
+    spec = load_spec(MODEL)
+    inst = Spied(dict(spec.config), "vllm:tp=1", fill=float("nan"), start_method=worker_start_method())
+    try:
+        reader = WeightReader(inst, meta=server.url, job=job, instance_id=0, instances=1, timeout_s=timeout,
+                              bucket_bytes=BUCKET, colocate=True).connect()
+        assert reader.update(1) == 1 and Spied.early == 1
+        step1 = inst.call(snapshot)[0]
+        t0 = time.monotonic()
+        with pytest.raises(TrainerLost, match="training rank 0") as e:
+            reader.update(2)
+        assert time.monotonic() - t0 < 8.0, e.value
+        assert "nothing of step 2 was copied, the workers still hold step 1" in str(e.value)
+        assert Spied.early == 2 and Spied.withheld == []
+        assert reader.version == 1
+        assert same(inst.call(snapshot)[0], step1)  # in step, and step 1 bit for bit
+        reader.close()
+    finally:
+        inst.close()
 
 
 # -- a dropped reader is told, and rejoins in one call -------------------------------------------------------
@@ -398,6 +450,7 @@ def test_a_staged_worker_never_commits_alone():
 
     class Landing:  # a receiver that lands the whole tensor, as a transport would
         options = SimpleNamespace(timeout_s=5.0)
+        sets_up_before_ready = False
 
         def receive(self, step, targets):
             targets["w"].copy_(new)

@@ -27,6 +27,7 @@ def test_failed_held_report_raises_at_the_next_call(mode):
         reader = WeightReader.__new__(WeightReader)  # the reporting half and the call's first steps: no workers
         reader.client, reader.instance_id, reader.timeout_s = MetaClient(server.url, "j"), 0, 10.0
         reader.mode, reader.staged, reader.instance = mode, False, Untouched()
+        reader.version = None
         reader._announcer, reader._report_error, reader._next_pull = ThreadPoolExecutor(1), None, 0
         reader._report_lock = threading.Lock()
         reader._integrity_agreed = True

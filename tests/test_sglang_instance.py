@@ -1432,6 +1432,65 @@ def test_a_parameter_sglang_replaced_fails_the_mailbox_call_before_its_answer(lo
         inst.resume()
 
 
+def gated_write(ctx, canonical, cfg, engine):
+    """On the mailbox thread, shaped like a receive sent before its step was written: set-up, the go
+    (``ready()``), then the copies (``write_canonical``), posted; returns when it began and when it went on."""
+    from weightsync.transport.gate import ready
+    from weightsync.transport.posted import posted
+
+    began = time.time()
+    ready()
+    went = time.time()
+    write_canonical(ctx, canonical, cfg, engine)
+    posted()
+    return began, went
+
+
+def test_a_mailbox_call_sent_early_waits_for_its_gate_and_a_gate_that_raises_calls_it_off(looping):
+    """``call_when`` (a co-located reader's step, sent before the trainers' `written`: weightsync.transport.gate):
+    each scheduler's mailbox thread runs the call at once and copies only after the gate returned, the gate's time
+    out of the call's (``mailbox_gated``); the update lands bit-exact and flushes as any. A gate that raises calls
+    the step off on every rank before its first copy: the call raises the gate's own error, the weights are those
+    of the update before, and the next update goes through the mailbox as ever."""
+    spec, layout, eng, inst = looping()
+    canonical, _ = _update(inst, spec, 31)
+    nxt = random_canonical(spec, seed=32)
+    ended = []
+
+    def gate():
+        time.sleep(0.3)  # the trainers' write
+        ended.append(time.time())
+
+    assert eng.generate("g")["text"] == "out:g"  # a batch ran: the update must flush
+    inst.pause()
+    eng.log.clear()
+    try:
+        got = inst.call_when(gate, gated_write, nxt, preset("tiny-qwen3"), inst.engine)
+    finally:
+        inst.resume()
+    assert all(began < ended[0] - 0.1 and went >= ended[0] for began, went in got), (got, ended)
+    assert inst.last_timing["mailbox_gated"] >= 0.3 and inst.last_timing["mailbox"] < 0.3, inst.last_timing
+    assert sorted(eng.log) == [("scheduler flush", 0, True, True), ("scheduler flush", 1, True, True)]
+    _exact(layout, eng, nxt)
+
+    lost = TimeoutError("training rank 0 never announced step 3")
+
+    def never():
+        raise lost
+
+    inst.pause()
+    try:
+        with pytest.raises(TimeoutError) as e:
+            inst.call_when(never, gated_write, canonical, preset("tiny-qwen3"), inst.engine)
+        assert e.value is lost
+    finally:
+        inst.resume()
+    _exact(layout, eng, nxt)  # nothing of it landed
+    again, _ = _update(inst, spec, 33)
+    assert inst.last_mailbox
+    _exact(layout, eng, again)
+
+
 def test_the_scheduler_thread_waits_in_its_gate_while_a_call_runs(looping):
     spec, layout, eng, inst = looping()
     inst.pause()

@@ -220,6 +220,8 @@ class TestQwen3TP1:
             assert reader.session.options.transport_name == "colocated"
             (step, seed), = job.steps
             assert reader.update(step) == step
+            # through the mailbox, the step's call went out before the trainer's `written` (weightsync.transport.gate)
+            assert tp1.insts["X"].mailbox and "call.gated" in tp1.insts["X"].last_timing
             tp1.check("X", seed)
             reader.close()
             trainers.assert_ok()

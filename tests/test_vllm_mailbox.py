@@ -116,6 +116,61 @@ def test_on_posted_runs_once_every_rank_posted_while_the_call_is_in_flight(worke
     assert box.call([b"c", b"d"], 30) == [b"rank-answer:c", b"rank-answer:d"]  # still in step
 
 
+def test_a_gated_call_sets_up_at_once_and_copies_only_after_its_gate(workers, tmp_path):
+    """A step's call sent before its step is written (weightsync.transport.gate): every worker runs it at once and
+    waits at its first copy (``ready()``) until the control process's gate returns; the gate's time is out of the
+    call's (``gated``) and of the handler's; a second ``ready()`` waits for nothing."""
+    box, files = workers.box, [tmp_path / "r0", tmp_path / "r1"]
+    ended = []
+
+    def gate():
+        time.sleep(0.4)  # the trainers' write
+        ended.append(time.time())
+
+    assert box.call([b"gated:%s" % str(f).encode() for f in files], 30, gate=gate) == [b"received"] * 2
+    for f in files:
+        kind, began, went, waited, again = f.read_text().split()
+        assert kind == "went" and float(began) < ended[0] - 0.2  # set up while the gate still ran
+        assert float(went) >= ended[0] and float(waited) > 0.2 and float(again) == 0.0
+    t = box.last
+    assert t.gated >= 0.4 and t.handler < 0.2 and t.seconds < 0.3, t
+    assert box.call([b"a", b"b"], 30) == [b"rank-answer:a", b"rank-answer:b"]  # in step
+
+
+def test_a_gate_that_raises_calls_the_step_off_before_any_copy_and_raises_itself(workers, tmp_path):
+    """The gate raises (the trainers never wrote the step): every worker is told at its first copy
+    (StepCancelled, nothing copied) and the call raises the gate's own error once all answered; a gated call
+    that ends before its first copy, or fails, still reads its go: the mailbox stays in step."""
+    box, files = workers.box, [tmp_path / "r0", tmp_path / "r1"]
+    lost = TimeoutError("training rank 1 never announced step 7")
+
+    def gate():
+        raise lost
+
+    with pytest.raises(TimeoutError) as e:
+        box.call([b"gated:%s" % str(f).encode() for f in files], 30, gate=gate)
+    assert e.value is lost
+    for f in files:
+        assert f.read_text() == "cancelled the step was called off before its first copy (TimeoutError: training " \
+                                "rank 1 never announced step 7)"
+    assert box.call([b"x", b"sleep:0.1"], 30, gate=lambda: time.sleep(0.1)) == [b"rank-answer:x", b"slept"]
+    with pytest.raises(MailboxError, match="the handler raised"):
+        box.call([b"raise", b"y"], 30, gate=lambda: None)
+    with pytest.raises(TimeoutError):
+        box.call([b"x", b"y"], 30, gate=gate)
+    assert box.call([b"a", b"b"], 30) == [b"rank-answer:a", b"rank-answer:b"]
+
+
+def test_a_worker_killed_while_its_gated_call_waits_is_seen_when_the_go_is_sent(workers, tmp_path):
+    def gate():
+        os.kill(workers.procs[0].pid, signal.SIGKILL)
+        workers.procs[0].join(10)
+
+    with pytest.raises(MailboxDied, match="rank 0's mailbox closed before the go of") as e:
+        workers.box.call([b"gated:%s" % str(tmp_path / f"r{r}").encode() for r in range(2)], 30, gate=gate)
+    assert e.value.rank == 0
+
+
 def test_a_handler_that_raises_is_answered_as_a_failure(workers):
     with pytest.raises(MailboxError, match="the handler raised"):
         workers.box.call([b"ok", b"raise"], 30)

@@ -22,6 +22,7 @@ handles), so ``fn`` must be a module-level function importable in the worker.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -44,6 +45,7 @@ from weightsync.instances import (
 from weightsync.layout.materialize import TORCH_DTYPES
 from weightsync.runtime.instance import NoEngineHooks, WorkerContext
 from weightsync.spec.model import load_spec
+from weightsync.transport.gate import called_off, gated, go_on
 
 _STOP = -1
 
@@ -96,27 +98,59 @@ def _worker_main(rank: int, conn, model: Any, engine: str, device: str, fill: fl
             blob = conn.recv_bytes()
         except (EOFError, OSError):  # the control process went away
             return
-        seq = None
+        seq = go = None
         try:
-            seq, fn, args = pickle.loads(blob)
+            seq, fn, args, early = pickle.loads(blob)
             if seq == _STOP:
                 return
-            with torch.no_grad():
+            go = _Go(conn, seq) if early else None
+            with torch.no_grad(), (gated(go.wait) if go is not None else contextlib.nullcontext()):
                 result = fn(ctx, *args)
             out = pickle.dumps((seq, "ok", result))
+        except _Stopped:
+            return
         except BaseException as e:  # noqa: BLE001
             if seq == _STOP:
                 return
             out = pickle.dumps((seq, "err", error_record(e)))
+        try:
+            if go is not None and not go.came:  # ended before its first copy: its go is read all the same (in step)
+                go.read()
+        except (_Stopped, EOFError, OSError):
+            return
         try:
             conn.send_bytes(out)
         except (EOFError, OSError):
             return
 
 
+class _Stopped(Exception):
+    """The control process stopped the worker while a call sent early waited for its go."""
+
+
+class _Go:
+    """A call sent early (:meth:`FaithfulInstance.call_when`): its go, read once from the pipe, at the transport's
+    first :func:`~weightsync.transport.gate.ready` or after the call."""
+
+    def __init__(self, conn, seq: int):
+        self.conn, self.seq, self.came = conn, seq, False
+
+    def read(self) -> str | None:
+        seq, why = pickle.loads(self.conn.recv_bytes())[:2]
+        if seq == _STOP:
+            raise _Stopped
+        if seq != self.seq:
+            raise RuntimeError(f"the go of call {seq} came for call {self.seq}: out of step")
+        self.came = True
+        return why
+
+    def wait(self) -> None:
+        go_on(self.read())
+
+
 def _shutdown(procs: list, conns: list, grace_s: float = 5.0) -> None:
     """Stop workers: ask politely, then terminate, then kill; close the pipes. Idempotent."""
-    stop = pickle.dumps((_STOP, None, ()))
+    stop = pickle.dumps((_STOP, None, (), False))
     for p, c in zip(procs, conns):
         if p.is_alive():
             try:
@@ -220,12 +254,43 @@ class FaithfulInstance(NoEngineHooks):
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
         """Run ``fn(ctx, *args)`` on every worker at once; results in rank order (see the module docstring)."""
+        seq = self._send(fn, args, early=False)
+        return self._gather(seq, self.timeout_s if timeout_s is None else timeout_s, getattr(fn, "__qualname__", repr(fn)))
+
+    def call_when(self, gate: Callable[[], None], fn: Callable[..., Any], *args: Any,
+                  timeout_s: float | None = None) -> list[Any]:
+        """:meth:`call`, sent at once, its copies waiting for ``gate()`` (run here once it is sent): a step's call
+        before its step is written (:mod:`weightsync.transport.gate`). What ``gate`` raises calls the step off on
+        every worker before its first copy, and is raised once all answered; ``timeout_s`` counts from the go."""
+        seq = self._send(fn, args, early=True)
+        cancelled = None
+        try:
+            gate()
+        except BaseException as e:  # noqa: BLE001 -- raised once every worker answered
+            cancelled = e
+        go = pickle.dumps((seq, None if cancelled is None else called_off(cancelled)))
+        for rank, c in enumerate(self._conns):
+            try:
+                c.send_bytes(go)
+            except (OSError, ValueError):
+                self._gone(rank)
+        try:
+            results = self._gather(seq, self.timeout_s if timeout_s is None else timeout_s,
+                                   getattr(fn, "__qualname__", repr(fn)))
+        except BaseException:
+            if cancelled is None:
+                raise
+        if cancelled is not None:  # the workers said StepCancelled (or failed before their first copy): this is why
+            raise cancelled
+        return results
+
+    def _send(self, fn: Callable[..., Any], args: tuple, early: bool) -> int:
         if self._broken is not None:
             raise InstanceError(f"{self!r} is closed: {self._broken}")
         self._seq += 1
         seq = self._seq
         try:
-            blob = pickle.dumps((seq, fn, args))
+            blob = pickle.dumps((seq, fn, args, early))
         except Exception as e:
             raise TypeError(
                 f"cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to the workers "
@@ -235,9 +300,12 @@ class FaithfulInstance(NoEngineHooks):
             try:
                 c.send_bytes(blob)
             except (OSError, ValueError):
-                self._fail(f"rank {rank} is gone (exit code {self._procs[rank].exitcode})")
-                raise WorkerDied(f"rank {rank} of {self.engine} is gone (exit code {self._procs[rank].exitcode})") from None
-        return self._gather(seq, self.timeout_s if timeout_s is None else timeout_s, getattr(fn, "__qualname__", repr(fn)))
+                self._gone(rank)
+        return seq
+
+    def _gone(self, rank: int) -> None:
+        self._fail(f"rank {rank} is gone (exit code {self._procs[rank].exitcode})")
+        raise WorkerDied(f"rank {rank} of {self.engine} is gone (exit code {self._procs[rank].exitcode})") from None
 
     def close(self) -> None:
         if self._broken is None:

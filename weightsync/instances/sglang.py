@@ -635,6 +635,15 @@ class SGLangInstance:
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
         return self._call(fn, timeout_s or self.timeout_s, *args)
 
+    def call_when(self, gate: Callable[[], None], fn: Callable[..., Any], *args: Any,
+                  timeout_s: float | None = None) -> list[Any]:
+        """In a mailbox update: :meth:`call` sent at once, its copies waiting for ``gate()`` (a step's call before
+        the trainers' `written`: :mod:`weightsync.transport.gate`); otherwise ``gate()``, then the call."""
+        if not self._locked or self._broken is not None:
+            gate()
+            return self.call(fn, *args, timeout_s=timeout_s)
+        return self._mail(fn, timeout_s or self.timeout_s, *args, gate=gate)
+
     def pause(self) -> None:
         """Stop generating (``pause_generation(mode=pause_mode)``); on 0.5.23 also open the weight-update session.
 
@@ -961,14 +970,16 @@ class SGLangInstance:
                 (of(r) for r in results if isinstance(r, Flushed)), default=0.0)
         return [r.value if isinstance(r, Flushed) else r for r in results]
 
-    def _mail(self, fn: Callable[..., Any], timeout_s: float, *args: Any) -> list[Any]:
+    def _mail(self, fn: Callable[..., Any], timeout_s: float, *args: Any,
+              gate: Callable[[], None] | None = None) -> list[Any]:
         try:
-            return self._mail_once(fn, timeout_s, *args)
+            return self._mail_once(fn, timeout_s, *args, gate=gate)
         except BaseException:
             self._mail_failed = True  # resume() then leaves the flush to the next good update
             raise
 
-    def _mail_once(self, fn: Callable[..., Any], timeout_s: float, *args: Any) -> list[Any]:
+    def _mail_once(self, fn: Callable[..., Any], timeout_s: float, *args: Any,
+                   gate: Callable[[], None] | None = None) -> list[Any]:
         """A call of a mailbox update: straight to every scheduler's mailbox thread (no SGLang request), which runs
         ``fn`` and has the scheduler's own thread flush the cache where a batch ran since the last flush
         (:func:`weightsync.sglang.mailbox.then_flush`). The same answers and errors as :meth:`_call`; a worker that
@@ -987,7 +998,7 @@ class SGLangInstance:
         blob = wire.encode(self._key, self._id, self._dir, self._seq, then_flush,
                            (self.empty_cache_on_resume, deadline / 2, fn, *args))
         try:
-            raw = self._mailbox.call([blob] * self._world, deadline, what)
+            raw = self._mailbox.call([blob] * self._world, deadline, what, gate=gate)
         except MailboxTimeout as e:
             self._broken = f"{what} did not answer within its {deadline:g} s deadline (a scheduler may still run it)"
             raise WorkerTimeout(f"{self!r}: {what} did not return within its {deadline:g} s deadline ({e}); the "
@@ -1002,7 +1013,9 @@ class SGLangInstance:
         self.last_call = last = self._mailbox.last
         answers: list[RpcAnswer] = [pickle.loads(a) for a in raw]  # from our private FIFOs, written by our workers
         timing = self.last_timing
-        timing["mailbox"] = timing.get("mailbox", 0.0) + time.perf_counter() - started
+        timing["mailbox"] = timing.get("mailbox", 0.0) + time.perf_counter() - started - last.gated
+        if gate is not None:
+            timing["mailbox_gated"] = timing.get("mailbox_gated", 0.0) + last.gated
         timing["mailbox_handler"] = timing.get("mailbox_handler", 0.0) + last.handler  # decode, run, flush, encode
         timing["mailbox_synced"] = timing.get("mailbox_synced", 0.0) + last.synced  # the two device syncs
         for name in {n for a in answers for n, _ in a.spent}:  # the handler's phases, the slowest rank's

@@ -174,6 +174,18 @@ class VLLMInstance:
             return self._mail(payload, timeout_s or self.timeout_s, what)
         return self._rpc("weightsync_call", payload, timeout_s=timeout_s, what=what)
 
+    def call_when(self, gate: Callable[[], None], fn: Callable[..., Any], *args: Any,
+                  timeout_s: float | None = None) -> list[Any]:
+        """Through the mailbox: :meth:`call` sent at once, its copies waiting for ``gate()`` (a step's call before
+        the trainers' `written`: :mod:`weightsync.transport.gate`); through ``collective_rpc``: ``gate()``, then the
+        call."""
+        if self._mailbox is None:
+            gate()
+            return self.call(fn, *args, timeout_s=timeout_s)
+        what = f"weightsync_call({getattr(fn, '__qualname__', fn)})"
+        return self._mail(pack_call(self._channel, next(self._seq), fn, args), timeout_s or self.timeout_s, what,
+                          gate)
+
     def after_update(self) -> None:
         if not self.refreshes:
             return
@@ -305,18 +317,20 @@ class VLLMInstance:
             raise WorkerDied(f"{self.engine}: reset_prefix_cache failed inside vLLM ({type(e).__name__}: {e}); "
                              "the engine core died or shut down: restart the engine") from e
 
-    def _mail(self, payload: bytes, timeout: float, what: str) -> list[Any]:
-        """One call through the mailbox: the same answers as ``collective_rpc`` gives, the same errors."""
+    def _mail(self, payload: bytes, timeout: float, what: str, gate: Callable[[], None] | None = None) -> list[Any]:
+        """One call through the mailbox: the same answers as ``collective_rpc`` gives, the same errors (and what
+        ``gate`` raises, for a gated call: :meth:`call_when`)."""
         from weightsync.runtime.mailbox import MailboxDied, MailboxError, MailboxTimeout
 
         if self._broken is not None:
             raise InstanceError(f"{self!r} is unusable: {self._broken}")
         try:
             answers = self._mailbox.call([payload] * self.world_size, timeout, what,
-                                         self._start_reset if self._reset_due else None)
+                                         self._start_reset if self._reset_due else None, gate)
             self.last_call = last = self._mailbox.last
             if last is not None:
-                for name, sec in (("call", last.seconds), ("call.handler", last.handler), ("call.synced", last.synced)):
+                for name, sec in (("call", last.seconds), ("call.handler", last.handler), ("call.synced", last.synced),
+                                  ("call.gated", last.gated)):
                     self.last_timing[name] = self.last_timing.get(name, 0.0) + sec
         except MailboxTimeout as e:
             self._broken = f"{what} did not answer within its {timeout:g} s deadline (a worker thread still runs it)"

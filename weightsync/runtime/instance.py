@@ -66,6 +66,13 @@ class InferenceInstance(Protocol):
         """A non-staged update failed part-way, so the live weights may mix two steps: serve nothing until the
         next :meth:`set_version` (optional: the reader calls it where the instance has it)."""
 
+    def call_when(self, gate: Callable[[], None], fn: Callable[..., Any], *args: Any,
+                  timeout_s: float | None = None) -> list[Any]:
+        """:meth:`call` sent at once, each worker's first copy waiting until ``gate()`` (run on the calling thread)
+        returns; what ``gate`` raises calls the step off on every worker before any copy, and is raised once all
+        answered (optional: :mod:`weightsync.transport.gate`; a co-located reader sends its step's call before the
+        trainers' `written` where the instance has it)."""
+
     def close(self) -> None: ...
 
 

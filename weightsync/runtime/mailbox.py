@@ -26,6 +26,14 @@ of the step is in flight) sends the control process a ``POSTED`` frame ahead of 
 on_posted=...)`` runs its hook once every rank has posted (or answered): the engine adapter starts there the work
 that would otherwise contend with the workers' posting (vLLM's prefix-cache reset).
 
+**Sent early, gone on later.** ``call(..., gate=...)`` sends a ``GATED`` call, then runs ``gate()`` on the calling
+thread (the reader's wait for the trainers' `written`), then sends each rank a ``GO`` frame: empty to go on, the
+gate's error to call the step off. The worker runs the call at once; its transport waits for the frame at its
+first copy (:mod:`weightsync.transport.gate`: the trip, the decode and the set-up run in the trainers' write). A
+call off raises :class:`~weightsync.transport.gate.StepCancelled` there, before any copy, and ``call`` raises the
+gate's own error once every rank answered. A worker always reads its ``GO`` before answering (a call that failed
+before its first copy too), so the pipes stay in step; the call's deadline starts at the ``GO``.
+
 **Devices.** The serving thread runs with the worker's device current (``torch.cuda.set_device``), and
 synchronizes it before running a call and again before answering: the answer is sent only once every
 kernel the call launched has finished, on whatever stream, so the control process that reads it (and
@@ -45,6 +53,7 @@ Engine-independent: nothing here knows vLLM or SGLang.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -57,6 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync.transport.gate import called_off, gated, go_on
 from weightsync.transport.posted import hooked
 from weightsync.transport.private import check_private_directory
 
@@ -66,7 +76,7 @@ log = logging.getLogger("weightsync.runtime.mailbox")
 #: carries the seconds the worker spent in the handler and in the two device syncs (:class:`CallTiming`)
 _FRAME = struct.Struct(">BQQ")
 _ANSWER = struct.Struct(">BQQdd")
-CALL, ANSWER, FAILED, POSTED = 1, 2, 3, 4
+CALL, ANSWER, FAILED, POSTED, GATED, GO = 1, 2, 3, 4, 5, 6
 _CHUNK = 1 << 20
 #: the names a mailbox directory may carry (weightsync.runtime.wire.DIR_PREFIXES, repeated: no import of torch here)
 DIR_PREFIXES = ("weightsync-sglang-", "weightsync-vllm-")
@@ -102,6 +112,9 @@ class CallTiming:
     seconds: float
     handler: float
     synced: float
+    #: a gated call: the seconds its gate took, before ``seconds`` started (the workers' wait for the go is out of
+    #: ``handler`` too)
+    gated: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,16 @@ def _open_fifo(path: str, flags: int) -> int:
 
 def _frame(kind: int, seq: int, payload: bytes) -> bytes:
     return _FRAME.pack(kind, seq, len(payload)) + payload
+
+
+def _run_gate(gate: Callable[[], None]) -> tuple[BaseException | None, float]:
+    """Run a gated call's gate: (what it raised, or None to go on; its seconds)."""
+    t0 = time.perf_counter()
+    try:
+        gate()
+    except BaseException as e:  # noqa: BLE001 -- the step is called off, and this raised once every rank answered
+        return e, time.perf_counter() - t0
+    return None, time.perf_counter() - t0
 
 
 class _Reader:
@@ -214,9 +237,12 @@ class Mailbox:
                 raise MailboxError(f"rank {r}'s mailbox cannot be opened ({why})") from e
 
     def call(self, requests: Sequence[bytes], timeout_s: float, what: str = "the call",
-             on_posted: Callable[[], None] | None = None) -> list[bytes]:
+             on_posted: Callable[[], None] | None = None, gate: Callable[[], None] | None = None) -> list[bytes]:
         """Send ``requests[r]`` to rank r, every rank at once; each rank's answer, in rank order. ``on_posted``: run
         (on this thread, once) when every rank has said its transfer is posted or has answered, if one said so.
+        ``gate``: the call is sent at once, its copies wait for ``gate()`` to return (run on this thread once the
+        requests are sent; what it raises calls the step off, and is raised once every rank answered; the module
+        docstring's "Sent early"); ``timeout_s`` counts from then.
 
         :class:`MailboxDied` when a worker's end closes (process dead, thread ended), :class:`MailboxTimeout` at
         the deadline, :class:`MailboxError` when a worker's serving failed outside the call (its device); after
@@ -231,7 +257,7 @@ class Mailbox:
                                    "connected")
             self._calling = True
         try:
-            return self._call(requests, timeout_s, what, on_posted)
+            return self._call(requests, timeout_s, what, on_posted, gate)
         finally:
             with self._lock:
                 self._calling = False
@@ -239,12 +265,14 @@ class Mailbox:
                     self._close_fds()
 
     def _call(self, requests: Sequence[bytes], timeout_s: float, what: str,
-              on_posted: Callable[[], None] | None) -> list[bytes]:
+              on_posted: Callable[[], None] | None, gate: Callable[[], None] | None) -> list[bytes]:
         self._seq += 1
         seq = self._seq
         t0 = time.perf_counter()
+        gate_s, cancelled, sending = 0.0, None, what
         deadline = time.monotonic() + timeout_s
-        out = {self._requests[r]: (r, memoryview(_frame(CALL, seq, requests[r]))) for r in range(self.ranks)}
+        kind = CALL if gate is None else GATED
+        out = {self._requests[r]: (r, memoryview(_frame(kind, seq, requests[r]))) for r in range(self.ranks)}
         readers = {self._answers[r]: (r, _Reader(_ANSWER)) for r in range(self.ranks)}
         spent: list[tuple[float, float]] = []
         answers: dict[int, tuple[int, bytes]] = {}
@@ -265,13 +293,22 @@ class Mailbox:
                     except BlockingIOError:
                         continue
                     except BrokenPipeError:
-                        raise MailboxDied(f"rank {r}'s mailbox closed before {what} was sent (the worker "
+                        raise MailboxDied(f"rank {r}'s mailbox closed before {sending} was sent (the worker "
                                           "process died, or its mailbox thread ended)", r) from None
                     if n == len(data):
                         del out[fd]
                         poller.unregister(fd)
                     else:
                         out[fd] = (r, data[n:])
+                if gate is not None and not out:  # every rank has the call: wait for its step, then go (or not)
+                    cancelled, gate_s = _run_gate(gate)
+                    gate, sending = None, f"the go of {what}"
+                    go = _frame(GO, seq, b"" if cancelled is None else called_off(cancelled).encode(errors="replace"))
+                    for r in range(self.ranks):
+                        out[self._requests[r]] = (r, memoryview(go))
+                        poller.register(self._requests[r], select.POLLOUT)
+                    t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted({r for r, _ in readers.values()} | {r for r, _ in out.values()})
@@ -310,11 +347,13 @@ class Mailbox:
         except (MailboxDied, MailboxTimeout, MailboxError) as e:
             self.close(str(e))
             raise
-        self.last = CallTiming(time.perf_counter() - t0, max(h for h, _ in spent), max(s for _, s in spent))
+        self.last = CallTiming(time.perf_counter() - t0, max(h for h, _ in spent), max(s for _, s in spent), gate_s)
         failed = [f"rank {r}: {body.decode(errors='replace')}" for r, (kind, body) in sorted(answers.items())
                   if kind == FAILED]
         if failed:
             raise MailboxError(f"{what}: the worker's mailbox failed outside the call: " + "; ".join(failed))
+        if cancelled is not None:  # every rank called its step off before its first copy (or failed before it)
+            raise cancelled
         return [answers[r][1] for r in range(self.ranks)]
 
     def close(self, why: str = "closed") -> None:
@@ -339,6 +378,33 @@ class Mailbox:
                 pass
         self._requests, self._answers = [], []
         self._wake_r = self._wake_w = -1
+
+
+class _Go:
+    """A gated call's ``GO`` frame on the worker's side: read once, by the transport's first
+    :func:`~weightsync.transport.gate.ready` (:meth:`wait`) or after the call (:meth:`read`)."""
+
+    def __init__(self, server: MailboxServer, seq: int):
+        self.server, self.seq = server, seq
+        self.came = False
+        self.waited = 0.0  # seconds spent waiting for it (left out of the handler's time)
+
+    def read(self) -> str | None:
+        """Wait for the frame: None to go on, or why the step was called off."""
+        t0 = time.perf_counter()
+        try:
+            kind, seq, payload = self.server._next((GO,))
+        finally:
+            self.waited += time.perf_counter() - t0
+        if kind is None:
+            raise MailboxError(f"rank {self.server.rank}: the mailbox closed while call {self.seq} waited for its go")
+        if seq != self.seq:
+            raise MailboxError(f"rank {self.server.rank}: the go of call {seq} came for call {self.seq}: out of step")
+        self.came = True
+        return payload.decode(errors="replace") if payload else None
+
+    def wait(self) -> None:
+        go_on(self.read())
 
 
 class MailboxServer:
@@ -378,16 +444,24 @@ class MailboxServer:
                     return
                 t0 = time.perf_counter()
                 handler = 0.0
+                go = _Go(self, seq) if kind == GATED else None
                 try:
                     self._sync()
                     t1 = time.perf_counter()
-                    with hooked(lambda seq=seq: self._send(_ANSWER.pack(POSTED, seq, 0, 0.0, 0.0))):
+                    with hooked(lambda seq=seq: self._send(_ANSWER.pack(POSTED, seq, 0, 0.0, 0.0))), \
+                            (gated(go.wait) if go is not None else contextlib.nullcontext()):
                         reply, rkind = self.handle(payload), ANSWER
-                    handler = time.perf_counter() - t1
+                    handler = time.perf_counter() - t1 - (go.waited if go is not None else 0.0)
                     self._sync()  # every kernel the call launched is done before the answer says so
                 except BaseException as e:  # noqa: BLE001 -- answered; the handler itself never raises
                     reply, rkind = f"{type(e).__name__}: {e}".encode(), FAILED
-                synced = time.perf_counter() - t0 - handler
+                waited = 0.0
+                if go is not None:
+                    if not go.came:  # the call ended before its first copy: its go is read all the same (in step)
+                        with contextlib.suppress(MailboxError):  # closed meanwhile: the answer is not sent either
+                            go.read()
+                    waited = go.waited
+                synced = time.perf_counter() - t0 - handler - waited
                 self.calls += 1
                 sent = self._send(_ANSWER.pack(rkind, seq, len(reply), handler, synced) + reply)
                 self._over()
@@ -423,8 +497,9 @@ class MailboxServer:
 
             torch.cuda.synchronize(dev)
 
-    def _next(self) -> tuple[int | None, int, bytes]:
-        """The next request frame, or (None, ...) when the control process closed its end or stop() was called."""
+    def _next(self, kinds: tuple[int, ...] = (CALL, GATED)) -> tuple[int | None, int, bytes]:
+        """The next request frame (one of ``kinds``), or (None, ...) when the control process closed its end or stop()
+        was called."""
         poller = select.poll()
         poller.register(self._req, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
@@ -438,8 +513,9 @@ class MailboxServer:
                 try:
                     if rd.feed(self._req):
                         kind, seq, payload = rd.frame()
-                        if kind != CALL:
-                            raise MailboxError(f"rank {self.rank}: a frame of kind {kind} where a call was expected")
+                        if kind not in kinds:
+                            raise MailboxError(f"rank {self.rank}: a frame of kind {kind} where one of {kinds} was "
+                                               "expected")
                         return kind, seq, payload
                 except EOFError:  # every writer closed: the control process closed the mailbox, or died
                     return None, 0, b""

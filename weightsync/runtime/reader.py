@@ -14,6 +14,10 @@ the trainers' snapshot in 4)::
     1. co-located: wait until every training rank announced the step written
     2. instance.pause()
     3. worker.receive on every worker                    the step lands (staged: in each worker's copy)
+
+    (co-located, on an instance with ``call_when``: 2, then 3 sent at once, its workers setting up while the
+    reader waits for 1; their first copy waits for the go (:mod:`weightsync.transport.gate`). A step that never
+    comes is called off before any copy: the workers keep what they held, nothing is withheld.)
     4. _settle: on the integrity cadence worker.verify on every worker, once all returned; staged: then
        worker.commit on every worker, together
     5. instance.after_update(); resume()                 a non-staged failure withholds the instance first
@@ -46,6 +50,25 @@ from weightsync.runtime.session import InstanceSession, SessionDriven, SessionOp
 from weightsync.runtime.worker import WorkerReport
 from weightsync.transport.base import MetaLink
 from weightsync.transport.liveness import TrainerLost
+
+
+class _Written:
+    """One update's wait for the trainers' `written`, run as the gate of a call sent early
+    (:meth:`InferenceInstance.call_when`) or before the call: what it raised (the step never came), when it let the
+    copies go, the wait for the step's record."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.went: float | None = None
+        self.recorded: Future | None = None
+
+    def wait(self, reader: "WeightReader", step: int, held: int | None) -> None:
+        try:
+            self.recorded = reader._wait_written(step, held)
+        except BaseException as e:
+            self.error = e
+            raise
+        self.went = time.perf_counter()
 
 
 class WeightReader(SessionDriven):
@@ -130,33 +153,26 @@ class WeightReader(SessionDriven):
         self._check_announced(wait=False)
         if session.incarnation is not None:  # elastic: a member of the job only while the MetaServer says so
             self._check_member()
-        recorded = None
-        if session.reads_after_written:  # the trainers' memory holds `step` once every trainer announced it
-            try:
-                wait_rung(session.written_bells, step, self.timeout_s,
-                          lambda t: self.client.wait_written(step, timeout=t), watch=session.trainers)
-            except MetaTimeout as e:  # nothing copied yet: say so, and what the workers still hold
-                raise MetaTimeout(f"instance {self.instance_id}: not every training rank announced step {step} "
-                                  f"within {self.timeout_s:g} s, so nothing of it was copied; the workers still "
-                                  f"hold step {self.version} ({e})") from e
-            except TrainerLost as e:  # a trainer died or stopped before announcing it: likewise, in seconds
-                raise TrainerLost(f"instance {self.instance_id}: {e}; nothing of step {step} was copied, the "
-                                  f"workers still hold step {self.version}", peer=e.peer) from e
-            if session.written_bells is not None:
-                # a trainer rings before it checks its weights are where it shared them, and records the
-                # step on the MetaServer after: copy now, report the step held only once it is recorded
-                # (a staged step is committed once every worker holds it: copy it only from recorded weights)
-                recorded = self._announcer.submit(self.client.wait_written, step, timeout=self.timeout_s)
-                if self.staged:
-                    self._recorded(recorded, step)
+        held = self.version
+        written = _Written()
+        # co-located (or NIXL): the trainers' memory holds `step` once every trainer announced it. Where the instance
+        # can, its call goes out first and the workers set up while the trainers still write; their copies wait for
+        # the gate (weightsync.transport.gate). Else the wait comes first, then the call.
+        early = session.reads_after_written and callable(getattr(self.instance, "call_when", None))
+        if session.reads_after_written and not early:
+            written.recorded = self._wait_written(step, held)
         if not self.staged:
             self.version = None  # from here until success the live tensors may mix two steps
         t1 = time.perf_counter()
         self.instance.pause()
-        landed = False
+        landed = called_off = False
         try:
-            self.last_stats = self.instance.call(worker.receive, step, self.staged,
-                                                 timeout_s=worker.call_timeout(self.timeout_s))
+            timeout = worker.call_timeout(self.timeout_s)
+            if early:
+                self.last_stats = self.instance.call_when(lambda: written.wait(self, step, held), worker.receive, step,
+                                                          self.staged, timeout_s=timeout)
+            else:
+                self.last_stats = self.instance.call(worker.receive, step, self.staged, timeout_s=timeout)
             self._settle(step)  # on the cadence every worker checks what landed; staged: all commit
             self.instance.after_update()
             landed = True
@@ -169,10 +185,15 @@ class WeightReader(SessionDriven):
                 with contextlib.suppress(MetaError):
                     self.client.abort(str(e))
             raise
+        except BaseException as e:
+            if e is written.error:  # the step never came: every worker called it off before its first copy
+                called_off, self.version = True, held
+            raise
         finally:
-            if not landed and not self.staged:  # the live weights may mix two steps: serve none of them
+            if not (landed or called_off or self.staged):  # the live weights may mix two steps: serve none of them
                 self._withhold(f"instance {self.instance_id}: update({step}) failed part-way")
             self.instance.resume()
+        recorded = written.recorded
         if recorded is not None:  # long done, normally: raises MetaAborted for a trainer that found its weights moved
             self._recorded(recorded, step)
         t2 = time.perf_counter()
@@ -180,6 +201,7 @@ class WeightReader(SessionDriven):
         self.version = step
         self.instance.set_version(step)
         self._announce(step)
+        t1 = written.went or t1  # sent early: the workers' part of the step runs from the go
         self.last_timing = {"wait_written": t1 - t0, "workers": t2 - t1, "held": time.perf_counter() - t2,
                             "transport": max(r.stats.seconds for r in self.last_stats),
                             "posting": max(r.stats.posted for r in self.last_stats)}
@@ -190,6 +212,30 @@ class WeightReader(SessionDriven):
         if self._integrity_s is not None:  # inside `workers`: the workers' checksums and the wait for the trainers'
             self.last_timing["integrity"] = self._integrity_s
         return step
+
+    def _wait_written(self, step: int, held: int | None) -> Future | None:
+        """Wait until every training rank announced ``step`` written (their bells, or the MetaServer); return the wait
+        for its record on the MetaServer (after bells: the step is reported held only once recorded; a staged step
+        is copied only from recorded weights), or None. Its errors say that nothing of the step was copied."""
+        session = self.session
+        try:
+            wait_rung(session.written_bells, step, self.timeout_s,
+                      lambda t: self.client.wait_written(step, timeout=t), watch=session.trainers)
+        except MetaTimeout as e:  # nothing copied yet: say so, and what the workers still hold
+            raise MetaTimeout(f"instance {self.instance_id}: not every training rank announced step {step} "
+                              f"within {self.timeout_s:g} s, so nothing of it was copied; the workers still "
+                              f"hold step {held} ({e})") from e
+        except TrainerLost as e:  # a trainer died or stopped before announcing it: likewise, in seconds
+            raise TrainerLost(f"instance {self.instance_id}: {e}; nothing of step {step} was copied, the "
+                              f"workers still hold step {held}", peer=e.peer) from e
+        if session.written_bells is None:
+            return None
+        # a trainer rings before it checks its weights are where it shared them, and records the step on the
+        # MetaServer after: copy now, report the step held only once it is recorded
+        recorded = self._announcer.submit(self.client.wait_written, step, timeout=self.timeout_s)
+        if self.staged:
+            self._recorded(recorded, step)
+        return recorded
 
     def _recorded(self, recorded: Future, step: int) -> None:
         """Wait for the trainers' `written` of ``step`` to be recorded (after their bells rang): a trainer that

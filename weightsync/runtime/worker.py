@@ -232,7 +232,11 @@ def _transfer(ctx: WorkerContext, r: WorkerReader, what: str, fn: Callable[[], T
     error names the peer. The group cannot be used again then, and every later transfer of this worker
     reader says so at once. (The other transports'
     waits are polls with the same timeout that ask the trainers' liveness beacons once they make no progress --
-    ``ctx.watch``, :mod:`weightsync.transport.liveness` -- so they run as they are.)"""
+    ``ctx.watch``, :mod:`weightsync.transport.liveness` -- so they run as they are.)
+
+    A call sent before its step was written (:mod:`weightsync.transport.gate`) gets its go here, before ``fn``,
+    unless the transport waits for it after its own set-up (``sets_up_before_ready``) on this thread."""
+    from weightsync.transport.gate import ready
     from weightsync.transport.group import address_of, watched
 
     if r.abandoned is not None:
@@ -240,7 +244,10 @@ def _transfer(ctx: WorkerContext, r: WorkerReader, what: str, fn: Callable[[], T
                              "job (a new WeightReader, or init_weight_transfer_engine again)")
     wait = r.receiver.group_wait()  # p2p: the trainers; co-located: the workers it exchanges with
     if wait is None or address_of(wait.group) is None:
+        if not r.receiver.sets_up_before_ready:
+            ready()  # a call sent before its step was written: the go first (weightsync.transport.gate)
         return fn()
+    ready()  # the go first: watched() may run fn on a thread of its own, and its deadline is the transfer's
     try:
         return watched(fn, wait.group, wait.peers, r.receiver.options.timeout_s, what, ctx.device,
                        describe=wait.describe)

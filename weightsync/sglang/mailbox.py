@@ -80,6 +80,7 @@ import torch
 
 from weightsync.errors import InstanceError
 from weightsync.runtime.mailbox import MailboxAddress, MailboxServer, serve
+from weightsync.transport.gate import waited as go_waited
 from weightsync.transport.posted import hooked
 
 log = logging.getLogger("weightsync.sglang.mailbox")
@@ -398,7 +399,7 @@ def _handler(model: torch.nn.Module, instance: str, rank: int, directory: str,
                 check()  # where the call posted nothing, or the check has not run: now, before the answer
             finally:
                 _LOCAL.gate = None
-            spent = (("decode", t1 - t0), ("context", t2 - t1), ("run", time.perf_counter() - t2),
+            spent = (("decode", t1 - t0), ("context", t2 - t1), ("run", time.perf_counter() - t2 - go_waited()),
                      ("check", check.seconds))
             return pickle.dumps(W.RpcAnswer(True, value, spent=spent))
         except BaseException as e:  # noqa: BLE001 -- reported to the control process; the engine stays up

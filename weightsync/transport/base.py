@@ -259,6 +259,9 @@ class Receiver(ABC):
     #: there; co-located workers copy memory that outlives its trainer, and their reader watches the trainers
     #: while it waits for ``written``.)
     watches_trainers: ClassVar[bool] = False
+    #: whether ``receive`` does its set-up, then calls :func:`weightsync.transport.gate.ready` before its first copy
+    #: (a step's call sent before the step is written waits there); otherwise the worker waits before ``receive``
+    sets_up_before_ready: ClassVar[bool] = False
 
     def __init__(self, options: TransportOptions):
         self.options = options

@@ -62,6 +62,7 @@ from weightsync.transport.base import (
     SenderContext,
     StepStats,
 )
+from weightsync.transport.gate import ready
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.posted import posted as all_posted
 from weightsync.transport.nccl import (
@@ -486,6 +487,9 @@ class ColocatedTransport:
         free = list(self._buffers)
         counts = {kind: list(c) for kind, c in self._counts(ops).items()}
         started = time.perf_counter() - start
+        # a call sent before the step was written waits here, set up, for its go (weightsync.transport.gate); the
+        # step's own timing leaves the wait out
+        start += ready()
 
         # direct copies, pack-free (each run straight from the trainer's view into its target), on streams
         # of their own: the same-GPU ones and the cross-GPU ones (read or pushed) overlap each other and
@@ -767,6 +771,7 @@ class ColocatedReceiver(Receiver):
     """An inference worker copies its pieces out of the trainers' shared memory (and pushes, proxies)."""
 
     reads_after_written = True
+    sets_up_before_ready = True  # ColocatedTransport.run
 
     def memory(self, ctx: ReceiverContext) -> Buffers:
         """Plan what else this worker moves -- the send plans of the rank it proxies and of those on its
