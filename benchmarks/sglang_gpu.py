@@ -473,15 +473,20 @@ def colo(out: Path, models: list[str], first_extras: bool = True) -> dict:
     return result
 
 
-def bench(out: Path, model: str, scenarios: list[str], steps: int) -> dict:
+def bench(out: Path, model: str, scenarios: list[str], steps: int,
+          receivers: tuple[str, ...] = ("sglang", "faithful")) -> dict:
+    """``receivers``: each ``sglang`` or ``faithful``, with ``:late`` for a reader that sends each step's call only
+    after the trainers' `written` (``--call-after-written``; the default sends it before: weightsync.transport.gate)."""
     from weightsync.bench.run import run
 
     result: dict = {"stage": "bench", "model": model, "runs": []}
     for scenario in scenarios:
-        for receiver in ("sglang", "faithful"):
+        for arm in receivers:
+            receiver, _, late = arm.partition(":")
             t0 = time.perf_counter()
             try:
-                r = run(scenario, model, steps=steps, timeout=300.0, baselines=(), device="cuda", receiver=receiver)
+                r = run(scenario, model, steps=steps, timeout=300.0, baselines=(), device="cuda", receiver=receiver,
+                        early_call=late != "late")
             except Exception as err:  # noqa: BLE001
                 r = {"scenario": scenario, "receiver": receiver,
                      "errors": [f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"]}
@@ -493,7 +498,7 @@ def bench(out: Path, model: str, scenarios: list[str], steps: int) -> dict:
                                            if k.startswith("instance.")}
             result["runs"].append(r)
             med = r.get("median_seconds")
-            log(f"[bench] {scenario} {receiver}: median {med * 1e3 if med else float('nan'):.2f} ms, efficiency "
+            log(f"[bench] {scenario} {arm}: median {med * 1e3 if med else float('nan'):.2f} ms, efficiency "
                 f"{r.get('efficiency')}, verified {r.get('verified')}, mailbox {r.get('sglang_mailbox', '-')} "
                 f"{r.get('sglang_instance_ms', '')}, errors {str(r.get('errors'))[:1500]}")
             with open(out / "bench.json", "w") as f:
@@ -638,6 +643,8 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-8b", help="bench: the preset")
     p.add_argument("--scenarios", default="colo-1gpu,nixl-1gpu")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--receivers", default="sglang,faithful",
+                   help="bench: sglang, faithful, each with :late for the call after the trainers' written")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -650,7 +657,7 @@ def main() -> int:
     elif a.stage == "overhead":
         r = overhead(out)
     else:
-        r = bench(out, a.model, a.scenarios.split(","), a.steps)
+        r = bench(out, a.model, a.scenarios.split(","), a.steps, tuple(a.receivers.split(",")))
     with open(out / f"{a.stage}.json", "w") as f:
         json.dump(r, f, indent=1, default=str)
     log(f"[{a.stage}] verified {r['verified']}")

@@ -6,7 +6,8 @@
 # (src.tar.gz: `git archive` of the commit, commit: its hash, *.whl: pytest-xdist and execnet):
 #   bash .snap_sglang/sglang_gpu.sh      (results under $OUT; STAGES="bench overhead colo test" picks stages;
 #                                         the default: bench overhead test; SCENARIOS=colo-1gpu,nixl-1gpu and
-#                                         BENCH_STEPS=N for the bench; *_LIMIT: each stage's seconds; TEST_ARGS:
+#                                         BENCH_STEPS=N for the bench, RECEIVERS=sglang,sglang:late,faithful its
+#                                         arms (:late: the call after written); *_LIMIT: each stage's seconds; TEST_ARGS:
 #                                         more pytest arguments, e.g. -k to pick tests)
 # Build the snapshot of a commit first:  git archive --format=tar.gz -o .snap_sglang/src.tar.gz HEAD &&
 #   git rev-parse --short HEAD > .snap_sglang/commit && cp benchmarks/sglang_gpu.sh .snap_sglang/
@@ -26,7 +27,7 @@ has() { case " ${STAGES:-bench overhead test} " in *" $1 "*) return 0;; esac; re
 if has bench; then
 echo "== $(el) s bench ${SCENARIOS:-colo-1gpu} (sglang, faithful)"
 stage bench "${BENCH_LIMIT:-140}" python3 benchmarks/sglang_gpu.py bench --out $OUT --scenarios ${SCENARIOS:-colo-1gpu} \
-  --steps ${BENCH_STEPS:-5} > $OUT/bench.log 2>&1
+  --steps ${BENCH_STEPS:-5} --receivers ${RECEIVERS:-sglang,faithful} > $OUT/bench.log 2>&1
 grep "\[bench\]" $OUT/bench.log | cut -c1-400
 fi
 if has overhead; then

@@ -338,6 +338,32 @@ def test_a_step_never_written_is_called_off_before_any_copy(server, spawn, sig):
         inst.close()
 
 
+def test_early_call_false_waits_for_written_before_the_call(server, spawn):
+    """``early_call=False``: the reader sends the step's call only once the trainer announced it (the engine serves
+    until then); the step lands all the same."""
+    from weightsync.instances.faithful import FaithfulInstance
+    from weightsync.local.instances import worker_start_method
+    from weightsync.runtime.reader import WeightReader
+    from weightsync.spec import load_spec
+
+    class Spied(FaithfulInstance):
+        early = 0
+
+        def call_when(self, gate, fn, *args, timeout_s=None):
+            Spied.early += 1
+            return super().call_when(gate, fn, *args, timeout_s=timeout_s)
+
+    spawn(_trainer, server.url, "late-call", [1, 2], 30.0, None, signal.SIGKILL, "colocated", None)
+    inst = Spied(dict(load_spec(MODEL).config), "vllm:tp=1", fill=float("nan"), start_method=worker_start_method())
+    try:
+        reader = WeightReader(inst, meta=server.url, job="late-call", instance_id=0, instances=1, timeout_s=30.0,
+                              bucket_bytes=BUCKET, colocate=True, early_call=False).connect()
+        assert reader.update(1) == 1 and reader.update(2) == 2 and Spied.early == 0
+        reader.close()
+    finally:
+        inst.close()
+
+
 # -- a dropped reader is told, and rejoins in one call -------------------------------------------------------
 
 

@@ -194,7 +194,7 @@ def _baselines_train(emit: Emit, rank, scen, engine, tensors, writer, store_port
 def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: int, meta: str, timeout: float,
             link_in, baselines: tuple[str, ...] = (), store_port: int = 0, device: str = "cuda",
             peer_copies: bool = True, receiver: str = "faithful", integrity: int | None = None,
-            token: str | None = None) -> None:
+            token: str | None = None, early_call: bool = True) -> None:
     from weightsync.instances.faithful import FaithfulInstance
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
@@ -219,7 +219,8 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
     try:
         reader = WeightReader(instance, meta=meta, job="bench", token=token, instance_id=inst,
                               instances=scen.instances, timeout_s=timeout, colocate=scen.colocate,
-                              peer_copies=peer_copies, transport=scen.transport, **_integrity(integrity)).connect()
+                              peer_copies=peer_copies, transport=scen.transport, early_call=early_call,
+                              **_integrity(integrity)).connect()
         # memory beyond the weights over all steps: the transport's buffers (allocated in the first step and
         # kept) and anything a step allocates on top
         base = instance.call(reset_peak)
@@ -312,8 +313,12 @@ class _Timings:
 
 def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         baselines: tuple[str, ...] = ("naive", "bucketed"), device: str = "cuda", peer_copies: bool = True,
-        receiver: str = "faithful", integrity: int | None = None, delta=None, quant: str | None = None) -> dict:
+        receiver: str = "faithful", integrity: int | None = None, delta=None, quant: str | None = None,
+        early_call: bool = True) -> dict:
     """One scenario: our timed steps, the ceilings, then the baselines; a JSON-ready result.
+
+    ``early_call=False``: the readers wait for the trainers' `written` before sending a step's call
+    (``WeightReader(early_call=False)``), as every run before session 18 did.
 
     ``peer_copies=False`` makes co-located workers take other GPUs' pieces through their NCCL group, as
     on a host whose GPUs cannot reach each other's memory (the ceiling stays the hardware's).
@@ -396,7 +401,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     result: dict = {"scenario": scenario, "model": model, "train": scen.train, "infer": scen.infer,
                     "instances": scen.instances, "colocate": scen.colocate, "transport": scen.transport,
                     "device": device, "receiver": receiver, "quant": quant or "none",
-                    "integrity": integrity, "verified": False, "efficiency": None,
+                    "integrity": integrity, "early_call": early_call, "verified": False, "efficiency": None,
                     "errors": [],
                     **environment()}
     # the MetaServer runs with an admin token that stays here; the participants get the bench job's token only
@@ -445,7 +450,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
         for i in range(scen.instances):
             gpu = 0 if scen.one_gpu else train.world_size + i * infer.world_size
             job.add(Participant.instance(i), _reader, i, gpu, scen, model, steps, job.meta_url, timeout, link_q,
-                    baselines, store_port, device, peer_copies, receiver, integrity, token)
+                    baselines, store_port, device, peer_copies, receiver, integrity, token, early_call)
         outcome = job.run(on_event=on_event)
     if outcome.failure is not None:
         f = outcome.failure
@@ -693,11 +698,11 @@ def _quantize_graphs(xs, outs, names, dev, repeats: int) -> dict:
 
 
 def run_quant(scenario: str, model: str, steps: int = 5, timeout: float = 300.0, device: str = "cuda",
-              receiver: str = "faithful", peer_copies: bool = True) -> dict:
+              receiver: str = "faithful", peer_copies: bool = True, early_call: bool = True) -> dict:
     """``weightsync bench --quant fp8``: the scenario in bf16, then in FP8, in one call (the same GPUs, the same
     model, each with its own ceiling); the FP8 result carries the bf16 one beside it."""
-    bf16 = run(scenario, model, steps, timeout, (), device, peer_copies, receiver, 0)
-    fp8 = run(scenario, model, steps, timeout, (), device, peer_copies, receiver, 0, quant="fp8")
+    bf16 = run(scenario, model, steps, timeout, (), device, peer_copies, receiver, 0, early_call=early_call)
+    fp8 = run(scenario, model, steps, timeout, (), device, peer_copies, receiver, 0, quant="fp8", early_call=early_call)
     if not bf16.get("errors") and not fp8.get("errors"):
         fp8["bf16"] = {k: bf16.get(k) for k in ("bytes_moved", "median_seconds", "efficiency", "floor_seconds",
                                                   "ceiling_bytes_per_s", "verified")}
@@ -741,12 +746,13 @@ def main_from_args(args) -> int:
     if getattr(args, "quant", "none") == "fp8":  # bf16 then FP8, side by side, per scenario
         if delta is not None:
             raise ConfigError("--quant fp8 with --delta: delta and FP8 together are not built; drop one")
-        pairs = [run_quant(s, model, args.steps, args.timeout, args.device, args.receiver, not args.no_peer_copies)
-                 for s in args.scenario]
+        pairs = [run_quant(s, model, args.steps, args.timeout, args.device, args.receiver, not args.no_peer_copies,
+                           not args.call_after_written) for s in args.scenario]
         results = [r for p in pairs for r in p["runs"]]
     else:
         results = [run(s, model, args.steps, args.timeout, baselines, args.device, not args.no_peer_copies,
-                       args.receiver, args.integrity, delta) for s in args.scenario]
+                       args.receiver, args.integrity, delta, early_call=not args.call_after_written)
+                   for s in args.scenario]
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0]))
     else:
@@ -824,6 +830,9 @@ def add_arguments(p) -> None:
     p.add_argument("--integrity", type=int, default=None,
                    help="check every Nth step's checksums (weightsync.integrity; 1: every step, 0: never); "
                         "default: the library's")
+    p.add_argument("--call-after-written", action="store_true",
+                   help="co-located/NIXL: send each step's call only once the trainers announced it written "
+                        "(WeightReader(early_call=False)), for an A/B against the default early call")
     p.add_argument("--delta", action="store_true",
                    help="after the full steps, time delta steps (delta=True) in which each step changes exactly "
                         "--change-fraction of the elements at random positions (separated scenarios)")

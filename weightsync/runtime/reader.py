@@ -101,9 +101,12 @@ class WeightReader(SessionDriven):
         validate_checkpoint: str | Callable[[int], str] | None = None,
         delta: bool = False,
         instance_timeout_s: float | None = None,
+        early_call: bool = True,
     ):
         # instance_timeout_s (async): the MetaServer marks this instance gone once its heartbeat has been
-        # silent that long (default timeout_s; weightsync.meta.heartbeat)
+        # silent that long (default timeout_s; weightsync.meta.heartbeat). early_call (co-located or NIXL, sync):
+        # update(step) pauses the instance and sends the step's call before the trainers' `written`, where the
+        # instance can (call_when); False: it waits for `written` first, so the engine serves until then
         if validate_every < 0 or (validate_every and validate_checkpoint is None):
             raise ValueError("validate_every=N (N >= 1) needs validate_checkpoint=: the checkpoint directory, or "
                              "a callable step -> directory, to validate every Nth update against")
@@ -113,7 +116,7 @@ class WeightReader(SessionDriven):
                                  delta=delta)  # delta: as the writers (weightsync.delta)
         check_instance_id(instance_id, instances, options)  # beyond the job's start: elastic transports only
         self.instance, self.instance_id, self.timeout_s = instance, instance_id, timeout_s
-        self.staged, self.mode, self.colocate = staged, mode, colocate
+        self.staged, self.mode, self.colocate, self.early_call = staged, mode, colocate, early_call
         self._next_pull = 0
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
         self.session = InstanceSession(self.client, MetaLink(meta, job, token), instance, instance_id, instances,
@@ -158,7 +161,8 @@ class WeightReader(SessionDriven):
         # co-located (or NIXL): the trainers' memory holds `step` once every trainer announced it. Where the instance
         # can, its call goes out first and the workers set up while the trainers still write; their copies wait for
         # the gate (weightsync.transport.gate). Else the wait comes first, then the call.
-        early = session.reads_after_written and callable(getattr(self.instance, "call_when", None))
+        early = (session.reads_after_written and self.early_call
+                 and callable(getattr(self.instance, "call_when", None)))
         if session.reads_after_written and not early:
             written.recorded = self._wait_written(step, held)
         if not self.staged:
