@@ -84,10 +84,13 @@ def doorbells_of(name: str) -> bool | None:
 
 
 def predicted(model: str, scenario: str, receiver: str, cost: CostModel = CostModel(), codec: str = "full",
-              doorbells: bool | None = None) -> float:
+              doorbells: bool | None = None, early_call: bool = False) -> float:
+    """``early_call``: the step's call sent before the trainers' `written` (a record's ``early_call``, session 18
+    on; every record before it ran without)."""
     planner, plans, counts = planned(model, scenario)
     transport = SCENARIOS[scenario][3]
-    deployment = Deployment(transport, receiver, codec, doorbells=doorbells if transport == "nixl" else None)
+    deployment = Deployment(transport, receiver, codec, doorbells=doorbells if transport == "nixl" else None,
+                            early_call=early_call)
     buckets = [b for bs in plans.values() for b in bs]
     return predict_step(buckets, planner.topology, counts, deployment, cost, planner.spec).seconds
 
@@ -166,6 +169,19 @@ RECORDED = [
     ("2026-12-06-h100x1-real-sglang0514-colo-1gpu-faithful-f7c86f7.json", "faithful", "none"),
     ("2026-12-06-h100x1-real-sglang0514-nixl-1gpu-sglang-f7c86f7.json", "sglang", "none"),
     ("2026-12-06-h100x1-real-sglang0514-nixl-1gpu-faithful-f7c86f7.json", "faithful", "none"),
+    # session 18, a fourth host (31ec0cc): the step's call before the trainers' `written` (early_call True; the rows
+    # that gave the profile's *_early_s) and, on the same host, after it (early_call False, "-late")
+    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-faithful-s18-31ec0cc.json", "faithful", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm-s18-31ec0cc.json", "vllm", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm3-s18-31ec0cc.json", "vllm", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm-late-s18-31ec0cc.json", "vllm", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm3-late-s18-31ec0cc.json", "vllm", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-nixl-1gpu-faithful-s18-31ec0cc.json", "faithful", "none"),
+    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-faithful-s18a-31ec0cc.json", "faithful", "none"),
+    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-s18a-31ec0cc.json", "sglang", "none"),
+    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-s18b-31ec0cc.json", "sglang", "none"),
+    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-late-s18a-31ec0cc.json", "sglang", "none"),
+    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-late-s18b-31ec0cc.json", "sglang", "none"),
 ]
 
 #: nixl-1gpu runs whose medians lie outside 10% of the model with its one per-descriptor cost: their CPU
@@ -203,7 +219,8 @@ def test_recorded_runs_within_ten_percent(name, receiver, quant):
         if r.get("gpus"):  # the file's name says the GPU its own record names
             assert gpu_of(r) == gpu_of(name=name), (name, r["gpus"])
         want = r["median_seconds"]
-        got = predicted("qwen3-8b", r["scenario"], receiver, cost_of(name), codec, doorbells_of(name))
+        got = predicted("qwen3-8b", r["scenario"], receiver, cost_of(name), codec, doorbells_of(name),
+                        r.get("early_call", False))
         assert abs(got - want) <= 0.10 * want, f"{name} {r['scenario']}: predicted {got * 1e3:.2f} ms, ran {want * 1e3:.2f}"
 
 
@@ -347,7 +364,7 @@ def test_plan_predicts_for_the_gpu_asked(capsys):
         out = json.loads(capsys.readouterr().out)
         assert out["prediction"]["gpu"] == gpu
         steps[gpu] = out["predicted_seconds"]
-        assert steps[gpu] == pytest.approx(predicted("qwen3-8b", "colo-1gpu", "faithful", cost_model(gpu)))
+        assert steps[gpu] == pytest.approx(predicted("qwen3-8b", "colo-1gpu", "faithful", cost_model(gpu), early_call=True))
     assert main(args) == 0 and json.loads(capsys.readouterr().out)["predicted_seconds"] == steps["h200"]
     assert steps["h100"] > 1.2 * steps["h200"]
 
@@ -607,7 +624,7 @@ def test_job_stats_reports_the_prediction(capsys):
     assert out["predicted_seconds"] == pytest.approx(p["signal_s"] + p["receiver_s"] + p["move_s"])
     # posting overlaps the copies: the data, plus the set-up and the first transfer's posting before them
     assert p["move_s"] == pytest.approx(CostModel().nixl_setup_s + 64 * CostModel().nixl_descriptor_s + p["data_s"])
-    assert predicted("qwen3-8b", "nixl-1gpu", "faithful") == pytest.approx(out["predicted_seconds"])
+    assert predicted("qwen3-8b", "nixl-1gpu", "faithful", early_call=True) == pytest.approx(out["predicted_seconds"])
 
 
 def test_fp8_decode_adds_on_one_gpu_and_hides_under_a_slower_wire():
@@ -664,3 +681,27 @@ def test_doorbells_by_default_where_the_runtime_rings_them(transport, topology, 
     every rank is on one host (session.connect's open_bells), the MetaServer otherwise; a given value stays."""
     assert Deployment(transport).on(topology).doorbells is bells
     assert Deployment(transport, doorbells=not bells).on(topology).doorbells is (not bells)
+
+
+def test_early_call_costs_are_their_runs_measurements():
+    """The receivers' costs with the step's call before the trainers' `written` (CostModel.*_early_s, session 18)
+    are the mean of reader.workers - reader.transport over each receiver's two early rows (the H100 measured them;
+    the H200 profile takes the same), and each early row ran faster than its receiver's rows after `written` on the
+    same host."""
+    def left(name: str, receiver: str) -> tuple[float, float]:
+        (r,) = [r for r in load_runs(name) if r["receiver"] == receiver]
+        assert gpu_of(r) == "h100" and r["verified"]
+        p = r["phase_median_seconds"]
+        return p["reader.workers"] - p["reader.transport"], r["median_seconds"]
+
+    rows = {"faithful": ["qwen3-8b-colo-1gpu-faithful-s18", "real-sglang0514-colo-1gpu-faithful-s18a"],
+            "vllm": ["qwen3-8b-colo-1gpu-real-vllm026-vllm-s18", "qwen3-8b-colo-1gpu-real-vllm026-vllm3-s18"],
+            "sglang": ["real-sglang0514-colo-1gpu-sglang-s18a", "real-sglang0514-colo-1gpu-sglang-s18b"]}
+    for receiver, names in rows.items():
+        got = [left(f"2026-12-07-h100x1-{n}-31ec0cc.json", receiver) for n in names]
+        want = getattr(H100, f"{receiver}_early_s")
+        assert want == getattr(CostModel(), f"{receiver}_early_s")
+        assert abs(sum(g for g, _ in got) / 2 - want) < 1e-6, (receiver, got, want)
+        if receiver != "faithful":
+            late = [left(f"2026-12-07-h100x1-{n.replace('-s18', '-late-s18')}-31ec0cc.json", receiver) for n in names]
+            assert max(m for _, m in got) < min(m for _, m in late), (receiver, got, late)

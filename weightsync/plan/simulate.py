@@ -167,6 +167,17 @@ class CostModel:
     # 1gpu-685101f.json (0.86 ms the handler around the receive, 0.55 the mailbox's round trip, 0.11 the syncs,
     # 0.59 the writer lock and the pause check on the engine's event loop)
     sglang_step_s: float = 10.570e-3 - 8.567e-3
+    # the receivers' calls sent before the trainers' `written` (session 18, weightsync.transport.gate; the runtime's
+    # default since 4ea3863): what is left of each after the go, reader.workers - reader.transport of the early
+    # rows of 2026-12-07-h100x1-*-31ec0cc.json on one H100 (the mean of each receiver's two rows; not measured on an
+    # H200: these stand for it too). The trip, the decode and the co-located set-up (colocated_setup_s) run before
+    # the go: in the bench the reader sends step s + 1's call as update(s) returns, long before the trainers' bell.
+    # faithful: qwen3-8b-colo-1gpu-faithful-s18 0.131 ms, real-sglang0514-colo-1gpu-faithful-s18a 0.270
+    faithful_early_s: float = (0.131e-3 + 0.270e-3) / 2
+    # vLLM 0.26: qwen3-8b-colo-1gpu-real-vllm026-vllm-s18 0.174 ms, ...-vllm3-s18 0.234
+    vllm_early_s: float = (0.174e-3 + 0.234e-3) / 2
+    # SGLang 0.5.14: real-sglang0514-colo-1gpu-sglang-s18a 0.399 ms, ...-s18b 0.453
+    sglang_early_s: float = (0.399e-3 + 0.453e-3) / 2
     # codecs: block FP8 keeps 1 byte per element plus an fp32 scale per 128 x 128 block (weightsync.quant.fp8)
     fp8_block: int = 128
     # FP8, the trainer's encode (every distinct bucket's plain copies and quantize kernels into its frames, one
@@ -303,6 +314,10 @@ class Deployment:
     # one host (session.publish_bells / connect; open_bells: any bell on another host and they long-poll the
     # MetaServer); p2p jobs signal through the MetaServer
     doorbells: bool | None = None
+    # the readers of a transport that reads after `written` (colocated, nixl) send each step's call before it
+    # (WeightReader(early_call=True), the default since 4ea3863): the receivers' *_early_s costs, the co-located
+    # set-up off the step; False: as every run before session 18
+    early_call: bool = True
 
     def __post_init__(self) -> None:
         for what, value, known in (("transport", self.transport, TRANSPORTS), ("receiver", self.receiver, RECEIVERS),
@@ -430,6 +445,9 @@ def predict_step(
     else:
         post_s = cost.colocated_setup_s
         move_s = post_s + data_s
+    early = d.early_call and d.transport in ("colocated", "nixl")
+    if early and d.transport == "colocated":  # the set-up runs before the go (ColocatedTransport.run: ready())
+        move_s = data_s
 
     codec_s = 0.0
     if d.codec == "fp8" and buckets and d.transport != "colocated":
@@ -450,7 +468,10 @@ def predict_step(
     else:  # the MetaServer: every trainer posts written and waits held, every instance the reverse
         requests = 2 * (topology.train_world + topology.instances)
         signal_s = cost.step_round_s - cost.doorbell_s + max(cost.metaserver_signal_s, requests * cost.metaserver_request_s)
-    receiver_s = {"faithful": cost.faithful_call_s, "vllm": cost.vllm_step_s, "sglang": cost.sglang_step_s}[d.receiver]
+    if early:
+        receiver_s = {"faithful": cost.faithful_early_s, "vllm": cost.vllm_early_s, "sglang": cost.sglang_early_s}[d.receiver]
+    else:
+        receiver_s = {"faithful": cost.faithful_call_s, "vllm": cost.vllm_step_s, "sglang": cost.sglang_step_s}[d.receiver]
     seconds = signal_s + receiver_s + move_s + codec_s
     return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, sum(sizes), descriptors, msgs,
                           pack_s, move_s, cost.gpu)
