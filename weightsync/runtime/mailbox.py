@@ -29,7 +29,7 @@ that would otherwise contend with the workers' posting (vLLM's prefix-cache rese
 **Sent early, gone on later.** ``call(..., gate=...)`` sends a ``GATED`` call, then runs ``gate()`` on the calling
 thread (the reader's wait for the trainers' `written`), then sends each rank a ``GO`` frame: empty to go on, the
 gate's error to call the step off. The worker runs the call at once; its transport waits for the frame at its
-first copy (:mod:`weightsync.transport.gate`: the trip, the decode and the set-up run in the trainers' write). A
+first copy (:mod:`weightsync.transport.gate`: the trip, the decode and the set-up run before the go). A
 call off raises :class:`~weightsync.transport.gate.StepCancelled` there, before any copy, and ``call`` raises the
 gate's own error once every rank answered. A worker always reads its ``GO`` before answering (a call that failed
 before its first copy too), so the pipes stay in step; the call's deadline starts at the ``GO``.

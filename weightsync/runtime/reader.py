@@ -14,14 +14,14 @@ the trainers' snapshot in 4)::
     1. co-located: wait until every training rank announced the step written
     2. instance.pause()
     3. worker.receive on every worker                    the step lands (staged: in each worker's copy)
-
-    (co-located, on an instance with ``call_when``: 2, then 3 sent at once, its workers setting up while the
-    reader waits for 1; their first copy waits for the go (:mod:`weightsync.transport.gate`). A step that never
-    comes is called off before any copy: the workers keep what they held, nothing is withheld.)
     4. _settle: on the integrity cadence worker.verify on every worker, once all returned; staged: then
        worker.commit on every worker, together
     5. instance.after_update(); resume()                 a non-staged failure withholds the instance first
     6. validate (on its cadence); version = step; set_version; report the step held
+
+(Co-located or NIXL, on an instance with ``call_when``, ``early_call`` on (the default): 2, then 3 sent at once, its
+workers setting up while the reader waits for 1; their first copy waits for the go (:mod:`weightsync.transport.gate`).
+A step that never comes is called off before any copy: the workers keep what they held, nothing is withheld.)
 
 On an elastic transport (file, nixl) a reader may join a running job -- an ``instance_id`` beyond the
 ``instances`` the job started with, or a gone or left instance's id -- and its first ``update`` may

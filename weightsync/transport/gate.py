@@ -3,13 +3,16 @@
 Why: a co-located (or NIXL) step may be copied only once every training rank announced it written, and the reader
 learns that in its control process. Sending the call only then puts the call's whole way into the workers on the
 step's path: the trip (~0.17 ms through a mailbox on an H100 host), the decode (~0.14 ms), the transport's set-up
-(the live addresses looked up, ~0.13 ms) -- BENCHMARKS.md, session 17. Sent while the trainers still write, all of
-that runs in the wait, and only a go (a few bytes down the same pipe) follows the trainers' bell.
+(the live addresses looked up, ~0.13 ms) -- BENCHMARKS.md, session 17. Sent as soon as ``update(step)`` is called,
+all of that runs while the reader waits for the trainers' bell, and only a go (a few bytes down the same pipe)
+follows the bell: 0.4-0.8 ms a step off the real engines' receive on one H100 (BENCHMARKS.md, session 18). It hides
+what fits between the call and the bell: a trainer rings ~0.1 ms into ``write(step)``, so a reader that calls
+``update(step)`` ahead of it (as the bench does) hides it all.
 
 The runner of a call sent early (:mod:`weightsync.runtime.mailbox`'s serving thread, a faithful worker) installs
 the wait for its go (:func:`gated`); the transport calls :func:`ready` once its set-up is done and its first copy is
-next; a transport that does not (``Receiver.sets_up_before_ready`` False) is given the go before its receive starts
-(:func:`weightsync.runtime.worker.receive`). The first :func:`ready` in a gated scope waits; later ones, and any
+next; a transport that does not (``Receiver.sets_up_before_ready`` False), or one whose transfer may run on another
+thread, is given the go before its receive starts (``weightsync.runtime.worker._transfer``). The first :func:`ready` in a gated scope waits; later ones, and any
 outside a gated scope, return at once. What the wait raises (:class:`StepCancelled`: the go never came, the step is
 not there) propagates: no copy has been posted yet, so the live weights are untouched.
 """
