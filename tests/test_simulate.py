@@ -367,6 +367,11 @@ def test_plan_predicts_for_the_gpu_asked(capsys):
         assert steps[gpu] == pytest.approx(predicted("qwen3-8b", "colo-1gpu", "faithful", cost_model(gpu), early_call=True))
     assert main(args) == 0 and json.loads(capsys.readouterr().out)["predicted_seconds"] == steps["h200"]
     assert steps["h100"] > 1.2 * steps["h200"]
+    # the readers' call after `written` (as before session 18): the receiver's whole call and the set-up on the step
+    assert main([*args, "--gpu", "h100", "--call-after-written"]) == 0
+    late = json.loads(capsys.readouterr().out)["predicted_seconds"]
+    assert late == pytest.approx(predicted("qwen3-8b", "colo-1gpu", "faithful", H100))
+    assert late - steps["h100"] == pytest.approx(H100.faithful_call_s + H100.colocated_setup_s - H100.faithful_early_s)
 
 
 def test_delta_encodes_each_distinct_bucket_once():

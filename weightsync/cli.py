@@ -37,7 +37,8 @@ def _plan(args: argparse.Namespace) -> int:
     transport = args.transport or ("colocated" if args.colocate else "p2p")
     if transport == "colocated" and not args.colocate:
         raise WeightSyncError("--transport colocated needs --colocate (the inference ranks on the training GPUs)")
-    deployment = Deployment(transport, args.receiver, args.codec, args.changed)  # the simulator's (plan.simulate)
+    deployment = Deployment(transport, args.receiver, args.codec, args.changed,  # the simulator's (plan.simulate)
+                            early_call=not args.call_after_written)
     cost = cost_model(args.gpu)  # the constants measured on that GPU
     if args.rank:
         try:
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--codec", choices=["full", "fp8", "delta"], default="full",
                       help="for the predicted step: bytes on the wire (fp8: an estimate; delta: at --changed)")
     plan.add_argument("--changed", type=float, default=0.01, help="delta: fraction changed a step (default 0.01)")
+    plan.add_argument("--call-after-written", action="store_true",
+                      help="for the predicted step: readers that send each step's call only after the trainers' "
+                           "written (WeightReader(early_call=False)); default: before it")
     plan.add_argument("--gpu", choices=["h200", "h100"], default="h200",
                       help="predict with the costs measured on this GPU (default h200; plan.simulate.GPUS)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
