@@ -45,7 +45,7 @@ from weightsync.instances import (
 from weightsync.layout.materialize import TORCH_DTYPES
 from weightsync.runtime.instance import NoEngineHooks, WorkerContext
 from weightsync.spec.model import load_spec
-from weightsync.transport.gate import called_off, gated, go_on
+from weightsync.transport.gate import Go, gated, run_gate
 
 _STOP = -1
 
@@ -103,8 +103,8 @@ def _worker_main(rank: int, conn, model: Any, engine: str, device: str, fill: fl
             seq, fn, args, early = pickle.loads(blob)
             if seq == _STOP:
                 return
-            go = _Go(conn, seq) if early else None
-            with torch.no_grad(), (gated(go.wait) if go is not None else contextlib.nullcontext()):
+            go = Go(seq, lambda: _go_message(conn), RuntimeError) if early else None
+            with torch.no_grad(), (gated(go) if go is not None else contextlib.nullcontext()):
                 result = fn(ctx, *args)
             out = pickle.dumps((seq, "ok", result))
         except _Stopped:
@@ -114,8 +114,8 @@ def _worker_main(rank: int, conn, model: Any, engine: str, device: str, fill: fl
                 return
             out = pickle.dumps((seq, "err", error_record(e)))
         try:
-            if go is not None and not go.came:  # ended before its first copy: its go is read all the same (in step)
-                go.read()
+            if go is not None:
+                go.settle()  # a call that ended before its first copy reads its go all the same (in step)
         except (_Stopped, EOFError, OSError):
             return
         try:
@@ -128,24 +128,13 @@ class _Stopped(Exception):
     """The control process stopped the worker while a call sent early waited for its go."""
 
 
-class _Go:
-    """A call sent early (:meth:`FaithfulInstance.call_when`): its go, read once from the pipe, at the transport's
-    first :func:`~weightsync.transport.gate.ready` or after the call."""
-
-    def __init__(self, conn, seq: int):
-        self.conn, self.seq, self.came = conn, seq, False
-
-    def read(self) -> str | None:
-        seq, why = pickle.loads(self.conn.recv_bytes())[:2]
-        if seq == _STOP:
-            raise _Stopped
-        if seq != self.seq:
-            raise RuntimeError(f"the go of call {seq} came for call {self.seq}: out of step")
-        self.came = True
-        return why
-
-    def wait(self) -> None:
-        go_on(self.read())
+def _go_message(conn) -> tuple[int, str | None]:
+    """The go of a call sent early (:meth:`FaithfulInstance.call_when`), from the pipe: its call number, and None to
+    go on or why the step was called off (:class:`~weightsync.transport.gate.Go`)."""
+    seq, why = pickle.loads(conn.recv_bytes())[:2]
+    if seq == _STOP:
+        raise _Stopped
+    return seq, why
 
 
 def _shutdown(procs: list, conns: list, grace_s: float = 5.0) -> None:
@@ -263,12 +252,8 @@ class FaithfulInstance(NoEngineHooks):
         before its step is written (:mod:`weightsync.transport.gate`). What ``gate`` raises calls the step off on
         every worker before its first copy, and is raised once all answered; ``timeout_s`` counts from the go."""
         seq = self._send(fn, args, early=True)
-        cancelled = None
-        try:
-            gate()
-        except BaseException as e:  # noqa: BLE001 -- raised once every worker answered
-            cancelled = e
-        go = pickle.dumps((seq, None if cancelled is None else called_off(cancelled)))
+        why, cancelled, _ = run_gate(gate)  # what it raised is raised once every worker answered
+        go = pickle.dumps((seq, why))
         for rank, c in enumerate(self._conns):
             try:
                 c.send_bytes(go)

@@ -168,23 +168,24 @@ class VLLMInstance:
 
     # -- the protocol ---------------------------------------------------------------------------
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
-        what = f"weightsync_call({getattr(fn, '__qualname__', fn)})"
-        payload = pack_call(self._channel, next(self._seq), fn, args)
-        if self._mailbox is not None:
-            return self._mail(payload, timeout_s or self.timeout_s, what)
-        return self._rpc("weightsync_call", payload, timeout_s=timeout_s, what=what)
+        return self._call(fn, args, timeout_s)
 
     def call_when(self, gate: Callable[[], None], fn: Callable[..., Any], *args: Any,
                   timeout_s: float | None = None) -> list[Any]:
         """Through the mailbox: :meth:`call` sent at once, its copies waiting for ``gate()`` (a step's call before
         the trainers' `written`: :mod:`weightsync.transport.gate`); through ``collective_rpc``: ``gate()``, then the
         call."""
-        if self._mailbox is None:
-            gate()
-            return self.call(fn, *args, timeout_s=timeout_s)
+        return self._call(fn, args, timeout_s, gate)
+
+    def _call(self, fn: Callable[..., Any], args: tuple, timeout_s: float | None,
+              gate: Callable[[], None] | None = None) -> list[Any]:
         what = f"weightsync_call({getattr(fn, '__qualname__', fn)})"
-        return self._mail(pack_call(self._channel, next(self._seq), fn, args), timeout_s or self.timeout_s, what,
-                          gate)
+        payload = pack_call(self._channel, next(self._seq), fn, args)
+        if self._mailbox is not None:
+            return self._mail(payload, timeout_s or self.timeout_s, what, gate)
+        if gate is not None:
+            gate()
+        return self._rpc("weightsync_call", payload, timeout_s=timeout_s, what=what)
 
     def after_update(self) -> None:
         if not self.refreshes:

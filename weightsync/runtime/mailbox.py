@@ -66,7 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.transport.gate import called_off, gated, go_on
+from weightsync.transport.gate import Go, gated, run_gate
 from weightsync.transport.posted import hooked
 from weightsync.transport.private import check_private_directory
 
@@ -150,16 +150,6 @@ def _open_fifo(path: str, flags: int) -> int:
 
 def _frame(kind: int, seq: int, payload: bytes) -> bytes:
     return _FRAME.pack(kind, seq, len(payload)) + payload
-
-
-def _run_gate(gate: Callable[[], None]) -> tuple[BaseException | None, float]:
-    """Run a gated call's gate: (what it raised, or None to go on; its seconds)."""
-    t0 = time.perf_counter()
-    try:
-        gate()
-    except BaseException as e:  # noqa: BLE001 -- the step is called off, and this raised once every rank answered
-        return e, time.perf_counter() - t0
-    return None, time.perf_counter() - t0
 
 
 class _Reader:
@@ -301,9 +291,9 @@ class Mailbox:
                     else:
                         out[fd] = (r, data[n:])
                 if gate is not None and not out:  # every rank has the call: wait for its step, then go (or not)
-                    cancelled, gate_s = _run_gate(gate)
+                    why, cancelled, gate_s = run_gate(gate)
                     gate, sending = None, f"the go of {what}"
-                    go = _frame(GO, seq, b"" if cancelled is None else called_off(cancelled).encode(errors="replace"))
+                    go = _frame(GO, seq, b"" if why is None else why.encode(errors="replace"))
                     for r in range(self.ranks):
                         out[self._requests[r]] = (r, memoryview(go))
                         poller.register(self._requests[r], select.POLLOUT)
@@ -380,33 +370,6 @@ class Mailbox:
         self._wake_r = self._wake_w = -1
 
 
-class _Go:
-    """A gated call's ``GO`` frame on the worker's side: read once, by the transport's first
-    :func:`~weightsync.transport.gate.ready` (:meth:`wait`) or after the call (:meth:`read`)."""
-
-    def __init__(self, server: MailboxServer, seq: int):
-        self.server, self.seq = server, seq
-        self.came = False
-        self.waited = 0.0  # seconds spent waiting for it (left out of the handler's time)
-
-    def read(self) -> str | None:
-        """Wait for the frame: None to go on, or why the step was called off."""
-        t0 = time.perf_counter()
-        try:
-            kind, seq, payload = self.server._next((GO,))
-        finally:
-            self.waited += time.perf_counter() - t0
-        if kind is None:
-            raise MailboxError(f"rank {self.server.rank}: the mailbox closed while call {self.seq} waited for its go")
-        if seq != self.seq:
-            raise MailboxError(f"rank {self.server.rank}: the go of call {seq} came for call {self.seq}: out of step")
-        self.came = True
-        return payload.decode(errors="replace") if payload else None
-
-    def wait(self) -> None:
-        go_on(self.read())
-
-
 class MailboxServer:
     """A worker's end: a daemon thread that answers each request with ``handle(payload)`` (see :func:`serve`)."""
 
@@ -444,12 +407,13 @@ class MailboxServer:
                     return
                 t0 = time.perf_counter()
                 handler = 0.0
-                go = _Go(self, seq) if kind == GATED else None
+                go = (Go(seq, self._go, lambda m: MailboxError(f"rank {self.rank}: {m}")) if kind == GATED
+                      else None)
                 try:
                     self._sync()
                     t1 = time.perf_counter()
                     with hooked(lambda seq=seq: self._send(_ANSWER.pack(POSTED, seq, 0, 0.0, 0.0))), \
-                            (gated(go.wait) if go is not None else contextlib.nullcontext()):
+                            (gated(go) if go is not None else contextlib.nullcontext()):
                         reply, rkind = self.handle(payload), ANSWER
                     handler = time.perf_counter() - t1 - (go.waited if go is not None else 0.0)
                     self._sync()  # every kernel the call launched is done before the answer says so
@@ -457,9 +421,8 @@ class MailboxServer:
                     reply, rkind = f"{type(e).__name__}: {e}".encode(), FAILED
                 waited = 0.0
                 if go is not None:
-                    if not go.came:  # the call ended before its first copy: its go is read all the same (in step)
-                        with contextlib.suppress(MailboxError):  # closed meanwhile: the answer is not sent either
-                            go.read()
+                    with contextlib.suppress(MailboxError):  # closed meanwhile: the answer is not sent either
+                        go.settle()  # a call that ended before its first copy reads its go all the same (in step)
                     waited = go.waited
                 synced = time.perf_counter() - t0 - handler - waited
                 self.calls += 1
@@ -496,6 +459,14 @@ class MailboxServer:
             import torch
 
             torch.cuda.synchronize(dev)
+
+    def _go(self) -> tuple[int, str | None]:
+        """A gated call's ``GO`` frame (:class:`~weightsync.transport.gate.Go`): its call number, and None to go on or
+        why the step was called off."""
+        kind, seq, payload = self._next((GO,))
+        if kind is None:
+            raise MailboxError(f"rank {self.rank}: the mailbox closed while a call waited for its go")
+        return seq, payload.decode(errors="replace") if payload else None
 
     def _next(self, kinds: tuple[int, ...] = (CALL, GATED)) -> tuple[int | None, int, bytes]:
         """The next request frame (one of ``kinds``), or (None, ...) when the control process closed its end or stop()

@@ -9,11 +9,12 @@ follows the bell: 0.4-0.8 ms a step off the real engines' receive on one H100 (B
 what fits between the call and the bell: a trainer rings ~0.1 ms into ``write(step)``, so a reader that calls
 ``update(step)`` ahead of it (as the bench does) hides it all.
 
-The runner of a call sent early (:mod:`weightsync.runtime.mailbox`'s serving thread, a faithful worker) installs
-the wait for its go (:func:`gated`); the transport calls :func:`ready` once its set-up is done and its first copy is
+The runner of a call sent early sends the call, runs the gate (:func:`run_gate`), then sends the go or why not. On
+the worker (:mod:`weightsync.runtime.mailbox`'s serving thread, a faithful worker) the call runs in a gated scope
+(:func:`gated`) over its :class:`Go`; the transport calls :func:`ready` once its set-up is done and its first copy is
 next; a transport that does not (``Receiver.sets_up_before_ready`` False), or one whose transfer may run on another
-thread, is given the go before its receive starts (``weightsync.runtime.worker._transfer``). The first :func:`ready` in a gated scope waits; later ones, and any
-outside a gated scope, return at once. What the wait raises (:class:`StepCancelled`: the go never came, the step is
+thread, is given the go before its receive starts (``weightsync.runtime.worker._transfer``). The first :func:`ready`
+in a gated scope waits; later ones, and any outside a gated scope, return at once. What the wait raises (:class:`StepCancelled`: the go never came, the step is
 not there) propagates: no copy has been posted yet, so the live weights are untouched.
 """
 
@@ -34,17 +35,64 @@ class StepCancelled(TransportError):
     """A call sent before its step was there was called off before its first copy: nothing of the step landed."""
 
 
+def run_gate(gate: Callable[[], None]) -> tuple[str | None, BaseException | None, float]:
+    """The runner's side of a call sent early, once it is sent: run ``gate``. Returns what to send its workers
+    (None: the go; else why the step is called off, never empty), what the gate raised (for the runner to raise
+    once every worker answered) and the gate's seconds."""
+    t0 = time.perf_counter()
+    try:
+        gate()
+    except BaseException as e:  # noqa: BLE001 -- the step is called off; the runner raises it after the answers
+        return f"{type(e).__name__}: {e}"[:4096] or "called off", e, time.perf_counter() - t0
+    return None, None, time.perf_counter() - t0
+
+
+class Go:
+    """A worker's side of a call sent early: its go, read once from the call's channel -- by the transport's first
+    :func:`ready`, or after the call (:meth:`settle`: a call that ended before its first copy, so the channel
+    stays in step).
+
+    ``receive()`` blocks for the next go message: its call number and None (go on) or why the step was called off;
+    ``error(message)`` is the channel's own error for a go of another call."""
+
+    def __init__(self, seq: int, receive: Callable[[], tuple[int, str | None]], error: Callable[[str], Exception]):
+        self.seq, self._receive, self._error = seq, receive, error
+        self.came = False
+        self.waited = 0.0  # seconds spent waiting for it: left out of the call's own time
+
+    def read(self) -> str | None:
+        t0 = time.perf_counter()
+        try:
+            seq, why = self._receive()
+        finally:
+            self.waited += time.perf_counter() - t0
+        if seq != self.seq:
+            raise self._error(f"the go of call {seq} came for call {self.seq}: out of step")
+        self.came = True
+        return why
+
+    def wait(self) -> None:
+        """Return on the go; raise :class:`StepCancelled` when the step was called off."""
+        why = self.read()
+        if why is not None:
+            raise StepCancelled(f"the step was called off before its first copy ({why})")
+
+    def settle(self) -> None:
+        """After the call: read the go it did not wait for."""
+        if not self.came:
+            self.read()
+
+
 @dataclass
 class _Scope:
-    wait: Callable[[], None] | None  # None once run
-    waited: float = 0.0
+    go: Go
+    asked: bool = False  # a ready() ran (the go is waited for once)
 
 
 @contextmanager
-def gated(wait: Callable[[], None]) -> Iterator[None]:
-    """Within this scope, on this thread, the first :func:`ready` runs ``wait`` (which returns on the go and raises
-    :class:`StepCancelled` when called off)."""
-    scope = _Scope(wait)
+def gated(go: Go) -> Iterator[None]:
+    """Within this scope, on this thread, the first :func:`ready` waits for ``go``."""
+    scope = _Scope(go)
     stack = _local.__dict__.setdefault("gates", [])
     stack.append(scope)
     try:
@@ -58,35 +106,23 @@ def ready() -> float:
     module docstring). Returns the seconds waited (0.0 when there was nothing to wait for), which the transport
     leaves out of its own timing."""
     stack = getattr(_local, "gates", None)
-    if not stack or stack[-1].wait is None:
+    if not stack or stack[-1].asked:
         return 0.0
     scope = stack[-1]
-    wait, scope.wait = scope.wait, None
-    t0 = time.perf_counter()
+    scope.asked = True
+    before = scope.go.waited
     try:
-        wait()
+        scope.go.wait()
     finally:
-        scope.waited = time.perf_counter() - t0
-    return scope.waited
-
-
-def called_off(error: BaseException) -> str:
-    """What a runner sends its workers instead of the go when the gate raised ``error``: never empty."""
-    return f"{type(error).__name__}: {error}"[:4096] or "called off"
-
-
-def go_on(why: str | None) -> None:
-    """What a runner's wait does with the go it read: return (None: go on), or raise :class:`StepCancelled` saying
-    why the step was called off (:func:`called_off`)."""
-    if why is not None:
-        raise StepCancelled(f"the step was called off before its first copy ({why})")
+        waited = scope.go.waited - before
+    return waited
 
 
 def waited() -> float:
     """The seconds the innermost gated scope on this thread has waited for its go so far (0.0 outside one): what a
     runner leaves out of the call's own timing."""
     stack = getattr(_local, "gates", None)
-    return stack[-1].waited if stack else 0.0
+    return stack[-1].go.waited if stack else 0.0
 
 
-__all__ = ["gated", "ready", "waited", "called_off", "go_on", "StepCancelled"]
+__all__ = ["Go", "gated", "ready", "run_gate", "waited", "StepCancelled"]
