@@ -1,6 +1,6 @@
 """The MetaServer's security model over real HTTP on loopback: per-job tokens (the server's token is the
-admin's), doorbell addresses, bounded specs and steps, a refused participant told to its job, and the
-refusal's words."""
+admin's, read from the environment or a file), doorbell addresses, bounded specs and steps, a refused
+participant told to its job (and only then), the token checked before any body, and the refusal's words."""
 
 from __future__ import annotations
 
@@ -413,3 +413,208 @@ def test_a_job_runs_end_to_end_on_its_job_token():
 
     job = dict(model="tiny-qwen3", train="hf", infer="hf", steps=1, timeout=30.0, server_token=ADMIN, job="tokened")
     assert_clean(run_job(job), job)
+
+
+# --------------------------------------------------------------------------------------------
+# 8. Issue 40: one bad request, or one careless operator, against a running server
+
+
+def _dense_config(**over: object) -> dict:
+    from weightsync.spec import load_spec
+
+    cfg = dict(load_spec("tiny-qwen3").config)
+    cfg.update(over)
+    return cfg
+
+
+def test_a_count_that_is_not_an_integer_is_refused_by_name_at_once():
+    """Before: "num_hidden_layers": "3000000" (a string; 1e12, a float, too) skipped the spec-size bound, which
+    read ints only, while the spec builder int()ed it: the event loop built the spec for 24 s (570 MB), every
+    other job's requests waiting; "hidden_size": 64.0 was accepted."""
+    cases = [("hidden_size", 64.0, _dense_config), ("num_hidden_layers", "3000000", _dense_config),
+             ("num_hidden_layers", 1e12, _dense_config), ("num_hidden_layers", True, _dense_config),
+             ("num_experts", "65536", _moe_config), ("head_dim", "16", _dense_config),
+             ("mlp_only_layers", ["1"], _moe_config)]
+    with MetaServer().start() as s:
+        c = MetaClient(s.url, "j", timeout=10)
+        for key, value, config in cases:
+            cfg = config(2, 4) if config is _moe_config else config()
+            cfg[key] = value
+            t0 = time.monotonic()
+            with pytest.raises(MetaError) as e:
+                c.register("train", 0, model_config=cfg)
+            took, text = time.monotonic() - t0, str(e.value)
+            assert e.value.status == 400 and took < 1.0, (key, value, took, text)
+            assert key in text and repr(value) in text and "integer" in text, (key, value, text)
+        # a count nested where the spec builder does not look is bounded too, whatever its type
+        nested = _dense_config(text_config={"num_hidden_layers": "3000000"})
+        with pytest.raises(MetaError, match="text_config.num_hidden_layers") as e:
+            c.register("train", 0, model_config=nested)
+        assert e.value.status == 400 and "'3000000'" in str(e.value)
+        slowest = 0.0
+        for _ in range(5):  # nothing is left building on the server
+            t0 = time.monotonic()
+            c.health()
+            slowest = max(slowest, time.monotonic() - t0)
+        assert slowest < 0.5, slowest
+        with pytest.raises(MetaError, match="no job j"):  # every refusal changed nothing
+            c.summary()
+        assert c.register("train", 0, model_config=_dense_config())["created"] is True  # a real config still is
+
+
+def test_a_spec_that_cannot_be_built_is_a_refusal_not_an_acceptance(monkeypatch):
+    """Before: at a 3 GiB memory cap the spec builder's MemoryError was swallowed with every other failure, and
+    the registration accepted. A real server over HTTP; the failure is injected where the spec is built."""
+    import weightsync.spec.model
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise MemoryError()
+
+    cfg = _dense_config(num_hidden_layers=5, intermediate_size=136)  # a config no other test sizes (no cached size)
+    with MetaServer().start() as s:
+        c = MetaClient(s.url, "j", timeout=10)
+        monkeypatch.setattr(weightsync.spec.model, "spec_from_config", out_of_memory)
+        with pytest.raises(MetaError, match="MemoryError") as e:
+            c.register("train", 0, model_config=cfg)
+        assert e.value.status == 400 and "model_config" in str(e.value)
+        with pytest.raises(MetaError, match="no job j"):  # nothing of it was kept
+            c.summary()
+        monkeypatch.undo()
+        assert c.register("train", 0, model_config=cfg)["created"] is True  # refused, not remembered as refused
+
+
+def test_a_request_without_the_job_s_own_token_changes_nothing_in_the_job():
+    """Before: one GET /v1/jobs/j/anything with no token (or another job's token) was recorded as job j's
+    refusal: every pending and new wait of j answered 409 for 60 s, and the trainer's written posts failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightsync.meta.auth import job_token
+
+    mine = job_token(ADMIN, "j")
+    strangers = [None, "", "nope", ADMIN + "x", job_token(ADMIN, "k"), job_token("not-the-admin", "k"),
+                 "wsjob:j:" + "0" * 63, "wsjob:j:" + "g" * 64, "wsjob:j", mine + "0", "wsjob:j:" + "A" * 64]
+    with MetaServer(token=ADMIN).start() as s, ThreadPoolExecutor(1) as pool:
+        reader = MetaClient(s.url, "j", token=mine, timeout=10)
+        reader.register("infer", 0, instance=0)
+        before = reader.summary()
+        waiting = pool.submit(reader.wait_participants, 2, None, 8.0)
+        time.sleep(0.3)
+        for token in strangers:
+            for method, path, body in (("GET", "/v1/jobs/j/anything", None), ("GET", "/v1/jobs/j/participants", None),
+                                       ("POST", "/v1/jobs/j/participants", {"role": "train", "rank": 0})):
+                status, got = http(s.url, method, path, token, body)
+                assert status in (401, 403), (token, method, path, status, got)
+        time.sleep(0.3)
+        assert not waiting.done()  # before: 409 "the MetaServer refused a participant of job j"
+        with pytest.raises(MetaTimeout):  # a new wait is not told either
+            reader.wait_participants(2, timeout=0.3)
+        assert reader.summary() == before
+        MetaClient(s.url, "j", token=mine, timeout=5).register("train", 0)
+        assert len(waiting.result(timeout=10)) == 2
+
+
+def test_a_refused_registration_is_named_from_its_first_bytes_only():
+    """A token of the job's own format not made from the server's token is still told to the job, naming the
+    participant, from at most the first 8 KiB of its body: a registration with a 20 KB config is named too."""
+    from weightsync.meta.auth import job_token
+    from weightsync.meta.server import REFUSED_PREFIX
+
+    big = _dense_config(notes="x" * 20000)
+    assert len(json.dumps(big)) > 2 * REFUSED_PREFIX
+    with MetaServer(token=ADMIN).start() as s:
+        reader = MetaClient(s.url, "j", token=job_token(ADMIN, "j"), timeout=10)
+        reader.register("train", 0)
+        with pytest.raises(MetaError) as e:
+            MetaClient(s.url, "j", token=job_token("not-the-admin", "j"), timeout=5).register(
+                "infer", 1, instance=3, model_config=big)
+        assert e.value.status == 401
+        with pytest.raises(MetaError, match="infer:3:1"):
+            reader.wait_participants(2, timeout=2)
+
+
+def _raw_request(url: str, head: bytes, timeout: float = 3.0) -> bytes:
+    """Send the request head only (a body announced, never sent); what comes back until the server closes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    got = b""
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as sock:
+        sock.sendall(head)
+        while True:
+            chunk = sock.recv(65536)  # socket.timeout (the test fails) if the server waits for the body
+            if not chunk:
+                return got
+            got += chunk
+
+
+def test_the_token_is_checked_before_any_body_is_read():
+    """Before: the server read each body, up to 1 MiB, before it looked at the token: 1,200 unauthenticated
+    bodies took it to 1.66 GB. Now a request the token refuses is answered once its headers are in, 401 (or
+    403) with Connection: close, and the body is never awaited."""
+    from weightsync.meta.auth import job_token
+
+    with MetaServer(token=ADMIN).start() as s:
+        for auth in (b"", b"Authorization: Bearer nope\r\n",
+                     b"Authorization: Bearer " + job_token(ADMIN, "k").encode() + b"\r\n"):
+            head = (b"POST /v1/jobs/j/participants HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 1048576\r\n" + auth + b"\r\n")
+            t0 = time.monotonic()
+            got = _raw_request(s.url, head)
+            took = time.monotonic() - t0
+            status_line, _, rest = got.partition(b"\r\n")
+            headers = rest.split(b"\r\n\r\n", 1)[0].lower()
+            assert status_line.split()[1] in (b"401", b"403"), got[:300]
+            assert b"connection: close" in headers and took < 2.0, (took, got[:300])
+        # a request with the right token still sends its body and is answered on it
+        status, got = http(s.url, "POST", "/v1/jobs/j/participants", job_token(ADMIN, "j"), {"role": "train", "rank": 0})
+        assert status == 200 and got["created"] is True
+
+
+def _meta_server(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    import re
+
+    proc = subprocess.Popen([sys.executable, "-m", "weightsync", "meta-server", "--port", "0", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"listening on (http://\S+)", line)
+    if not m:
+        proc.kill()
+        raise AssertionError((line, proc.communicate(timeout=10)))
+    return proc, m.group(1)
+
+
+def test_the_admin_token_comes_from_a_file_or_the_environment_not_the_command_line(tmp_path):
+    """Before: README and docs/security.md showed `--token $TOKEN`, readable by any local user in
+    /proc/PID/cmdline and ps; there was no --token-file. --token still works, with a warning."""
+    import os
+
+    from weightsync.meta.auth import job_token
+
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(ADMIN + "\n")
+    token_file.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != "WEIGHTSYNC_META_TOKEN"}
+    for how, args, extra_env in (("file", ["--token-file", str(token_file)], {}),
+                                 ("environment", [], {"WEIGHTSYNC_META_TOKEN": ADMIN}),
+                                 ("command line", ["--token", ADMIN], {})):
+        proc, url = _meta_server(*args, env={**env, **extra_env})
+        try:
+            cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read()
+            assert (ADMIN.encode() in cmdline) == (how == "command line"), how
+            assert http(url, "GET", "/metrics", ADMIN)[0] == 200, how
+            assert http(url, "GET", "/metrics")[0] == 401, how
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=10)
+        warned = "--token" in err and "WEIGHTSYNC_META_TOKEN" in err and "--token-file" in err
+        assert warned == (how == "command line"), (how, err)
+    out = subprocess.run([sys.executable, "-m", "weightsync", "job-token", "--token-file", str(token_file),
+                          "--job", "j1"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == job_token(ADMIN, "j1"), out
+    assert "warning" not in out.stderr.lower(), out.stderr
+    (tmp_path / "empty").write_text("\n")
+    for bad_file in (tmp_path / "empty", tmp_path / "missing"):
+        out = subprocess.run([sys.executable, "-m", "weightsync", "meta-server", "--port", "0", "--token-file",
+                              str(bad_file)], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 2 and str(bad_file) in out.stderr and "listening" not in out.stdout, out

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from weightsync.errors import WeightSyncError
@@ -61,20 +60,22 @@ def _meta_server(args: argparse.Namespace) -> int:
 
 
 def _job_token(args: argparse.Namespace) -> int:
-    from weightsync.meta.auth import job_token
+    from weightsync.meta.auth import admin_token, job_token
 
-    if not args.token:
-        raise WeightSyncError("give the MetaServer's admin token: --token ADMIN (or $WEIGHTSYNC_META_TOKEN)")
+    token = admin_token(args)
+    if not token:
+        raise WeightSyncError("give the MetaServer's admin token: in $WEIGHTSYNC_META_TOKEN or a --token-file PATH")
     try:
-        print(job_token(args.token, args.job))
+        print(job_token(token, args.job))
     except ValueError as e:
         raise WeightSyncError(f"--job: {e}") from None
     return 0
 
 
 def _add_job_token_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--token", default=os.environ.get("WEIGHTSYNC_META_TOKEN"),
-                   help="the MetaServer's (admin) token (default: $WEIGHTSYNC_META_TOKEN)")
+    from weightsync.meta.auth import add_token_arguments
+
+    add_token_arguments(p)  # the MetaServer's (admin) token: $WEIGHTSYNC_META_TOKEN, --token-file (--token: warned)
     p.add_argument("--job", required=True, help="the job id the token opens")
     p.set_defaults(func=_job_token)
 
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     from weightsync.meta.server import add_arguments as add_meta_arguments
 
     meta = sub.add_parser("meta-server", help="run the MetaServer, the job-level coordinator")
-    add_meta_arguments(meta)  # --host 127.0.0.1, --port 0, --token (default $WEIGHTSYNC_META_TOKEN), --state PATH
+    add_meta_arguments(meta)  # --host 127.0.0.1, --port 0, --token-file ($WEIGHTSYNC_META_TOKEN), --state PATH
     meta.set_defaults(func=_meta_server)
 
     token = sub.add_parser("job-token", help="print the token that opens one job only (give it to that job's "

@@ -15,6 +15,14 @@ layers above :data:`MAX_LAYERS` or experts above :data:`MAX_EXPERTS` is refused 
 :data:`MAX_SPEC_TENSORS` and :data:`MAX_SPEC_BYTES` bound them. Before, a 591-byte config of 4,096
 layers x 65,536 experts was refused after 5 s while the server went on building 805 million tensor
 records (58 s of CPU, 2.85 GB).
+
+Every count the spec builder reads must be a JSON integer (:func:`check_counts`): the builder ``int()``s
+its values, so ``"num_hidden_layers": "3000000"`` (or ``1e12``) used to pass a bound that read ints only
+and was built, for 24 s on the server's event loop. A count anywhere in the config (a VLM's
+``text_config`` too) is bounded whatever its JSON type, and a registration sizes its config on a thread
+of its own (:func:`check_spec_size_async`). A spec that fails to build for any reason but the spec
+module's own "cannot read this config" (:class:`~weightsync.errors.SpecError`) -- a ``MemoryError``
+above all -- is a refusal (:class:`SpecNotBuilt`); before, it was swallowed and the config accepted.
 """
 
 from __future__ import annotations
@@ -43,7 +51,16 @@ MAX_SPEC_TENSORS = 1 << 18
 #: the most bytes its tensors may hold (Kimi-K2 in bf16: ~2 TB)
 MAX_SPEC_BYTES = 1 << 45
 
+#: config.json keys the spec builder reads that are not counts (names, dtypes, flags; a list of layer
+#: indices, checked apart); every other key it reads is ``int()``ed, so it must be a JSON integer (or null)
+NOT_COUNTS = frozenset({"architectures", "model_type", "torch_dtype", "dtype", "tie_word_embeddings", "topk_method",
+                        "attention_bias", "mlp_bias", "mlp_only_layers"})
+#: keys holding a list of layer indices
+INDEX_LISTS = frozenset({"mlp_only_layers"})
+
 _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-mismatch")
+#: sizes a registered config (never on the event loop); apart from ``_pool``, whose comparisons take longer
+_sizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-spec-size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +85,59 @@ class ConfigTooLarge(ValueError):
     """A config claiming more layers or experts than any model (before its layers are even listed)."""
 
 
+class BadCount(ValueError):
+    """A count the spec builder reads that is not a JSON integer (a string, a float, a bool)."""
+
+
+class SpecNotBuilt(ValueError):
+    """Building the spec failed otherwise than the spec module refusing the config (a MemoryError, say)."""
+
+
+def _json_type(v: Any) -> str:
+    if isinstance(v, bool):
+        return "a boolean"
+    return {str: "a string", float: "a number with a fraction or an exponent", list: "a list",
+            dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def check_counts(cfg: Mapping[str, Any]) -> None:
+    """BadCount naming the key and its value when a count the spec builder reads is not a JSON integer (null:
+    absent); ConfigTooLarge when a count anywhere in ``cfg`` claims more layers or experts than any model,
+    whatever its JSON type. Milliseconds; builds nothing."""
+    from weightsync.spec.arch import config_keys
+
+    for key in config_keys():
+        v = cfg.get(key)
+        if v is None or (key in NOT_COUNTS and key not in INDEX_LISTS):
+            continue
+        if key in INDEX_LISTS:
+            if not isinstance(v, list) or any(type(x) is not int for x in v):
+                raise BadCount(f"model_config[{key!r}] must be a list of integers (layer indices), got "
+                               f"{_short(v)}")
+        elif type(v) is not int:  # bool is an int subclass: refused too
+            raise BadCount(f"model_config[{key!r}] must be an integer (a count), got {_short(v)} ({_json_type(v)}); "
+                           f"send the model's real config.json")
+    where = _too_large(cfg)
+    if where is not None:
+        key, v = where
+        raise ConfigTooLarge(f"model_config's {key} is {_short(v)}: more than the {MAX_LAYERS:,} layers or "
+                             f"{MAX_EXPERTS:,} experts any model has; send the model's real config.json")
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
 def spec_size(cfg: Mapping[str, Any]) -> SpecSize | None:
     """The tensor count and bytes of ``cfg``'s spec, exactly, without building its tensors: the layers are
     listed (at most :data:`MAX_LAYERS`), then the tensors of one layer of each kind are built (a MoE layer
     with one expert and with two: its tensors grow linearly with its experts) and multiplied out. None when
-    the spec module cannot read ``cfg`` (then no spec is built from it either); ConfigTooLarge for counts of
-    layers or experts no model has."""
-    if _too_large(cfg):
-        raise ConfigTooLarge(f"model_config claims more than {MAX_LAYERS:,} layers or {MAX_EXPERTS:,} experts")
+    the spec module cannot read ``cfg`` (a SpecError: then no spec is built from it either); BadCount or
+    ConfigTooLarge (:func:`check_counts`) before anything is built; SpecNotBuilt when building failed any
+    other way (a MemoryError: refused, never taken for "cannot read")."""
+    check_counts(cfg)
+    from weightsync.errors import SpecError
     from weightsync.spec.model import spec_from_config
 
     try:
@@ -97,16 +159,34 @@ def spec_size(cfg: Mapping[str, Any]) -> SpecSize | None:
                 n, b = measure((layer,))
             tensors += count * (n - n0)
             nbytes += count * (b - b0)
-    except Exception as e:  # noqa: BLE001 - a config the spec module cannot read: no spec is built from it
-        log.debug("spec size of a model config not computed (%s: %s)", type(e).__name__, e)
+    except SpecError as e:  # a config the spec module cannot read: no spec is built from it
+        log.debug("spec size of a model config not computed (%s)", e)
         return None
+    except Exception as e:  # noqa: BLE001 - MemoryError, RecursionError, a count the builder chokes on: refused
+        raise SpecNotBuilt(f"model_config's spec could not be built ({type(e).__name__}: {str(e)[:200]}); send the "
+                           f"model's real config.json") from None
     return SpecSize(tensors, nbytes, len(spec.layers))
 
 
 def check_spec_size(cfg: Mapping[str, Any]) -> None:
-    """ValueError (its message says why) when ``cfg``'s spec would be larger than any model's. Every
-    participant of a job registers the same config: it is sized once (~4 ms for a MoE), not per rank."""
+    """ValueError (its message says why) when ``cfg``'s spec would be larger than any model's, or has a count
+    that is not an integer, or could not be built. Every participant of a job registers the same config: it is
+    sized once (~4 ms for a MoE), not per rank."""
     size = _sized(json.dumps(cfg, sort_keys=True))
+    if size is not None and size.too_large:
+        raise ValueError(size.refusal())
+
+
+async def check_spec_size_async(cfg: Mapping[str, Any]) -> None:
+    """:func:`check_spec_size` on a thread of its own: the event loop, which serves every job, never builds
+    any part of a spec (the registration checked its counts first: :func:`check_counts`, milliseconds)."""
+    text = json.dumps(cfg, sort_keys=True)
+    try:
+        size = await asyncio.get_running_loop().run_in_executor(_sizer, _sized, text)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a MemoryError outside the builder (parsing the copy): refused too
+        raise SpecNotBuilt(f"model_config could not be sized ({type(e).__name__}: {str(e)[:200]})") from None
     if size is not None and size.too_large:
         raise ValueError(size.refusal())
 
@@ -135,22 +215,37 @@ def _model(rec: Mapping[str, Any]) -> str:
     return m if isinstance(m, str) and m else "its model"
 
 
-def _too_large(cfg: Mapping[str, Any]) -> bool:
-    """Counts no real model has (nested configs included: a VLM's text_config)."""
-    stack: list[Any] = [cfg]
+def _magnitude(v: Any) -> float | None:
+    """What a count would be read as, whatever its JSON type: an int, a float, a numeric string (None: none)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v) if not isinstance(v, int) or v.bit_length() < 1000 else float("inf")
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _too_large(cfg: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """The first count no real model has, as (its dotted key, its value), nested configs included (a VLM's
+    text_config), whatever its JSON type ("3000000" and 1e12 as much as 3000000); None when there is none."""
+    stack: list[tuple[Any, str]] = [(cfg, "")]
     while stack:
-        d = stack.pop()
+        d, path = stack.pop()
         if isinstance(d, Mapping):
             for k, v in d.items():
-                key = str(k).lower()
-                if isinstance(v, int) and not isinstance(v, bool) and (
-                        ("layer" in key and v > MAX_LAYERS) or ("expert" in key and v > MAX_EXPERTS)):
-                    return True
+                key, where = str(k).lower(), f"{path}.{k}" if path else str(k)
+                m = _magnitude(v)
+                if m is not None and (("layer" in key and m > MAX_LAYERS) or ("expert" in key and m > MAX_EXPERTS)):
+                    return where, v
                 if isinstance(v, (Mapping, list)):
-                    stack.append(v)
+                    stack.append((v, where))
         elif isinstance(d, list):
-            stack.extend(d)
-    return False
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(d))
+    return None
 
 
 def tensor_reason(name: str, rec: Mapping[str, Any], other: str, orec: Mapping[str, Any]) -> str | None:
@@ -165,7 +260,7 @@ def tensor_reason(name: str, rec: Mapping[str, Any], other: str, orec: Mapping[s
     for c in (cfg, ocfg):  # registration refused these already; a record saved by an older server may hold one
         try:
             size = spec_size(c)
-        except ConfigTooLarge:
+        except ValueError:  # ConfigTooLarge, BadCount, SpecNotBuilt
             return None
         if size is None or size.too_large:
             return None

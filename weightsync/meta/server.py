@@ -68,6 +68,9 @@ side (:mod:`.mismatch`). Once a job is aborted its waits and mutations answer 40
 
 Tokens (:mod:`.auth`): the server's ``token`` is the admin's and opens every route; a job's token
 (``weightsync job-token``, :func:`weightsync.meta.auth.job_token`) opens ``/v1/jobs/{that job}/...`` only.
+The token is checked once the headers are in, before any body is read: a refused request is answered
+401 or 403 with ``Connection: close`` and its body never read (a registration refused for a token of its
+job's own format excepted: its first ``REFUSED_PREFIX`` bytes name who was refused, to its job's waits).
 
 Errors are JSON ``{"error": "..."}`` and change nothing: 400 malformed, 401 token missing or wrong,
 403 another job's token, 404 unknown route
@@ -75,7 +78,8 @@ or job, 405 method, 408 body too slow, 409 conflict, 410 step older than the win
 framing and size, 429 too many jobs, 500 the state could not be saved (nothing of the request is
 kept, nobody was woken; a retry is saved again or refused again), 503 the server is stopping (the
 client retries). A request line or header the HTTP parser refuses gets aiohttp's plain-text 400.
-Every body is read in full (or the connection is closed), so its bytes are never taken for a request;
+Every body past the token is read in full (or the connection is closed), so its bytes are never taken
+for a request;
 a GET or DELETE with a body is refused. A client must send its headers within ``KEEPALIVE_S`` of
 connecting (or of the previous answer) and its body within ``REQUEST_DEADLINE_S``.
 
@@ -94,7 +98,7 @@ import concurrent.futures
 import ipaddress
 import json
 import logging
-import os
+import re
 import signal
 import sys
 import threading
@@ -111,7 +115,7 @@ from weightsync.meta import auth
 from weightsync.meta.state import SWEEP_S, Coordinator, Encoded, last_mutation, restore
 from weightsync.meta.store import Store
 from weightsync.meta.validate import (
-    ID_RE, MAX_BODY, HTTPError, Query, identity, parse_body, participant_name, path_params, short,
+    MAX_BODY, HTTPError, Query, identity, parse_body, participant_name, path_params, short,
 )
 
 __all__ = ["MAX_BODY", "MetaServer", "add_arguments", "main", "run_from_args", "serve"]
@@ -259,9 +263,52 @@ def _match(template: tuple[str, ...], parts: list[str]) -> dict[str, str] | None
     return params
 
 
+#: of a request refused for its token, at most this much body is read, and only to name the participant a
+#: refused registration says it is (a registration's identity comes first in what MetaClient posts)
+REFUSED_PREFIX = 8192
+REFUSED_READ_S = 1.0  # and for at most this long
+_IDENTITY_RE = {k: re.compile(rf'"{k}"\s*:\s*{v}') for k, v in
+                (("role", r'"(train|infer)"'), ("rank", r"([0-9]{1,7})"), ("instance", r"([0-9]{1,7})"))}
+
+
+def _who(data: bytes, whole: bool) -> str | None:
+    """The participant a refused registration's body (``whole``) or its first bytes name, if any."""
+    if whole:
+        try:
+            return participant_name(*identity(parse_body(data)))
+        except HTTPError:
+            return None
+    text = data.decode("utf-8", "replace")
+    found = {k: m.group(1) for k, r in _IDENTITY_RE.items() if (m := r.search(text))}
+    if found.get("role") == "train" and "rank" in found:
+        return f"train:{int(found['rank'])}"
+    if found.get("role") == "infer" and "rank" in found and "instance" in found:
+        return f"infer:{int(found['instance'])}:{int(found['rank'])}"
+    return None
+
+
+async def _prefix(request: web.Request, n: int) -> bytes:
+    """Up to ``n`` bytes of the body, as many as come within REFUSED_READ_S."""
+    got = bytearray()
+
+    async def read() -> None:
+        while len(got) < n:
+            chunk = await request.content.read(n - len(got))
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    try:
+        await asyncio.wait_for(read(), REFUSED_READ_S)
+    except Exception:  # noqa: BLE001 - too slow, or a broken body (aiohttp's payload errors): only the name is lost
+        pass
+    return bytes(got)
+
+
 class _App:
-    """One request: framing and body first (always read, or the connection closed), then token,
-    route, validation, the rule, and the answer once what it says is saved."""
+    """One request: framing, then the token (once the headers are in, before any body is read: a refused
+    request is answered 401 or 403 and its connection closed), then the body (always read in full, or the
+    connection closed), route, validation, the rule, and the answer once what it says is saved."""
 
     def __init__(self, coord: Coordinator, persist: _Persister, token: str | None):
         self.coord, self.persist, self.token = coord, persist, token
@@ -270,16 +317,18 @@ class _App:
             self.routes.setdefault(len(route[1]), []).append(route)
         self.requests: dict[tuple[str, int], int] = {}
 
-    def _refused(self, job: str, method: str, path: str, parts: list[str], data: bytes, verdict: auth.Verdict) -> None:
-        """Record a request of ``job`` refused for its token and wake the job's waits, which then fail naming it."""
+    async def _refused(self, request: web.Request, job: str, path: str, parts: list[str], length: int | None,
+                       verdict: auth.Verdict) -> None:
+        """Record a request of ``job`` refused for its token and wake the job's waits, which then fail naming it.
+        Only for a token of the job's own format (:meth:`weightsync.meta.auth.Verdict.tells`); a refused
+        registration's first REFUSED_PREFIX bytes are read to name who it is, never more."""
         who = None
-        if method == "POST" and parts[3:] == ["participants"]:
-            try:  # a registration says who it is; a body that does not is still a refusal
-                who = participant_name(*identity(parse_body(data)))
-            except HTTPError:
-                pass
-        self.coord.refusals.record(auth.Refusal(job, who, f"{method} {path[:120]}", verdict.status, verdict.message,
-                                                time.monotonic()))
+        if request.method == "POST" and parts[3:] == ["participants"] and length:
+            want = min(length, REFUSED_PREFIX)
+            data = await _prefix(request, want)
+            who = _who(data, whole=len(data) == length)  # a body that names nobody is still a refusal
+        self.coord.refusals.record(auth.Refusal(job, who, f"{request.method} {path[:120]}", verdict.status,
+                                                verdict.message, time.monotonic()))
         self.coord.notify({(job, "*")})
 
     def _answer(self, route: str, status: int, payload: Any, close: bool = False, gzip_ok: bool = False) -> web.Response:
@@ -319,6 +368,17 @@ class _App:
             if length is not None and length > MAX_BODY:
                 close = True
                 raise HTTPError(413, f"body of {length} bytes is over the {MAX_BODY} byte limit")
+            if method == "GET" and parts == ["health"]:  # no token; its body, if any, is never read
+                route, close = "GET /health", bool(length)
+                return self._answer(route, 200, {"status": "ok", "version": __version__}, close=close)
+            if self.token is not None:  # the headers are in: the token now, before any body is read
+                path_job = parts[2] if len(parts) >= 3 and parts[:2] == ["v1", "jobs"] else None
+                verdict = auth.check(self.token, request.headers.get("Authorization", ""), path_job)
+                if verdict.status != 200:
+                    route, close = ("unauthorized" if verdict.status == 401 else "forbidden"), True
+                    if verdict.tells(path_job):  # a participant of that job with a wrong admin token: tell it
+                        await self._refused(request, path_job, url.path, parts, length, verdict)
+                    raise HTTPError(verdict.status, verdict.message)
             try:
                 data = await asyncio.wait_for(request.read(), REQUEST_DEADLINE_S) if length else b""
             except asyncio.TimeoutError:
@@ -329,17 +389,6 @@ class _App:
             except Exception as e:  # noqa: BLE001 - the body ended early or broke its framing
                 close = True
                 raise HTTPError(400, f"body not read: {type(e).__name__}: {str(e)[:120]}") from None
-            if method == "GET" and parts == ["health"]:
-                route = "GET /health"
-                return self._answer(route, 200, {"status": "ok", "version": __version__})
-            if self.token is not None:
-                path_job = parts[2] if len(parts) >= 3 and parts[:2] == ["v1", "jobs"] else None
-                verdict = auth.check(self.token, request.headers.get("Authorization", ""), path_job)
-                if verdict.status != 200:
-                    route = "unauthorized" if verdict.status == 401 else "forbidden"
-                    if path_job is not None and ID_RE.fullmatch(path_job):  # tell its job (auth.Refusals)
-                        self._refused(path_job, method, url.path, parts, data, verdict)
-                    raise HTTPError(verdict.status, verdict.message)
             if method == "GET" and parts == ["metrics"]:
                 route = "GET /metrics"
                 return self._answer(route, 200, self.coord.metrics(self.requests))
@@ -435,8 +484,9 @@ class MetaServer:
             raise WeightSyncError("the MetaServer token is empty: give a real token, or none on loopback")
         if token is None and not _is_loopback(host) and not allow_no_token:
             raise WeightSyncError(f"refusing to listen on {host or 'every address'} without a token: anyone who "
-                                  f"reaches it could rewrite or abort jobs. Give --token (or $WEIGHTSYNC_META_TOKEN), "
-                                  f"or pass --allow-no-token if the network is trusted")
+                                  f"reaches it could rewrite or abort jobs. Give the admin token in "
+                                  f"${auth.TOKEN_ENV} or a --token-file, or pass --allow-no-token if the "
+                                  f"network is trusted")
         self.host, self.token, self.state_path = host, token, state_path
         self._port = port
         self._bound: int | None = None
@@ -474,8 +524,10 @@ class MetaServer:
             app = web.Application(client_max_size=MAX_BODY)
             handler = _App(coord, persist, self.token)
             app.router.add_route("*", "/{tail:.*}", handler.handle)
+            # lingering_time=0: the body of a request answered without reading it (a refused token's) is
+            # never drained; its connection is closed instead
             runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=KEEPALIVE_S,
-                                   handler_cancellation=True, shutdown_timeout=SHUTDOWN_S)
+                                   handler_cancellation=True, shutdown_timeout=SHUTDOWN_S, lingering_time=0)
             await runner.setup()
             try:
                 site = web.TCPSite(runner, self.host, self._port, backlog=BACKLOG, reuse_address=True)
@@ -551,16 +603,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The meta-server options, shared by ``weightsync meta-server`` and ``python -m weightsync.meta.server``."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: any free port, printed at start)")
-    p.add_argument("--token", default=os.environ.get("WEIGHTSYNC_META_TOKEN"),
-                   help="the admin token: require 'Authorization: Bearer TOKEN', or a job's own token "
-                        "(weightsync job-token) for that job's routes (default: $WEIGHTSYNC_META_TOKEN)")
+    # the admin token: required as 'Authorization: Bearer TOKEN', or a job's own token (weightsync job-token)
+    # for that job's routes; from $WEIGHTSYNC_META_TOKEN or --token-file (--token: warned about)
+    auth.add_token_arguments(p)
     p.add_argument("--allow-no-token", action="store_true",
                    help="serve beyond loopback without a token (refused otherwise)")
     p.add_argument("--state", help="persist state to this SQLite file and reload it at start")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    return serve(args.host, args.port, args.token, args.state, getattr(args, "allow_no_token", False))
+    return serve(args.host, args.port, auth.admin_token(args), args.state, getattr(args, "allow_no_token", False))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from typing import Callable, Hashable
 
 from weightsync.errors import WeightSyncError
 from weightsync.meta.auth import Refusals
-from weightsync.meta.mismatch import refusal
+from weightsync.meta.mismatch import check_spec_size_async, refusal
 from weightsync.meta.records import Member, Registration, RecordError, digest_of, encode_listing
 from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten, StoredJob
 from weightsync.meta.validate import (
@@ -356,7 +356,13 @@ class Coordinator:
         self._refuse_if_closing()
         j = self._job(job)
         if config and digest not in j.configs:  # a config already kept was checked when it came
-            model_config(config)
+            model_config(config)  # its counts, on the loop (milliseconds); then its spec's size, off it
+            try:
+                await check_spec_size_async(config)
+            except ValueError as e:  # too large, a count the builder chokes on, a MemoryError: refused
+                raise bad(str(e)) from None
+            self._refuse_if_closing()
+            j = self._job(job)  # the job as it is now: it may have changed while the size was computed
         rec = replace(rec, config_digest=digest)
         if rec.spec_digest:
             for other, p in j.participants.items():

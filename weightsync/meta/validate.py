@@ -111,17 +111,19 @@ def json_depth(v: Any) -> int:
 
 
 def model_config(v: Any) -> dict:
-    """The HF config.json of the participant's model: lets a peer name the first differing tensor."""
+    """The HF config.json of the participant's model: lets a peer name the first differing tensor. Its
+    shape and its counts are checked here (milliseconds, nothing built); the size of the spec it describes
+    is checked off the event loop by the caller (:func:`weightsync.meta.mismatch.check_spec_size_async`)."""
     if not isinstance(v, dict):
         raise bad(f"model_config must be an object, got {short(v)}")
     if json_depth(v) > MAX_JSON_DEPTH:
         raise bad(f"model_config nests deeper than {MAX_JSON_DEPTH} levels")
     if len(json.dumps(v)) > MAX_MODEL_CONFIG:
         raise bad(f"model_config is over {MAX_MODEL_CONFIG} bytes as JSON")
-    from weightsync.meta.mismatch import check_spec_size  # lazily: it imports the spec module on first use
+    from weightsync.meta.mismatch import check_counts  # lazily: it imports the spec module on first use
 
-    try:  # bounded before any spec is built from it (a peer's refusal rebuilds it)
-        check_spec_size(v)
+    try:  # every count an integer, and none beyond any model's, before any spec is built from it
+        check_counts(v)
     except ValueError as e:
         raise bad(str(e)) from None
     return v
