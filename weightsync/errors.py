@@ -90,3 +90,13 @@ class ValidationMismatch(WeightSyncError):
 class IntegrityError(TransportError):
     """What landed in a step differs from what was sent (per-step checksums, :mod:`weightsync.integrity`):
     names the step, the pair and the bucket; the step is not reported held."""
+
+
+class StepNotWritten(TransportError):
+    """The step asked for never began to arrive: its training ranks did not announce it within the reader's
+    ``written_timeout_s``, or one was lost first. Nothing of it landed, so the instance still holds what it held."""
+
+
+class StepMismatch(StepNotWritten):
+    """The training ranks announced another step than the reader asked for (both sides must number steps alike):
+    refused before any byte of it landed; the job is aborted, so every participant learns of it at once."""

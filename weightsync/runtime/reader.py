@@ -36,7 +36,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from weightsync.errors import IntegrityError, TransportError, WeightsMoved
+from weightsync.errors import IntegrityError, StepMismatch, StepNotWritten, TransportError, WeightsMoved
 from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.integrity.cadence import due as integrity_due
 from weightsync.integrity.cadence import every as integrity_every
@@ -48,8 +48,12 @@ from weightsync.runtime.instance import InferenceInstance
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 from weightsync.runtime.session import InstanceSession, SessionDriven, SessionOptions, check_instance_id
 from weightsync.runtime.worker import WorkerReport
-from weightsync.transport.base import MetaLink
+from weightsync.transport.base import DEFAULT_WRITTEN_TIMEOUT_S, MetaLink
 from weightsync.transport.liveness import TrainerLost
+
+
+#: how long a wait for the trainers' `written` runs before the reader looks whether they wrote another step instead
+NUMBERING_CHECK_S = 1.0
 
 
 class _Written:
@@ -102,7 +106,10 @@ class WeightReader(SessionDriven):
         delta: bool = False,
         instance_timeout_s: float | None = None,
         early_call: bool = True,
+        written_timeout_s: float = DEFAULT_WRITTEN_TIMEOUT_S,
     ):
+        # written_timeout_s (sync): how long update(step) waits for the trainers to announce the step while they are
+        # alive -- a training step may take minutes; timeout_s bounds the transfer once the step began.
         # instance_timeout_s (async): the MetaServer marks this instance gone once its heartbeat has been
         # silent that long (default timeout_s; weightsync.meta.heartbeat). early_call (co-located or NIXL, sync):
         # update(step) pauses the instance and sends the step's call before the trainers' `written`, where the
@@ -113,9 +120,11 @@ class WeightReader(SessionDriven):
         options = SessionOptions(colocate=colocate, mode=mode, transport=transport, directory=directory,
                                  bucket_bytes=bucket_bytes, memory_budget=memory_budget, timeout_s=timeout_s,
                                  peer_copies=peer_copies, integrity=integrity_every(integrity),
-                                 delta=delta)  # delta: as the writers (weightsync.delta)
+                                 delta=delta,  # delta: as the writers (weightsync.delta)
+                                 written_timeout_s=written_timeout_s)
         check_instance_id(instance_id, instances, options)  # beyond the job's start: elastic transports only
         self.instance, self.instance_id, self.timeout_s = instance, instance_id, timeout_s
+        self.written_timeout_s = written_timeout_s
         self.staged, self.mode, self.colocate, self.early_call = staged, mode, colocate, early_call
         self._next_pull = 0
         self.client = MetaClient(meta, job, token=token, timeout=timeout_s)
@@ -189,13 +198,25 @@ class WeightReader(SessionDriven):
                 with contextlib.suppress(MetaError):
                     self.client.abort(str(e))
             raise
+        except StepMismatch as e:  # the two sides number steps apart: no step can meet; every participant learns now
+            with contextlib.suppress(MetaError):
+                self.client.abort(str(e))
+            raise
+        except StepNotWritten as e:  # say which step the trainers did write
+            if e is written.error:  # (sent early: every worker called it off before its first copy)
+                called_off, self.version = True, held
+            raise self._not_written(step, e) from e
         except BaseException as e:
             if e is written.error:  # the step never came: every worker called it off before its first copy
                 called_off, self.version = True, held
             raise
         finally:
-            if not (landed or called_off or self.staged):  # the live weights may mix two steps: serve none of them
-                self._withhold(f"instance {self.instance_id}: update({step}) failed part-way")
+            if not (landed or called_off or self.staged):
+                if self._moved_nothing():  # no worker wrote a byte of the step: it still serves what it held
+                    self.version = held
+                else:  # the live weights may mix two steps: serve none of them
+                    self._withhold(f"instance {self.instance_id}: update({step}) failed part-way, so its weights "
+                                   "may mix two steps")
             self.instance.resume()
         recorded = written.recorded
         if recorded is not None:  # long done, normally: raises MetaAborted for a trainer that found its weights moved
@@ -217,18 +238,64 @@ class WeightReader(SessionDriven):
             self.last_timing["integrity"] = self._integrity_s
         return step
 
+    def _moved_nothing(self) -> bool:
+        """After a failed update: whether every worker says its receive wrote nothing into its targets (the step
+        never began: :meth:`~weightsync.transport.base.Receiver.landed`). A worker that cannot answer counts as
+        having written."""
+        try:
+            return not any(self.instance.call(worker.landed, timeout_s=worker.call_timeout(self.timeout_s)))
+        except Exception:  # noqa: BLE001 -- failing already: withhold rather than trust an instance in doubt
+            return False
+
+    def _not_written(self, step: int, cause: BaseException) -> StepNotWritten:
+        """``cause`` -- the step never began to arrive -- naming the latest step the trainers did write."""
+        try:
+            latest = self.client.summary().get("latest_written")
+        except Exception:  # noqa: BLE001 -- the message loses a detail, nothing else
+            latest = "unknown (the MetaServer did not answer)"
+        return type(cause)(f"instance {self.instance_id}: no training rank has written step {step} (latest written: "
+                           f"{latest}); nothing of it was received, and the instance still holds step "
+                           f"{self.version}. {cause}", peer=getattr(cause, "peer", None))
+
+    def _check_numbering(self, step: int, held: int | None) -> None:
+        """A sync job whose trainers wrote a step this reader neither holds nor asked for: the two sides number
+        steps apart (the trainers wait for that step held in vain). Refuse it by name and abort the job. (Elastic
+        jobs are exempt: a reader joining may ask for the latest step.)"""
+        if self.session.shape.elastic:
+            return
+        latest = self.client.summary().get("latest_written")
+        if latest is not None and latest != step and latest != held:
+            error = StepMismatch(f"instance {self.instance_id}: update({step}) waits for step {step}, but the training "
+                                 f"ranks wrote step {latest}, which this instance does not hold (it holds {held}): "
+                                 "both sides must number steps alike (the trainers' write(step) and the reader's "
+                                 "update(step), from the same first step); nothing was received")
+            with contextlib.suppress(MetaError):
+                self.client.abort(str(error))
+            raise error
+
     def _wait_written(self, step: int, held: int | None) -> Future | None:
         """Wait until every training rank announced ``step`` written (their bells, or the MetaServer); return the wait
         for its record on the MetaServer (after bells: the step is reported held only once recorded; a staged step
         is copied only from recorded weights), or None. Its errors say that nothing of the step was copied."""
         session = self.session
-        try:
-            wait_rung(session.written_bells, step, self.timeout_s,
-                      lambda t: self.client.wait_written(step, timeout=t), watch=session.trainers)
+        checked_at = time.monotonic() + NUMBERING_CHECK_S
+
+        def poll(timeout: float) -> list[int]:
+            nonlocal checked_at
+            try:
+                return self.client.wait_written(step, timeout=timeout)
+            except MetaTimeout:
+                if checked_at is not None and time.monotonic() >= checked_at:  # waited a while: numbered apart?
+                    checked_at = None
+                    self._check_numbering(step, held)
+                raise
+
+        try:  # as long as the trainers are alive: a training step may take minutes (written_timeout_s)
+            wait_rung(session.written_bells, step, self.written_timeout_s, poll, watch=session.trainers)
         except MetaTimeout as e:  # nothing copied yet: say so, and what the workers still hold
-            raise MetaTimeout(f"instance {self.instance_id}: not every training rank announced step {step} "
-                              f"within {self.timeout_s:g} s, so nothing of it was copied; the workers still "
-                              f"hold step {held} ({e})") from e
+            raise StepNotWritten(f"instance {self.instance_id}: not every training rank announced step {step} "
+                                 f"within {self.written_timeout_s:g} s (written_timeout_s), so nothing of it was "
+                                 f"copied; the workers still hold step {held} ({e})") from e
         except TrainerLost as e:  # a trainer died or stopped before announcing it: likewise, in seconds
             raise TrainerLost(f"instance {self.instance_id}: {e}; nothing of step {step} was copied, the "
                               f"workers still hold step {held}", peer=e.peer) from e

@@ -77,6 +77,7 @@ from weightsync.runtime.job import (
 )
 from weightsync.spec.model import ModelSpec
 from weightsync.transport.base import (
+    DEFAULT_WRITTEN_TIMEOUT_S,
     TRANSPORTS,
     Buffers,
     MetaLink,
@@ -123,11 +124,16 @@ class SessionOptions:
     delta: bool = False  # send only what changed since the version each receiver proves (weightsync.delta)
     delta_host: bool = False  # delta: the sender keeps its previous version in host memory
     setup_timeout_s: float | None = None  # how long connect waits for the job to arrive (class docstring)
+    #: a reader's wait for a sync step's trainers to announce it, while they are alive (a training step may take
+    #: minutes); the transfer that follows has ``timeout_s``
+    written_timeout_s: float = DEFAULT_WRITTEN_TIMEOUT_S
     transport_name: str = field(init=False, default="")  # the registered transport these options select
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.written_timeout_s <= 0:
+            raise ConfigError(f"written_timeout_s must be positive, got {self.written_timeout_s}")
         if self.setup_timeout_s is not None and self.setup_timeout_s <= 0:
             raise ConfigError(f"setup_timeout_s must be positive, got {self.setup_timeout_s}")
         if self.bucket_bytes <= 0:
@@ -159,7 +165,8 @@ class SessionOptions:
         # the full codec: the plan's bytes (co-located workers land them by its ``land``: copies, then its casts)
         codec = make_codec("delta", host=self.delta_host) if self.delta else make_codec("full")
         return TransportOptions(self.transport_name, self.mode, backend, self.timeout_s, self.host,
-                                self.directory, self.peer_copies, codec=codec)
+                                self.directory, self.peer_copies, codec=codec,
+                                written_timeout_s=self.written_timeout_s)
 
     def terms(self) -> SessionTerms:
         """The options every participant must agree on, as registered with the MetaServer (each typed; a

@@ -101,6 +101,8 @@ class WorkerReader:
     #: why a transfer over the job's group failed or was given up on (a trainer stopped or died mid-step,
     #: the deadline passed): the group cannot be used again, and every later receive says so at once
     abandoned: str | None = None
+    #: the last transfer was refused before it began (``abandoned``): it moved nothing
+    refused: bool = False
 
     def targets(self, ctx: WorkerContext, staged: bool) -> Mapping[str, torch.Tensor]:
         """Where a step lands: the live tensors, or (staged) a copy allocated once."""
@@ -213,6 +215,13 @@ def pull(ctx: WorkerContext, staged: bool) -> WorkerReport:
     return WorkerReport(ctx.rank, pulled.steps, pulled.stats)
 
 
+def landed(ctx: WorkerContext) -> bool:
+    """Whether this worker's last receive may have written into its targets (a failed update asks: one that moved
+    no byte on any worker leaves the instance serving what it held; :meth:`Receiver.landed`)."""
+    r = ctx.reader
+    return r is None or (not r.refused and r.receiver.landed())
+
+
 def disconnect(ctx: WorkerContext) -> None:
     if ctx.reader is not None:
         ctx.reader.receiver.close()
@@ -239,7 +248,8 @@ def _transfer(ctx: WorkerContext, r: WorkerReader, what: str, fn: Callable[[], T
     from weightsync.transport.gate import ready
     from weightsync.transport.group import address_of, watched
 
-    if r.abandoned is not None:
+    r.refused = r.abandoned is not None
+    if r.refused:
         raise TransportError(f"{what}: refused: {r.abandoned}; this job's transfers cannot resume: join a new "
                              "job (a new WeightReader, or init_weight_transfer_engine again)")
     wait = r.receiver.group_wait()  # p2p: the trainers; co-located: the workers it exchanges with
@@ -250,7 +260,7 @@ def _transfer(ctx: WorkerContext, r: WorkerReader, what: str, fn: Callable[[], T
     ready()  # the go first: watched() may run fn on a thread of its own, and its deadline is the transfer's
     try:
         return watched(fn, wait.group, wait.peers, r.receiver.options.timeout_s, what, ctx.device,
-                       describe=wait.describe)
+                       describe=wait.describe, fence=wait.fence, first_s=wait.first_s)
     except TransportError as e:  # given up on, or failed in the backend: either way the group's state is unknown
         r.abandoned = f"an earlier transfer failed ({e})"
         raise

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.errors import ConfigError, StepMismatch, WeightSyncError
 from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.integrity.cadence import every as integrity_every
 from weightsync.layout.layout import EngineLayout, Layout
@@ -125,7 +125,12 @@ class WeightWriter(SessionDriven):
         if self.group is not None:
             return self._write_grouped(step)
         t0 = time.perf_counter()
-        self.last = s.sender.send(step)
+        try:
+            self.last = s.sender.send(step)
+        except StepMismatch as e:  # the readers number steps apart: no step can meet; every participant learns now
+            with contextlib.suppress(MetaError):
+                self.client.abort(str(e))
+            raise
         t1 = time.perf_counter()
         if s.written_bell is not None:
             s.written_bell.ring(step)  # the workers on this host start copying now...

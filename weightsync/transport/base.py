@@ -53,12 +53,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from weightsync.errors import ConfigError
 
+#: how long a reader waits for a sync step's trainers to announce it while they are alive (a training step may take
+#: minutes): generous, and apart from ``timeout_s``, which bounds the transfer once the step began
+DEFAULT_WRITTEN_TIMEOUT_S = 3600.0
+
 if TYPE_CHECKING:  # annotations only: a transport needs no runtime module to run
     import torch
 
     from weightsync.meta.client import MetaClient
     from weightsync.plan.planner import Bucket, Pair, Planner
     from weightsync.plan.job import JobShape
+    from weightsync.transport.fence import Fence
     from weightsync.transport.liveness import TrainerWatch
     from weightsync.transport.pack import Landing, Pairs
 
@@ -164,6 +169,9 @@ class TransportOptions:
     #: byte copies only (a target of another dtype than the wire's is refused: the cast is the full codec's, which
     #: the job session always passes)
     codec: Codec | None = None
+    #: a reader's wait for a sync step's trainers to announce it, while they are alive (a training step may take
+    #: minutes): not a transfer timeout
+    written_timeout_s: float = DEFAULT_WRITTEN_TIMEOUT_S
 
     @property
     def framed(self) -> bool:
@@ -214,6 +222,12 @@ class GroupWait:
     group: Any
     peers: tuple[int, ...]
     describe: Callable[[int], str]
+    #: the transfer's fence (:mod:`weightsync.transport.fence`): closed when the watcher gives up, so nothing lands
+    #: after; None: the transfer has none
+    fence: Fence | None = None
+    #: how long the transfer may wait for its step to begin (the trainers may still be training: a sync step's
+    #: ``written_timeout_s``) before its own deadline, ``timeout_s``, counts from the fence's ``begin``
+    first_s: float = 0.0
 
 
 class Sender(ABC):
@@ -279,8 +293,14 @@ class Receiver(ABC):
         raise ConfigError(f"the {self.options.name} transport has no async mode")
 
     def group_wait(self) -> GroupWait | None:
-        """The group its transfers wait in and the peers they wait on there (after ``connect``); None: none."""
+        """The group the next transfer waits in and the peers it waits on there (after ``connect``; called once
+        before each transfer); None: none."""
         return None
+
+    def landed(self) -> bool:
+        """Whether the last transfer (failed, say) may have written into a target: False only where it surely did
+        not (its step never began), so a failed update that moved no byte need not withhold the engine."""
+        return True
 
     def close(self) -> None:
         pass

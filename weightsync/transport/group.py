@@ -54,7 +54,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 
-from weightsync.errors import ConfigError, TransportError
+from weightsync.errors import ConfigError, StepNotWritten, TransportError
+from weightsync.transport.fence import Fence
 
 log = logging.getLogger("weightsync.transport.group")
 
@@ -321,22 +322,32 @@ class TransferAbandoned(TransportError):
 
 def watched(fn: Callable[[], T], group: ProcessGroup, peers: Iterable[int], budget_s: float, what: str,
             device: torch.device, describe: Callable[[int], str] | None = None,
-            silent_s: float | None = None) -> T:
+            silent_s: float | None = None, fence: Fence | None = None, first_s: float = 0.0) -> T:
     """``fn()`` -- a transfer over ``group`` that waits on ``peers`` -- returning within ``budget_s``, or
     sooner once a peer is taken for stopped or dead (:class:`PeerWatch`): then, or at the deadline, a
     :class:`TransferAbandoned` (a ``TransportError``) saying which, and the group is unusable from then on
     (its operations may still be posted). On CPU ``fn`` runs on a helper thread (under ``no_grad``) that
     is left blocked in the backend when the caller gives up; on CUDA in the caller, and the group is
-    aborted so its kernels exit (``fn`` then returns or raises, and the error is raised regardless)."""
+    aborted so its kernels exit (``fn`` then returns or raises, and the error is raised regardless).
+
+    ``fence`` (:mod:`weightsync.transport.fence`): closed before the error is raised, so the abandoned ``fn`` lands
+    nothing afterwards; until it begins, ``fn`` may wait ``first_s`` more for its step (the peers stay watched), and
+    a failure before anything landed is a :class:`~weightsync.errors.StepNotWritten`."""
     watch = PeerWatch(group, peers, SILENT_S if silent_s is None else silent_s, describe=describe)
-    deadline = time.monotonic() + budget_s
+    start = time.monotonic()
     reason: list[str] = []
+
+    def deadline() -> float:
+        began = fence.began if fence is not None else None
+        return start + first_s + budget_s if began is None else min(start + first_s, began) + budget_s
 
     def look(next_look: float) -> float:
         """Set ``reason`` once there is one; return when to look at the beats next."""
         now = time.monotonic()
-        if now >= deadline:
-            reason.append(f"{what} did not finish within its {budget_s:g} s deadline")
+        if now >= deadline():
+            reason.append(f"{what} did not finish within its {budget_s:g} s deadline" if first_s == 0.0 or (
+                fence is not None and fence.began is not None) else
+                f"{what}: its step did not begin within {first_s:g} s (written_timeout_s) and {budget_s:g} s more")
         elif now >= next_look:
             lost = watch.lost()
             if lost is not None:
@@ -345,8 +356,13 @@ def watched(fn: Callable[[], T], group: ProcessGroup, peers: Iterable[int], budg
         return next_look
 
     def failure() -> TransferAbandoned:
+        if fence is not None:
+            fence.close(reason[0])  # from here the abandoned transfer lands nothing
+            if fence.began is None:
+                return StepNotWritten(f"{what}: {reason[0]}; the step never began, nothing of it was received, and "
+                                      "this group cannot be used again")
         return TransferAbandoned(f"{what}: {reason[0]}; gave up on the transfer after "
-                              f"{time.monotonic() - (deadline - budget_s):.1f} s, and this group cannot be used again")
+                                 f"{time.monotonic() - start:.1f} s, and this group cannot be used again")
 
     if device.type == "cuda":
         stop = threading.Event()
@@ -356,6 +372,8 @@ def watched(fn: Callable[[], T], group: ProcessGroup, peers: Iterable[int], budg
             while not stop.wait(POLL_S) and not reason:
                 next_look = look(next_look)
             if reason:
+                if fence is not None:
+                    fence.close(reason[0])
                 _abort(group)
 
         t = threading.Thread(target=monitor, name="weightsync-watch", daemon=True)
@@ -391,8 +409,9 @@ def watched(fn: Callable[[], T], group: ProcessGroup, peers: Iterable[int], budg
     while not done.wait(POLL_S):
         next_look = look(next_look)
         if reason and not done.is_set():
+            error = failure()  # closes the fence first: what the helper thread gets later lands nowhere
             _abort(group)
-            raise failure()
+            raise error
     if "err" in box:
         raise box["err"]  # type: ignore[misc]
     return box["out"]  # type: ignore[return-value]

@@ -51,6 +51,7 @@ is unknown (operations may still be posted): discard the group.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from datetime import timedelta
@@ -59,7 +60,7 @@ from typing import Callable, Mapping
 import torch
 from torch.distributed import ProcessGroup
 
-from weightsync.errors import TransportError
+from weightsync.errors import StepMismatch, StepNotWritten, TransportError
 from weightsync.plan.job import JobRanks
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.transport.base import (
@@ -74,6 +75,7 @@ from weightsync.transport.base import (
     SenderContext,
     StepStats,
 )
+from weightsync.transport.fence import Fence
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.posted import posted as all_posted
 from weightsync.transport.nccl import (  # noqa: F401 - re-exported: the names callers knew here
@@ -131,13 +133,97 @@ class P2PTransport:
         """Ship every bucket of this training rank's ``send_plan`` from its live ``tensors``."""
         return self._run(plans, tensors, sending=True)
 
-    def recv(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> TransferStats:
-        """Receive every bucket of this inference rank's ``recv_plan`` into its live ``tensors`` in place."""
-        return self._run(plans, tensors, sending=False)
+    def recv(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor],
+             fence: Fence | None = None) -> TransferStats:
+        """Receive every bucket of this inference rank's ``recv_plan`` into its live ``tensors`` in place;
+        through ``fence`` where given (:mod:`weightsync.transport.fence`: on CPU every message then goes
+        through the buffers, so an abandoned receive lands nothing)."""
+        return self._run(plans, tensors, sending=False, fence=fence)
+
+    # -- the step's announcement ------------------------------------------------------------------
+    def exchange_step(self, step: int, plans: Mapping[Pair, list[Bucket]], device: torch.device, sending: bool,
+                      wait_s: float, fence: Fence | None = None) -> None:
+        """Before a sync step's buckets, both ends of every pair with bytes tell each other the step they move
+        (:func:`step_header`) and check the other's, so no byte is posted for a step the other end does not
+        mean: :class:`StepMismatch` on both ends at once, naming both steps. ``wait_s`` bounds the wait for the
+        other end (a receiver: the trainers may still be training, ``written_timeout_s``; a sender: ``timeout_s``)
+        -- :class:`StepNotWritten` after it, nothing posted into a target. A receiver then ``fence.begin()``\ s.
+
+        Deadlock freedom: every rank posts its pairs' announcements before any bucket, as one NCCL group where the
+        transport coalesces (NCCL then progresses them together), else in the one global order of the pairs --
+        ``(src_rank, dst_instance, dst_rank)``, a pair's two messages in one order on both ends -- by the module
+        docstring's argument, with them as the earliest transfers."""
+        coalesce = self._decide_coalescing(device)
+        pairs = list(_active(plans))
+        peers = [self.ranks.receiver(p) if sending else self.ranks.sender(p) for p in pairs]
+        if peers:
+            mine = [step_header(step, device) for _ in peers]
+            theirs = [torch.empty(len(STEP_HEADER), dtype=torch.int64, device=device) for _ in peers]
+            # a pair's two messages in one order on both ends: the trainer's announcement, then the reader's
+            ops = [op for m, t, peer in zip(mine, theirs, peers)
+                   for op in (((m, peer, STEP_TAG, True), (t, peer, STEP_TAG, False)) if sending else
+                              ((t, peer, STEP_TAG, False), (m, peer, STEP_TAG, True)))]
+            try:
+                works = post(self.group, ops, device, coalesce)
+            except RuntimeError as e:
+                raise TransportError(f"group rank {self.group.rank()}: telling the other ends step {step} failed: "
+                                     f"{first_line(e)}") from e
+            self._wait_exchanged(step, works, device, fence, wait_s, sending)
+            for pair, t in zip(pairs, theirs):
+                magic, got = t.tolist()
+                if magic != STEP_HEADER[0]:
+                    raise TransportError(f"{describe(pair)}: the step announcement holds {magic:#x}, not weightsync's "
+                                         f"{STEP_HEADER[0]:#x} (the two ends built different plans)", pair=pair)
+                if got != step:
+                    writes, asks = (step, got) if sending else (got, step)
+                    raise StepMismatch(
+                        f"{describe(pair)}: the training rank writes step {writes} and the reader asks for step {asks}: "
+                        "refused before any byte of it moved. Both sides must number steps alike (the trainers' "
+                        "write(step) and the reader's update(step), from the same first step)", pair=pair)
+        if fence is not None:
+            fence.begin()
+
+    def _wait_exchanged(self, step: int, works: list, device: torch.device, fence: Fence | None, wait_s: float,
+                        sending: bool) -> None:
+        """Wait for the posted announcements, ``wait_s`` at most (and no longer once ``fence`` is closed)."""
+        def not_written() -> StepNotWritten:
+            other = "inference rank this rank sends to asked for" if sending else "training rank this rank " \
+                "receives from announced"
+            return StepNotWritten(f"group rank {self.group.rank()}: not every {other} step {step} within {wait_s:g} s, "
+                                  "so nothing of it moved")
+
+        if not on_gpu(device):
+            try:
+                for w in works:
+                    retire(w, timedelta(seconds=wait_s), False)
+            except TimeoutError as e:
+                raise not_written() from e
+            except RuntimeError as e:
+                if "timed out" in str(e).lower():  # gloo's own word for its wait's deadline
+                    raise not_written() from e
+                raise TransportError(f"group rank {self.group.rank()}: step {step}'s announcement failed: "
+                                     f"{first_line(e)}") from e
+            return
+        start = time.monotonic()  # NCCL: poll, so a long wait ends when the watcher gives up (the fence closes)
+        while not all(w.is_completed() for w in works):
+            waited = time.monotonic() - start
+            if waited > wait_s:
+                raise not_written()
+            if fence is not None and fence.closed:
+                raise TransportError(f"group rank {self.group.rank()}: step {step}'s announcement: given up")
+            time.sleep(20e-6 if waited < 0.01 else 1e-3)
+
+    def _decide_coalescing(self, device: torch.device) -> bool:
+        """Whether this transport's messages go as NCCL groups; decided (and the communicator built) in the first
+        step, which every rank reaches (see coalescing())."""
+        if self._coalescing is None:
+            self._coalescing = self.coalesce and coalescing(self.group, device)
+        return self._coalescing
 
     # -- internals ------------------------------------------------------------------------------
     def _run(
-        self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor], sending: bool
+        self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor], sending: bool,
+        fence: Fence | None = None,
     ) -> TransferStats:
         me = self.group.rank()
         mine, peer_of = self.ranks.sender, self.ranks.receiver
@@ -153,36 +239,40 @@ class P2PTransport:
         ops = sorted((b for buckets in plans.values() for b in buckets if b.nbytes > 0), key=order_key)
         device = next(iter(tensors.values())).device if tensors else (self.group.bound_device_id or torch.device("cpu"))
         ordered = on_gpu(device)
-        if self._coalescing is None:  # every rank gets here in its first step (see coalescing())
-            self._coalescing = self.coalesce and coalescing(self.group, device)
-        coalesce = self._coalescing
+        coalesce = self._decide_coalescing(device)  # every rank gets here in its first step (see coalescing())
         if not ops:
             return TransferStats(0, 0, 0.0)
+        # a fenced receive on CPU takes every message into the buffers (landed, under the fence, by the unpack);
+        # on CUDA in place (an aborted group's kernels land nothing more)
+        direct = sending or fence is None or ordered
         # graphs and views stay valid while the tensors and buffers stay put
         self._graphs.begin(tensors, buffers=self._buffers)
-        stagings = [self._graphs.memo(b, sending, lambda b=b: stage(b, tensors, sending, self.direct_min))
+        stagings = [self._graphs.memo(b, sending, lambda b=b: stage(b, tensors, sending, self.direct_min, direct))
                     for b in ops]
         if self._ensure_buffers(max(st.nbytes for st in stagings), device):
             self._graphs.begin(tensors, buffers=self._buffers)  # new buffers (first step, or grown)
         start = time.perf_counter()
         inflight: deque[tuple[Bucket, int, list, Staging, torch.Tensor]] = deque()
         posted: list[tuple[object, Callable[[Exception], TransportError]]] = []
+        into = fence.landing if (fence is not None and ordered) else contextlib.nullcontext  # CUDA: posts land
         for k, (b, st) in enumerate(zip(ops, stagings)):
             if len(inflight) == self.window:
-                self._finish(*inflight.popleft(), tensors, sending, ordered)
+                self._finish(*inflight.popleft(), tensors, sending, ordered, fence)
             peer = peer_of(b.pair)
             slot = self._buffers[k % self.window]  # the buffer bucket k - window just freed
             try:
                 if sending and st.staged:
                     self._graphs.run(b, ("pack", slot.data_ptr()),
                                      lambda st=st, o=slot: pack_pairs(st.staged, tensors, o), device)
-                works = post(self.group, [(t, peer, b.index, sending) for t in st.tensors(slot)], device, coalesce)
+                with into():
+                    works = post(self.group, [(t, peer, b.index, sending) for t in st.tensors(slot)], device,
+                                 coalesce)
             except RuntimeError as e:  # a peer already known dead fails at post time
                 raise self._error(b, peer, sending, e) from e
             inflight.append((b, peer, works, st, slot))
             posted.extend((w, lambda e, b=b, peer=peer: self._error(b, peer, sending, e)) for w in works)
         while inflight:
-            self._finish(*inflight.popleft(), tensors, sending, ordered)
+            self._finish(*inflight.popleft(), tensors, sending, ordered, fence)
         done_posting = time.perf_counter() - start
         all_posted()  # the rest is the device's
         if ordered:
@@ -191,7 +281,7 @@ class P2PTransport:
 
     def _finish(
         self, b: Bucket, peer: int, works: list, st: Staging, slot: torch.Tensor,
-        tensors: Mapping[str, torch.Tensor], sending: bool, ordered: bool,
+        tensors: Mapping[str, torch.Tensor], sending: bool, ordered: bool, fence: Fence | None = None,
     ) -> None:
         try:
             for work in works:
@@ -199,9 +289,10 @@ class P2PTransport:
         except (RuntimeError, TimeoutError) as e:  # gloo: connection reset / closed by peer, or timed out
             raise self._error(b, peer, sending, e) from e
         if not sending and st.staged:  # the codec's casts, if any, run after the copies in the same graph
-            self._graphs.run(b, ("unpack", slot.data_ptr()),
-                             lambda st=st, i=slot: unpacked(self.codec, unpack_pairs(st.staged, i, tensors)),
-                             slot.device)
+            with fence.landing() if fence is not None else contextlib.nullcontext():  # an abandoned one: refused
+                self._graphs.run(b, ("unpack", slot.data_ptr()),
+                                 lambda st=st, i=slot: unpacked(self.codec, unpack_pairs(st.staged, i, tensors)),
+                                 slot.device)
 
     def _error(self, b: Bucket, peer: int, sending: bool, cause: Exception) -> TransportError:
         pair = b.pair
@@ -277,10 +368,12 @@ class P2PTransport:
         return TransferStats(len(ops), moved, time.perf_counter() - start, full_bytes=sum(b.nbytes for b in ops))
 
     def recv_frames(self, step: int, plans: Mapping[Pair, list[Bucket]], targets: Mapping[str, torch.Tensor],
-                    decoder, codec, proofs: bool) -> TransferStats:
+                    decoder, codec, proofs: bool, fence: Fence | None = None) -> TransferStats:
         """Receive every bucket of this inference rank's plan as frames (see :meth:`send_frames`) and
-        decode them in place; when ``proofs``, first send each pair's proof of what the targets hold."""
+        decode them in place; when ``proofs``, first send each pair's proof of what the targets hold.
+        ``fence``: as :meth:`recv` (each landing under it; on CPU a whole bucket through the frame slot)."""
         start = time.perf_counter()
+        land = fence.landing if fence is not None else contextlib.nullcontext
         pairs = _active(plans)
         ops = sorted((b for bs in pairs.values() for b in bs), key=order_key)
         device = next(iter(targets.values())).device if targets else torch.device("cpu")
@@ -314,17 +407,22 @@ class P2PTransport:
                                          f"bytes, this receiver's plan {size} (the two ends built different plans)",
                                          pair=b.pair, bucket=b.index)
                 if h.whole:
-                    st = stage(b, targets, False, self.direct_min)
+                    st = stage(b, targets, False, self.direct_min, direct=fence is None or on_gpu(device))
                     posts = [(x, peer, b.index, False) for x in st.tensors(slot)]
-                    self._retire_all(b, self._post(b, peer, posts, device), False)
-                    if st.staged:
-                        run_landing(unpacked(codec, unpack_pairs(st.staged, slot, targets)))
-                    decoder.decode(b, h, None, targets, slot)
+                    straight = any(isinstance(p, torch.Tensor) for p in st.posts)  # posted into a target: landing
+                    with land() if straight else contextlib.nullcontext():
+                        works = self._post(b, peer, posts, device)
+                    self._retire_all(b, works, False)
+                    with land():
+                        if st.staged:
+                            run_landing(unpacked(codec, unpack_pairs(st.staged, slot, targets)))
+                        decoder.decode(b, h, None, targets, slot)
                 else:
                     payload = torch.empty(size, dtype=torch.uint8, device=device)
                     if size:
                         self._retire_all(b, self._post(b, peer, [(payload, peer, b.index, False)], device), False)
-                    decoder.decode(b, h, payload, targets, slot)
+                    with land():
+                        decoder.decode(b, h, payload, targets, slot)
                 moved += codec.header_words * 8 + h.nbytes
             decoder.end(step)
         except BaseException:
@@ -349,6 +447,13 @@ class P2PTransport:
 
 
 PROOF_TAG = (1 << 24) + 1  # frames: a receiver's proof, beside the pull header's tag (1 << 24)
+STEP_TAG = (1 << 24) + 2  # a sync step's announcement, both ways (P2PTransport.exchange_step)
+STEP_HEADER = (0x77737465, 0)  # (magic "wste", step): what a step's announcement holds
+
+
+def step_header(step: int, device: torch.device) -> torch.Tensor:
+    """A sync step's announcement, one per (sender, receiver) pair: :data:`STEP_HEADER` with ``step``."""
+    return torch.tensor([STEP_HEADER[0], step], dtype=torch.int64, device=device)
 HEADER_TAG = 1 << 25  # frames: + bucket index
 
 
@@ -423,6 +528,9 @@ class P2PSender(Sender):
             self.server.stage(step)
             return None
         with torch.no_grad():
+            # the step first, both ways: no byte moves for a step the receivers did not ask for
+            self.transport.exchange_step(step, self.plans, next(iter(self.tensors.values())).device, True,
+                                         self.options.timeout_s)
             if self.encoder is not None:
                 codec = self.options.codec
                 return self.transport.send_frames(step, self.plans, self.tensors, self.encoder, codec,
@@ -452,13 +560,22 @@ class P2PReceiver(Receiver):
                                       coalesce=self.options.mode == "sync", codec=self.options.codec)
         self.plans = ctx.plans
         self.decoder = self.options.codec.decoder(ctx.plans) if self.options.framed else None
+        self.fence: Fence | None = None  # the current transfer's (group_wait)
 
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
+        fence = self.fence
+        device = next(iter(targets.values())).device if targets else torch.device("cpu")
+        # every sender's announcement of the step first, as long as the trainers train (written_timeout_s)
+        self.transport.exchange_step(step, self.plans, device, False, self.options.written_timeout_s, fence)
         if self.decoder is not None:
             codec = self.options.codec
             return self.transport.recv_frames(step, self.plans, targets, self.decoder, codec,
-                                              proofs=BASE_PROOF in codec.needs)
-        return self.transport.recv(self.plans, targets)
+                                              proofs=BASE_PROOF in codec.needs, fence=fence)
+        return self.transport.recv(self.plans, targets, fence=fence)
+
+    def landed(self) -> bool:
+        # the last receive's fence: False only where it posted nothing into a target (its step never began)
+        return self.fence is None or self.fence.landed
 
     def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:
         from weightsync.transport.pull import receive_pull
@@ -467,11 +584,15 @@ class P2PReceiver(Receiver):
         return Pulled(frozenset(steps), stats)
 
     def group_wait(self) -> GroupWait | None:
-        # the training ranks it receives from; in the job's group a training rank's group rank is its own
+        # the training ranks it receives from; in the job's group a training rank's group rank is its own. Each
+        # transfer gets a fence of its own (weightsync.transport.fence), and may wait written_timeout_s for its step
         if getattr(self, "transport", None) is None:
             return None
+        sync = self.options.mode == "sync"  # (an async pull has its own header: weightsync.transport.pull)
+        self.fence = Fence() if sync else None
         return GroupWait(self.transport.group, tuple(sorted({pair[0] for pair in self.plans})),
-                         lambda g: f"training rank {g}")
+                         lambda g: f"training rank {g}", fence=self.fence,
+                         first_s=self.options.written_timeout_s if sync else 0.0)
 
     def close(self) -> None:
         self.transport = None

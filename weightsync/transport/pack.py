@@ -188,15 +188,17 @@ class Staging:
 
 
 def stage(bucket: Bucket, tensors: Mapping[str, torch.Tensor], sending: bool,
-          direct_min: int = DIRECT_MIN_BYTES) -> Staging:
+          direct_min: int = DIRECT_MIN_BYTES, direct: bool = True) -> Staging:
     """Each message of ``bucket`` (:func:`messages`; both ends must pass the same ``direct_min``) in
     place when this side holds its bytes as one contiguous stretch in the wire dtype (:func:`in_place`),
-    else through the buffer, where only such messages take room."""
+    else through the buffer, where only such messages take room. ``direct=False``: every message through
+    the buffer (a receiver that must be able to fence an abandoned receive off its targets:
+    :mod:`weightsync.transport.fence`)."""
     posts: list[torch.Tensor | tuple[int, int]] = []
     staged: list[Segment] = []
     at = 0
     for m in messages(bucket, direct_min):
-        view = in_place(m.segments, tensors, sending)
+        view = in_place(m.segments, tensors, sending) if direct else None
         if view is None:
             posts.append((at, m.nbytes))
             staged.extend(replace(s, offset=at + s.offset - m.offset) for s in m.segments)
