@@ -185,19 +185,25 @@ def test_a_step_never_written_says_so_and_withholds_nothing(server, spawn):
 
 
 def test_a_training_step_longer_than_the_timeout_is_waited_for(server, spawn):
-    """A training step of 6 s against a 2 s ``timeout_s``: update(2) waits for it (the trainer beats: it is alive)
-    and lands it whole, where it used to fail at the timeout and withhold an engine nothing had touched."""
+    """A training step of 6 s against a 2 s ``timeout_s``, into a faithful instance (a worker process, whose calls
+    have deadlines): update(2) waits for it (the trainer beats: it is alive) and lands it whole, where it used to
+    fail at the timeout and withhold an engine nothing had touched."""
+    from weightsync.instances.faithful import FaithfulInstance, snapshot
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
 
     spec = load_spec(MODEL)
-    inst = Instance(spec)
-    spawn(_writer, server.url, "slow-step", [1, 2], 2.0, pause_before={2: 6.0})
-    reader = WeightReader(inst, meta=server.url, job="slow-step", instance_id=0, instances=1, timeout_s=2.0,
-                          bucket_bytes=BUCKET).connect()
-    assert reader.update(1) == 1
-    t0 = time.monotonic()
-    assert reader.update(2) == 2
-    assert time.monotonic() - t0 > 4.0  # it did wait for the training step
-    assert same(inst.snapshot(), expected(spec, 2, inst))
-    reader.close()
+    inst = FaithfulInstance(MODEL, "vllm:tp=1")
+    try:
+        spawn(_writer, server.url, "slow-step", [1, 2], 2.0, pause_before={2: 6.0})
+        reader = WeightReader(inst, meta=server.url, job="slow-step", instance_id=0, instances=1, timeout_s=2.0,
+                              bucket_bytes=BUCKET).connect()
+        assert reader.update(1) == 1
+        t0 = time.monotonic()
+        assert reader.update(2) == 2
+        assert time.monotonic() - t0 > 4.0  # it did wait for the training step
+        (got,) = inst.call(snapshot)
+        assert same(got, expected(spec, 2, Instance(spec)))
+        reader.close()
+    finally:
+        inst.close()

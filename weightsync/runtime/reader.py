@@ -180,7 +180,7 @@ class WeightReader(SessionDriven):
         self.instance.pause()
         landed = called_off = False
         try:
-            timeout = worker.call_timeout(self.timeout_s)
+            timeout = worker.call_timeout(self.timeout_s) + session.step_wait_s  # (p2p: the step may be training)
             if early:
                 self.last_stats = self.instance.call_when(lambda: written.wait(self, step, held), worker.receive, step,
                                                           self.staged, timeout_s=timeout)

@@ -416,6 +416,13 @@ class InstanceSession(JobSession):
         """Whether the workers copy out of the trainers' memory, so a step may start only once announced."""
         return receiver_class(self.options.transport_name).reads_after_written
 
+    @property
+    def step_wait_s(self) -> float:
+        """How long a step's receive may wait for the trainers to announce it inside the worker call (sync p2p:
+        ``written_timeout_s``; elsewhere the reader waits before or beside the call), beyond the transfer's own."""
+        waits = self.options.mode == "sync" and receiver_class(self.options.transport_name).waits_for_step
+        return self.options.written_timeout_s if waits else 0.0
+
     def expected(self) -> int:
         return self.instances * self.engine.world_size
 

@@ -273,6 +273,9 @@ class Receiver(ABC):
     #: there; co-located workers copy memory that outlives its trainer, and their reader watches the trainers
     #: while it waits for ``written``.)
     watches_trainers: ClassVar[bool] = False
+    #: whether ``receive`` itself waits for the trainers to announce the step (sync p2p: up to ``written_timeout_s``)
+    #: before its transfer: the worker call's deadline then counts that wait too
+    waits_for_step: ClassVar[bool] = False
     #: whether ``receive`` does its set-up, then calls :func:`weightsync.transport.gate.ready` before its first copy
     #: (a step's call sent before the step is written waits there); otherwise the worker waits before ``receive``
     sets_up_before_ready: ClassVar[bool] = False

@@ -547,6 +547,7 @@ class P2PReceiver(Receiver):
     """An inference worker receives its buckets over the train+inference group, in place."""
 
     modes = frozenset({"sync", "async"})
+    waits_for_step = True  # sync: the step's announcement (P2PTransport.exchange_step), written_timeout_s
 
     def memory(self, ctx: ReceiverContext) -> Buffers:
         return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans))

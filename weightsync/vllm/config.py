@@ -16,6 +16,7 @@ from typing import Any
 from weightsync.errors import ConfigError
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES
 from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
+from weightsync.transport.base import DEFAULT_WRITTEN_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class InitInfo:
     mode: str = "sync"
     staged: bool = False
     timeout_s: float = 60.0
+    written_timeout_s: float = DEFAULT_WRITTEN_TIMEOUT_S  # update(step)'s wait for the trainers to write the step
     transport: str = "p2p"
     directory: str | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
