@@ -618,3 +618,213 @@ def test_the_admin_token_comes_from_a_file_or_the_environment_not_the_command_li
         out = subprocess.run([sys.executable, "-m", "weightsync", "meta-server", "--port", "0", "--token-file",
                               str(bad_file)], capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == 2 and str(bad_file) in out.stderr and "listening" not in out.stdout, out
+
+
+# --------------------------------------------------------------------------------------------
+# Connections: a slowloris, the open-file limit, unauthenticated connections closed first
+
+
+class _Slowloris:
+    """``n`` connections from ``source`` that each send one byte of a request head a second and never finish
+    it; one the server closes is opened again ``reopen_s`` later. Keeps when each connection opened and,
+    once the server closed it, how long it lived."""
+
+    HEAD = b"GET /v1/jobs/j HTTP/1.1\r\nHost: x\r\nX-Slow: "
+
+    def __init__(self, url: str, n: int, source: str = "127.0.0.1", reopen_s: float = 1.0):
+        from urllib.parse import urlsplit
+
+        u = urlsplit(url)
+        self.addr, self.n, self.source, self.reopen_s = (u.hostname, u.port), n, source, reopen_s
+        self.opened: list[float] = []  # time.monotonic() of each connect
+        self.lived: dict[int, float] = {}  # index in opened -> seconds, for each the server closed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slowloris", daemon=True)
+
+    def __enter__(self) -> "_Slowloris":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def still_open_longest(self) -> float:
+        """The age of the oldest connection the server has not closed (0 if none)."""
+        now = time.monotonic()
+        return max((now - t for k, t in enumerate(self.opened) if k not in self.lived), default=0.0)
+
+    def _run(self) -> None:
+        import asyncio
+
+        async def main() -> None:
+            await asyncio.gather(*(one() for _ in range(self.n)))
+
+        async def one() -> None:
+            while not self._stop.is_set():
+                try:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(*self.addr, local_addr=(self.source, 0)), 2.0)
+                except (OSError, asyncio.TimeoutError):
+                    await asyncio.sleep(self.reopen_s)
+                    continue
+                k, sent, closed = len(self.opened), 0, False
+                self.opened.append(time.monotonic())
+                try:
+                    while not self._stop.is_set():
+                        writer.write(self.HEAD[sent:sent + 1] or b"a")  # the header line never ends
+                        sent += 1
+                        try:
+                            await asyncio.wait_for(reader.read(1), 1.0)
+                        except asyncio.TimeoutError:
+                            continue
+                        closed = True  # the server closed it (or answered, which ends it too)
+                        break
+                except OSError:
+                    closed = True
+                finally:
+                    writer.close()
+                if closed:
+                    self.lived[k] = time.monotonic() - self.opened[k]
+                await asyncio.sleep(self.reopen_s)
+
+        asyncio.run(main())
+
+
+def test_a_slowloris_does_not_shut_out_a_client_with_the_job_s_token(tmp_path):
+    """Before: no connection cap, the soft open-file limit left where it was (1,024 is common) and 30 s to send
+    a request's headers: ~4,000 re-opened trickling connections pinned the server, and a client with its job's
+    token got no answer in 45 s. Here the server starts with a soft limit of 256 (hard 1,024) and 300
+    connections each trickle a header byte a second, opened again once closed: the server raises its limit to
+    the hard one, a client with the job's token is answered throughout on a new connection each time, and
+    every trickling connection is closed within seconds (headers are due within 5 s)."""
+    import os
+    import re
+    import resource
+
+    from weightsync.meta.auth import job_token
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard_for_server = 1024 if hard == resource.RLIM_INFINITY else min(hard, 1024)
+    if hard_for_server < 512:
+        pytest.skip(f"this process's hard open-file limit ({hard}) is too low for the case")
+    env = {k: v for k, v in os.environ.items() if k != "WEIGHTSYNC_META_TOKEN"}
+    env["WEIGHTSYNC_META_TOKEN"] = ADMIN
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "weightsync", "meta-server", "--port", "0"], env=env,
+                                stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard_for_server)))
+    try:
+        m = re.search(r"listening on (http://\S+)", proc.stdout.readline())
+        assert m, log_path.read_text()
+        url = m.group(1)
+        limits = open(f"/proc/{proc.pid}/limits").read()
+        files = re.search(r"Max open files\s+(\d+)\s+(\d+)", limits)
+        assert files and int(files.group(1)) == hard_for_server, limits  # before: 256
+        token = job_token(ADMIN, "j")
+        MetaClient(url, "j", token=token, timeout=10).register("train", 0)
+        took: list[float] = []
+        with _Slowloris(url, 300) as attack:
+            start = time.monotonic()
+            while time.monotonic() - start < 14.0:
+                t0 = time.monotonic()
+                summary = MetaClient(url, "j", token=token, timeout=5).summary()  # a new connection each time
+                took.append(time.monotonic() - t0)
+                assert summary["train_ranks"] == [0]
+                if len(attack.opened) >= 300 and len(attack.lived) >= 300:
+                    break
+                time.sleep(0.2)
+            assert len(attack.opened) >= 300, len(attack.opened)  # the attack was on: every connection got in
+            assert len(attack.lived) >= 300, (len(attack.lived), len(attack.opened))  # before: none in 14 s
+            assert max(attack.lived.values()) < 9.0 and attack.still_open_longest() < 9.0, \
+                (max(attack.lived.values()), attack.still_open_longest())
+            assert max(took) < 3.0, took  # before: no answer at all (MetaUnavailable after 5 s)
+            assert len(took) >= 10, took
+        got = http(url, "GET", "/metrics", ADMIN)[1]["text"]
+        closed = re.search(r'weightsync_meta_connections_closed_total\{reason="header_deadline"\} (\d+)', got)
+        assert closed and int(closed.group(1)) >= 300, got[-1500:]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+
+
+def _metric(text: str, name: str, labels: str = "") -> int:
+    import re
+
+    m = re.search(rf"^{name}{re.escape(labels)} (\d+)$", text, re.M)
+    assert m, (name, labels, text[-1500:])
+    return int(m.group(1))
+
+
+def test_unauthenticated_connections_are_closed_first_and_authenticated_ones_kept():
+    """Before: nothing bounded what one address held, and a full server refused everyone alike. With room for
+    100 connections and 40 unauthenticated ones per address, 2 x 150 trickling connections from 127.0.0.1 and
+    127.0.0.2 close each other, oldest first, while 20 long-polls and 10 idle kept-alive connections that
+    presented the job's token are never closed, and a new client with the token is answered at once."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlsplit
+
+    from weightsync.meta.auth import job_token
+    from weightsync.meta.limits import ConnectionLimits
+
+    token = job_token(ADMIN, "j")
+    auth_header = {"Authorization": f"Bearer {token}"}
+    limits = ConnectionLimits(per_peer=40, max_connections=100, header_s=30.0)  # room, not the deadline, closes
+    with MetaServer(token=ADMIN, limits=limits).start() as s, ThreadPoolExecutor(20) as pool:
+        u = urlsplit(s.url)
+        MetaClient(s.url, "j", token=token, timeout=5).register("train", 0)
+
+        def get(conn: http.client.HTTPConnection, path: str) -> tuple[int, dict]:
+            conn.request("GET", path, headers=auth_header)
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+
+        kept = [http.client.HTTPConnection(u.hostname, u.port, timeout=10) for _ in range(10)]
+        for conn in kept:  # authenticated, then idle through the attack
+            assert get(conn, "/v1/jobs/j")[0] == 200
+
+        def long_poll() -> tuple[int, dict]:
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=20)
+            try:
+                return get(conn, "/v1/jobs/j/participants?wait_for=2&timeout=15")
+            finally:
+                conn.close()
+
+        polls = [pool.submit(long_poll) for _ in range(20)]
+        admin = MetaClient(s.url, "j", token=ADMIN, timeout=5)
+        deadline = time.monotonic() + 10
+        while _metric(admin.metrics(), "weightsync_meta_connections", '{authenticated="true"}') < 30:
+            assert time.monotonic() < deadline, admin.metrics()[-800:]
+            time.sleep(0.05)
+        most_unauthenticated = most_open = 0
+        took: list[float] = []
+        with _Slowloris(s.url, 150, "127.0.0.1", reopen_s=0.3), _Slowloris(s.url, 150, "127.0.0.2", reopen_s=0.3):
+            start = time.monotonic()
+            while time.monotonic() - start < 3.0:
+                t0 = time.monotonic()
+                assert MetaClient(s.url, "j", token=token, timeout=5).summary()["train_ranks"] == [0]
+                took.append(time.monotonic() - t0)
+                text = admin.metrics()
+                unauthenticated = _metric(text, "weightsync_meta_connections", '{authenticated="false"}')
+                most_unauthenticated = max(most_unauthenticated, unauthenticated)
+                most_open = max(most_open, unauthenticated + _metric(text, "weightsync_meta_connections",
+                                                                      '{authenticated="true"}'))
+                time.sleep(0.1)
+            assert not any(p.done() for p in polls), [p.result() for p in polls if p.done()]
+            MetaClient(s.url, "j", token=token, timeout=5).register("train", 1)
+            for p in polls:  # each long-poll was answered on the connection it was sent on
+                status, got = p.result(timeout=10)
+                assert status == 200 and got["ready"] is True, (status, got)
+        for conn in kept:  # the same kept-alive connections: a closed one raises here
+            assert get(conn, "/v1/jobs/j")[0] == 200
+            assert conn.sock is not None
+            conn.close()
+        text = admin.metrics()
+        closed = {r: _metric(text, "weightsync_meta_connections_closed_total", f'{{reason="{r}"}}')
+                  for r in ("peer_cap", "budget_unauthenticated", "budget_idle", "refused_full", "header_deadline")}
+        assert closed["peer_cap"] > 0 and closed["budget_unauthenticated"] > 0, closed
+        assert closed["budget_idle"] == closed["refused_full"] == closed["header_deadline"] == 0, closed
+        assert most_unauthenticated <= 80 and most_open <= 100, (most_unauthenticated, most_open)
+        assert max(took) < 2.0, took

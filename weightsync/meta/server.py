@@ -80,8 +80,15 @@ kept, nobody was woken; a retry is saved again or refused again), 503 the server
 client retries). A request line or header the HTTP parser refuses gets aiohttp's plain-text 400.
 Every body past the token is read in full (or the connection is closed), so its bytes are never taken
 for a request;
-a GET or DELETE with a body is refused. A client must send its headers within ``KEEPALIVE_S`` of
-connecting (or of the previous answer) and its body within ``REQUEST_DEADLINE_S``.
+a GET or DELETE with a body is refused. A client must send a request's headers within ``header_s`` (5 s)
+of connecting or of that request's first byte, and its body within ``REQUEST_DEADLINE_S``; a kept-alive
+connection idles at most ``KEEPALIVE_S`` between requests.
+
+Connections (:mod:`.limits`): the soft open-file limit is raised to the hard one at start and the server holds
+at most that many connections, less a reserve; a connection is authenticated once a request on it passed the
+token check. Unauthenticated connections (still sending headers, or only asked ``/health``) are held at most
+``per_peer`` per address and are the first closed when the server is full; an authenticated request in
+progress is never closed to make room.
 
 Persistence (``state_path``): an SQLite database in WAL mode (:mod:`.store`). Mutations that arrive
 together are saved in one transaction; nobody is answered or woken before the transaction that holds
@@ -112,18 +119,19 @@ from aiohttp import web
 from weightsync import __version__
 from weightsync.errors import WeightSyncError
 from weightsync.meta import auth
+from weightsync.meta.limits import ACCEPT_BATCH, ConnectionGate, ConnectionLimits, file_budget, raise_file_limit
 from weightsync.meta.state import SWEEP_S, Coordinator, Encoded, last_mutation, restore
 from weightsync.meta.store import Store
 from weightsync.meta.validate import (
     MAX_BODY, HTTPError, Query, identity, parse_body, participant_name, path_params, short,
 )
 
-__all__ = ["MAX_BODY", "MetaServer", "add_arguments", "main", "run_from_args", "serve"]
+__all__ = ["MAX_BODY", "ConnectionLimits", "MetaServer", "add_arguments", "main", "run_from_args", "serve"]
 
 log = logging.getLogger("weightsync.meta.server")
 
 BACKLOG = 4096  # a 1,000-rank job connects at once; the kernel caps it at net.core.somaxconn
-KEEPALIVE_S = 30.0  # an idle connection, or one whose request headers are not all in by then, is closed
+KEEPALIVE_S = 30.0  # an idle kept-alive connection is closed after this (headers: limits.HEADER_S)
 REQUEST_DEADLINE_S = 30.0  # a request body must arrive within this
 SHUTDOWN_S = 2.0  # stop() waits this long for answers in flight
 
@@ -310,8 +318,9 @@ class _App:
     request is answered 401 or 403 and its connection closed), then the body (always read in full, or the
     connection closed), route, validation, the rule, and the answer once what it says is saved."""
 
-    def __init__(self, coord: Coordinator, persist: _Persister, token: str | None):
-        self.coord, self.persist, self.token = coord, persist, token
+    def __init__(self, coord: Coordinator, persist: _Persister, token: str | None,
+                 gate: ConnectionGate | None = None):
+        self.coord, self.persist, self.token, self.gate = coord, persist, token, gate
         self.routes: dict[int, list] = {}  # by number of path segments: a request is matched against few
         for route in _routes(coord):
             self.routes.setdefault(len(route[1]), []).append(route)
@@ -353,6 +362,12 @@ class _App:
         return resp
 
     async def handle(self, request: web.Request) -> web.Response:
+        """The request's headers are in: its connection is no longer timed; once answered, the connection is
+        timed again unless a request on it presented a valid token (:class:`.limits.ConnectionGate`). No
+        frame is added on the way to the body's parser: a deep body must meet the depth check, not the
+        interpreter's recursion limit."""
+        gate = self.gate
+        conn = gate.begin(request.protocol) if gate is not None else None
         route, close = "unparsed", False
         method = request.method
         url = urlsplit(request.raw_path)
@@ -379,6 +394,8 @@ class _App:
                     if verdict.tells(path_job):  # a participant of that job with a wrong admin token: tell it
                         await self._refused(request, path_job, url.path, parts, length, verdict)
                     raise HTTPError(verdict.status, verdict.message)
+            if gate is not None:  # a valid token (or a server without one): never closed to make room
+                gate.trust(conn)
             try:
                 data = await asyncio.wait_for(request.read(), REQUEST_DEADLINE_S) if length else b""
             except asyncio.TimeoutError:
@@ -391,7 +408,8 @@ class _App:
                 raise HTTPError(400, f"body not read: {type(e).__name__}: {str(e)[:120]}") from None
             if method == "GET" and parts == ["metrics"]:
                 route = "GET /metrics"
-                return self._answer(route, 200, self.coord.metrics(self.requests))
+                text = self.coord.metrics(self.requests) + (self.gate.metrics() if self.gate is not None else "")
+                return self._answer(route, 200, text)
             found = [(m, t, fn, p) for m, t, fn in self.routes.get(len(parts), ()) if (p := _match(t, parts)) is not None]
             if not found:
                 route = "unmatched"
@@ -420,6 +438,9 @@ class _App:
         except Exception as e:  # a bug: say so, keep serving
             traceback.print_exc(file=sys.stderr)
             return self._answer(route, 500, {"error": f"internal error: {type(e).__name__}"}, close=True)
+        finally:
+            if gate is not None:
+                gate.end(conn)
 
     async def _run(self, fn: Callable, params: dict, query: str, body: dict) -> Any:
         """Run a rule; answer only once the state it answered from is saved. An answer computed from
@@ -476,10 +497,13 @@ class MetaServer:
     Serves on its own thread's event loop. ``token``: the admin token; every request but ``/health``
     needs ``Authorization: Bearer TOKEN`` or, for a job's routes, that job's token (:mod:`.auth`; an
     empty token is refused). Listening beyond loopback without a token is refused unless
-    ``allow_no_token``: anyone who reaches the port could otherwise abort or rewrite a job."""
+    ``allow_no_token``: anyone who reaches the port could otherwise abort or rewrite a job. ``limits``: how
+    many connections are held, per address without a token, and how soon headers must be in
+    (:class:`.limits.ConnectionLimits`; the defaults suit a job of thousands of participants on few hosts)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 state_path: str | None = None, allow_no_token: bool = False):
+                 state_path: str | None = None, allow_no_token: bool = False,
+                 limits: ConnectionLimits | None = None):
         if token is not None and not token:
             raise WeightSyncError("the MetaServer token is empty: give a real token, or none on loopback")
         if token is None and not _is_loopback(host) and not allow_no_token:
@@ -488,6 +512,7 @@ class MetaServer:
                                   f"${auth.TOKEN_ENV} or a --token-file, or pass --allow-no-token if the "
                                   f"network is trusted")
         self.host, self.token, self.state_path = host, token, state_path
+        self.limits = limits if limits is not None else ConnectionLimits()
         self._port = port
         self._bound: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -522,25 +547,42 @@ class MetaServer:
             coord = Coordinator(restore(store.load()) if store else None)
             persist = _Persister(coord, store, asyncio.get_running_loop())
             app = web.Application(client_max_size=MAX_BODY)
-            handler = _App(coord, persist, self.token)
+            file_limit = raise_file_limit()
+            gate = ConnectionGate(self.limits, self.limits.max_connections or file_budget(file_limit))
+            handler = _App(coord, persist, self.token, gate)
             app.router.add_route("*", "/{tail:.*}", handler.handle)
             # lingering_time=0: the body of a request answered without reading it (a refused token's) is
             # never drained; its connection is closed instead
             runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=KEEPALIVE_S,
                                    handler_cancellation=True, shutdown_timeout=SHUTDOWN_S, lingering_time=0)
             await runner.setup()
+            listener: asyncio.AbstractServer | None = None
             try:
-                site = web.TCPSite(runner, self.host, self._port, backlog=BACKLOG, reuse_address=True)
-                await site.start()
-                self._bound = runner.addresses[0][1]
+                # every connection passes the gate before aiohttp makes its protocol; asyncio accepts up to its
+                # `backlog` connections per wake-up before any protocol sees one, so that is kept small and the
+                # kernel's queue is made BACKLOG deep again afterwards
+                listener = await asyncio.get_running_loop().create_server(
+                    gate.protocol_factory(runner.server), self.host, self._port, backlog=ACCEPT_BATCH,
+                    reuse_address=True)
+                for sock in listener.sockets:
+                    with sock.dup() as listening:
+                        listening.listen(BACKLOG)
+                self._bound = listener.sockets[0].getsockname()[1]
+                log.debug("MetaServer: open-file limit %d; at most %d connections, %d per address without a "
+                          "valid token; headers within %g s", file_limit, gate.max_connections,
+                          self.limits.per_peer, self.limits.header_s)
                 self._stopping = asyncio.Event()
                 sweeper = asyncio.get_running_loop().create_task(_sweep(coord))
+                gate.start()
                 ready.set_result(None)
                 await self._stopping.wait()
                 sweeper.cancel()
                 coord.close()  # every long-poll answers 503 now; clients retry on the next server
                 await persist.drain()
             finally:
+                gate.stop()
+                if listener is not None:
+                    listener.close()
                 await runner.cleanup()
                 persist.close()
         finally:
