@@ -152,14 +152,19 @@ def test_plugin_trainer_stopped_mid_bucket_engine_serves_step_1(engine, meta):
 def test_offline_non_staged_failure_withholds_the_engine_until_a_good_step(engine, meta):
     """Not staged: the failed step leaves the live weights a mix of two steps, so the engine serves nothing
     (every new request raises, naming why) until the next good update -- here a new job's first step -- after
-    which it serves that step, bit-exact."""
+    which it serves that step, bit-exact. The failed job's trainer was stopped (SIGSTOP) with step 2's second bucket
+    in flight; it resumes (SIGCONT) only after the new job synced: its abandoned messages then reach the worker, and
+    land nowhere (issue 40: before, the worker's abandoned receive finished into the live weights, every small
+    tensor of that bucket the old trainer's, while vLLM reported the new step)."""
+    import os
+
     from weightsync.errors import InstanceError, TransportError
     from weightsync.runtime.reader import WeightReader
     from vllm_harness import TrainJob, Trainers, generate
 
-    job = _job(meta, "faults-torn", signal.SIGKILL)
-    with Trainers(job) as trainers:
-        _await(meta, trainers)
+    job = _job(meta, "faults-torn", signal.SIGSTOP, posts=2)
+    with Trainers(job) as stopped:
+        _await(meta, stopped)
         reader = WeightReader(engine.inst, meta=meta.url, job=job.job, instance_id=0, instances=1,
                               timeout_s=TIMEOUT, bucket_bytes=BUCKET).connect()
         assert reader.update(1) == 1
@@ -169,14 +174,18 @@ def test_offline_non_staged_failure_withholds_the_engine_until_a_good_step(engin
         with pytest.raises(InstanceError, match="serves nothing until the next good weight update"):
             generate(engine.llm)
         reader.close()
-    job = TrainJob(MODEL, "hf", meta.url, "faults-after", [(1, 1)], timeout_s=TIMEOUT, bucket_bytes=BUCKET)
-    with Trainers(job) as trainers:
-        reader = WeightReader(engine.inst, meta=meta.url, job=job.job, instance_id=0, instances=1,
-                              timeout_s=TIMEOUT, bucket_bytes=BUCKET).connect()
-        assert reader.update(1) == 1
-        engine.holds(1)  # loaded form bit-exact to seed 1, and it generates again
-        trainers.assert_ok()
-        reader.close()
+        job = TrainJob(MODEL, "hf", meta.url, "faults-after", [(1, 1)], timeout_s=TIMEOUT, bucket_bytes=BUCKET)
+        with Trainers(job) as trainers:
+            reader = WeightReader(engine.inst, meta=meta.url, job=job.job, instance_id=0, instances=1,
+                                  timeout_s=TIMEOUT, bucket_bytes=BUCKET).connect()
+            assert reader.update(1) == 1
+            after = engine.holds(1)  # loaded form bit-exact to seed 1, and it generates again
+            trainers.assert_ok()
+            reader.close()
+        os.kill(stopped.procs[0].pid, signal.SIGCONT)  # the abandoned bucket arrives now: it must land nowhere
+        time.sleep(3.0)
+        engine.holds(1)
+        engine.unchanged(after)
 
 
 def test_a_call_past_its_deadline_is_a_timeout_not_a_death(engine):

@@ -581,7 +581,7 @@ class P2PReceiver(Receiver):
     def pull(self, targets: Mapping[str, torch.Tensor]) -> Pulled:
         from weightsync.transport.pull import receive_pull
 
-        steps, stats = receive_pull(self.transport, self.plans, targets)
+        steps, stats = receive_pull(self.transport, self.plans, targets, self.fence)
         return Pulled(frozenset(steps), stats)
 
     def group_wait(self) -> GroupWait | None:
@@ -590,7 +590,7 @@ class P2PReceiver(Receiver):
         if getattr(self, "transport", None) is None:
             return None
         sync = self.options.mode == "sync"  # (an async pull has its own header: weightsync.transport.pull)
-        self.fence = Fence() if sync else None
+        self.fence = Fence()
         return GroupWait(self.transport.group, tuple(sorted({pair[0] for pair in self.plans})),
                          lambda g: f"training rank {g}", fence=self.fence,
                          first_s=self.options.written_timeout_s if sync else 0.0)

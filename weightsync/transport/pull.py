@@ -27,6 +27,7 @@ from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.errors import TransportError
 from weightsync.plan.job import JobRanks
 from weightsync.plan.planner import Bucket, Pair
+from weightsync.transport.fence import Fence
 
 HEADER_TAG = 1 << 24  # distinct from bucket tags (bucket indices)
 
@@ -40,7 +41,8 @@ class Mover(Protocol):
 
     def send(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> Any: ...
 
-    def recv(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> Any: ...
+    def recv(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor],
+             fence: Fence | None = None) -> Any: ...
 
 
 def claim_pull(client: MetaClient, instance: int, start: int) -> int:
@@ -117,13 +119,16 @@ class PullServer:
 
 
 def receive_pull(transport: Mover, plans: Mapping[Pair, list[Bucket]],
-                 targets: Mapping[str, torch.Tensor]) -> tuple[set[int], Any]:
-    """Worker side of one pull: the steps the training ranks served, and the transfer stats."""
+                 targets: Mapping[str, torch.Tensor], fence: Fence | None = None) -> tuple[set[int], Any]:
+    """Worker side of one pull: the steps the training ranks served, and the transfer stats. ``fence``: the data
+    lands through it (:mod:`weightsync.transport.fence`), begun once every header arrived."""
     device = next(iter(targets.values())).device
     ranks: JobRanks = transport.ranks
     headers = {p: torch.empty(1, dtype=torch.int64, device=device) for p in sorted(plans)}
     works = [transport.group.recv([headers[p]], ranks.sender(p), HEADER_TAG) for p in sorted(plans)]
     for w in works:
         w.wait(timeout=transport.timeout)
-    stats = transport.recv(plans, targets)
+    if fence is not None:
+        fence.begin()
+    stats = transport.recv(plans, targets, fence=fence)
     return {int(h.item()) for h in headers.values()}, stats
