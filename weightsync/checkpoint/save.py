@@ -33,6 +33,7 @@ from weightsync.dtypes import dtype_name, itemsize, torch_dtype
 from weightsync.errors import ConfigError, TransportError, WeightSyncError
 from weightsync.layout.box import Box, box_numel, box_shape, slices
 from weightsync.layout.layout import check_live
+from weightsync.transport.private import private_directory
 
 log = logging.getLogger("weightsync.checkpoint")
 
@@ -212,7 +213,7 @@ def _local_problems(train: Any, directory: str, overwrite: bool) -> list[str]:
     except Exception as e:  # LayoutMismatch: a tensor moved or was replaced since binding
         problems.append(f"rank {train.rank}: {e}")
     try:
-        os.makedirs(directory, exist_ok=True)
+        private_directory(directory)  # what it creates 0700: the checkpoint is the model
         if not os.access(directory, os.W_OK):
             problems.append(f"rank {train.rank}: directory {directory} is not writable")
     except OSError as e:
@@ -236,8 +237,17 @@ def _remove_old(d: Path) -> None:
 
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    with os.fdopen(_create_private(tmp), "w") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def _create_private(path: Path) -> int:
+    """A new file at ``path`` for writing, 0600 whatever the umask (the checkpoint is the model: before, 0644 let
+    any local user read it); a leftover of a crashed save is removed first, and a link there is never followed."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 # -- the process group ------------------------------------------------------------------------------
@@ -344,7 +354,7 @@ def _run(train: Any, plan: CheckpointPlan, world: _Group, directory: Path) -> di
     fds: dict[int, int] = {}
     for i, f in enumerate(plan.files):
         if f.owner == me:
-            fd = fds[i] = os.open(directory / (f.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = fds[i] = _create_private(directory / (f.name + ".tmp"))
             _pwrite(fd, f.header, 0)
             os.ftruncate(fd, len(f.header) + f.data_bytes)
     try:

@@ -116,7 +116,8 @@ def _participant_main(participant: Participant, target: Callable[..., None], arg
     its output to its log, run ``target(emit, *args)`` and report how it ended."""
     os.setpgrp()
     if log_path:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # 0600: a participant's log names its job, hosts, ports and errors (0644 let any local user read them)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(fd, 1)

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -96,6 +97,7 @@ class Store:
         self.path = os.path.abspath(path)
         _reclaim_temp_files(self.path)
         legacy = _read_legacy(self.path)
+        _private_file(self.path)
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL").fetchone()
@@ -175,6 +177,29 @@ def legacy_ops(name: str, d: dict) -> list[Op]:
     return ops
 
 
+def _private_file(path: str) -> None:
+    """Create the database 0600 before SQLite opens it, whatever the umask: it holds every job's participants,
+    hosts and plans (before: 0644, readable by any local user). SQLite gives its ``-wal`` and ``-shm`` files the
+    database's mode. One that exists readable by others (an older server's) is narrowed to its owner."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        return
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise WeightSyncError(f"cannot create MetaServer state {path}: {e}") from None
+    st = os.stat(path)
+    if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+        os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+        for side in (path + "-wal", path + "-shm"):
+            try:
+                os.chmod(side, stat.S_IMODE(os.stat(side).st_mode) & 0o700)
+            except FileNotFoundError:
+                pass
+        log.info("MetaServer state %s was mode %04o: narrowed to its owner (it holds every job's records)",
+                 path, stat.S_IMODE(st.st_mode))
+
+
 def _reclaim_temp_files(path: str) -> None:
     """The format-1 server's temp files left by a kill mid-write (``.meta-state.*`` beside the state)."""
     for tmp in glob.glob(os.path.join(os.path.dirname(path), ".meta-state.*")):
@@ -208,5 +233,6 @@ def _read_legacy(path: str) -> list[Op] | None:
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise WeightSyncError(f"MetaServer state {path} is not valid: {e}") from None
     os.replace(path, path + ".v1.json")
+    os.chmod(path + ".v1.json", stat.S_IMODE(os.stat(path + ".v1.json").st_mode) & 0o700)  # job data: its owner's
     log.info("importing %d jobs from the format-1 state file (kept as %s.v1.json)", len(data["jobs"]), path)
     return ops

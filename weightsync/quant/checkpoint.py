@@ -52,7 +52,7 @@ def quantize_file(path: str | os.PathLike, fp8: Mapping[str, FP8Tensor], chunk_b
         at = {t.name: t for t in layout}
         head = header(layout)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)  # the model: its owner's
         try:
             _write(fd, head, 0)
             os.ftruncate(fd, len(head) + (layout[-1].end if layout else 0))

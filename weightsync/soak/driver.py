@@ -46,6 +46,7 @@ from weightsync.local.runner import log_name, participant_context, start_partici
 from weightsync.soak.config import SoakConfig, check
 from weightsync.soak.events import Claim, Held, InstanceUp, Noticed, Rejoined, Stepped
 from weightsync.soak.participants import JOB, reader_main, trainer_main
+from weightsync.transport.private import private_directory
 
 log = logging.getLogger("weightsync.soak")
 
@@ -201,7 +202,8 @@ class MetaProcess:
         self.url = f"http://127.0.0.1:{port}"
 
     def start(self, timeout_s: float = 30.0) -> None:
-        with open(self.log_path, "ab") as out:
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "ab") as out:  # 0600, as the participants' logs
             # the admin token through the environment (never on a command line others can read)
             self.proc = subprocess.Popen([sys.executable, "-m", "weightsync", "meta-server", "--port", str(self.port),
                                           "--state", self.state], stdout=out, stderr=subprocess.STDOUT,
@@ -270,8 +272,8 @@ class Soak:
         self.out = out or (lambda line: None)
         self.rng = random.Random(cfg.seed)
         self.workdir = cfg.workdir or tempfile.mkdtemp(prefix="weightsync-soak-")
-        for d in ("logs", "files"):
-            os.makedirs(os.path.join(self.workdir, d), exist_ok=True)
+        for d in ("logs", "files"):  # 0700: the job's weights and logs are this user's (makedirs gave 0755)
+            private_directory(os.path.join(self.workdir, d))
         self.directory = os.path.join(self.workdir, "files")
         self.stop_path = os.path.join(self.workdir, "stop")
         from weightsync.engines import make_layout

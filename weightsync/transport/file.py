@@ -38,6 +38,13 @@ of the same step left by a crashed earlier run (its pair hash still has to match
 
 After a failed ``recv`` the destination tensors may mix two steps (some pairs unpacked, some not),
 exactly as after a failed P2P receive.
+
+The directory is this user's alone. Whoever can write it can plant the weights a reader loads or delete the
+trainer's, so a directory another user owns, or one group or others can write (0777, sticky or not), is
+refused with a :class:`~weightsync.errors.ConfigError` saying what to do; one that does not exist is created
+0700 (:func:`~weightsync.transport.private.owned_directory`). Files are created 0600 with ``O_EXCL |
+O_NOFOLLOW`` (a file or link planted at a temporary name is refused, not written through), and a file is
+read only if it is a regular file of this user that no one else can write (a link is never followed).
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ from weightsync.transport.base import (BASE_PROOF, Buffers, Codec, Receiver, Rec
 from weightsync.transport.liveness import TrainerWatch
 from weightsync.transport.p2p import TransferStats, describe
 from weightsync.transport.pack import pack, run_landing, segments, unpack_pairs, unpacked
-from weightsync.transport.private import private_directory, private_opener
+from weightsync.transport.private import check_own_file, owned_directory, private_opener
 
 log = logging.getLogger("weightsync.transport.file")
 
@@ -147,7 +154,8 @@ class FileTransport:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if poll_s < 0:
             raise ValueError(f"poll_s must not be negative, got {poll_s}")
-        self.directory = os.fspath(directory)
+        #: the real path, once checked: no other user can write it (weightsync.transport.private.owned_directory)
+        self.directory = owned_directory(directory, "file transport's directory")
         self.step_fn, self.timeout_s, self.poll_s = step_fn, timeout_s, poll_s
         self.consume = consume  # False: files are shared by every instance and swept by their writer
         #: a receiver's: whether the training ranks whose files it waits for are alive (asked once nothing
@@ -157,7 +165,6 @@ class FileTransport:
         #: worker's call returns before the engine's RPC deadline); None: only ``timeout_s`` without a new file
         self.total_s = total_s
         self.codec = codec
-        private_directory(self.directory)  # 0700, files 0600: other users of the host must not read the weights
         self._buffer: torch.Tensor | None = None  # the sender's packing buffer, reused every step
 
     # -- the interface shared with P2PTransport -------------------------------------------------
@@ -202,7 +209,7 @@ class FileTransport:
                     f"{file_name(step, missing[0])}, ...) in {self.directory} {self.total_s:g}s after this receive "
                     "began, though files kept arriving: the trainers write slower than the timeout allows (raise "
                     "timeout_s)", peer=missing[0][0], pair=missing[0])
-            arrived = [pair for pair, path in pending.items() if os.path.exists(path)]
+            arrived = [pair for pair, path in pending.items() if os.path.lexists(path)]
             for pair in arrived:
                 path = pending.pop(pair)
                 b, n = (self._consume(step, pair, plans[pair], path, tensors, self.codec) if consume is None
@@ -333,6 +340,7 @@ class FileTransport:
 
         live = [b for b in buckets if b.nbytes > 0]
         device = next(iter(targets.values())).device if targets else torch.device("cpu")
+        _refuse_foreign(step, pair, path)
         try:
             f = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
@@ -362,14 +370,16 @@ class FileTransport:
 
     def _save_frames(self, step: int, pair: Pair, buckets: list[Bucket], payloads: dict[str, torch.Tensor],
                      headers: list[list[int]], codec) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         final = os.path.join(self.directory, file_name(step, pair) + FRAMES_SUFFIX)
         tmp = os.path.join(self.directory, f".{file_name(step, pair)}{FRAMES_SUFFIX}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         meta = {"format": FRAMES, "codec": codec.name, "step": str(step), "pair": ",".join(map(str, pair)),
                 "pair_hash": pair_hash(buckets), "headers": json.dumps(headers)}
         try:
-            save_file(payloads, tmp, metadata=meta)
+            data = save(payloads, metadata=meta)  # held in memory anyway (bounded by cap_bytes); 0600, O_EXCL below
+            with open(tmp, "wb", opener=private_opener) as f:
+                f.write(data)
             os.replace(tmp, final)
         except BaseException:
             try:
@@ -413,8 +423,9 @@ class FileTransport:
         """Decode the pair's frames file in place and return its bytes, or None when there is none or
         the decoder does not prove its bases (then the full file is read)."""
         path = os.path.join(self.directory, file_name(step, pair) + FRAMES_SUFFIX)
-        if (held is None and BASE_PROOF in codec.needs) or not os.path.exists(path):
+        if (held is None and BASE_PROOF in codec.needs) or not os.path.lexists(path):
             return None
+        _refuse_foreign(step, pair, path)
         with safe_open(path, framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
             if (meta.get("format") != FRAMES or meta.get("codec") != codec.name or meta.get("step") != str(step)
@@ -505,6 +516,7 @@ class FileTransport:
             err.__cause__ = cause
             return err
 
+        _refuse_foreign(step, pair, path)
         try:
             f = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
@@ -610,6 +622,16 @@ class FileReceiver(Receiver):
         if self.decoder is not None:
             return self.transport.recv_frames(step, self.plans, targets, self.decoder, self.options.codec)
         return self.transport.recv(self.plans, targets, step=step)
+
+
+def _refuse_foreign(step: int, pair: Pair, path: str) -> None:
+    """Raise :class:`TransportError` unless ``path`` is a regular file of this user that no one else can write: a
+    link or another user's file was not written by this job's trainers (the directory is this user's alone,
+    :func:`~weightsync.transport.private.owned_directory`, so one here means something is wrong)."""
+    why = check_own_file(path)
+    if why is not None:
+        raise TransportError(f"step {step}: the file of {describe(pair)} ({path}) {why}: refused, not read (only "
+                             "files this user wrote, that no one else can write, are loaded)", peer=pair[0], pair=pair)
 
 
 @contextlib.contextmanager
