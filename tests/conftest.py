@@ -6,6 +6,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
+# the suite sends its own functions (checks, faults) to real engine workers, which run only weightsync's own and
+# those of the modules named here (weightsync.runtime.wire); the engines the tests start inherit it
+os.environ.setdefault("WEIGHTSYNC_WORKER_CALLS", "test_*,e2e,helpers,engine_gpu,hf_models,mailbox_worker,"
+                      "two_hosts_worker,vllm_harness,vllm_probe")
 
 #: what kind of test each module holds, so a reader (and ``pytest -m KIND``) sees what is what:
 #: unit: one process, no server; multiprocess: real process groups, worker processes or an HTTP server;

@@ -305,13 +305,17 @@ class _Opens:
 
 
 class _StandIn:
-    """What ``serve_mailbox`` uses of a vLLM worker (``_weightsync_worker()``) and of its
-    :class:`~weightsync.vllm.side.VLLMWorker` (``rank``, ``device``, ``run``): here one object."""
+    """What ``serve_mailbox`` uses of a vLLM worker (``model_runner.get_model()``, ``vllm_config``, ``device``: the
+    model holds its :class:`~weightsync.vllm.side.VLLMWorker`, found there by ``worker_of``) and of that worker
+    (``rank``, ``device``, ``run``): here one object."""
 
     def __init__(self):
         self.rank, self.device, self.ran = 0, torch.device("cpu"), []
+        self.vllm_config = None
+        self.model_runner = self  # get_model() below: the model is this object, its VLLMWorker this object too
+        self.__dict__["_weightsync_worker"] = self
 
-    def _weightsync_worker(self):
+    def get_model(self):
         return self
 
     def run(self, fn, args):

@@ -147,10 +147,12 @@ class TestLlama3:
         ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
         ``/update_weight_version`` on loopback; each call's outcome read from the MetaServer; then what the
         server's worker computes with (digests through the dev ``/collective_rpc`` route and weightsync's
-        extension) and its greedy tokens against the fresh engines' (seed 1: the offline X's start; seed 2: the
+        extension, signed) and its greedy tokens against the fresh engines' (seed 1: the offline X's start; seed 2: the
         server's own)."""
         from weightsync.meta.client import MetaClient
+        from weightsync.vllm.rpc import json_request
         from weightsync.vllm.status import wait_status
+        from weightsync.vllm.verify import computed_digests, validation
         from vllm_harness import TrainJob, Trainers, checkpoint
 
         server = llama.llms["Y"]
@@ -168,12 +170,14 @@ class TestLlama3:
                 assert wait_status(client, 0, f"s{step}", 10).step == step
                 client.wait_held(step, [0], timeout=30)
                 server.post("/update_weight_version", {"new_version": str(step)})
-                (got,) = server.post("/collective_rpc", {"method": "weightsync_digests"})["results"]
+                with json_request(computed_digests) as body:  # signed, as the extension requires
+                    (got,) = server.post("/collective_rpc", body)["results"]
                 assert got == llama.refs[seed].worker_digests()[0]
                 assert server.generate() == llama.refs[seed].tokens
             trainers.assert_ok()
-            # weightsync.validate over HTTP (extension weightsync_validate): against vLLM's own load of the last step
+            # weightsync.validate over HTTP (a signed call of verify.validation): against vLLM's own load of the last step
             ckpt = checkpoint(llama.spec, job.steps[-1][1], tmp_path / "last")
-            (v,) = server.post("/collective_rpc", {"method": "weightsync_validate", "args": [str(ckpt)]})["results"]
+            with json_request(validation, str(ckpt)) as body:
+                (v,) = server.post("/collective_rpc", body)["results"]
             assert v.get("ok") is True and v["via"] == "vllm-loader" and v["mismatches"] == [] and v["tensors"] > 0, v
             server.post("/shutdown_weight_transfer_engine")

@@ -503,7 +503,11 @@ class Server:
 
     def reference(self, seed: int) -> Reference:
         """What this server's engine computes with (by digest, through weightsync's extension) and decodes."""
-        (got,) = self.post("/collective_rpc", {"method": "weightsync_digests"})["results"]
+        from weightsync.vllm.rpc import json_request
+        from weightsync.vllm.verify import computed_digests
+
+        with json_request(computed_digests) as body:  # signed: the extension runs nothing else
+            (got,) = self.post("/collective_rpc", body)["results"]
         return Reference(seed, None, self.generate(), [got])
 
     def generate(self) -> list[list[int]]:

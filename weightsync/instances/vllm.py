@@ -8,8 +8,8 @@ Start the engine with weightsync's worker extension, then hand it to an unchange
 
 - ``call(fn, *args)`` signs ``(fn, args)`` into bytes (:mod:`weightsync.vllm.rpc`) and sends them to every
   worker through the instance's **call mailbox** (:mod:`weightsync.runtime.mailbox`: FIFOs in the instance's
-  private directory, served by a thread of each worker that one ``collective_rpc("weightsync_mailbox")`` at
-  construction started), so a step's calls make no trip through vLLM's engine core; without the mailbox
+  private directory, served by a thread of each worker that one signed call (``host_mailbox``) at construction
+  started), so a step's calls make no trip through vLLM's engine core; without the mailbox
   (``mailbox=False``, or where it could not start: logged) through the extension's ``weightsync_call`` by
   ``collective_rpc``. Either way each worker checks the signature, runs ``fn`` on its loaded-form tensors
   (:mod:`weightsync.vllm.live`, decided per layer at construction and logged, ``self.reports``) and answers
@@ -77,6 +77,7 @@ from weightsync.vllm.config import describe
 from weightsync.vllm.extension import EXTENSION
 from weightsync.vllm.live import IN_PLACE, LiveReport
 from weightsync.vllm.rpc import CallChannel, pack_call, result
+from weightsync.vllm.side import host_close, host_mailbox, host_setup
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -125,19 +126,24 @@ class VLLMInstance:
         #: worker's (:class:`weightsync.runtime.mailbox.CallTiming`); the bench records it beside the reader's phases
         self.last_timing: dict[str, float] = {}
         self.reset_wait = 0.0
-        #: per worker: which path each layer takes (in place, re-packed, staged), decided once here
-        self.reports: list[LiveReport] = self._rpc("weightsync_setup", timeout_s=timeout_s)
-        for r in self.reports:
-            log.info("%s: %s", self.engine, r.summary())
-        #: whether any layer is re-packed after an update; on GPU every unquantized layer is in place, and the
-        #: refresh would be one more engine-core round trip a step for nothing
-        self.refreshes = any(p.path != IN_PLACE for r in self.reports for p in r.layers)
-        # the signed call channel (weightsync.runtime.wire): the workers read the key from this private directory
+        # the signed call channel (weightsync.runtime.wire): the workers read the key from this private directory;
+        # every call into a worker is signed, the set-up's first
         key_dir, key = wire.new_key_dir(wire.VLLM_DIR_PREFIX)
         self._channel = CallChannel(uuid.uuid4().hex, key_dir, key)
         self._seq = itertools.count(1)
-        if mailbox:
-            self._open_mailbox()
+        try:
+            #: per worker: which path each layer takes (in place, re-packed, staged), decided once here
+            self.reports: list[LiveReport] = self._signed_rpc(host_setup, (), timeout_s)
+            for r in self.reports:
+                log.info("%s: %s", self.engine, r.summary())
+            #: whether any layer is re-packed after an update; on GPU every unquantized layer is in place, and the
+            #: refresh would be one more engine-core round trip a step for nothing
+            self.refreshes = any(p.path != IN_PLACE for r in self.reports for p in r.layers)
+            if mailbox:
+                self._open_mailbox()
+        except BaseException:
+            shutil.rmtree(key_dir, ignore_errors=True)
+            raise
 
     @property
     def mailbox(self) -> bool:
@@ -151,7 +157,7 @@ class VLLMInstance:
         box = None
         try:
             box = Mailbox(self._channel.dir, self.world_size)
-            self._rpc("weightsync_mailbox", box.address.directory)
+            self._signed_rpc(host_mailbox, (box.address.directory,))
             box.connect()
         except (WorkerDied, WorkerTimeout):
             if box is not None:
@@ -179,23 +185,28 @@ class VLLMInstance:
 
     def _call(self, fn: Callable[..., Any], args: tuple, timeout_s: float | None,
               gate: Callable[[], None] | None = None) -> list[Any]:
+        if self._mailbox is None:
+            if gate is not None:
+                gate()
+            return self._signed_rpc(fn, args, timeout_s)
         what = f"weightsync_call({getattr(fn, '__qualname__', fn)})"
         payload = pack_call(self._channel, next(self._seq), fn, args)
-        if self._mailbox is not None:
-            return self._mail(payload, timeout_s or self.timeout_s, what, gate)
-        if gate is not None:
-            gate()
+        return self._mail(payload, timeout_s or self.timeout_s, what, gate)
+
+    def _signed_rpc(self, fn: Callable[..., Any], args: tuple, timeout_s: float | None = None) -> list[Any]:
+        """``fn`` (a context's function, or a host call: :data:`weightsync.vllm.side.HOST_CALLS`) on every worker
+        through ``collective_rpc("weightsync_call")``, signed: the set-up and close calls, and every call without
+        the mailbox."""
+        what = f"weightsync_call({getattr(fn, '__qualname__', fn)})"
+        payload = pack_call(self._channel, next(self._seq), fn, args)
         return self._rpc("weightsync_call", payload, timeout_s=timeout_s, what=what)
 
     def after_update(self) -> None:
         if not self.refreshes:
             return
-        if self._mailbox is not None:
-            from weightsync.vllm.side import refresh
+        from weightsync.vllm.side import refresh
 
-            self.call(refresh)
-        else:
-            self._rpc("weightsync_refresh")
+        self.call(refresh)  # through the mailbox where it is up
 
     def pause(self) -> None:
         self.last_timing = {}
@@ -280,7 +291,7 @@ class VLLMInstance:
             self._background.stop()
         if self._broken is None:
             try:
-                self._rpc("weightsync_close")
+                self._signed_rpc(host_close, ())  # the mailbox is closed by now
             except Exception as e:  # noqa: BLE001 -- closing: the engine may be gone
                 log.debug("%s: close: %s", self.engine, e)
             self._broken = "closed"

@@ -9,8 +9,8 @@ this module) is:
 
     MAGIC | u32 header length | header (JSON) | body (restricted pickle)
 
-- the **header** (JSON: ``instance``, ``dir``, ``seq``, ``fn`` as ``"module:qualname"``, ``mac``) is parsed
-  first, with ``json`` only;
+- the **header** (JSON: ``instance``, ``dir``, ``seq``, ``fn`` as ``"module:qualname"``, ``records``, ``mac``)
+  is parsed first, with ``json`` only;
 - ``mac`` is an HMAC-SHA256 of everything else under a 32-byte key that the control process wrote into
   its own private directory (``dir``: created by ``tempfile.mkdtemp``, mode 0700, named
   ``weightsync-sglang-*`` or ``weightsync-vllm-*``). The worker (same host, same user) reads the key
@@ -23,7 +23,14 @@ this module) is:
   names (persistent ids), never through torch's own pickling (``torch.storage._load_from_bytes`` would
   call ``torch.load``); a function argument travels as its name and is resolved like ``fn``;
 - ``fn`` is imported by name after the MAC matched and must be a plain function defined in the module
-  named (no ``<locals>``, no attribute chains through other objects).
+  named (no ``<locals>``, no attribute chains through other objects), and weightsync's own (a module under
+  ``weightsync.``), or of a module the engine's environment names in ``$WEIGHTSYNC_WORKER_CALLS``
+  (comma-separated module names or ``fnmatch`` patterns: a deployment's own checks, a test suite's helpers).
+  Defence in depth should the key ever leak: a signed call then still cannot name ``subprocess.run``;
+- a record type in the body is looked up only among the ``weightsync.`` modules the worker has already
+  imported (``sys.modules``), never imported by the unpickler: the header's ``records`` (signed like the rest)
+  lists the ``weightsync.`` modules whose records the body holds, and those alone are imported first, each a
+  plain ``weightsync.name...`` (no ``__main__``), an import that raises or exits answered as a refusal.
 
 SGLang's answers (worker -> control process) are written by the worker into the same private directory and
 read back only from a regular file owned by this user (see :func:`read_answer`); vLLM's come back as the
@@ -32,6 +39,7 @@ read back only from a regular file owned by this user (see :func:`read_answer`);
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import hashlib
 import hmac
@@ -40,9 +48,11 @@ import io
 import json
 import os
 import pickle
+import re
 import secrets
 import stat
 import struct
+import sys
 import types
 from dataclasses import dataclass, is_dataclass
 from enum import Enum
@@ -59,6 +69,12 @@ DIR_PREFIX = "weightsync-sglang-"  # SGLangInstance's (the default, as before th
 VLLM_DIR_PREFIX = "weightsync-vllm-"
 #: the directory names a worker reads a key from
 DIR_PREFIXES = (DIR_PREFIX, VLLM_DIR_PREFIX)
+
+#: the engine's environment variable naming the modules, besides weightsync's, whose functions a worker runs
+CALLS_ENV = "WEIGHTSYNC_WORKER_CALLS"
+
+#: a weightsync module a message may ask a worker to import: lower-case segments, none private (``__main__``)
+_WEIGHTSYNC_MODULE = re.compile(r"weightsync(\.[a-z][a-z0-9_]*)*")
 
 #: builtin value types the body may name (each is safe to call with any argument)
 _BUILTINS = frozenset({"set", "frozenset", "slice", "complex", "range", "bytearray"})
@@ -135,15 +151,51 @@ def resolve(name: str) -> Callable[..., Any]:
     if not isinstance(name, str) or name.count(":") != 1:
         raise WireError(f"function name {name!r} is not 'module:function'")
     mod, qual = name.split(":")
-    if not qual.isidentifier() or not all(p.isidentifier() for p in mod.split(".")):
-        raise WireError(f"function name {name!r} is not 'module:function'")
-    fn = getattr(importlib.import_module(mod), qual, None)
+    if not qual.isidentifier() or not all(p.isidentifier() and not p.startswith("_") for p in mod.split(".")):
+        raise WireError(f"function name {name!r} is not 'module:function' (of a public module)")
+    if not _callable_module(mod):
+        raise WireError(f"{name!r} is not weightsync's: a worker runs only weightsync's own functions and those of "
+                        f"the modules ${CALLS_ENV} names in the engine's environment (comma-separated module names or "
+                        "patterns)")
+    fn = getattr(_import(mod), qual, None)
     if not isinstance(fn, types.FunctionType) or fn.__module__ != mod or fn.__qualname__ != qual:
         raise WireError(f"{name!r} is not a function defined in {mod}")
     return fn
 
 
+def _import(mod: str) -> types.ModuleType:
+    """``import mod`` for a message, whatever the import does (raises, or exits): a refusal of the call, never an
+    exception out of the worker's answer (``SystemExit`` would pass an ``except Exception``)."""
+    try:
+        return importlib.import_module(mod)
+    except (Exception, SystemExit) as e:
+        raise WireError(f"cannot import {mod} in this worker: {type(e).__name__}: {e}") from None
+
+
+def _import_records(names: Any) -> None:
+    """Import the ``weightsync.`` modules whose record types a signed body holds (its header's ``records``), so
+    that the unpickler, which looks only in ``sys.modules``, finds them."""
+    if not isinstance(names, list) or len(names) > 256:
+        raise WireError("not a weightsync call message (records)")
+    for name in names:
+        if not isinstance(name, str) or not _WEIGHTSYNC_MODULE.fullmatch(name):
+            raise WireError(f"a call's records may name weightsync's public modules only, not {name!r}")
+        if name not in sys.modules:
+            _import(name)
+
+
+def _callable_module(mod: str) -> bool:
+    """Whether a worker may run functions of module ``mod``: weightsync's, or one ``$WEIGHTSYNC_WORKER_CALLS`` names."""
+    if mod == "weightsync" or mod.startswith("weightsync."):
+        return True
+    return any(fnmatch.fnmatchcase(mod, p.strip()) for p in os.environ.get(CALLS_ENV, "").split(",") if p.strip())
+
+
 class _Pickler(pickle.Pickler):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.records: set[str] = set()  # the weightsync modules of the types pickled (the header's records)
+
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             t = obj.detach().to("cpu").contiguous()
@@ -157,13 +209,19 @@ class _Pickler(pickle.Pickler):
             return ("size", tuple(obj))
         if isinstance(obj, types.FunctionType):
             return ("fn", _name_of(obj))
+        mod = getattr(obj if isinstance(obj, type) else type(obj), "__module__", None)
+        if isinstance(mod, str) and _WEIGHTSYNC_MODULE.fullmatch(mod):
+            self.records.add(mod)
         return None
 
 
 def _weightsync_record(module: str, name: str) -> Any:
     if not (module == "weightsync" or module.startswith("weightsync.")) or not name.isidentifier():
         return None
-    obj = getattr(importlib.import_module(module), name, None)
+    loaded = sys.modules.get(module)  # never imported by name here: an import runs the module's code
+    if loaded is None:
+        return None
+    obj = getattr(loaded, name, None)
     if not isinstance(obj, type) or obj.__module__ != module or obj.__qualname__ != name:
         return None
     if is_dataclass(obj) or issubclass(obj, Enum) or (issubclass(obj, tuple) and hasattr(obj, "_fields")):
@@ -189,7 +247,7 @@ class SafeUnpickler(pickle.Unpickler):
         obj = _weightsync_record(module, name)
         if obj is None:
             raise WireError(f"refused global {module}.{name} in a weightsync call message (only weightsync's own "
-                            "record types and builtin values may travel)")
+                            "record types, of modules this worker has imported, and builtin values may travel)")
         return obj
 
     def persistent_load(self, pid: Any) -> Any:
@@ -221,12 +279,18 @@ class SafeUnpickler(pickle.Unpickler):
 
 
 def dumps_args(args: tuple) -> bytes:
+    return _dumps(args)[0]
+
+
+def _dumps(args: tuple) -> tuple[bytes, list[str]]:
+    """The body, and the weightsync modules whose record types it holds."""
     buf = io.BytesIO()
+    pickler = _Pickler(buf, protocol=5)
     try:
-        _Pickler(buf, protocol=5).dump(tuple(args))
+        pickler.dump(tuple(args))
     except Exception as e:
         raise TypeError(f"cannot send these arguments to the engine's workers: {e}") from e
-    return buf.getvalue()
+    return buf.getvalue(), sorted(pickler.records)
 
 
 def loads_args(body: bytes) -> tuple:
@@ -251,8 +315,8 @@ def _mac(key: bytes, header: dict, body: bytes) -> str:
 
 def encode(key: bytes, instance: str, directory: str, seq: int, fn: Callable[..., Any], args: tuple) -> bytes:
     """A signed message (control process side)."""
-    header = {"instance": instance, "dir": directory, "seq": int(seq), "fn": _name_of(fn)}
-    body = dumps_args(args)
+    header: dict[str, Any] = {"instance": instance, "dir": directory, "seq": int(seq), "fn": _name_of(fn)}
+    body, header["records"] = _dumps(args)
     header["mac"] = _mac(key, header, body)
     hb = json.dumps(header).encode()
     return MAGIC + struct.pack(">I", len(hb)) + hb + body
@@ -274,7 +338,7 @@ def decode(blob: bytes, keys: dict[str, bytes] | None = None) -> Call:
     except ValueError as e:
         raise WireError(f"not a weightsync call message (header: {e})") from e
     body = blob[start + n:]
-    want = {"instance": str, "dir": str, "seq": int, "fn": str, "mac": str}
+    want = {"instance": str, "dir": str, "seq": int, "fn": str, "records": list, "mac": str}
     if not isinstance(header, dict) or set(header) != set(want) or not all(isinstance(header[k], t) for k, t in want.items()):
         raise WireError("not a weightsync call message (header fields)")
     key = keys.get(header["dir"]) if keys is not None else None
@@ -285,6 +349,7 @@ def decode(blob: bytes, keys: dict[str, bytes] | None = None) -> Call:
     if not hmac.compare_digest(_mac(key, header, body), header["mac"]):
         raise WireError(f"call message for {header['dir']!r} has a bad MAC: not sent by this instance's control "
                         "process; refused before decoding")
+    _import_records(header["records"])
     return Call(header["instance"], header["dir"], header["seq"], resolve(header["fn"]), loads_args(body))
 
 
@@ -298,5 +363,5 @@ def read_answer(path: str) -> Any:
         return pickle.load(f)  # written by SGLang's own worker process (same user) into our 0700 directory
 
 
-__all__ = ["MAGIC", "DIR_PREFIX", "VLLM_DIR_PREFIX", "DIR_PREFIXES", "Call", "WireError", "SafeUnpickler", "new_key_dir", "read_key", "encode", "decode", "resolve",
-           "dumps_args", "loads_args", "read_answer"]
+__all__ = ["MAGIC", "CALLS_ENV", "DIR_PREFIX", "VLLM_DIR_PREFIX", "DIR_PREFIXES", "Call", "WireError", "SafeUnpickler",
+           "new_key_dir", "read_key", "encode", "decode", "resolve", "dumps_args", "loads_args", "read_answer"]

@@ -102,8 +102,15 @@ class VLLMWeightSync:
     def close(self) -> None:
         if hasattr(self.llm, "shutdown_weight_transfer_engine"):  # vLLM >= 0.32
             self.llm.shutdown_weight_transfer_engine()
-        elif _has_extension(self.llm):  # 0.26: the worker's engine, through weightsync's extension
-            self.llm.collective_rpc("weightsync_shutdown_transfer")
+        elif _has_extension(self.llm):  # 0.26: the worker's engine, through weightsync's extension (a signed call)
+            from weightsync.vllm.rpc import one_time_channel, pack_call, result
+            from weightsync.vllm.side import host_shutdown_transfer
+
+            with one_time_channel() as channel:
+                answers = self.llm.collective_rpc("weightsync_call",
+                                                  args=(pack_call(channel, 1, host_shutdown_transfer, ()),))
+            for rank, a in enumerate(answers):
+                result(a, rank, f"instance {self.info.instance_id}")
         else:  # 0.26 without the extension: the next init closes them first, as does the engine's shutdown
             log.info("vLLM %s has no shutdown_weight_transfer_engine: the weightsync transports stay open until "
                      "the next init or the engine's shutdown", _vllm_version())

@@ -1,13 +1,27 @@
 """``worker_extension_cls`` for the offline entry point: ``LLM(..., worker_extension_cls=EXTENSION)``.
 
-vLLM appends this class to every worker's bases (``worker_base.py``, ``init_worker``), so its methods
-are called by name through ``collective_rpc("weightsync_call", args=(payload,))``: nothing is
-pickled on the client and ``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off. Every method takes and
-returns bytes (:mod:`weightsync.vllm.rpc`) and never raises. ``weightsync_call`` runs only messages signed
-by the instance's control process (:mod:`weightsync.runtime.wire`), each at most once.
+vLLM appends this class to every worker's bases (``worker_base.py``, ``init_worker``) and calls a worker's methods
+by name: ``collective_rpc(name, args=...)``, which in dev mode is also the HTTP ``/collective_rpc`` route, open to
+whoever reaches the server. So the class has two methods and both take only a message signed by the control
+process (:mod:`weightsync.runtime.wire`: an HMAC under a key in a private directory of the engine's user on its
+host), each run at most once, and nothing else:
+
+- ``weightsync_call(payload: bytes) -> bytes``: weightsync's own calls (:mod:`weightsync.vllm.rpc`; nothing is
+  pickled on the client, ``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off); the answer is bytes and it never
+  raises;
+- ``weightsync_json(message: str)``: the same for a JSON caller (a vLLM server's HTTP ``/collective_rpc``,
+  :func:`weightsync.vllm.rpc.json_request`): the message base64 text, the answer the function's JSON-safe result
+  or ``{"error": ...}``.
+
+Set-up, the call mailbox, refresh, close, the transfer engine's shutdown, the digests and the validation were
+unsigned methods of their own; they are functions sent through these now (:data:`weightsync.vllm.side.HOST_CALLS`,
+:func:`weightsync.vllm.side.refresh`, :func:`weightsync.vllm.verify.computed_digests`,
+:func:`weightsync.vllm.verify.validation`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from weightsync.vllm.rpc import answer, unpack_call
 
@@ -18,79 +32,35 @@ EXTENSION = "weightsync.vllm.extension.WeightSyncExtension"
 class WeightSyncExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``vllm_config``, ``device``)."""
 
-    def _weightsync_worker(self):
-        from weightsync.vllm.side import worker_of
-
-        return worker_of(self.model_runner.get_model(), self.vllm_config, self.device)
-
-    def weightsync_setup(self) -> bytes:
-        """Build this worker's loaded-form tensors; answers its :class:`~weightsync.vllm.live.LiveReport`."""
-        return answer(lambda: self._weightsync_worker().report)
-
     def weightsync_call(self, payload: bytes) -> bytes:
-        """Run a signed ``(fn, args)`` message as ``fn(ctx, *args)`` on this worker's context (refused, nothing
-        decoded, when its signature does not check or it was run before)."""
+        """Run a signed ``(fn, args)`` message (:func:`weightsync.vllm.side.run_call`); refused, nothing decoded,
+        when its signature does not check or it was run before."""
         def run():
-            last_seq = self.__dict__.setdefault("_weightsync_last_seq", {})
-            fn, args = unpack_call(payload, last_seq)
-            return self._weightsync_worker().run(fn, args)
+            from weightsync.vllm.side import last_seq, run_call
+
+            fn, args = unpack_call(payload, last_seq(self))
+            return run_call(self, fn, args)
 
         return answer(run)
 
-    def weightsync_mailbox(self, directory: str) -> bytes:
-        """Serve the instance's call mailbox (:mod:`weightsync.runtime.mailbox`, FIFOs in its private key directory
-        ``directory``) on a thread of this worker: after this one call, the instance's calls reach the worker
-        without a trip through vLLM's engine core. Each is checked and run as :meth:`weightsync_call` runs it."""
-        def run():
-            from weightsync.vllm.side import serve_mailbox
-
-            serve_mailbox(self, str(directory), self.__dict__.setdefault("_weightsync_last_seq", {}))
-            return True
-
-        return answer(run)
-
-    def weightsync_refresh(self) -> bytes:
-        """Re-run the post-load transforms from the loaded form (after an update)."""
-        return answer(lambda: self._weightsync_worker().refresh())
-
-    def weightsync_digests(self) -> dict[str, str]:
-        """JSON-safe, for vLLM's HTTP ``/collective_rpc`` (dev mode): a digest of every tensor this worker computes
-        with (:func:`weightsync.vllm.verify.computed`), or ``{"error": ...}``."""
+    def weightsync_json(self, message: str) -> Any:
+        """:meth:`weightsync_call` for JSON: ``message`` the signed bytes as base64 text; the answer the call's
+        result (JSON-safe: the functions sent this way answer dicts) or ``{"error": ...}``. Never raises."""
         try:
-            from weightsync.vllm.verify import computed, digests
+            import base64
+            import binascii
 
-            return digests(self._weightsync_worker().run(computed, ()))
+            from weightsync.runtime.wire import WireError
+            from weightsync.vllm.side import last_seq, run_call
+
+            if not isinstance(message, str):
+                raise WireError(f"weightsync_json takes weightsync's signed message as base64 text, not "
+                                f"{type(message).__name__}")
+            try:
+                blob = base64.b64decode(message, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise WireError(f"weightsync_json: not base64 ({e})") from e
+            fn, args = unpack_call(blob, last_seq(self))
+            return run_call(self, fn, args)
         except Exception as e:  # noqa: BLE001 -- never raised out of a worker RPC
             return {"error": f"{type(e).__name__}: {e}"}
-
-    def weightsync_validate(self, checkpoint: str) -> dict:
-        """JSON-safe, for vLLM's HTTP ``/collective_rpc`` (dev mode): this worker against vLLM's own fresh load of the
-        HF checkpoint in ``checkpoint`` (:mod:`weightsync.validate.vllm`), as
-        :meth:`~weightsync.validate.ValidationReport.to_json` (the failed checks listed), or ``{"error": ...}``."""
-        try:
-            import time
-
-            from weightsync.validate.report import VIA_VLLM, ValidationReport
-            from weightsync.validate.vllm import check_vllm
-
-            t0 = time.perf_counter()
-            worker = self._weightsync_worker()
-            checks = worker.run(check_vllm, (str(checkpoint),))
-            return ValidationReport(worker.info.engine, VIA_VLLM, str(checkpoint), tuple(checks),
-                                    time.perf_counter() - t0).to_json()
-        except Exception as e:  # noqa: BLE001 -- never raised out of a worker RPC
-            return {"error": f"{type(e).__name__}: {e}"}
-
-    def weightsync_shutdown_transfer(self) -> bytes:
-        """The weight-transfer engine's ``shutdown`` (vLLM 0.26 has no ``shutdown_weight_transfer_engine``)."""
-        def run():
-            engine = getattr(self, "weight_transfer_engine", None)
-            if engine is not None:
-                engine.shutdown()
-
-        return answer(run)
-
-    def weightsync_close(self) -> bytes:
-        from weightsync.vllm.side import forget
-
-        return answer(lambda: forget(self.model_runner.get_model()))

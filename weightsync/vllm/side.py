@@ -8,10 +8,15 @@ one :class:`VLLMWorker` per model object, kept on the model, so both entry point
 share it (and its staging memory).
 
 The offline entry point's calls arrive either through vLLM (``collective_rpc("weightsync_call")``, on the
-worker's main thread) or, once :func:`serve_mailbox` ran, through the instance's call mailbox
+worker's main thread) or, once :func:`host_mailbox` ran, through the instance's call mailbox
 (:mod:`weightsync.runtime.mailbox`, on a thread of the worker): the same signed message, the same
-:func:`~weightsync.vllm.rpc.unpack_call` (one replay record for both doors), the same :meth:`VLLMWorker.run`,
+:func:`~weightsync.vllm.rpc.unpack_call` (one replay record for both doors), the same :func:`run_call`,
 the same answer bytes.
+
+Every way in is signed: vLLM calls a worker method by name for anyone who reaches ``collective_rpc`` (vLLM's
+HTTP ``/collective_rpc`` in dev mode), so the extension has no method but its signed ones, and what used to
+be methods of their own (set-up, the mailbox, close, the transfer engine's shutdown) are the *host calls*
+here (:data:`HOST_CALLS`): signed like any call, run on the vLLM worker object rather than the context.
 """
 
 from __future__ import annotations
@@ -73,6 +78,52 @@ class VLLMWorker:
         worker.disconnect(self.ctx)
 
 
+def host_worker(host: Any) -> VLLMWorker:
+    """The :class:`VLLMWorker` of the vLLM worker object ``host`` (the one the extension is mixed into)."""
+    return worker_of(host.model_runner.get_model(), host.vllm_config, host.device)
+
+
+def last_seq(host: Any) -> dict[str, int]:
+    """The worker's replay record: the last call number run, per instance (both doors share it)."""
+    return host.__dict__.setdefault("_weightsync_last_seq", {})
+
+
+def host_setup(host: Any) -> LiveReport:
+    """Build this worker's loaded-form tensors; its :class:`~weightsync.vllm.live.LiveReport` (a host call)."""
+    return host_worker(host).report
+
+
+def host_mailbox(host: Any, directory: str) -> bool:
+    """Serve the instance's call mailbox in its private key directory ``directory`` on a thread of this worker
+    (:func:`serve_mailbox`; a host call, made once through ``collective_rpc``)."""
+    serve_mailbox(host, str(directory), last_seq(host))
+    return True
+
+
+def host_close(host: Any) -> None:
+    """Forget this worker's :class:`VLLMWorker` (a host call: the instance closes)."""
+    forget(host.model_runner.get_model())
+
+
+def host_shutdown_transfer(host: Any) -> None:
+    """The weight-transfer engine's ``shutdown`` (vLLM 0.26 has no ``shutdown_weight_transfer_engine``; a host call)."""
+    engine = getattr(host, "weight_transfer_engine", None)
+    if engine is not None:
+        engine.shutdown()
+
+
+#: signed calls run on the vLLM worker object, not on a context (:func:`run_call`)
+HOST_CALLS = frozenset({host_setup, host_mailbox, host_close, host_shutdown_transfer})
+
+
+def run_call(host: Any, fn: Callable[..., Any], args: tuple) -> Any:
+    """A checked call's ``fn``: ``fn(host, *args)`` for a host call, else ``fn(ctx, *args)`` on this worker's
+    context (its :class:`VLLMWorker` looked up per call: one the plug-in's shutdown forgot is rebuilt)."""
+    if fn in HOST_CALLS:
+        return fn(host, *args)
+    return host_worker(host).run(fn, args)
+
+
 def refresh(ctx: WorkerContext) -> int:
     """The post-load transforms re-run from the loaded form (a call: through the mailbox, the refresh of an update
     is no trip through the engine)."""
@@ -87,13 +138,12 @@ def serve_mailbox(host: Any, directory: str, last_seq: dict[str, int]) -> None:
     object the extension is mixed into), replacing one already serving that directory (each instance on the engine
     has its own). Each request is a signed call run exactly as ``weightsync_call`` runs it: checked by
     :func:`~weightsync.vllm.rpc.unpack_call` (``last_seq``: the worker's replay record, shared with
-    ``weightsync_call``), run by ``host._weightsync_worker().run`` -- looked up per call, as ``weightsync_call``
-    does, so a :class:`VLLMWorker` the plug-in's shutdown forgot is rebuilt, not used stale -- and answered with
-    the same bytes. The thread ends when the instance closes its end of the mailbox."""
+    ``weightsync_call``), run by :func:`run_call` and answered with the same bytes. The thread ends when the
+    instance closes its end of the mailbox."""
     from weightsync.runtime.mailbox import MailboxAddress, serve
     from weightsync.vllm.rpc import answer, unpack_call
 
-    first = host._weightsync_worker()  # its rank names the FIFOs; its device is the thread's
+    first = host_worker(host)  # its rank names the FIFOs; its device is the thread's
     servers = host.__dict__.setdefault(_MAILBOXES, {})
     stop_mailbox(host, directory)
     for d in [d for d, server in servers.items() if not server.alive]:  # their instance closed: forget them
@@ -104,7 +154,7 @@ def serve_mailbox(host: Any, directory: str, last_seq: dict[str, int]) -> None:
     def handle(payload: bytes) -> bytes:
         def run():
             fn, args = unpack_call(payload, last_seq, directory, keys)
-            return host._weightsync_worker().run(fn, args)
+            return run_call(host, fn, args)
 
         return answer(run)
 

@@ -85,3 +85,25 @@ def digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         out[name] = h.hexdigest()
     return out
+
+
+def computed_digests(ctx: Any) -> dict[str, str]:
+    """:func:`digests` of :func:`computed`: JSON-safe, for a vLLM server's HTTP ``/collective_rpc``
+    (:func:`weightsync.vllm.rpc.json_request`)."""
+    return digests(computed(ctx))
+
+
+def validation(ctx: Any, checkpoint: str) -> dict:
+    """This worker against vLLM's own fresh load of the HF checkpoint in ``checkpoint``
+    (:mod:`weightsync.validate.vllm`), as :meth:`~weightsync.validate.ValidationReport.to_json` (the failed checks
+    listed): JSON-safe, for a vLLM server's HTTP ``/collective_rpc`` (:func:`weightsync.vllm.rpc.json_request`)."""
+    import time
+
+    from weightsync.validate.report import VIA_VLLM, ValidationReport
+    from weightsync.validate.vllm import check_vllm
+    from weightsync.vllm.config import describe
+
+    t0 = time.perf_counter()
+    checks = check_vllm(ctx, str(checkpoint))
+    return ValidationReport(describe(ctx.state["vllm_config"]).engine, VIA_VLLM, str(checkpoint), tuple(checks),
+                            time.perf_counter() - t0).to_json()
