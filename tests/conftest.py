@@ -26,7 +26,7 @@ KINDS = {
                      "test_megatron_layout", "test_engine_live", "test_hf_live", "test_bind", "test_instances",
                      "test_meta", "test_meta_faults", "test_meta_liveness", "test_meta_security", "test_sglang_instance", "test_baselines", "test_doorbell", "test_delta",
                      "test_checkpoint_save", "test_integrity", "test_free_port",
-                     "test_reader_reports", "test_reader_faults", "test_hardening_files"],
+                     "test_reader_reports", "test_reader_faults", "test_hardening_files", "test_step_fences"],
     "e2e": ["test_runtime", "test_elastic", "test_trainer_group", "test_nixl", "test_delta_nixl", "test_demo", "test_local", "test_bench", "test_ckpt_engine", "test_sglang_probe",
             "test_two_hosts", "test_registration",
             "test_soak", "test_vllm*", "test_fp8_vllm", "test_fp8_sync", "test_validate"],
