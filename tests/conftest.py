@@ -26,7 +26,8 @@ KINDS = {
                      "test_megatron_layout", "test_engine_live", "test_hf_live", "test_bind", "test_instances",
                      "test_meta", "test_meta_faults", "test_meta_liveness", "test_meta_security", "test_sglang_instance", "test_baselines", "test_doorbell", "test_delta",
                      "test_checkpoint_save", "test_integrity", "test_free_port",
-                     "test_reader_reports", "test_reader_faults", "test_hardening_files", "test_step_fences"],
+                     "test_reader_reports", "test_reader_faults", "test_hardening_files", "test_step_fences",
+                     "test_reaper"],
     "e2e": ["test_runtime", "test_elastic", "test_trainer_group", "test_nixl", "test_delta_nixl", "test_demo", "test_local", "test_bench", "test_ckpt_engine", "test_sglang_probe",
             "test_two_hosts", "test_registration",
             "test_soak", "test_vllm*", "test_fp8_vllm", "test_fp8_sync", "test_validate"],
@@ -62,6 +63,21 @@ SLOW = {
         "the file transport's FP8 payload file is written and read by test_fp8_codec; whole FP8 jobs run over "
         "p2p, co-located and nixl",
 }
+
+
+def pytest_configure(config):
+    """Start this process's reaper (tests/reaper.py): a crashed xdist worker runs no finaliser, and its engines
+    outlived it (a TP=2 vLLM engine, 2.2 GB, 1.5 h later). Every process that runs tests gets one; the xdist
+    controller runs none, its workers have theirs. ``WEIGHTSYNC_TEST_REAPER=0`` turns it off (to keep a crashed
+    worker's processes for gdb); ``WEIGHTSYNC_TEST_REAPER_LOG=<file>`` logs what it killed."""
+    if os.environ.get("WEIGHTSYNC_TEST_REAPER") == "0" or config.getoption("collectonly"):
+        return
+    if not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no" \
+            and getattr(config.option, "tx", None):
+        return  # the xdist controller
+    import reaper
+
+    reaper.start(log=os.environ.get("WEIGHTSYNC_TEST_REAPER_LOG"))
 
 
 def _slow(nodeid: str) -> str | None:
