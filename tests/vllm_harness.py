@@ -195,9 +195,9 @@ class Engines:
             out.append((step, held))
         return out
 
-    def check(self, name: str, seed: int) -> None:
+    def check(self, name: str, seed: int, tokens: bool = True) -> None:
         """Engine ``name`` holds checkpoint ``seed``: every loaded-form tensor bit-exact to it, every tensor
-        the engine computes with bit-exact to the fresh engine's, and the same greedy tokens."""
+        the engine computes with bit-exact to the fresh engine's, and (``tokens``) the same greedy tokens."""
         from weightsync.vllm.verify import computed, differences, digests, loaded_problems
 
         inst, llm, ref = self.insts[name], self.llms[name], self.refs[seed]
@@ -214,7 +214,8 @@ class Engines:
                 diff = [f"{n}: differs" for n in sorted(set(got) | set(want)) if got.get(n) != want.get(n)]
             assert not diff, f"engine {name} rank {rank} vs a fresh engine on seed {seed}: {diff[:10]}"
             assert any(k.startswith("gemm:") for k in mine) and any(k.startswith("param:") for k in mine)
-        assert generate_any(llm) == ref.tokens
+        if tokens:
+            assert generate_any(llm) == ref.tokens
         self.holds[name] = seed
 
     def close(self) -> None:

