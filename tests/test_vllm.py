@@ -474,6 +474,7 @@ def test_demo_real_engines_refused_before_start(capsys, monkeypatch):
 # -- multi-latent attention -------------------------------------------------------------------------------------
 
 
+@pytest.mark.xdist_group("mla")  # a group of its own: its small engines run beside the "vllm" group's, not after them
 class TestMLA:
     """Multi-latent attention: vLLM derives ``W_UK_T`` / ``W_UV`` from ``kv_b_proj`` after loading; weightsync lands
     ``kv_b_proj`` and re-derives both in place after every update (``weightsync.vllm.live``, path ``derived``), so
