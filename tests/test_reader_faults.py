@@ -211,8 +211,8 @@ def spawn():
 
     ctx, procs = forkserver(), []
 
-    def start(fn, *args):
-        p = ctx.Process(target=fn, args=args, daemon=True)
+    def start(fn, *args, **kwargs):
+        p = ctx.Process(target=fn, args=args, kwargs=kwargs, daemon=True)
         p.start()
         procs.append(p)
         return p

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from test_reader_faults import BUCKET, MODEL, Instance, TrainRank, same, weights
-
+from test_reader_faults import server, spawn  # noqa: F401 -- the shared fixtures
 
 
 def _writer(meta: str, job: str, steps: list[int], timeout_s: float, colocate: bool = False,
@@ -51,33 +51,6 @@ def _writer(meta: str, job: str, steps: list[int], timeout_s: float, colocate: b
         writer.write(step)
     time.sleep(linger_s)
     writer.close()
-
-
-@pytest.fixture(scope="module")
-def server():
-    from weightsync.meta.server import MetaServer
-
-    with MetaServer(port=0) as s:
-        yield s
-
-
-@pytest.fixture()
-def spawn():
-    from helpers import forkserver
-
-    ctx, procs = forkserver(), []
-
-    def start(fn, *args, **kwargs):
-        p = ctx.Process(target=fn, args=args, kwargs=kwargs, daemon=True)
-        p.start()
-        procs.append(p)
-        return p
-
-    yield start
-    for p in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-        p.join(10)
 
 
 def expected(spec, step: int, inst: Instance) -> dict[str, torch.Tensor]:
