@@ -224,12 +224,7 @@ class ConnectionGate:
             return
         conn.state = _CLOSED
         self.open -= 1
-        self._unauth.pop(conn, None)
-        mine = self._peer.get(conn.peer)
-        if mine is not None:
-            mine.pop(conn, None)
-            if not mine:
-                del self._peer[conn.peer]
+        self._uncount(conn)
         self._idle.pop(conn, None)
         self._heading.pop(conn, None)
         if conn.inner is not None:
@@ -251,6 +246,10 @@ class ConnectionGate:
         if conn is None or conn.trusted or conn.state == _CLOSED:
             return
         conn.trusted = True
+        self._uncount(conn)
+
+    def _uncount(self, conn: _Conn) -> None:
+        """``conn`` no longer counts as unauthenticated, nor against its peer's cap."""
         self._unauth.pop(conn, None)
         mine = self._peer.get(conn.peer)
         if mine is not None:
