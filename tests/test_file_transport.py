@@ -286,10 +286,11 @@ def test_missing_sender_times_out_naming_the_pair(tmp_path):
 
 
 def test_a_receive_takes_its_total_budget_at_most_however_steadily_files_arrive(tmp_path):
-    """``total_s`` (a job's receivers: their ``timeout_s``) bounds the whole receive, so a worker's call returns
-    before the engine's RPC deadline: training rank 0's file arrives after 1.5 s, rank 1's after 3 s -- never 2 s
-    without a new file, so the idle timeout alone waits them out (3 s); with a 2 s budget the receive fails at
-    2 s naming the missing pair."""
+    """``total_s`` (a job's receivers: their ``timeout_s``) bounds the whole transfer, counted from the step's first
+    file (before it, the trainers may still be training: ``first_s``), so a worker's call returns before the engine's
+    RPC deadline: training rank 0's file arrives after 1.5 s, rank 1's after 3 s -- never 2 s without a new file, so
+    the idle timeout alone waits them out (3 s); with a 1 s budget the receive fails 1 s after the first file (2.5 s)
+    naming the missing pair."""
     import threading
 
     job = Job(CASES["llama3 fsdp:dp=2 -> sglang:tp=2, 512 B buckets"])
@@ -313,9 +314,9 @@ def test_a_receive_takes_its_total_budget_at_most_however_steadily_files_arrive(
     slow.join()
     slow = trickle(FileTransport(tmp_path, timeout_s=2.0), 2)
     start = time.monotonic()
-    with pytest.raises(TransportError, match="2s after this receive began, though files kept arriving") as err:
-        FileTransport(tmp_path, timeout_s=2.0, total_s=2.0).recv(job.planner.recv_plan(0, 1), dst, step=2)
-    assert 2.0 <= time.monotonic() - start < 2.5 and err.value.pair == (1, 0, 1)
+    with pytest.raises(TransportError, match="1s after its first file arrived, though files kept arriving") as err:
+        FileTransport(tmp_path, timeout_s=2.0, total_s=1.0).recv(job.planner.recv_plan(0, 1), dst, step=2)
+    assert 2.5 <= time.monotonic() - start < 2.9 and err.value.pair == (1, 0, 1)
     slow.join()
 
 

@@ -25,7 +25,8 @@ from test_reader_faults import server, spawn  # noqa: F401 -- the shared fixture
 
 
 def _writer(meta: str, job: str, steps: list[int], timeout_s: float, colocate: bool = False,
-            stop_posts: int = 0, pause_before: dict[int, float] | None = None, linger_s: float = 0.0) -> None:
+            stop_posts: int = 0, pause_before: dict[int, float] | None = None, linger_s: float = 0.0,
+            directory: str | None = None) -> None:
     """One training rank (layout hf, world 1) writing ``steps`` (each step's weights from its number); with
     ``stop_posts``, it stops dead (SIGSTOP) right after that many bucket posts of its last step; ``pause_before``
     step -> seconds of "training" before writing it; then it stays alive ``linger_s``."""
@@ -38,8 +39,8 @@ def _writer(meta: str, job: str, steps: list[int], timeout_s: float, colocate: b
     spec = load_spec(MODEL)
     engine = make_layout(spec, "hf")
     rank = TrainRank(engine, 0, engine.layout(0), scatter(engine.layout(0), weights(spec, 0)), spec)
-    writer = WeightWriter(rank, meta=meta, job=job, timeout_s=timeout_s, bucket_bytes=BUCKET,
-                          colocate=colocate).connect()
+    writer = WeightWriter(rank, meta=meta, job=job, timeout_s=timeout_s, bucket_bytes=BUCKET, colocate=colocate,
+                          transport="file" if directory else "p2p", directory=directory).connect()
     for step in steps:
         with torch.no_grad():
             fill_from(rank.layout, rank.tensors, weights(spec, step))
@@ -157,10 +158,11 @@ def test_a_step_never_written_says_so_and_withholds_nothing(server, spawn):
     assert same(inst.snapshot(), expected(spec, 2, inst))
 
 
-def test_a_training_step_longer_than_the_timeout_is_waited_for(server, spawn):
+@pytest.mark.parametrize("transport", ["p2p", "file"])
+def test_a_training_step_longer_than_the_timeout_is_waited_for(server, spawn, tmp_path, transport):
     """A training step of 6 s against a 2 s ``timeout_s``, into a faithful instance (a worker process, whose calls
-    have deadlines): update(2) waits for it (the trainer beats: it is alive) and lands it whole, where it used to
-    fail at the timeout and withhold an engine nothing had touched."""
+    have deadlines): update(2) waits for it (the trainer is alive: its beat, or its liveness listener) and lands it
+    whole, where it used to fail at the timeout and withhold an engine nothing had touched."""
     from weightsync.instances.faithful import FaithfulInstance, snapshot
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
@@ -168,9 +170,11 @@ def test_a_training_step_longer_than_the_timeout_is_waited_for(server, spawn):
     spec = load_spec(MODEL)
     inst = FaithfulInstance(MODEL, "vllm:tp=1")
     try:
-        spawn(_writer, server.url, "slow-step", [1, 2], 2.0, pause_before={2: 6.0})
-        reader = WeightReader(inst, meta=server.url, job="slow-step", instance_id=0, instances=1, timeout_s=2.0,
-                              bucket_bytes=BUCKET).connect()
+        directory = str(tmp_path) if transport == "file" else None
+        job = f"slow-step-{transport}"
+        spawn(_writer, server.url, job, [1, 2], 2.0, pause_before={2: 6.0}, directory=directory)
+        reader = WeightReader(inst, meta=server.url, job=job, instance_id=0, instances=1, timeout_s=2.0,
+                              bucket_bytes=BUCKET, transport=transport, directory=directory).connect()
         assert reader.update(1) == 1
         t0 = time.monotonic()
         assert reader.update(2) == 2

@@ -418,7 +418,7 @@ class InstanceSession(JobSession):
 
     @property
     def step_wait_s(self) -> float:
-        """How long a step's receive may wait for the trainers to announce it inside the worker call (sync p2p:
+        """How long a step's receive may wait for the trainers to announce it inside the worker call (sync p2p and file:
         ``written_timeout_s``; elsewhere the reader waits before or beside the call), beyond the transfer's own."""
         waits = self.options.mode == "sync" and receiver_class(self.options.transport_name).waits_for_step
         return self.options.written_timeout_s if waits else 0.0

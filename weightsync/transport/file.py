@@ -63,7 +63,7 @@ import torch
 from safetensors import safe_open
 
 from weightsync.plan.planner import Bucket, Pair, pair_hash
-from weightsync.errors import TransportError
+from weightsync.errors import StepNotWritten, TransportError
 from weightsync.transport.base import (BASE_PROOF, Buffers, Codec, Receiver, ReceiverContext, Sender, SenderContext,
                                        StepStats)
 from weightsync.transport.liveness import TrainerWatch
@@ -166,6 +166,7 @@ class FileTransport:
         self.total_s = total_s
         self.codec = codec
         self._buffer: torch.Tensor | None = None  # the sender's packing buffer, reused every step
+        self.landed = False  # a receiver's: whether its last recv consumed any file (wrote into a target)
 
     # -- the interface shared with P2PTransport -------------------------------------------------
     def send(self, plans: Plans, tensors: Mapping[str, torch.Tensor], *, step: int | None = None) -> TransferStats:
@@ -186,15 +187,18 @@ class FileTransport:
         return TransferStats(buckets, nbytes, time.perf_counter() - start if plans else 0.0)
 
     def recv(self, plans: Plans, tensors: Mapping[str, torch.Tensor], *, step: int | None = None,
-             consume: Callable[[Pair, str], tuple[int, int]] | None = None) -> TransferStats:
+             consume: Callable[[Pair, str], tuple[int, int]] | None = None, first_s: float = 0.0) -> TransferStats:
         """Wait for, check and unpack every pair file of this inference rank's ``recv_plan`` in place.
 
         ``step``: the step being moved (as the senders named it); default ``step_fn()``. Each file is
         deleted once unpacked. Raises :class:`TransportError` when ``timeout_s`` passes with no new
-        file, or when a file's metadata disagrees with the plan.
+        file, or when a file's metadata disagrees with the plan. ``first_s``: how much longer the first file may
+        take (the trainers may still be training; with a ``watch`` they are watched all along):
+        :class:`~weightsync.errors.StepNotWritten` after it, nothing landed (``landed`` says whether anything did).
         """
         step = self._step(step)
         self._check_pairs(plans)
+        self.landed = False
         if not plans:
             return TransferStats(0, 0, 0.0)
         start = time.perf_counter()
@@ -202,15 +206,17 @@ class FileTransport:
         began = last_progress = time.monotonic()
         buckets = nbytes = 0
         while pending:
-            if self.total_s is not None and time.monotonic() - began > self.total_s:
+            if self.landed and self.total_s is not None and time.monotonic() - began > self.total_s:
                 missing = sorted(pending)
                 raise TransportError(
                     f"step {step}: {len(missing)} pair file(s) still missing ({describe(missing[0])}, "
-                    f"{file_name(step, missing[0])}, ...) in {self.directory} {self.total_s:g}s after this receive "
-                    "began, though files kept arriving: the trainers write slower than the timeout allows (raise "
+                    f"{file_name(step, missing[0])}, ...) in {self.directory} {self.total_s:g}s after its first file "
+                    "arrived, though files kept arriving: the trainers write slower than the timeout allows (raise "
                     "timeout_s)", peer=missing[0][0], pair=missing[0])
             arrived = [pair for pair, path in pending.items() if os.path.lexists(path)]
             for pair in arrived:
+                if not self.landed:  # the step began: the transfer's own bounds count from here
+                    self.landed, began = True, time.monotonic()
                 path = pending.pop(pair)
                 b, n = (self._consume(step, pair, plans[pair], path, tensors, self.codec) if consume is None
                         else consume(pair, path))
@@ -225,16 +231,19 @@ class FileTransport:
                     pair = min(p for p in pending if p[0] == gone.rank)
                     raise gone.error(f"step {step}: waiting for the file of {describe(pair)} ({file_name(step, pair)}) "
                                      f"in {self.directory}", pair=pair)
-            if idle > self.timeout_s:
+            if idle > self.timeout_s + (0.0 if self.landed else first_s):
                 missing = sorted(pending)
                 names = "; ".join(f"{describe(p)} ({file_name(step, p)})" for p in missing[:4])
                 more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+                where = f"step {step}: no file for {names}{more} in {self.directory}"
+                if not self.landed:  # nothing of the step came: it was never written, and nothing was touched
+                    raise StepNotWritten(
+                        f"{where} within {idle:.0f} s (written_timeout_s {first_s:g} s + timeout_s "
+                        f"{self.timeout_s:g} s), so nothing of it was received (is a trainer on this step?)",
+                        peer=missing[0][0], pair=missing[0])
                 raise TransportError(
-                    f"step {step}: no file for {names}{more} in {self.directory} after waiting "
-                    f"{self.timeout_s:g}s with nothing new arriving (is the sender alive and on this step?)",
-                    peer=missing[0][0],
-                    pair=missing[0],
-                )
+                    f"{where} after waiting {self.timeout_s:g}s with nothing new arriving (is the sender alive and "
+                    "on this step?)", peer=missing[0][0], pair=missing[0])
             time.sleep(self.poll_s)
         return TransferStats(buckets, nbytes, time.perf_counter() - start)
 
@@ -608,6 +617,7 @@ class FileReceiver(Receiver):
     trainer killed or stopped before its files are whole is noticed by ``ctx.watch`` in seconds."""
 
     watches_trainers = True  # a file that never comes breaks nothing
+    waits_for_step = True  # sync: the step's first file may come written_timeout_s late (the trainers train)
 
     def connect(self, ctx: ReceiverContext) -> None:
         self.plans = ctx.plans if ctx.instance == 0 else ctx.planner.recv_plan(0, ctx.rank)
@@ -621,7 +631,11 @@ class FileReceiver(Receiver):
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
         if self.decoder is not None:
             return self.transport.recv_frames(step, self.plans, targets, self.decoder, self.options.codec)
-        return self.transport.recv(self.plans, targets, step=step)
+        return self.transport.recv(self.plans, targets, step=step, first_s=self.options.written_timeout_s)
+
+    def landed(self) -> bool:
+        # a framed receive (delta) does not say: it may have
+        return self.decoder is not None or self.transport.landed
 
 
 def _refuse_foreign(step: int, pair: Pair, path: str) -> None:
