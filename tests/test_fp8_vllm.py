@@ -75,12 +75,47 @@ def test_the_engines_quantization_is_read_from_its_model_config_and_refused_by_n
             quantization(NS(quantization=method, hf_config=NS(quantization_config=qc)))
 
 
+class Fp8BlockScaledMMLinearKernel:
+    """Stand-in for vLLM 0.26's base block-FP8 kernel class (its post-load step keeps the checkpoint form)."""
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+
+class Fp8LinearMethod:
+    """Stand-in for vLLM 0.26's ``Fp8LinearMethod`` with block quantization: the attributes LiveModel reads."""
+
+    def __init__(self, kernel, marlin=False):
+        self.fp8_linear, self.block_quant, self.weight_block_size = kernel, True, [128, 128]
+        self.use_marlin, self.is_scale_e8m0 = marlin, False
+
+
+def _fp8_standin(layout, kernel, marlin=False) -> torch.nn.Module:
+    """Modules named and shaped as ``layout``'s tensors (random data), each FP8 linear with ``kernel()``."""
+    from weightsync.layout.materialize import TORCH_DTYPES
+
+    g = torch.Generator().manual_seed(0)
+    root = torch.nn.Module()
+    for name, t in layout.tensors.items():
+        mname, local = name.rsplit(".", 1)
+        mod = root
+        for part in mname.split("."):
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        data = torch.randn(t.shape, generator=g).to(TORCH_DTYPES[t.dtype])
+        mod.register_parameter(local, torch.nn.Parameter(data, requires_grad=False))
+        if local == "weight_scale_inv":
+            mod.quant_method = Fp8LinearMethod(kernel(), marlin)
+    return root
+
+
 def test_live_model_takes_fp8_linears_in_place_only_on_kernels_that_keep_the_checkpoint_form():
     """weightsync.vllm.live.LiveModel on stand-in modules shaped as vLLM 0.26 builds them: an ``Fp8LinearMethod``
     whose kernel keeps ``Fp8BlockScaledMMLinearKernel.process_weights_after_loading`` (CUTLASS) is in place, its
-    e4m3 weight and fp32 scale handed to the reader; one on a kernel that overrides it (DeepGEMM) or with Marlin is
-    refused naming the layer; so is an FP8 engine under a layout that is not quant=fp8. Stand-ins, not vLLM: the
-    real engine is checked on the GPU host (benchmarks/fp8_vllm_gpu.py)."""
+    e4m3 weight and fp32 scale handed to the reader; one on an unknown kernel that overrides it, or with Marlin, is
+    refused naming the layer; so is an FP8 engine under a layout that is not quant=fp8. (DeepGEMM: the next test.)
+    Stand-ins, not vLLM: the real engine is checked on the GPU host (benchmarks/fp8_vllm_gpu.py)."""
     pytest.importorskip("vllm")
     from weightsync.engines import make_layout
     from weightsync.errors import ConfigError
@@ -88,54 +123,95 @@ def test_live_model_takes_fp8_linears_in_place_only_on_kernels_that_keep_the_che
     from weightsync.spec import load_spec
     from weightsync.vllm.live import LiveModel
 
-    class Fp8BlockScaledMMLinearKernel:
-        def process_weights_after_loading(self, layer):
-            pass
-
     class CutlassFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
         pass
 
-    class DeepGemmFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
+    class HummingFP8ScaledMMLinearKernel(Fp8BlockScaledMMLinearKernel):
         def process_weights_after_loading(self, layer):
             pass
 
-    class Fp8LinearMethod:
-        def __init__(self, kernel, marlin=False):
-            self.fp8_linear, self.block_quant, self.weight_block_size = kernel, True, [128, 128]
-            self.use_marlin, self.is_scale_e8m0 = marlin, False
-
     spec = load_spec("tiny-qwen3-fp8")
-    engine = "vllm:quant=fp8"
-    layout = fp8_layout(make_layout(spec, engine)).layout(0)
+    layout = fp8_layout(make_layout(spec, "vllm:quant=fp8")).layout(0)
 
     def model(kernel, marlin=False):
-        root = torch.nn.Module()
-        for name, t in layout.tensors.items():
-            mname, local = name.rsplit(".", 1)
-            mod = root
-            for part in mname.split("."):
-                if not hasattr(mod, part):
-                    mod.add_module(part, torch.nn.Module())
-                mod = getattr(mod, part)
-            from weightsync.layout.materialize import TORCH_DTYPES
-
-            mod.register_parameter(local, torch.nn.Parameter(torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype]),
-                                                             requires_grad=False))
-            if local == "weight_scale_inv":
-                mod.quant_method = Fp8LinearMethod(kernel(), marlin)
-        return root
+        return _fp8_standin(layout, kernel, marlin)
 
     live = LiveModel(model(CutlassFp8BlockScaledMMKernel), layout, torch.device("cuda"), "stand-in")
     assert set(live.tensors) == set(layout.tensors) and live.report.counts() == {"in-place": len(live.report.layers)}
     assert any(t.dtype == torch.float8_e4m3fn for t in live.tensors.values())
     with pytest.raises(ConfigError, match=r"self_attn\.qkv_proj: Module with Fp8LinearMethod on "
-                                          r"DeepGemmFp8BlockScaledMMKernel: .*re-lays or requantizes"):
-        LiveModel(model(DeepGemmFp8BlockScaledMMKernel), layout, torch.device("cuda"), "stand-in")
+                                          r"HummingFP8ScaledMMLinearKernel: .*re-lays or requantizes"):
+        LiveModel(model(HummingFP8ScaledMMLinearKernel), layout, torch.device("cuda"), "stand-in")
     with pytest.raises(ConfigError, match="Marlin repacks the weight"):
         LiveModel(model(CutlassFp8BlockScaledMMKernel, marlin=True), layout, torch.device("cuda"), "stand-in")
     bf16 = make_layout(spec, "vllm").layout(0)
     with pytest.raises(ConfigError, match="the job's layout for this engine is not quant=fp8"):
         LiveModel(model(CutlassFp8BlockScaledMMKernel), bf16, torch.device("cuda"), "stand-in")
+
+
+def test_live_model_reruns_deepgemms_post_load_step_once_after_every_update():
+    """DeepGEMM, vLLM 0.26's default block-FP8 kernel on Hopper, requantizes the checkpoint's weight and scales after
+    loading, in their own shapes: LiveModel takes such a layer as ``in-place+requant`` -- the checkpoint form lands
+    in the live weight and scale, and ``refresh`` runs the kernel's own ``process_weights_after_loading`` on them once,
+    the engine's parameters then being the live storage (a kernel that answers in new storage is copied back and its
+    parameter re-registered over the live tensor; one that changes a shape fails naming the layer). The grouped-BMM
+    form is refused. Stand-in kernels whose step is a visible in-place change: the real DeepGEMM step is checked
+    against a fresh engine on the GPU host (benchmarks/fp8_vllm_gpu.py)."""
+    pytest.importorskip("vllm")
+    from weightsync.engines import make_layout
+    from weightsync.errors import ConfigError, WeightsMoved
+    from weightsync.quant.layout import fp8_layout
+    from weightsync.spec import load_spec
+    from weightsync.vllm.live import IN_PLACE_REQUANT, LiveModel
+
+    def requant(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stand-in's step: flip the low bit of every e4m3 byte, double every scale (not idempotent, as UE8M0
+        requantization is not: run twice, it gives other bytes than once)."""
+        return (w.view(torch.uint8) ^ 1).view(torch.float8_e4m3fn), s * 2
+
+    class DeepGemmFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
+        answer = "in place"  # or "new storage", "other shape"
+
+        def process_weights_after_loading(self, layer):
+            w, s = requant(layer.weight.data, layer.weight_scale_inv.data)
+            if self.answer == "in place":
+                layer.weight.data.copy_(w)
+                layer.weight_scale_inv.data.copy_(s)
+                w, s = layer.weight.data, layer.weight_scale_inv.data
+            elif self.answer == "other shape":
+                s = s.reshape(-1)
+            layer.weight = torch.nn.Parameter(w, requires_grad=False)  # replace_parameter: a new Parameter
+            layer.weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
+
+    spec = load_spec("tiny-qwen3-fp8")
+    layout = fp8_layout(make_layout(spec, "vllm:quant=fp8")).layout(0)
+    fp8 = {n for n, t in layout.tensors.items() if t.dtype == "float8_e4m3fn"}
+    for answer in ("in place", "new storage"):
+        DeepGemmFp8BlockScaledMMKernel.answer = answer
+        model = _fp8_standin(layout, DeepGemmFp8BlockScaledMMKernel)
+        live = LiveModel(model, layout, torch.device("cuda"), "stand-in")
+        requantized = live.report.tensors_on(IN_PLACE_REQUANT)
+        assert requantized == fp8 | {n + "_scale_inv" for n in fp8} and live.derivations == []
+        g = torch.Generator().manual_seed(1)
+        landed = {n: torch.randn(live.tensors[n].shape, generator=g).to(live.tensors[n].dtype) for n in requantized}
+        for n in requantized:  # a step lands the checkpoint form
+            live.tensors[n].copy_(landed[n])
+        assert live.refresh() == len(live.transforms) == len(fp8)
+        params = dict(model.named_parameters())
+        for w in fp8:
+            want_w, want_s = requant(landed[w], landed[w + "_scale_inv"])
+            for name, want in ((w, want_w), (w + "_scale_inv", want_s)):
+                assert params[name].data_ptr() == live.tensors[name].data_ptr(), (answer, name)
+                assert torch.equal(params[name].view(torch.uint8), want.view(torch.uint8)), (answer, name)
+    DeepGemmFp8BlockScaledMMKernel.answer = "other shape"
+    live = LiveModel(_fp8_standin(layout, DeepGemmFp8BlockScaledMMKernel), layout, torch.device("cuda"), "stand-in")
+    with pytest.raises(WeightsMoved, match=r"layers\.0\.self_attn\.qkv_proj: DeepGemmFp8BlockScaledMMKernel's "
+                                           r"post-load step turned weight_scale_inv \[\d+, \d+\] torch\.float32 into"):
+        live.refresh()
+    model = _fp8_standin(layout, DeepGemmFp8BlockScaledMMKernel)
+    model.get_submodule("model.layers.1.mlp.down_proj").is_bmm = True
+    with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.down_proj: .*grouped-BMM form"):
+        LiveModel(model, layout, torch.device("cuda"), "stand-in")
 
 
 def test_what_an_fp8_worker_computes_with_travels_back_and_is_compared_by_bits():
@@ -188,6 +264,7 @@ def test_loaded_problems_compares_a_worker_with_the_fp8_checkpoint():
     from weightsync.quant.layout import fp8_layout
     from weightsync.spec import load_spec
     from weightsync.testing import random_canonical
+    from weightsync.vllm.live import LiveReport
 
     spec = load_spec("tiny-qwen3-fp8")
     layout = fp8_layout(make_layout(spec, "vllm:tp=2,quant=fp8"))
@@ -199,7 +276,7 @@ def test_loaded_problems_compares_a_worker_with_the_fp8_checkpoint():
     mine = layout.layout(1)
     tensors = {n: torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype]) for n, t in mine.tensors.items()}
     fill_from(mine, tensors, quantized)
-    ctx = NS(rank=1, tensors=tensors, state={"live": NS(layout=mine)})
+    ctx = NS(rank=1, tensors=tensors, state={"live": NS(layout=mine, report=LiveReport(1, "cpu", "?", (), 0))})
     assert loaded_problems(ctx, canonical) == []
     w = "model.layers.1.mlp.down_proj.weight"
     tensors[w].view(torch.uint8)[3, 5] ^= 1

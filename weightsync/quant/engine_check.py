@@ -71,11 +71,15 @@ def differences(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
 def loaded_problems(ctx: Any, canonical: Mapping[str, torch.Tensor]) -> list[str]:
     """Every live tensor of this worker's FP8 layout that is not, bit for bit, the FP8 checkpoint of ``canonical``
     (each FP8 weight through :func:`weightsync.quant.fp8.quantize_reference`, as ``save_checkpoint(dir,
-    quant="fp8")`` writes it) placed by the layout; regions no piece covers (vocab padding) are not compared."""
+    quant="fp8")`` writes it) placed by the layout; regions no piece covers (vocab padding) are not compared, nor
+    are the layers whose kernel requantizes the checkpoint after loading (DeepGEMM: ``in-place+requant``), which
+    hold the engine's form of it -- those are compared with a fresh engine's (:func:`computed`)."""
     from weightsync.layout.materialize import canonical_view, local_view
     from weightsync.quant.fp8 import quantize_reference
+    from weightsync.vllm.live import IN_PLACE_REQUANT
 
-    layout = ctx.state["live"].layout
+    live = ctx.state["live"]
+    layout, requantized = live.layout, live.report.tensors_on(IN_PLACE_REQUANT)
     want = dict(canonical)
     for name, t in layout.tensors.items():
         for p in t.pieces:
@@ -85,6 +89,8 @@ def loaded_problems(ctx: Any, canonical: Mapping[str, torch.Tensor]) -> list[str
                 want[w], want[p.canonical] = q.weight, q.scale_inv
     problems = []
     for name, t in layout.tensors.items():
+        if name in requantized:
+            continue
         got = ctx.tensors[name]
         for p in t.pieces:
             exp = canonical_view(want[p.canonical], p)

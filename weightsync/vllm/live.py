@@ -23,6 +23,13 @@ one of these paths, decided once and reported (:class:`LiveReport`):
     MLA attention's ``W_UK_T`` / ``W_UV``, which vLLM derives from ``kv_b_proj`` after loading: after each update,
     once every other transform ran, the layer's own ``process_weights_after_loading`` derives them again, copying
     into the live parameters (:meth:`LiveModel._mla`). They are no layout tensors: nothing is sent for them.
+``in-place+requant``
+    A block-FP8 linear on DeepGEMM (vLLM's default FP8 kernel on Hopper): its ``process_weights_after_loading``
+    requantizes the checkpoint's weight to power-of-two (UE8M0) scales and re-lays the scales, in the parameters'
+    own shapes (:meth:`LiveModel._fp8_linear`). Steps land the checkpoint form in the live weight and scale; after
+    each update, before any derivation, the layer's kernel runs its own ``process_weights_after_loading`` on them
+    again, so the engine computes with what it would have made of the checkpoint (storage kept: a result in new
+    storage is copied back into the live tensors and re-registered).
 ``staged+prepack``
     CPU fused-MoE experts (``CPUUnquantizedExperts``): staging tensors in loaded form; after each
     update they are zero-padded to the kernel's intermediate alignment (``_pad_moe_intermediate``)
@@ -31,10 +38,11 @@ one of these paths, decided once and reported (:class:`LiveReport`):
 
 A block-FP8 linear (``Fp8LinearMethod``, weight e4m3 ``[N, K]`` and fp32 ``weight_scale_inv``) takes ``in-place``
 too where its GEMM kernel keeps the checkpoint form after loading (CUTLASS and Triton block kernels on CUDA; see
-:meth:`LiveModel._fp8_linear` for the vLLM 0.26 lines) and the job's layout is the FP8 one (``quant=fp8``).
+:meth:`LiveModel._fp8_linear` for the vLLM 0.26 lines), ``in-place+requant`` on DeepGEMM (alone or behind
+FlashInfer), and only where the job's layout is the FP8 one (``quant=fp8``).
 
-Anything else is refused at set-up, naming the layer: other quantized methods (FP8 MoE, FP8 on DeepGEMM/Marlin/CPU
-kernels, per-tensor FP8), MLA forms weightsync does not re-derive (AMX, AITER, DCP query replication), MoE backends that re-lay experts
+Anything else is refused at set-up, naming the layer: other quantized methods (FP8 MoE, FP8 on Marlin/CPU
+kernels, DeepGEMM's grouped-BMM form, per-tensor FP8), MLA forms weightsync does not re-derive (AMX, AITER, DCP query replication), MoE backends that re-lay experts
 (AITER, FlashInfer, MoonEP, zentorch), MoE biases, a staging tensor whose loaded form has regions no
 piece writes. What each path re-runs is vLLM's own transform, so a fresh engine loading the same
 checkpoint computes with the same bytes (the tests compare both engines' packed forms).
@@ -60,8 +68,15 @@ IN_PLACE = "in-place"
 IN_PLACE_REPACK = "in-place+repack"
 STAGED_REPACK = "staged+repack"
 STAGED_PREPACK = "staged+prepack"
+IN_PLACE_REQUANT = "in-place+requant"
 DERIVED = "derived"
-PATHS = (IN_PLACE, IN_PLACE_REPACK, STAGED_REPACK, STAGED_PREPACK, DERIVED)
+PATHS = (IN_PLACE, IN_PLACE_REPACK, STAGED_REPACK, STAGED_PREPACK, IN_PLACE_REQUANT, DERIVED)
+
+#: block-FP8 GEMM kernels whose post-load step keeps the checkpoint form: a step lands in place, nothing re-runs
+FP8_AS_LOADED = ("CutlassFp8BlockScaledMMKernel", "TritonFp8BlockScaledMMKernel")
+#: those whose post-load step rewrites weight and scales in their own shapes (DeepGEMM, and FlashInfer+DeepGEMM,
+#: which runs DeepGEMM's): re-run after every update (:class:`_Requant`)
+FP8_REQUANT = ("DeepGemmFp8BlockScaledMMKernel", "FlashInferFp8DeepGEMMDynamicBlockScaledKernel")
 
 #: unquantized fused-MoE backends whose kernel reads the loaded form as is (GPU)
 _PLAIN_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
@@ -86,6 +101,10 @@ class LiveReport:
     dtype: str
     layers: tuple[LayerPath, ...]
     staging_bytes: int
+
+    def tensors_on(self, path: str) -> frozenset[str]:
+        """The layout tensors of every layer on ``path`` (e.g. those the engine requantizes after each update)."""
+        return frozenset(n for p in self.layers if p.path == path for n in p.tensors)
 
     def counts(self) -> dict[str, int]:
         c = Counter(p.path for p in self.layers)
@@ -170,6 +189,37 @@ class _Derive(_Transform):
 
             raise WeightsMoved(f"{self.layer}: vLLM's MLA transform re-registered W_UK_T/W_UV instead of copying into "
                                "them (storage moved): CUDA graphs captured before would read the old weights")
+
+
+class _Requant(_Transform):
+    """Block FP8 on DeepGEMM: the kernel's own ``process_weights_after_loading`` re-run on the landed checkpoint form
+    (UE8M0 requantization, scale layout). It must run exactly once per landing -- requantizing twice is not a no-op
+    (a block whose largest e4m3 value is 224 halves its scale) -- which holds because every update rewrites every
+    byte of these tensors before ``after_update`` (a delta's proof of the requantized bytes fails: whole buckets).
+    What the engine then reads must be the live tensors: a result in new storage is copied back and re-registered,
+    one of another shape or dtype is :class:`~weightsync.errors.WeightsMoved`."""
+
+    def __init__(self, layer: str, module: torch.nn.Module, kernel: Any, live: dict[str, torch.Tensor]):
+        super().__init__(layer, module)
+        self.kernel, self.live = kernel, live  # parameter name on the module -> the live tensor steps land in
+
+    def run(self) -> None:
+        self.kernel.process_weights_after_loading(self.module)
+        for local, live in self.live.items():
+            now = getattr(self.module, local)
+            if now.data_ptr() == live.data_ptr() and now.shape == live.shape:
+                continue
+            if now.shape != live.shape or now.dtype != live.dtype:
+                from weightsync.errors import WeightsMoved
+
+                raise WeightsMoved(f"{self.layer}: {type(self.kernel).__name__}'s post-load step turned {local} "
+                                   f"{list(live.shape)} {live.dtype} into {list(now.shape)} {now.dtype}: not the "
+                                   "form weightsync lands and the engine was set up with")
+            live.copy_(now)
+            keep = torch.nn.Parameter(live, requires_grad=False)
+            if hasattr(now, "weight_loader"):
+                keep.weight_loader = now.weight_loader
+            setattr(self.module, local, keep)
 
 
 def _base_fp8_process(kernel: Any) -> bool:
@@ -294,7 +344,7 @@ class LiveModel:
         ``Fp8LinearMethod.process_weights_after_loading`` only calls its kernel's. On CUDA the kernel is the first
         of ``_POSSIBLE_FP8_BLOCK_KERNELS[CUDA]`` that can run (``kernels/linear/__init__.py:355-363``): FlashInfer+
         DeepGEMM and DeepGEMM (``scaled_mm/deep_gemm.py:84-107``: ``deepgemm_post_process_fp8_weight_block``, which
-        re-lays the scales and, with UE8M0, requantizes the weight -- refused), CUTLASS, Marlin (repacks: refused),
+        re-lays the scales and, with UE8M0, requantizes the weight: below), CUTLASS, Marlin (repacks: refused),
         Triton. CUTLASS and Triton (``scaled_mm/cutlass.py:275``, ``triton.py:159``) keep the base
         ``Fp8BlockScaledMMLinearKernel.process_weights_after_loading`` (``BlockScaledMMLinearKernel.py:75-95``):
         ``process_fp8_weight_block_strategy`` (``quantization/utils/fp8_utils.py:1371-1405``) returns the weight and
@@ -302,8 +352,17 @@ class LiveModel:
         ``replace_parameter`` re-registers a Parameter over the same tensor (``model_executor/utils.py:47-98``);
         their ``apply`` reads ``weight`` [N, K] and ``weight_scale_inv`` [N/128, K/128] as loaded (CUTLASS transposes
         views at call time, ``cutlass.py:312-325``). So the live tensors are the checkpoint's, and a step lands in
-        them directly."""
-        fp8_ok = ("CutlassFp8BlockScaledMMKernel", "TritonFp8BlockScaledMMKernel")
+        them directly.
+
+        DeepGEMM (``scaled_mm/deep_gemm.py:84-107``; FlashInfer+DeepGEMM runs the same, ``flashinfer.py:179-182``):
+        after the base step, ``deepgemm_post_process_fp8_weight_block`` (``fp8_utils.py``) requantizes the e4m3 weight
+        in place to power-of-two scales where ``VLLM_USE_DEEP_GEMM_E8M0`` (default on) -- dequantize with the
+        checkpoint's scales, ``per_block_cast_to_fp8(..., use_ue8m0=True)``, copied back into the weight and the
+        scale tensor -- then ``transform_sf_into_required_layout`` (DeepGEMM), which on Hopper keeps fp32 128 x 128
+        scales as they are; ``replace_parameter`` registers the results. The shapes and dtypes stay the checkpoint's,
+        so the layout's pieces still land there, and :class:`_Requant` re-runs that step after each update (where it
+        returns new storage or another form, the update fails naming the layer). Refused: DeepGEMM's grouped-BMM
+        form (``is_bmm``, DeepSeek-V4's ``wo_a``)."""
         kernel = getattr(qm, "fp8_linear", None)
         kname = type(kernel).__name__
         scale = params.get("weight_scale_inv")
@@ -320,11 +379,16 @@ class LiveModel:
             return self._refuse(mname, f"{kind} with Fp8LinearMethod on {kname}: "
                                        f"{'Marlin repacks the weight' if qm.use_marlin else 'e8m0 scales'} after "
                                        "loading; weightsync lands the checkpoint form only")
-        if kname not in fp8_ok or not _base_fp8_process(kernel):
+        requant = kname in FP8_REQUANT
+        if requant and getattr(mod, "is_bmm", False):
+            return self._refuse(mname, f"{kind} with Fp8LinearMethod on {kname} in its grouped-BMM form (is_bmm): "
+                                       "a scale layout weightsync does not produce")
+        if not requant and (kname not in FP8_AS_LOADED or not _base_fp8_process(kernel)):
             return self._refuse(mname, f"{kind} with Fp8LinearMethod on {kname}: its process_weights_after_loading "
-                                       "re-lays or requantizes the checkpoint form (DeepGEMM, FlashInfer, Marlin, "
-                                       f"CPU); weightsync lands the checkpoint form in place only for "
-                                       f"{'/'.join(fp8_ok)}")
+                                       "re-lays or requantizes the checkpoint form in a way weightsync does not know "
+                                       f"(Marlin, CPU, FlashInfer alone); weightsync lands FP8 in place for "
+                                       f"{'/'.join(FP8_AS_LOADED)} and re-runs the post-load step of "
+                                       f"{'/'.join(FP8_REQUANT)}")
         try:
             from vllm.platforms import current_platform
 
@@ -333,6 +397,13 @@ class LiveModel:
             fnuz = False
         if fnuz:
             return self._refuse(mname, f"{kind}: this platform converts e4m3fn to e4m3fnuz after loading (ROCm)")
+        if requant:
+            e8m0 = getattr(getattr(kernel, "fallback", kernel), "use_deep_gemm_e8m0", None)
+            self._in_place(mname, mod, params, f"{kind}: Fp8LinearMethod, {kname} (E8M0 {e8m0}): the checkpoint "
+                                               "form lands, the kernel's post-load step re-runs", IN_PLACE_REQUANT)
+            self.transforms.append(_Requant(mname, mod, kernel, {local: getattr(mod, local)
+                                                                 for local in ("weight", "weight_scale_inv")}))
+            return None
         self._in_place(mname, mod, params, f"{kind}: Fp8LinearMethod, {kname}: weight e4m3 and weight_scale_inv "
                                            "fp32 computed with as loaded")
 
