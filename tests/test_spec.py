@@ -33,6 +33,19 @@ def test_deepseek_v3_and_kimi_sizes():
     assert names["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (576, 7168)
 
 
+def test_moonlight_is_deepseek_v3_at_one_gpus_size():
+    """Moonshot AI's public Moonlight-16B-A3B config (shared/model-configs): MLA without q_lora_rank, 64 routed + 2
+    shared experts, one dense first layer, noaux_tc; 15.96 B parameters (31.9 GB in bf16)."""
+    spec = load_spec("moonlight-16b-a3b")
+    assert 15.95e9 < spec.num_parameters < 15.97e9
+    names = spec.by_name
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "model.layers.0.self_attn.q_a_proj.weight" not in names
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.1.mlp.gate_proj.weight" not in names
+    assert "model.layers.26.mlp.experts.63.down_proj.weight" in names
+    assert names["model.layers.1.mlp.shared_experts.gate_proj.weight"].shape == (2 * 1408, 2048)
+    assert names["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == "float32"
+
+
 def test_tied_embeddings_have_no_lm_head():
     assert "lm_head.weight" not in load_spec("qwen3-0.6b").by_name
     assert "lm_head.weight" in load_spec("qwen3-8b").by_name
