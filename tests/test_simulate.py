@@ -632,6 +632,38 @@ def test_job_stats_reports_the_prediction(capsys):
     assert predicted("qwen3-8b", "nixl-1gpu", "faithful", early_call=True) == pytest.approx(out["predicted_seconds"])
 
 
+def test_the_nic_floor_is_the_busiest_gpus_bytes_across_hosts_at_line_rate(capsys):
+    """``plan`` prints, beside each prediction, what one GPU must take in and send out through its NIC and the time
+    that takes at line rate: below it no transport goes. One trainer GPU, two instances of 2 GPUs on other hosts:
+    each inference GPU takes its half of the model, the trainer sends it four times; FP8 shrinks both; one host
+    (NVLink) or co-located crosses no NIC."""
+    from weightsync.cli import main
+
+    planner = Planner(make_layout(load_spec("qwen3-8b"), "hf"), make_layout(load_spec("qwen3-8b"), "vllm:tp=2"), 2,
+                      Topology.separated(1, 2, 2, gpus_per_host=1))
+    plans = {}
+    for inst in range(2):
+        for rank in range(2):
+            plans.update(planner.recv_plan(inst, rank))
+    buckets = [b for bs in plans.values() for b in bs]
+    counts = count_workers(planner, plans)
+    cost = CostModel()
+    full = predict_step(buckets, planner.topology, counts, Deployment("p2p"), cost, planner.spec)
+    fp8 = predict_step(buckets, planner.topology, counts, Deployment("p2p", codec="fp8"), cost, planner.spec)
+    held = max(planner.dst_layout(r).bytes_held(planner.spec) for r in range(2))
+    assert full.nic.ingress_bytes == held and full.nic.egress_bytes == full.wire_bytes == 4 * held  # (norms: each)
+    assert full.nic.seconds == pytest.approx(full.wire_bytes / cost.links.nic_bytes_per_s)
+    assert full.nic.seconds <= full.seconds
+    assert fp8.nic.egress_bytes == fp8.wire_bytes < 0.6 * full.wire_bytes and fp8.nic.ingress_bytes < 0.6 * held
+    one_host = predict_step(buckets, Topology.separated(1, 2, 2, gpus_per_host=8), counts, Deployment("p2p"), cost,
+                            planner.spec)
+    assert one_host.nic.seconds == 0
+    assert main(["plan", "--model", "qwen3-8b", "--train", "hf", "--infer", "vllm:tp=2", "--instances", "2",
+                 "--gpus-per-host", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"NIC floor         {full.nic.seconds * 1e3:.2f} ms: the busiest GPU takes in {held / 1e9:.3f} GB" in out
+
+
 def test_fp8_decode_adds_on_one_gpu_and_hides_under_a_slower_wire():
     """The FP8 codec's work off the copy path (nixl): the trainer's encode adds; the worker's decode adds where
     its READs are same-GPU copies (what nixl-1gpu measured), and on a NIC shows only as the last chunk's decode

@@ -353,6 +353,35 @@ class StepPrediction:
     pack_s: float = 0.0  # nixl: the busiest trainer's copy of its strided boxes into its pack region, a step
     move_s: float = 0.0  # the transport's part: posting, set-up and data as they combine (pack_s included)
     gpu: str = "h200"  # the profile the costs came from (CostModel.gpu)
+    nic: NicFloor | None = None  # the bytes that must cross one GPU's NIC, and the time no transport beats
+
+
+@dataclass(frozen=True)
+class NicFloor:
+    """The line-rate floor of a step: the most wire bytes one GPU must take in (``ingress_bytes``) or send out
+    (``egress_bytes``) through a NIC -- from or to GPUs of other hosts -- over the NIC's rate. Nothing that moves
+    these bytes (no transport, no schedule) can make that GPU's part of the step shorter; only fewer bytes can
+    (FP8, delta) or more NIC bandwidth per GPU. 0 where every copy stays on a host (NVLink, or the same GPU)."""
+
+    ingress_bytes: int
+    egress_bytes: int
+    nic_bytes_per_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.ingress_bytes, self.egress_bytes) / self.nic_bytes_per_s
+
+
+def nic_floor(buckets: Sequence[Bucket], sizes: Sequence[int], topology: Topology, links: LinkModel) -> NicFloor:
+    """Per GPU, the wire bytes (``sizes[i]`` for bucket ``i``) that cross hosts; the busiest GPU's, each way."""
+    into: dict[int, int] = defaultdict(int)
+    out: dict[int, int] = defaultdict(int)
+    for b, n in zip(buckets, sizes):
+        s, d = topology.train_gpu(b.src_rank), topology.infer_gpu(b.dst_instance, b.dst_rank)
+        if s != d and topology.host(s) != topology.host(d):
+            out[s] += n
+            into[d] += n
+    return NicFloor(max(into.values(), default=0), max(out.values(), default=0), links.nic_bytes_per_s)
 
 
 _FP8 = re.compile(r"(^|\.)[a-z0-9_]*proj(_with_mqa)?\.weight$")
@@ -474,7 +503,7 @@ def predict_step(
         receiver_s = {"faithful": cost.faithful_call_s, "vllm": cost.vllm_step_s, "sglang": cost.sglang_step_s}[d.receiver]
     seconds = signal_s + receiver_s + move_s + codec_s
     return StepPrediction(seconds, data_s, post_s, codec_s, signal_s, receiver_s, sum(sizes), descriptors, msgs,
-                          pack_s, move_s, cost.gpu)
+                          pack_s, move_s, cost.gpu, nic_floor(buckets, sizes, topology, links))
 
 
 def _source_key(b: Bucket) -> tuple:

@@ -46,6 +46,7 @@ class PlanStats:
     def to_json(self) -> dict:
         d = asdict(self)  # deployment and prediction become objects of their own
         d["send_bytes"] = {str(k): v for k, v in self.send_bytes.items()}
+        d["nic_floor_seconds"] = self.prediction.nic.seconds if self.prediction.nic is not None else 0.0
         return d
 
 
@@ -184,6 +185,13 @@ def format_stats(s: PlanStats) -> str:
         + (f"    {d.codec} work {p.codec_s * 1e3:.2f} ms" if d.codec != "full" else ""),
         f"  NIXL a step       {s.nixl_descriptors} descriptors in {s.nixl_transfers} transfers (all workers)",
     ]
+    if p.nic is not None and (p.nic.ingress_bytes or p.nic.egress_bytes):
+        lines += [
+            f"  NIC floor         {p.nic.seconds * 1e3:.2f} ms: the busiest GPU takes in {b(p.nic.ingress_bytes)} and "
+            f"sends out {b(p.nic.egress_bytes)} across hosts at {p.nic.nic_bytes_per_s * 8 / 1e9:g} Gb/s a GPU;",
+            f"                    no transport goes below it (predicted {s.predicted_seconds / p.nic.seconds:.2f}x "
+            "it); fewer bytes (fp8, delta) or faster NICs do",
+        ]
     if 0 < len(s.send_bytes) <= 64:
         lines.append("  per training rank sends:")
         for r in sorted(s.send_bytes):
