@@ -90,8 +90,24 @@ class Fp8LinearMethod:
         self.use_marlin, self.is_scale_e8m0 = marlin, False
 
 
-def _fp8_standin(layout, kernel, marlin=False) -> torch.nn.Module:
-    """Modules named and shaped as ``layout``'s tensors (random data), each FP8 linear with ``kernel()``."""
+class Fp8MoEMethod:
+    """Stand-in for vLLM 0.26's ``Fp8MoEMethod`` with block quantization: its backend, and its post-load step (a
+    visible change where ``step`` is given)."""
+
+    def __init__(self, backend: str, step=None):
+        from types import SimpleNamespace as NS
+
+        self.fp8_backend, self.block_quant, self.weight_block_size = NS(name=backend), True, [128, 128]
+        self.step = step
+
+    def process_weights_after_loading(self, layer):
+        if self.step is not None:
+            self.step(layer)
+
+
+def _fp8_standin(layout, kernel, marlin=False, moe=lambda: Fp8MoEMethod("TRITON")) -> torch.nn.Module:
+    """Modules named and shaped as ``layout``'s tensors (random data), each FP8 linear with ``kernel()``, each FP8
+    experts module with ``moe()``."""
     from weightsync.layout.materialize import TORCH_DTYPES
 
     g = torch.Generator().manual_seed(0)
@@ -107,6 +123,8 @@ def _fp8_standin(layout, kernel, marlin=False) -> torch.nn.Module:
         mod.register_parameter(local, torch.nn.Parameter(data, requires_grad=False))
         if local == "weight_scale_inv":
             mod.quant_method = Fp8LinearMethod(kernel(), marlin)
+        if local == "w13_weight_scale_inv":
+            mod.quant_method = moe()
     return root
 
 
@@ -212,6 +230,68 @@ def test_live_model_reruns_deepgemms_post_load_step_once_after_every_update():
     model.get_submodule("model.layers.1.mlp.down_proj").is_bmm = True
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.down_proj: .*grouped-BMM form"):
         LiveModel(model, layout, torch.device("cuda"), "stand-in")
+
+
+def test_live_model_takes_fp8_experts_on_triton_in_place_and_reruns_deepgemms_step():
+    """Block-FP8 experts (``Fp8MoEMethod``; tiny-qwen3-moe-fp8): on TRITON, vLLM 0.26's choice on Hopper for
+    tensor-parallel experts, the stacks and their block scales are computed with as loaded, so they are in place;
+    on DEEPGEMM the method's own post-load step re-runs once after each update and must leave the live storage
+    where it was (its kernel keeps references to what it returns); FlashInfer CUTLASS (expert parallelism's choice)
+    and per-tensor FP8 are refused naming the layer, as is an FP8 MoE under a bf16 layout. Stand-ins shaped as vLLM
+    builds the layer; the real engine is for the GPU host."""
+    pytest.importorskip("vllm")
+    from weightsync.engines import make_layout
+    from weightsync.errors import ConfigError, WeightsMoved
+    from weightsync.quant.layout import fp8_layout
+    from weightsync.spec import load_spec
+    from weightsync.vllm.live import IN_PLACE, IN_PLACE_REQUANT, LiveModel
+
+    class CutlassFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
+        pass
+
+    spec = load_spec("tiny-qwen3-moe-fp8")
+    layout = fp8_layout(make_layout(spec, "vllm:quant=fp8")).layout(0)
+    experts = sorted({n.rsplit(".", 1)[0] for n in layout.tensors if n.endswith("w13_weight_scale_inv")})
+    assert len(experts) == spec.num_layers
+    stacks = {f"{e}.{t}" for e in experts for t in ("w13_weight", "w2_weight", "w13_weight_scale_inv",
+                                                    "w2_weight_scale_inv")}
+    live = LiveModel(_fp8_standin(layout, CutlassFp8BlockScaledMMKernel), layout, torch.device("cuda"), "stand-in")
+    assert {live.report.path_of(e) for e in experts} == {IN_PLACE} and live.transforms == []
+    assert stacks <= set(live.tensors)
+
+    def double_scales(layer):  # in place, as DeepGEMM's requantization writes into the stacks it was given
+        layer.w13_weight_scale_inv.data.mul_(2)
+        layer.w2_weight_scale_inv.data.mul_(2)
+
+    model = _fp8_standin(layout, CutlassFp8BlockScaledMMKernel, moe=lambda: Fp8MoEMethod("DEEPGEMM", double_scales))
+    live = LiveModel(model, layout, torch.device("cuda"), "stand-in")
+    assert live.report.tensors_on(IN_PLACE_REQUANT) == stacks
+    before = {n: live.tensors[n].clone() for n in stacks if n.endswith("scale_inv")}
+    assert live.refresh() == len(experts)
+    assert all(torch.equal(live.tensors[n], 2 * t) for n, t in before.items())
+
+    def new_storage(layer):
+        layer.w2_weight_scale_inv = torch.nn.Parameter(layer.w2_weight_scale_inv * 2, requires_grad=False)
+
+    model = _fp8_standin(layout, CutlassFp8BlockScaledMMKernel, moe=lambda: Fp8MoEMethod("DEEPGEMM", new_storage))
+    with pytest.raises(WeightsMoved, match=r"experts.*post-load step turned w2_weight_scale_inv"):
+        LiveModel(model, layout, torch.device("cuda"), "stand-in").refresh()
+    model = _fp8_standin(layout, CutlassFp8BlockScaledMMKernel, moe=lambda: Fp8MoEMethod("FLASHINFER_CUTLASS"))
+    with pytest.raises(ConfigError, match=r"layers\.0\.mlp\.experts.*Fp8MoEMethod on backend FLASHINFER_CUTLASS: it "
+                                          r"re-lays the experts"):
+        LiveModel(model, layout, torch.device("cuda"), "stand-in")
+
+    def per_tensor():
+        m = Fp8MoEMethod("TRITON")
+        m.block_quant = False
+        return m
+
+    with pytest.raises(ConfigError, match="fused MoE with per-tensor FP8"):
+        LiveModel(_fp8_standin(layout, CutlassFp8BlockScaledMMKernel, moe=per_tensor), layout, torch.device("cuda"),
+                  "stand-in")
+    bf16 = make_layout(spec, "vllm").layout(0)
+    with pytest.raises(ConfigError, match="fused MoE served in block FP8 .*not quant=fp8"):
+        LiveModel(_fp8_standin(layout, CutlassFp8BlockScaledMMKernel), bf16, torch.device("cuda"), "stand-in")
 
 
 def test_what_an_fp8_worker_computes_with_travels_back_and_is_compared_by_bits():

@@ -41,8 +41,11 @@ too where its GEMM kernel keeps the checkpoint form after loading (CUTLASS and T
 :meth:`LiveModel._fp8_linear` for the vLLM 0.26 lines), ``in-place+requant`` on DeepGEMM (alone or behind
 FlashInfer), and only where the job's layout is the FP8 one (``quant=fp8``).
 
-Anything else is refused at set-up, naming the layer: other quantized methods (FP8 MoE, FP8 on Marlin/CPU
-kernels, DeepGEMM's grouped-BMM form, per-tensor FP8), MLA forms weightsync does not re-derive (AMX, AITER, DCP query replication), MoE backends that re-lay experts
+Block-FP8 experts (``Fp8MoEMethod``) take ``in-place`` on the TRITON backend (Hopper's default for tensor-parallel
+experts) and ``in-place+requant`` on DEEPGEMM (:meth:`LiveModel._fp8_experts`).
+
+Anything else is refused at set-up, naming the layer: other quantized methods (FP8 MoE on FlashInfer/Marlin/CPU
+backends, FP8 linears on Marlin/CPU kernels, DeepGEMM's grouped-BMM form, per-tensor FP8), MLA forms weightsync does not re-derive (AMX, AITER, DCP query replication), MoE backends that re-lay experts
 (AITER, FlashInfer, MoonEP, zentorch), MoE biases, a staging tensor whose loaded form has regions no
 piece writes. What each path re-runs is vLLM's own transform, so a fresh engine loading the same
 checkpoint computes with the same bytes (the tests compare both engines' packed forms).
@@ -199,9 +202,11 @@ class _Requant(_Transform):
     What the engine then reads must be the live tensors: a result in new storage is copied back and re-registered,
     one of another shape or dtype is :class:`~weightsync.errors.WeightsMoved`."""
 
-    def __init__(self, layer: str, module: torch.nn.Module, kernel: Any, live: dict[str, torch.Tensor]):
+    def __init__(self, layer: str, module: torch.nn.Module, kernel: Any, live: dict[str, torch.Tensor],
+                 moved_ok: bool = True):
         super().__init__(layer, module)
         self.kernel, self.live = kernel, live  # parameter name on the module -> the live tensor steps land in
+        self.moved_ok = moved_ok  # False: the step keeps references to what it returns (MoE), so it must not move
 
     def run(self) -> None:
         self.kernel.process_weights_after_loading(self.module)
@@ -209,7 +214,7 @@ class _Requant(_Transform):
             now = getattr(self.module, local)
             if now.data_ptr() == live.data_ptr() and now.shape == live.shape:
                 continue
-            if now.shape != live.shape or now.dtype != live.dtype:
+            if now.shape != live.shape or now.dtype != live.dtype or not self.moved_ok:
                 from weightsync.errors import WeightsMoved
 
                 raise WeightsMoved(f"{self.layer}: {type(self.kernel).__name__}'s post-load step turned {local} "
@@ -299,6 +304,8 @@ class LiveModel:
             return self._experts(mname, mod, params, qm)
         if type(qm).__name__ == "Fp8LinearMethod":
             return self._fp8_linear(mname, mod, params, qm, kind)
+        if type(qm).__name__ == "Fp8MoEMethod":
+            return self._fp8_experts(mname, mod, params, qm)
         self._refuse(mname, f"{kind} with {type(qm).__name__}: a quantized or unknown method whose "
                             "post-load form weightsync cannot produce; serve the model unquantized")
 
@@ -406,6 +413,54 @@ class LiveModel:
             return None
         self._in_place(mname, mod, params, f"{kind}: Fp8LinearMethod, {kname}: weight e4m3 and weight_scale_inv "
                                            "fp32 computed with as loaded")
+
+    def _fp8_experts(self, mname: str, mod: torch.nn.Module, params: dict[str, str], qm: Any) -> None:
+        """Block-FP8 fused-MoE experts (``Fp8MoEMethod``: ``w13_weight`` / ``w2_weight`` e4m3 ``[E, 2I, H]`` /
+        ``[E, H, I]`` with ``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` fp32 per 128 x 128 block, per expert).
+
+        vLLM 0.26 (``quantization/fp8.py:640-740``): ``process_weights_after_loading`` hands the four tensors to
+        ``convert_to_fp8_moe_kernel_format`` (``fused_moe/oracle/fp8.py:457-561``) for the backend
+        ``select_fp8_moe_backend`` chose, ``replace_parameter``s the results and builds the kernel around them. On
+        Hopper, block FP8 puts TRITON first for tensor-parallel experts (``_get_priority_backends``, ``oracle/fp8.py:
+        112-122``); TRITON and BATCHED_TRITON convert nothing, so the experts compute with the checkpoint form as
+        loaded and a step lands in place. DEEPGEMM (chosen where ``VLLM_USE_DEEP_GEMM`` / ``VLLM_MOE_USE_DEEP_GEMM``
+        are set to 1) runs ``prepare_fp8_moe_layer_for_deepgemm`` -- ``deepgemm_post_process_fp8_weight_block`` on
+        each stack, the dense DeepGEMM step -- so it takes ``in-place+requant``, the method's own step re-run after
+        each update; its results must stay in the live storage (the kernel it builds keeps references to them).
+        Refused: FlashInfer CUTLASS / TRT-LLM (Hopper's choice for expert parallelism: it re-lays the stacks),
+        Marlin, AITER, CPU and the others, per-tensor FP8, expert biases, an FP8 engine under a bf16 layout."""
+        backend = getattr(getattr(qm, "fp8_backend", None), "name", "?")
+        names = {k: params.get(k) for k in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")}
+        if not getattr(qm, "block_quant", False) or names["w13_weight_scale_inv"] is None:
+            return self._refuse(mname, "fused MoE with per-tensor FP8 (Fp8MoEMethod without weight_block_size): "
+                                       "weightsync syncs block FP8 (weight_block_size [128, 128]) only")
+        if list(getattr(qm, "weight_block_size", None) or ()) != [128, 128]:
+            return self._refuse(mname, f"fused MoE: weight_block_size {qm.weight_block_size}; only [128, 128] is synced")
+        missing = [n for n in names.values() if n is None or n not in self.layout.tensors]
+        if missing:
+            return self._refuse(mname, "fused MoE served in block FP8 (Fp8MoEMethod), but the job's layout for this "
+                                       f"engine is not quant=fp8 (no {', '.join(str(m) for m in missing)} in it)")
+        extra = sorted(n for n in params if n.startswith(("w13_", "w2_")) and n not in names)
+        if extra:
+            return self._refuse(mname, f"fused MoE with {', '.join(extra)}: expert biases / input scales are not "
+                                       "supported")
+        if self.cpu:
+            return self._refuse(mname, f"fused MoE in block FP8 on CPU (backend {backend}): not synced")
+        for local, name in params.items():  # e.g. DeepSeek's e_score_correction_bias: read as loaded
+            if local not in names:
+                self._add(name, getattr(mod, local))
+        if backend in ("TRITON", "BATCHED_TRITON"):
+            return self._in_place(mname, mod, params, f"fused MoE, Fp8MoEMethod on {backend}: the stacks and their "
+                                                      "block scales computed with as loaded")
+        if backend in ("DEEPGEMM", "BATCHED_DEEPGEMM"):
+            self._in_place(mname, mod, params, f"fused MoE, Fp8MoEMethod on {backend}: the checkpoint form lands, "
+                                               "the method's post-load step re-runs", IN_PLACE_REQUANT)
+            self.transforms.append(_Requant(mname, mod, qm, {local: getattr(mod, local) for local in names},
+                                            moved_ok=False))
+            return None
+        return self._refuse(mname, f"fused MoE, Fp8MoEMethod on backend {backend}: it re-lays the experts after "
+                                   "loading; weightsync lands block-FP8 experts for TRITON (in place) and DEEPGEMM "
+                                   "(its step re-run)")
 
     def _mla(self, mname: str, mod: torch.nn.Module, kind: str) -> None:
         """MLA attention: ``W_UK_T`` / ``W_UV`` are derived from ``kv_b_proj`` after loading, and re-derived after
