@@ -3,7 +3,7 @@
     python benchmarks/fp8_vllm_gpu.py --out DIR [--transports colocated,nixl] [--bench qwen3-8b]
     # on the GPU host, with the vLLM kit + 2 wheels (and NIXL on the path for nixl)
 
-``sync``: a tiny Qwen3 (``tiny-qwen3-fp8``: 2 layers, hidden 256, head_dim 128, every linear a whole number of
+``sync``: a tiny Qwen3 (``tiny-qwen3-fp8``; ``--model tiny-qwen3-moe-fp8``: its MoE twin, 8 experts; 2 layers, hidden 256, head_dim 128, every linear a whole number of
 128 x 128 blocks). Two FP8 checkpoints written by ``save_checkpoint(dir, quant="fp8")`` from bf16 weights of seeds
 1 and 2 (``tests/vllm_harness.weights``). Two real vLLM engines on the same GPU (eager; ``--graphs``: CUDA graphs): X fresh on the
 seed-1 checkpoint, Y fresh on seed 2; what each computes with (:func:`weightsync.quant.engine_check.computed`:
@@ -56,7 +56,7 @@ def _llm_kw(graphs: bool) -> dict:
     return dict(kw, enforce_eager=True)
 
 
-def save_fp8(seed: int, directory: Path) -> Path:
+def save_fp8(seed: int, directory: Path, model: str = MODEL) -> Path:
     """``save_checkpoint(dir, quant="fp8")`` of the bf16 weights of ``seed`` (one HF training rank, on CPU)."""
     import torch
     from vllm_harness import weights
@@ -67,7 +67,7 @@ def save_fp8(seed: int, directory: Path) -> Path:
     from weightsync.layout.materialize import fill_from
     from weightsync.spec import load_spec
 
-    spec = load_spec(MODEL)
+    spec = load_spec(model)
     bound = HFTrainEngine(build_hf_model(spec, seed=0)).bound
     with torch.no_grad():
         fill_from(bound.layout, bound.tensors, weights(spec, seed))
@@ -76,7 +76,7 @@ def save_fp8(seed: int, directory: Path) -> Path:
     return directory
 
 
-def trainer_main(meta: str, job: str, q, transport: str = "colocated") -> None:
+def trainer_main(meta: str, job: str, q, transport: str = "colocated", model: str = MODEL) -> None:
     """The training process: transformers' layout on cuda:0, bf16, one WeightWriter (co-located or over nixl,
     integrity off)."""
     import torch
@@ -94,7 +94,7 @@ def trainer_main(meta: str, job: str, q, transport: str = "colocated") -> None:
 
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        spec = load_spec(MODEL)
+        spec = load_spec(model)
         bound = build_trainer(spec, "hf", 0, 1, same_start=False, device="cuda").bound
         writer = WeightWriter(bound, meta=meta, job=job, timeout_s=120, integrity=0,
                               **_transport_kw(transport)).connect()
@@ -119,7 +119,7 @@ def _transport_kw(transport: str) -> dict:
     return dict(TRANSPORTS[transport][0])
 
 
-def sync(graphs: bool = False, transports: tuple[str, ...] = ("colocated",)) -> list[dict]:
+def sync(graphs: bool = False, transports: tuple[str, ...] = ("colocated",), model: str = MODEL) -> list[dict]:
     """One result per transport: a job each, in order, into the same two engines (X synced, Y the reference)."""
     import torch
     from vllm_harness import generate, start_llm, stop_llm
@@ -130,14 +130,14 @@ def sync(graphs: bool = False, transports: tuple[str, ...] = ("colocated",)) -> 
 
     import vllm
 
-    results = [{"stage": "fp8-sync", "model": MODEL, "vllm": vllm.__version__, "torch": torch.__version__,
+    results = [{"stage": "fp8-sync", "model": model, "vllm": vllm.__version__, "torch": torch.__version__,
                 "gpu": torch.cuda.get_device_name(0), "steps": [], "errors": [], "receiver": "vllm", "quant": "fp8",
                 "scenario": TRANSPORTS[t][1], "job_transport": t, "commit": os.environ.get("WEIGHTSYNC_COMMIT")}
                for t in transports]
     root = Path(tempfile.mkdtemp(prefix="fp8-vllm-"))
     llms: dict = {}
     try:
-        paths = {s: save_fp8(s, root / f"fp8-seed{s}") for s in (1, 2)}
+        paths = {s: save_fp8(s, root / f"fp8-seed{s}", model) for s in (1, 2)}
         with MetaServer().start() as meta:
             t0 = time.perf_counter()
             # the worker extension's entry (VLLMInstance); the "weightsync" weight-transfer plug-in is registered
@@ -157,7 +157,7 @@ def sync(graphs: bool = False, transports: tuple[str, ...] = ("colocated",)) -> 
             for transport, result in zip(transports, results):
                 result.update(engine)
                 try:
-                    _job(transport, result, meta.url, insts["X"], llms["X"], refs)
+                    _job(transport, result, meta.url, insts["X"], llms["X"], refs, model)
                 except Exception as err:  # noqa: BLE001 - recorded; the next transport still runs
                     result["errors"].append(f"{type(err).__name__}: {err}\n{traceback.format_exc()[-4000:]}")
     except Exception as err:  # noqa: BLE001 - recorded
@@ -174,7 +174,7 @@ def sync(graphs: bool = False, transports: tuple[str, ...] = ("colocated",)) -> 
     return results
 
 
-def _job(transport: str, result: dict, meta: str, inst, llm, refs: dict) -> None:
+def _job(transport: str, result: dict, meta: str, inst, llm, refs: dict, model: str = MODEL) -> None:
     """One job (its own name at the MetaServer): a trainer process writes ``STEPS``, X syncs each over ``transport``
     and is compared with the fresh engine on that seed; what each step showed goes to ``result["steps"]``."""
     from vllm_harness import generate, weights
@@ -183,11 +183,11 @@ def _job(transport: str, result: dict, meta: str, inst, llm, refs: dict) -> None
     from weightsync.runtime.reader import WeightReader
     from weightsync.spec import load_spec
 
-    spec = load_spec(MODEL)
+    spec = load_spec(model)
     job = f"fp8-{transport}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=trainer_main, args=(meta, job, q, transport), daemon=True)
+    proc = ctx.Process(target=trainer_main, args=(meta, job, q, transport, model), daemon=True)
     proc.start()
     try:
         t0 = time.perf_counter()
@@ -243,6 +243,8 @@ def main() -> int:
     p.add_argument("--transports", default="colocated",
                    help="comma-separated, in order, each a job into the same engines: colocated, nixl")
     p.add_argument("--graphs", action="store_true", help="engines with torch.compile + CUDA graphs (default eager)")
+    p.add_argument("--model", default=MODEL, help="the sync's preset (FP8 blocks whole: tiny-qwen3-fp8, "
+                                                  "tiny-qwen3-moe-fp8)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -255,8 +257,9 @@ def main() -> int:
     if unknown:
         p.error(f"--transports: unknown {sorted(unknown)}; known: {', '.join(TRANSPORTS)}")
     if not a.skip_sync:
-        for t, r in zip(transports, sync(a.graphs, transports)):
-            name = "fp8_sync.json" if t == "colocated" else f"fp8_sync_{t}.json"
+        for t, r in zip(transports, sync(a.graphs, transports, a.model)):
+            name = ("fp8_sync" + ("" if t == "colocated" else f"_{t}") + ("" if a.model == MODEL else f"_{a.model}")
+                    + ".json")
             with open(out / name, "w") as f:
                 json.dump(r, f, indent=1, default=str)
             print(f"[fp8] {t} sync verified {r['verified']}; errors {r['errors'][:1]}", flush=True)
