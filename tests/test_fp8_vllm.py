@@ -294,6 +294,75 @@ def test_live_model_takes_fp8_experts_on_triton_in_place_and_reruns_deepgemms_st
         LiveModel(_fp8_standin(layout, CutlassFp8BlockScaledMMKernel), bf16, torch.device("cuda"), "stand-in")
 
 
+def test_vllms_own_deepgemm_step_rerun_once_gives_a_fresh_engines_bytes(monkeypatch):
+    """vLLM's DeepGEMM post-load step itself -- ``deepgemm_post_process_fp8_weight_block`` with E8M0 from the
+    installed vLLM (``requant_weight_ue8m0_inplace``: dequantize with the checkpoint's scales, requantize to
+    power-of-two scales) -- driven through LiveModel's ``in-place+requant`` path: an engine loaded from checkpoint A
+    (the step run once, as at load) and then synced to checkpoint B (B's checkpoint form lands in the live weight
+    and scale, ``refresh`` re-runs the step) holds, bit for bit, what an engine loaded from B holds. Run twice on
+    one landing the step gives other bytes (a block whose largest e4m3 value lands on 224 halves its scale), which
+    is why it runs exactly once per landing. DeepGEMM's own ``transform_sf_into_required_layout``, which keeps fp32
+    128 x 128 weight scales as they are on Hopper, does not run on a CPU: the identity stands in for it; the layer
+    modules are stand-ins shaped as vLLM builds them."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.utils import fp8_utils
+
+    from weightsync.engines import make_layout
+    from weightsync.quant.fp8 import quantize_reference
+    from weightsync.quant.layout import fp8_layout
+    from weightsync.spec import load_spec
+    from weightsync.vllm.live import IN_PLACE_REQUANT, LiveModel
+
+    monkeypatch.setattr(fp8_utils, "transform_sf_into_required_layout", lambda sf, **_: sf)
+
+    class DeepGemmFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
+        def process_weights_after_loading(self, layer):  # scaled_mm/deep_gemm.py, less the base's no-op
+            wq, ws = fp8_utils.deepgemm_post_process_fp8_weight_block(
+                wq=layer.weight.data, ws=layer.weight_scale_inv.data, quant_block_shape=(128, 128), use_e8m0=True)
+            layer.weight = torch.nn.Parameter(wq, requires_grad=False)
+            layer.weight_scale_inv = torch.nn.Parameter(ws, requires_grad=False)
+
+    layout = fp8_layout(make_layout(load_spec("tiny-qwen3-fp8"), "vllm:quant=fp8")).layout(0)
+    weights = sorted(n for n, t in layout.tensors.items() if t.dtype == "float8_e4m3fn")
+
+    def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        out = {}
+        for w in weights:
+            q = quantize_reference((torch.randn(layout.tensors[w].shape, generator=g) * 0.05).bfloat16())
+            out[w], out[w + "_scale_inv"] = q.weight, q.scale_inv
+        return out
+
+    def loaded(ckpt: dict[str, torch.Tensor], times: int = 1) -> dict[str, torch.Tensor]:
+        """An engine loaded from ``ckpt``: the checkpoint form in its parameters, the post-load step run."""
+        model = _fp8_standin(layout, DeepGemmFp8BlockScaledMMKernel)
+        params = dict(model.named_parameters())
+        for n, t in ckpt.items():
+            params[n].data.copy_(t)
+        for _ in range(times):
+            for mod in model.modules():
+                if type(getattr(mod, "quant_method", None)).__name__ == "Fp8LinearMethod":
+                    mod.quant_method.fp8_linear.process_weights_after_loading(mod)
+        return model
+
+    a, b = checkpoint(1), checkpoint(2)
+    engine = loaded(a)
+    live = LiveModel(engine, layout, torch.device("cuda"), "stand-in")
+    assert live.report.tensors_on(IN_PLACE_REQUANT) == set(a)
+    for n, t in b.items():  # a step lands B's checkpoint form
+        live.tensors[n].copy_(t)
+    live.refresh()
+    fresh = dict(loaded(b).named_parameters())
+    synced = dict(engine.named_parameters())
+    for n in b:
+        assert torch.equal(synced[n].view(torch.uint8), fresh[n].view(torch.uint8)), n
+        assert synced[n].data_ptr() == live.tensors[n].data_ptr()
+    twice = dict(loaded(b, times=2).named_parameters())
+    assert not all(torch.equal(twice[n].view(torch.uint8), fresh[n].view(torch.uint8)) for n in b)
+    scales = [n for n in b if n.endswith("_scale_inv")]
+    assert all(torch.equal(torch.exp2(torch.log2(fresh[n]).round()), fresh[n]) for n in scales)  # powers of two
+
+
 def test_what_an_fp8_worker_computes_with_travels_back_and_is_compared_by_bits():
     """weightsync.quant.engine_check.computed answers through pickle (weightsync.vllm.rpc): a pickled float8 tensor
     does not load back (torch 2.11 on the GPU host, 2.13 here: UntypedStorage has no dtype), so FP8 parameters go as
