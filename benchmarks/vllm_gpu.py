@@ -77,13 +77,13 @@ def _step(e, name: str, seed: int, fn) -> dict:
     return rec
 
 
-def colo(device: str, out: Path) -> dict:
+def colo(device: str, out: Path, model: str = MODEL) -> dict:
     from weightsync.meta.server import MetaServer
     from weightsync.runtime.reader import WeightReader
     from weightsync.vllm.driver import VLLMWeightSync
     from vllm_harness import Engines, TrainJob, Trainers
 
-    result: dict = {"stage": "colo", "device": device, "model": MODEL, "vllm": _vllm_version(), "steps": [],
+    result: dict = {"stage": "colo", "device": device, "model": model, "vllm": _vllm_version(), "steps": [],
                     "errors": []}
     import torch
 
@@ -92,7 +92,7 @@ def colo(device: str, out: Path) -> dict:
         result["gpu"] = torch.cuda.get_device_name(0)
     root = Path(tempfile.mkdtemp(prefix="vllm-gpu-"))
     with MetaServer().start() as meta:
-        e = Engines.start(MODEL, 1, root, meta, **_llm_kw(device))
+        e = Engines.start(model, 1, root, meta, **_llm_kw(device))
         try:
             result["startup_s"] = e.startup_s
             cc = e.llms["X"].llm_engine.vllm_config.compilation_config
@@ -103,7 +103,7 @@ def colo(device: str, out: Path) -> dict:
                   f"paths {result['paths']}", flush=True)
             # 1. the worker extension: WeightReader(VLLMInstance(llm), colocate=True) into X
             try:
-                job = TrainJob(MODEL, "hf", meta.url, "colo-offline", e.alternating("X", 2), colocate=True,
+                job = TrainJob(model, "hf", meta.url, "colo-offline", e.alternating("X", 2), colocate=True,
                                device=device)
                 with Trainers(job) as trainers:
                     reader = WeightReader(e.insts["X"], meta=meta.url, job=job.job, instance_id=0, instances=1,
@@ -120,7 +120,7 @@ def colo(device: str, out: Path) -> dict:
                 result["errors"].append(f"extension: {type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}")
             # 2. the plug-in backend through vLLM's API: VLLMWeightSync(llm, colocate=True) into Y
             try:
-                job = TrainJob(MODEL, "hf", meta.url, "colo-plugin", e.alternating("Y", 2), colocate=True,
+                job = TrainJob(model, "hf", meta.url, "colo-plugin", e.alternating("Y", 2), colocate=True,
                                device=device)
                 with Trainers(job) as trainers:
                     sync = VLLMWeightSync(e.llms["Y"], meta=meta.url, job=job.job, timeout_s=120,
@@ -167,7 +167,8 @@ def main() -> int:
     p.add_argument("stage", choices=["colo", "bench"])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--model", default="qwen3-8b", help="bench: the preset (colo always uses tiny-qwen3-h64)")
+    p.add_argument("--model", default=None, help="the preset: bench's default qwen3-8b, colo's tiny-qwen3-h64 "
+                                                 "(tiny-deepseek-v3-h64: MLA, shared + routed experts)")
     p.add_argument("--steps", type=int, default=5)
     a = p.parse_args()
     out = Path(a.out)
@@ -176,10 +177,10 @@ def main() -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if a.stage == "colo":
-        r = colo(a.device, out)
+        r = colo(a.device, out, a.model or MODEL)
     else:
-        r = bench(a.device, out, a.model, a.steps)
-    with open(out / f"{a.stage}.json", "w") as f:
+        r = bench(a.device, out, a.model or "qwen3-8b", a.steps)
+    with open(out / (f"{a.stage}.json" if a.model is None else f"{a.stage}_{a.model}.json"), "w") as f:
         json.dump(r, f, indent=1)
     print(f"[{a.stage}] verified {r['verified']}", flush=True)
     return 0 if r["verified"] else 1
