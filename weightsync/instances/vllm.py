@@ -78,6 +78,7 @@ from weightsync.vllm.extension import EXTENSION
 from weightsync.vllm.live import IN_PLACE, LiveReport
 from weightsync.vllm.rpc import CallChannel, pack_call, result
 from weightsync.vllm.side import host_close, host_mailbox, host_setup
+from weightsync.vllm.watch import watch
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -104,6 +105,7 @@ class VLLMInstance:
                               f"with worker_extension_cls={EXTENSION!r} (it has {ext!r})")
         info = describe(vc)
         self.info = info
+        watch(engine)  # a call into an engine core that died fails (vLLM's own client would wait for ever)
         self.engine = info.engine
         self.model_config: dict = info.model_config
         self.world_size = info.tp
@@ -206,7 +208,10 @@ class VLLMInstance:
             return
         from weightsync.vllm.side import refresh
 
+        t0 = time.perf_counter()
         self.call(refresh)  # through the mailbox where it is up
+        # the post-load work a step (re-packs, DeepGEMM's requantization, MLA's derivations): a phase of its own
+        self.last_timing["after_update"] = time.perf_counter() - t0
 
     def pause(self) -> None:
         self.last_timing = {}
