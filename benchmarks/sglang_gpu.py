@@ -1,6 +1,8 @@
 """weightsync into a REAL SGLang engine on one GPU (the SGLang GPU kit, 0.5.14): correctness, faults, the bench.
 
     . .sgkit/go.sh && python benchmarks/sglang_gpu.py colo  --out DIR [--models llama,qwen3,qwen3moe]
+    . .sgkit/go.sh && python benchmarks/sglang_gpu.py colo  --out DIR --models deepseek --no-extras   # MLA, bf16
+    . .sgkit/go.sh && python benchmarks/sglang_gpu.py colo  --out DIR --models deepseek-fp8 --no-extras  # block FP8
     . .sgkit/go.sh && python benchmarks/sglang_gpu.py bench --out DIR [--model qwen3-8b] [--scenarios colo-1gpu,nixl-1gpu]
 
 ``colo``, per model (a small random config of each architecture, bf16, saved with transformers'
@@ -23,6 +25,14 @@ process starts the engine under test on seed 0 with weightsync's loader. Then:
    held checkpoint, then with one element flipped (named) and flipped back;
 5. a trainer killed with its step announced (first model only; co-located, then NIXL): a staged reader takes the
    step whole or fails within its deadline; the engine serves exactly one of the two steps after.
+
+``deepseek`` / ``deepseek-fp8`` (DeepSeek-V3-shaped: MLA with q_lora_rank, shared + routed experts, a dense first
+layer, noaux_tc; bf16 from ``save_pretrained``, block FP8 from ``save_checkpoint(dir, quant="fp8")``): the same
+co-located steps; with FP8 the trainer's fp8 codec quantizes each bucket (integrity 0) and the engine's e4m3 weights
+and fp32 scales take it in place; "every tensor the engine computes with" includes MLA's derived ``w_kc`` / ``w_vc``
+(re-derived by the model's ``post_load_weights`` after every update) and the FP8 KV-cache scales; the record says
+which FP8 GEMM and MoE runner the engine chose (``methods``) and each layer's path (``paths``). Written 2026-12-07,
+**not yet run on a GPU**.
 
 ``bench``: ``weightsync.bench.run.run(scenario, model, receiver="sglang")`` then ``receiver="faithful"``,
 each with its device-copy ceiling measured in the same run. Every stage records what failed instead of
@@ -60,6 +70,16 @@ MODELS = {
                      num_experts_per_tok=2),
 }
 OTHER = dict(MODELS["llama"], hidden_size=128, intermediate_size=256, num_attention_heads=2)  # the mismatched trainer
+#: DeepSeek-V3-shaped (weightsync/spec/presets/tiny-deepseek-v3-fp8.json: MLA with q_lora_rank 128, kv_lora_rank 512 +
+#: rope 64, 8 routed + 1 shared expert, a dense first layer, noaux_tc; every linear a whole number of 128 x 128 blocks),
+#: vocab 512 as the others. ``deepseek`` is saved in bf16 (save_pretrained), ``deepseek-fp8`` in block FP8
+#: (``save_checkpoint(dir, quant="fp8")``): the engine holds e4m3 weights with fp32 scales and derives w_kc/w_vc
+#: (bf16) from the dequantized kv_b_proj in post_load_weights (docs/sglang.md §7)
+_DSV3 = json.loads((HERE.parent / "weightsync" / "spec" / "presets" / "tiny-deepseek-v3-fp8.json").read_text())
+MODELS["deepseek"] = dict(_DSV3, vocab_size=512, bos_token_id=1, eos_token_id=2)
+MODELS["deepseek-fp8"] = MODELS["deepseek"]
+#: models whose checkpoints (and so the engines) are block FP8: their jobs run the fp8 codec (integrity 0)
+FP8 = ("deepseek-fp8",)
 
 
 def log(*a) -> None:
@@ -81,9 +101,25 @@ def weights(spec, seed: int) -> dict:
     return out
 
 
-def save(cfg: dict, seed: int, directory: Path) -> Path:
-    """The trainer's checkpoint of a seed: transformers' ``save_pretrained`` of the model holding those weights."""
+def save(cfg: dict, seed: int, directory: Path, quant: str | None = None) -> Path:
+    """The trainer's checkpoint of a seed: transformers' ``save_pretrained`` of the model holding those weights; with
+    ``quant="fp8"`` weightsync's ``save_checkpoint(dir, quant="fp8")`` of them (one HF training rank on CPU): every
+    linear weight in 128 x 128 block FP8 beside its ``weight_scale_inv``, ``quantization_config`` in config.json."""
     import torch
+
+    if quant is not None:
+        from weightsync.bind.train import HFTrainEngine
+        from weightsync.checkpoint import save_checkpoint
+        from weightsync.checkpoint.hf import build_hf_model
+        from weightsync.layout.materialize import fill_from
+        from weightsync.spec.model import spec_from_config
+
+        spec = spec_from_config(cfg)
+        bound = HFTrainEngine(build_hf_model(spec, seed=0)).bound
+        with torch.no_grad():
+            fill_from(bound.layout, bound.tensors, weights(spec, seed))
+        save_checkpoint(bound, directory, quant=quant)
+        return directory
 
     from weightsync.engines.hf import HFLayout
     from weightsync.layout.materialize import fill_from
@@ -96,8 +132,10 @@ def save(cfg: dict, seed: int, directory: Path) -> Path:
 
     spec = spec_from_config(cfg)
     model = build_hf_model(spec)
+    live = dict(model.named_parameters())
+    live.update((n, b) for n, b in model.named_buffers() if n in spec.by_name)  # DeepSeek's e_score_correction_bias
     with torch.no_grad():
-        fill_from(HFLayout(spec).layout(0), dict(model.named_parameters()), weights(spec, seed))
+        fill_from(HFLayout(spec).layout(0), live, weights(spec, seed))
     model.save_pretrained(str(directory))
     return directory
 
@@ -157,7 +195,7 @@ def bad_main(path: str, out: str) -> int:
 
 
 def trainer_main(cfg_path: str, meta: str, job: str, steps: list, colocate: bool, transport: str, timeout: float,
-                 port: int, q, die_after_written: int | None = None) -> None:
+                 port: int, q, die_after_written: int | None = None, integrity: int | None = None) -> None:
     """A training process on cuda:0: transformers weights filled per step with a seed's, written by a WeightWriter.
     ``die_after_written``: SIGKILL itself right after the MetaServer recorded that step written (the fault case:
     its weights announced, the instance not yet holding them)."""
@@ -177,8 +215,8 @@ def trainer_main(cfg_path: str, meta: str, job: str, steps: list, colocate: bool
                                 timeout=datetime.timedelta(seconds=timeout))
         spec = load_spec(cfg_path)
         bound = build_trainer(spec, "hf", 0, 1, same_start=False, device="cuda").bound
-        writer = WeightWriter(bound, meta=meta, job=job, timeout_s=timeout, colocate=colocate,
-                              transport=transport).connect()
+        writer = WeightWriter(bound, meta=meta, job=job, timeout_s=timeout, colocate=colocate, transport=transport,
+                              **({} if integrity is None else {"integrity": integrity})).connect()
         if die_after_written is not None:
             import os
             import signal
@@ -226,7 +264,7 @@ def _wait_json(p: subprocess.Popen, out: Path, log_path: Path, timeout: float) -
 
 class Trainer:
     def __init__(self, cfg_path: Path, meta: str, job: str, steps: list, colocate: bool, transport: str = "p2p",
-                 timeout: float = 120.0, die_after_written: int | None = None):
+                 timeout: float = 120.0, die_after_written: int | None = None, integrity: int | None = None):
         import multiprocessing as mp
 
         from weightsync.transport.group import free_port
@@ -234,7 +272,8 @@ class Trainer:
         ctx = mp.get_context("spawn")
         self.q = ctx.Queue()
         self.p = ctx.Process(target=trainer_main, args=(str(cfg_path), meta, job, steps, colocate, transport, timeout,
-                                                       free_port(), self.q, die_after_written), daemon=True)
+                                                       free_port(), self.q, die_after_written, integrity),
+                             daemon=True)
         self.p.start()
 
     def result(self, timeout: float = 60.0):
@@ -259,7 +298,7 @@ def _check(own, spec, cfg: dict, ref: dict, seed: int, step: int) -> dict:
     diff = differences(mine, ref["digests"][0])
     tokens = own.tokens()
     return {"loaded_exact": not problems, "loaded_problems": problems[:5], "computed_equal": not diff,
-            "computed_diff": diff[:10], "tensors_compared": len(mine), "tokens": tokens,
+            "computed_diff": diff[:10], "tensors_compared": len(mine), "computed_names": sorted(mine), "tokens": tokens,
             "tokens_equal": tokens == ref["tokens"], "served_version": inst.served_version,
             "version_ok": inst.served_version == str(step)}
 
@@ -268,11 +307,12 @@ def _sync_steps(own, spec, cfg, cfg_path: Path, refs: dict, meta, job: str, step
                 transport: str, result: dict) -> None:
     from weightsync.runtime.reader import WeightReader
 
-    trainer = Trainer(cfg_path, meta.url, job, steps, colocate, transport)
+    fp8 = {"integrity": 0} if "quant=fp8" in own.instance.engine else {}  # the fp8 codec runs without integrity sums
+    trainer = Trainer(cfg_path, meta.url, job, steps, colocate, transport, **fp8)
     reader = None
     try:
         reader = WeightReader(own.instance, meta=meta.url, job=job, instance_id=0, instances=1, timeout_s=120,
-                              colocate=colocate, transport=transport).connect()
+                              colocate=colocate, transport=transport, **fp8).connect()
         for step, seed in steps:
             t0 = time.perf_counter()
             reader.update(step)
@@ -422,7 +462,7 @@ def colo(out: Path, models: list[str], first_extras: bool = True) -> dict:
             result["models"][name] = res
             d = root / name
             try:
-                paths = {s: save(cfg, s, d / f"seed{s}") for s in SEEDS}
+                paths = {s: save(cfg, s, d / f"seed{s}", "fp8" if name in FP8 else None) for s in SEEDS}
                 cfg_path = paths[0]
                 procs = {}
                 for s in (1, 2):
@@ -437,8 +477,13 @@ def colo(out: Path, models: list[str], first_extras: bool = True) -> dict:
                 res["api"] = own.instance.api
                 res["engine"] = own.instance.engine
                 res["mailbox"] = own.instance.mailbox  # the call mailbox started (0.5.14: expected)
+                res["paths"] = own.instance.paths  # per rank: layers in-place / constant / derived (sglang/live.py)
+                from weightsync.sglang.verify import methods
+
+                res["methods"] = own.instance.call(methods)[0]  # quant methods, FP8 GEMM and MoE runner chosen
                 log(f"[{name}] engine up in {res['startup_s']:.1f} s (decode CUDA graphs {res['cuda_graph']}, "
-                    f"API {res['api']}, layout {res['engine']})")
+                    f"API {res['api']}, layout {res['engine']}, paths {res['paths']}, kernels "
+                    f"{sorted(set(res['methods'].values()))})")
                 try:
                     refs = {s: _wait_json(procs[s], d / f"ref{s}.json", d / f"ref{s}.log", 400) for s in (1, 2)}
                     for s, r in refs.items():

@@ -120,6 +120,26 @@ def test_other_architectures_colocated_bit_exact(others, model):
     _assert_steps(res, {f"{model}-colo"})
 
 
+@pytest.mark.parametrize("model", ["deepseek", "deepseek-fp8"])
+def test_deepseek_v3_shaped_mla_in_bf16_and_block_fp8_colocated_bit_exact(model):
+    """DeepSeek-V3-shaped (MLA with q_lora_rank, shared + routed experts, a dense first layer, noaux_tc), bf16 from
+    ``save_pretrained`` and block FP8 from ``save_checkpoint(dir, quant="fp8")``: three co-located steps, after each
+    every tensor the engine computes with -- FP8 weights and scales, MLA's derived ``w_kc``/``w_vc`` (re-derived by
+    ``post_load_weights``), the KV-cache scales -- equal to a FRESH engine's on that step's checkpoint, greedy tokens
+    equal. On Hopper's default kernels no layer is refused (docs/sglang.md §7). Written 2026-12-07; not yet run."""
+    res = _colo(model, "--no-extras")["models"][model]
+    _assert_steps(res, {f"{model}-colo"})
+    fp8 = model.endswith("fp8")
+    assert res["engine"].endswith("quant=fp8") == fp8, res["engine"]
+    (paths,) = res["paths"]
+    assert paths.get("derived") == 2 and (paths.get("constant") == 4) == fp8, paths  # 2 MLA layers; 2 x 2 RadixAttention
+    kinds = set(res["methods"].values())
+    if fp8:  # the GEMM SGLang picked on this host (DeepGEMM where sgl-deep-gemm imports, else CUTLASS) and Triton experts
+        assert any(k.startswith("Fp8LinearMethod/") for k in kinds) and "Fp8MoEMethod/triton" in kinds, kinds
+    derived = [n for n in res["steps"][0].get("computed_names", []) if n.startswith("derived:")]
+    assert not res["steps"][0].get("computed_names") or len(derived) == 4, derived
+
+
 #: the demo's model: a tiny Qwen3 whose shapes the kit's prebuilt JIT kernels cover (head_dim 64, 2 KV heads)
 DEMO_MODEL = dict(json.loads((ROOT / "weightsync" / "spec" / "presets" / "tiny-qwen3-h64.json").read_text()),
                   num_key_value_heads=2)

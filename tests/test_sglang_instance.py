@@ -1759,3 +1759,408 @@ def test_the_switch_interval_call_sets_and_restores_the_workers_gil_interval(loo
         assert set(inst.call(switch_interval, None)) == {0.001}
     finally:
         sys.setswitchinterval(before)
+
+
+# -- SGLang 0.5.14's block-FP8 and MLA forms (docs/sglang.md §7) ------------------------------------------------------
+#
+# weightsync's classification, landing and re-derivation against STAND-INS of SGLang's model tree
+# (tests/sglang_standin.py: the module/parameter structure and the attributes weightsync reads, cited to 0.5.14's
+# source; test aids, not evidence that SGLang behaves so). The real engine runs on the GPU host
+# (benchmarks/sglang_gpu.py colo --models deepseek,deepseek-fp8; tests/test_gpu_sglang.py). Where SGLang 0.5.14's
+# source is at hand (WEIGHTSYNC_SGLANG_SRC naming the unpacked sglang==0.5.14 wheel, WEIGHTSYNC_SGLANG_DEPS a
+# `pip install --target` folder with orjson, transformers==5.8.1, tokenizers==0.22.2 and huggingface-hub<2: what it
+# imports with), test_against_sglang_0514s_own_functions runs SGLang's own pure-torch functions on CPU in a child
+# process (tests/sglang_0514.py) with the module flags an H100 gives them (CUDA, not FNUZ, DeepGEMM's JIT on,
+# DEEPGEMM_SCALE_UE8M0 off): its Fp8LinearMethod / Fp8MoEMethod / Fp8KVCacheMethod objects as weightsync classifies
+# them and what their process_weights_after_loading leaves, and its DeepseekV2WeightLoaderMixin.post_load_weights (bf16
+# and block-FP8 kv_b_proj) against the stand-in's copy and after weightsync's re-derivation.
+
+from pathlib import Path  # noqa: E402
+import subprocess  # noqa: E402
+
+from helpers import tiny  # noqa: E402
+from sglang_standin import flashinfer_gemm_w8a8_block_fp8_linear_with_fallback, fresh, load, standin  # noqa: E402
+
+from weightsync.sglang.live import CONSTANT, DERIVED, IN_PLACE, classify  # noqa: E402
+from weightsync.sglang.verify import checkpoint_form, computed, held_layout, loaded_problems  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MODEL = "tiny-deepseek-v3-fp8"
+FP8_QC = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def _engine(fp8: bool) -> str:
+    return "sglang:quant=fp8" if fp8 else "sglang"
+
+
+def _setup(fp8: bool, seed: int = 0):
+    """A stand-in worker (TP=1) of the DeepSeek-V3-shaped preset loaded from the checkpoint of ``seed``."""
+    cfg = dict(preset(MODEL))
+    held = held_layout(cfg, _engine(fp8))
+    ck = checkpoint_form(random_canonical(spec_from_config(cfg), seed=seed), held)
+    return cfg, held, ck, fresh(cfg, held.layout(0), ck, fp8)
+
+
+def _everything(root) -> dict[str, torch.Tensor]:
+    return computed(types.SimpleNamespace(state={"model": root}))
+
+
+# -- what each layer takes ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_deepseek_worker_takes_every_layer_in_place_its_kv_scales_constant_and_mla_derived(fp8):
+    cfg, held, _, root = _setup(fp8)
+    report = classify(root, fp8=fp8)
+    assert report.refusals == []
+    layers = 2
+    assert report.counts() == {IN_PLACE: 25, **({CONSTANT: 2 * layers} if fp8 else {}), DERIVED: layers}
+    assert report.path_of("model.layers.1.self_attn.kv_b_proj") == IN_PLACE
+    assert report.path_of("model.layers.0.self_attn") == DERIVED
+    assert {(d.layer, d.attr) for d in report.derived} == {(f"model.layers.{i}.self_attn", a) for i in range(layers)
+                                                          for a in ("w_kc", "w_vc")}
+    # what a step writes is exactly the layout as the engine holds it: the constant KV scales are no layout tensor
+    written = {n for p in report.layers if p.path == IN_PLACE for n in p.tensors}
+    assert written == set(held.layout(0).tensors)
+    assert set(report.constants) == ({f"model.layers.{i}.self_attn.{a}.{s}" for i in range(layers)
+                                      for a in ("attn_mqa", "attn_mha") for s in ("k_scale", "v_scale")} if fp8 else set())
+    kernel = [p.detail for p in report.layers if p.layer.endswith("o_proj")][0]
+    assert ("cutlass_w8a8_block_fp8_linear_with_fallback" in kernel) == fp8
+
+
+def _refusal(root, fp8=True) -> str:
+    (one,) = classify(root, fp8=fp8).refusals
+    return one
+
+
+def test_every_fp8_form_weightsync_does_not_land_is_refused_by_name():
+    cfg, held, ck, _ = _setup(True)
+    layout = held.layout(0)
+
+    def worker(change):
+        root = load(standin(cfg, layout, True), layout, ck)
+        mods = dict(root.named_modules())
+        change(mods)
+        return root
+
+    o = "model.layers.1.self_attn.o_proj"
+    ex = "model.layers.1.mlp.experts"
+    cases = [
+        (lambda m: setattr(m[o].quant_method, "block_quant", False), f"{o}: .*per-tensor/channel FP8.*weight.t\\(\\)"),
+        (lambda m: setattr(m[o].weight_scale_inv, "format_ue8m0", True), f"{o}: .*UE8M0.*Blackwell"),
+        (lambda m: setattr(m[o].quant_method, "use_marlin", True), f"{o}: .*Marlin"),
+        (lambda m: setattr(m[o].quant_method, "use_mxfp8", True), f"{o}: .*MXFP8"),
+        (lambda m: setattr(m[o].quant_method, "is_checkpoint_fp8_serialized", False), f"{o}: .*quantized online"),
+        (lambda m: setattr(m[o].quant_method, "w8a8_block_fp8_linear",
+                           flashinfer_gemm_w8a8_block_fp8_linear_with_fallback),
+         f"{o}: .*flashinfer_gemm_w8a8_block_fp8_linear_with_fallback: a GEMM whose post-load form"),
+        (lambda m: setattr(m[ex].quant_method.runner.runner_backend, "value", "flashinfer_trtllm"),
+         f"{ex}: fused MoE with Fp8MoEMethod on flashinfer_trtllm: that runner re-lays"),
+        (lambda m: setattr(m[ex].quant_method.runner.runner_backend, "value", "deep_gemm"), f"{ex}: .*on deep_gemm"),
+        (lambda m: setattr(m[ex].quant_method, "block_quant", False), f"{ex}: .*per-tensor FP8"),
+        (lambda m: setattr(m[ex].quant_method, "is_fp4_expert", True), f"{ex}: .*MXFP4 experts"),
+        (lambda m: setattr(m[ex], "quant_method", type("Mxfp4FlashinferCutlassMoEMethod", (), {})()),
+         f"{ex}: quant method Mxfp4FlashinferCutlassMoEMethod"),
+        (lambda m: setattr(m[o], "quant_method", type("ModelOptFp4LinearMethod", (), {})()),
+         f"{o}: quant method ModelOptFp4LinearMethod"),
+        (lambda m: setattr(m["model.layers.0.self_attn.attn_mqa"], "k_scale_float", 0.5),
+         "model.layers.0.self_attn.attn_mqa: .*KV-cache scales"),
+        (lambda m: setattr(m["model.layers.0.self_attn"], "w_kc", None),
+         "model.layers.0.self_attn: .*MLA attention.*no w_kc / w_vc"),
+    ]
+    import re
+
+    for change, want in cases:
+        got = _refusal(worker(change))
+        assert re.search(want, got), (want, got)
+    # an FP8 engine under a layout that is not quant=fp8: every FP8 layer named
+    root = worker(lambda m: None)
+    fp8_layers = [n for n, m in root.named_modules() if type(getattr(m, "quant_method", None)).__name__ in
+                  ("Fp8LinearMethod", "Fp8MoEMethod")]
+    refusals = classify(root, fp8=False).refusals
+    assert [r.split(":")[0] for r in refusals] == fp8_layers and len(fp8_layers) == 13
+    assert all("not quant=fp8" in r for r in refusals)
+
+
+def test_quantization_reads_the_checkpoint_and_refuses_all_but_block_fp8_by_name():
+    from weightsync.instances.sglang import quantization
+
+    assert quantization({}, {}) == 0 and quantization({"quantization_config": FP8_QC}, {}) == 1
+    assert quantization({"quantization_config": FP8_QC}, {"quantization": "fp8"}) == 1
+    for qc, args, want in (
+        ({}, {"quantization": "fp8"}, "quantizes an unquantized checkpoint itself"),
+        ({"quant_method": "mxfp4"}, {}, "mxfp4|MXFP4"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, {}, "NVFP4"),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, {}, "per-tensor FP8"),
+        (dict(FP8_QC, ignored_layers=["model.layers.0.mlp.down_proj"]), {}, "unquantized"),
+        (FP8_QC, {"quantization": "w8a8_fp8"}, "without --quantization"),
+    ):
+        with pytest.raises(ConfigError, match=want):
+            quantization({"quantization_config": qc} if qc else {}, args)
+
+
+# -- the derived tensors after a step ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_landing_a_step_and_re_deriving_once_gives_a_fresh_engines_every_tensor_in_the_same_storage(fp8):
+    """The checkpoint form of step B landed into a worker loaded from A, then weightsync's refresh (the model's own
+    post_load_weights, once): every parameter and every derived w_kc / w_vc equal a fresh engine's on B, bit for
+    bit; nothing moved. Without the refresh the derived tensors are A's, silently."""
+    from weightsync.layout.materialize import fill_from
+    from weightsync.sglang.live import refresh
+
+    cfg, held, _, live = _setup(fp8, seed=1)
+    layout = held.layout(0)
+    report = classify(live, fp8=fp8)
+    ptrs = {n: t.data_ptr() for n, t in live.named_parameters()}
+    ck_b = checkpoint_form(random_canonical(spec_from_config(cfg), seed=2), held)
+    want = _everything(fresh(cfg, layout, ck_b, fp8))
+    with torch.no_grad():
+        fill_from(layout, dict(live.named_parameters()), ck_b)
+    stale = _everything(live)
+    assert sorted(n for n in want if not same(stale[n], want[n])) == sorted(
+        f"derived:model.layers.{i}.self_attn.{a}" for i in range(2) for a in ("w_kc", "w_vc"))
+    assert refresh(live, report.derived) and live.post_loads == 2
+    got = _everything(live)
+    assert got.keys() == want.keys() and [n for n in want if not same(got[n], want[n])] == []
+    assert ptrs == {n: t.data_ptr() for n, t in live.named_parameters()}
+    assert [d for d in report.derived if getattr(dict(live.named_modules())[d.layer], d.attr).data_ptr() != d.ptr] == []
+    if fp8:
+        assert got["derived:model.layers.0.self_attn.w_kc"].dtype == torch.bfloat16  # dequantized, as SGLang does
+
+
+def test_a_post_load_weights_that_re_assigns_the_derived_tensors_is_named():
+    from weightsync.sglang.live import refresh
+
+    _, _, _, live = _setup(True)
+    report = classify(live, fp8=True)
+    attn = live.model.layers[1].self_attn
+    attn.w_kc = attn.w_kc.clone()  # a re-assignment (what bind_or_assign avoids): the old storage is what graphs hold
+    with pytest.raises(WeightsMoved, match=r"model.layers.1.self_attn.w_kc"):
+        refresh(live, report.derived)
+
+
+def test_loaded_problems_compare_the_fp8_checkpoint_form_scales_included():
+    cfg, held, _, root = _setup(True, seed=4)
+    ctx = types.SimpleNamespace(rank=0, tensors=dict(root.named_parameters()), state={"model": root})
+    canonical = random_canonical(spec_from_config(cfg), seed=4)
+    assert loaded_problems(ctx, canonical, cfg, "sglang:quant=fp8") == []
+    with torch.no_grad():
+        root.model.layers[1].self_attn.kv_b_proj.weight_scale_inv[0, 0] *= 2
+    (p,) = loaded_problems(ctx, canonical, cfg, "sglang:quant=fp8")
+    assert "kv_b_proj.weight_scale_inv <- model.layers.1.self_attn.kv_b_proj.weight_scale_inv" in p
+
+
+# -- SGLangInstance over a stand-in engine ----------------------------------------------------------------------------
+
+
+def _fake_sglang() -> None:
+    """``import sglang`` and ``sglang.srt.managers.io_struct`` answered by stand-in modules (test aid)."""
+    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
+    for cls in (PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightVersionReqInput):
+        setattr(io_struct, cls.__name__, cls)
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["sglang.srt.managers.io_struct"] = io_struct
+    sys.modules["sglang.srt.managers"].io_struct = io_struct
+
+
+def stand_in_engine(directory: str, cfg: dict, fp8: bool, seed: int = 0, **args):
+    """A stand-in 0.5.14 engine (tests/test_sglang_instance.py) serving one stand-in DeepSeek worker loaded from the
+    checkpoint of ``seed``; its model folder holds the config (with ``quantization_config`` for FP8)."""
+    Path(directory, "config.json").write_text(json.dumps(dict(cfg, **({"quantization_config": FP8_QC} if fp8 else {}))))
+    held = held_layout(cfg, _engine(fp8))
+    ck = checkpoint_form(random_canonical(spec_from_config(cfg), seed=seed), held)
+    return StandInEngine0514(directory, [fresh(cfg, held.layout(0), ck, fp8)], **args), held
+
+
+def write_checkpoint(ctx, checkpoint, cfg, engine):
+    from weightsync.layout.materialize import fill_from
+
+    fill_from(held_layout(cfg, engine).layout(ctx.rank), ctx.tensors, checkpoint)
+    return ctx.rank
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_sglang_instance_takes_a_deepseek_engine_and_re_derives_once_per_update(tmp_path, fake_sglang, fp8):
+    import weightsync.instances.sglang as S
+
+    cfg = preset(MODEL)
+    eng, held = stand_in_engine(str(tmp_path), cfg, fp8)
+    inst = S.SGLangInstance(eng, timeout_s=30)
+    try:
+        assert inst.engine == ("sglang:fuse_shared=0,quant=fp8" if fp8 else "sglang:fuse_shared=0")
+        assert inst.paths == [{IN_PLACE: 25, **({CONSTANT: 4} if fp8 else {}), DERIVED: 2}]
+        (root,) = eng.models
+        ptrs = {n: t.data_ptr() for n, t in root.named_parameters()}
+        for seed in (5, 6):
+            canonical = random_canonical(spec_from_config(cfg), seed=seed)
+            ck = checkpoint_form(canonical, held)
+            before = root.post_loads
+            inst.pause()
+            inst.call(write_checkpoint, ck, cfg, inst.engine)
+            inst.after_update()
+            inst.resume()
+            assert root.post_loads == before + 1  # once per landing
+            want = _everything(fresh(cfg, held.layout(0), ck, fp8))
+            got = _everything(root)
+            assert [n for n in want if not same(got[n], want[n])] == []
+            assert inst.call(loaded_problems, canonical, cfg, inst.engine) == [[]]
+        assert ptrs == {n: t.data_ptr() for n, t in root.named_parameters()}
+    finally:
+        inst.close()
+
+
+def test_sglang_instance_refuses_an_mxfp4_checkpoint_and_an_fp8_form_it_does_not_land_before_any_byte(tmp_path,
+                                                                                                       fake_sglang):
+    import weightsync.instances.sglang as S
+
+    cfg = preset(MODEL)
+    eng, _ = stand_in_engine(str(tmp_path), cfg, True)
+    Path(tmp_path, "config.json").write_text(json.dumps(dict(cfg, quantization_config={"quant_method": "mxfp4"})))
+    with pytest.raises(ConfigError, match=r"nothing was sent to it.*MXFP4") as e:
+        S.SGLangInstance(eng, timeout_s=30)
+    assert "\n" not in str(e.value) and eng.models[0].post_loads == 1  # the fresh load's only
+    eng, _ = stand_in_engine(str(tmp_path), cfg, True)
+    o = dict(eng.models[0].named_modules())["model.layers.1.mlp.shared_experts.down_proj"]
+    o.weight_scale_inv.format_ue8m0 = True
+    before = _everything(eng.models[0])
+    with pytest.raises(ConfigError, match=r"1 layers hold a form weightsync cannot write in place.*\n  model.layers.1.mlp."
+                                          r"shared_experts.down_proj: .*UE8M0"):
+        S.SGLangInstance(eng, timeout_s=30)
+    after = _everything(eng.models[0])
+    assert all(same(before[n], after[n]) for n in before) and eng.models[0].post_loads == 1
+
+
+def test_a_tp2_ep2_fp8_deepseek_layout_matches_the_stand_in_workers(tmp_path, fake_sglang):
+    """Two ranks, experts split in two: each rank's FP8 parameters (fused q_a/kv_a, kv_b by heads, w13/w2 blocks and
+    their scales) are the layout's, and a landed checkpoint re-derives w_kc / w_vc per rank as a fresh load does."""
+    import weightsync.instances.sglang as S
+
+    cfg = dict(tiny(MODEL, intermediate_size=512, moe_intermediate_size=256).config)
+    engine = "sglang:tp=2,ep=2,quant=fp8"
+    held = held_layout(cfg, engine)
+    Path(tmp_path, "config.json").write_text(json.dumps(dict(cfg, quantization_config=FP8_QC)))
+    ck = checkpoint_form(random_canonical(spec_from_config(cfg), seed=0), held)
+    eng = StandInEngine0514(str(tmp_path), [fresh(cfg, held.layout(r), ck, True) for r in range(2)], ep_size=2)
+    inst = S.SGLangInstance(eng, timeout_s=30)
+    try:
+        assert inst.engine == "sglang:tp=2,ep=2,fuse_shared=0,quant=fp8" and len(inst.paths) == 2
+        ck2 = checkpoint_form(random_canonical(spec_from_config(cfg), seed=9), held)
+        inst.pause()
+        inst.call(write_checkpoint, ck2, cfg, engine)
+        inst.after_update()
+        inst.resume()
+        for r, root in enumerate(eng.models):
+            want, got = _everything(fresh(cfg, held.layout(r), ck2, True)), _everything(root)
+            assert [n for n in want if not same(got[n], want[n])] == [], r
+    finally:
+        inst.close()
+
+
+# -- a whole job: a trainer process, the fp8 codec, a stand-in engine -------------------------------------------------
+
+
+def reader_sglang(emit, inst: int, meta: str, job: dict) -> None:
+    """An instance process: SGLangInstance over a stand-in 0.5.14 engine holding a stand-in DeepSeek worker (TP=1),
+    a real WeightReader; after each step every parameter and derived tensor is compared with a fresh stand-in engine
+    on that step's checkpoint form, and every parameter's storage with what it was."""
+    import tempfile
+
+    from e2e import step_canonical
+
+    from weightsync.local.events import Ready, StepDone
+    from weightsync.runtime.reader import WeightReader
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(HERE))
+    _fake_sglang()
+    import weightsync.instances.sglang as S
+
+    cfg, fp8 = preset(job["model"]), job["fp8"]
+    eng, held = stand_in_engine(tempfile.mkdtemp(), cfg, fp8, seed=77)
+    instance = S.SGLangInstance(eng, timeout_s=job["timeout"])
+    (root,) = eng.models
+    ptrs = {n: t.data_ptr() for n, t in root.named_parameters()}
+    try:
+        r = WeightReader(instance, meta=meta, job=job["job"], instance_id=inst, instances=1, timeout_s=job["timeout"],
+                         token=job["token"], bucket_bytes=job["bucket_bytes"], integrity=0).connect()
+        emit(Ready(emit.participant))
+        for step in range(1, job["steps"] + 1):
+            before = root.post_loads
+            r.update(step)
+            want = _everything(fresh(cfg, held.layout(0), checkpoint_form(step_canonical(spec_from_config(cfg), step),
+                                                                          held), fp8))
+            got = _everything(root)
+            problems = tuple(f"{n} differs" for n in want if not same(got[n], want[n]))
+            problems += tuple(f"{n} moved" for n, t in root.named_parameters() if t.data_ptr() != ptrs[n])
+            if root.post_loads != before + 1:
+                problems += (f"post_load_weights ran {root.post_loads - before} times",)
+            emit(StepDone(emit.participant, step, 0.0, 0, not problems, version=r.version, problems=problems))
+        r.close()
+    finally:
+        instance.close()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_trainer_process_syncs_a_deepseek_into_the_stand_in_engine_bit_exact_to_a_fresh_one(fp8):
+    """A real transformers training process (DeepSeek-V3-shaped, bf16) and a real WeightReader over p2p into the
+    stand-in engine; with quant=fp8 the trainer's fp8 codec quantizes each bucket and the worker lands the e4m3 bytes
+    and scales. Every step: everything the stand-in computes with equals a fresh stand-in on the step's checkpoint."""
+    from e2e import trainer
+
+    from weightsync.local.events import Participant, StepDone
+    from weightsync.local.runner import LocalJob
+    from weightsync.transport.group import free_port
+
+    job = {"job": f"sglang-dsv3-{'fp8' if fp8 else 'bf16'}", "steps": 2, "timeout": 90.0, "bucket_bytes": 1 << 20,
+           "integrity": 0, "model": MODEL, "train": "hf", "fp8": fp8}
+    with LocalJob(deadline_s=job["timeout"] * 4, stop_on_failure=False, exit_grace_s=5.0) as local:
+        job["token"] = local.job_token(job["job"])
+        local.add(Participant.trainer(0), trainer, 0, 1, free_port(), local.meta_url, job)
+        local.add(Participant.instance(0), reader_sglang, 0, local.meta_url, job)
+        result = local.run()
+    assert not result.failures, "\n".join(f"{f.line()}\n{f.traceback}" for f in result.failures)
+    done = result.of(StepDone)
+    assert [d.step for d in done] == [1, 2], result.events
+    for d in done:
+        assert d.problems == () and d.version == d.step, d
+
+
+# -- against SGLang 0.5.14's own functions (skipped without its source) -----------------------------------------------
+
+SRC = os.environ.get("WEIGHTSYNC_SGLANG_SRC")
+DEPS = os.environ.get("WEIGHTSYNC_SGLANG_DEPS", "")
+
+
+@pytest.mark.skipif(not SRC, reason="WEIGHTSYNC_SGLANG_SRC (SGLang 0.5.14's unpacked wheel) not set")
+def test_against_sglang_0514s_own_functions(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in [DEPS, SRC, str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")] if p))
+    p = subprocess.run([sys.executable, str(HERE / "sglang_0514.py"), "real", str(tmp_path / "real.json")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    r = json.loads((tmp_path / "real.json").read_text())
+    assert r["sglang"] == "0.5.14", r
+    for gemm in ("deepgemm_w8a8_block_fp8_linear_with_fallback", "cutlass_w8a8_block_fp8_linear_with_fallback"):
+        g = r[gemm]
+        assert g["refusals"] == [] and g["kept"] and g["moe_runner"] == "triton", g
+        assert g["paths"] == {"lin": IN_PLACE, "moe": IN_PLACE, "attn": CONSTANT}, g
+        assert g["constants"] == ["attn.k_scale", "attn.v_scale"], g
+    for kind in ("bf16", "fp8"):
+        m = r[f"mla_{kind}"]
+        assert m["standin_copy_equal"] and m["resynced_equal"] and m["refusals"] == [], m
+        assert m["w_kc_dtype"] == "torch.bfloat16" and m["w_scale"] == 1.0, m
+        assert len(m["derived"]) == 4, m
+    assert r["block_quant_dequant_equal"]
+
+

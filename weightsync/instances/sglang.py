@@ -57,10 +57,15 @@ scheduler without 0.5.14's loop) goes through ``update_weights_from_tensor`` as 
   never withhold: the live weights keep the previous step.
 - Deadlines: a call's deadline is :func:`weightsync.runtime.worker.call_timeout` of the timeout given (within
   2x it); an overrun raises :class:`WorkerTimeout` naming the call and the deadline.
-- Post-load transforms (§2): the model's ``post_load_weights()`` (MLA ``w_kc``/``w_vc``) is re-run by
-  ``after_update`` where the model has one; Llama/Qwen2/Qwen3/Qwen3-MoE have none, and no call is made.
-  Layers whose live form weightsync does not produce (quantized methods, AMX-packed CPU weights,
-  ``[up; gate]``, transposed or interleaved experts, AITER-shuffled experts) are refused at construction.
+- Post-load transforms (§2, docs/sglang.md §7): every worker classifies its layers at set-up
+  (:mod:`weightsync.sglang.live`: in-place, constant, derived). The model's ``post_load_weights()`` (MLA
+  ``w_kc``/``w_vc``, from a bf16 or block-FP8 ``kv_b_proj``) is re-run once by ``after_update`` where the model has
+  one, its derived tensors checked unmoved; Llama/Qwen2/Qwen3/Qwen3-MoE have none, and no call is made. A
+  checkpoint in 128 x 128 block FP8 (``quantization_config``) makes the layout ``quant=fp8``: ``Fp8LinearMethod`` /
+  ``Fp8MoEMethod`` (Triton experts) keep the checkpoint form on Hopper's default kernels and take steps in place.
+  Layers whose live form weightsync does not produce (other quantizations, UE8M0-requantized FP8, FP8 experts on
+  other runners, AMX-packed CPU weights, ``[up; gate]``, transposed or interleaved experts, AITER-shuffled experts)
+  are refused at construction, each named.
 - The layout comes from the server args and the live model (shared-expert fusion), its dtype must equal
   the engine's ``model_config.dtype``, and every rank's ``named_parameters()`` is checked against it
   (:class:`~weightsync.errors.LayoutMismatch`).
@@ -277,37 +282,12 @@ def _then_flush(ctx: WorkerContext, empty_cache: bool, fn: Callable[..., Any], *
     return Flushed(value, bool(done), time.perf_counter() - t0)
 
 
-# audited quant methods: their process_weights_after_loading keeps the loaded form on CUDA (§2)
-PLAIN_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod"})
+def transform_refusals(model: torch.nn.Module, aiter: bool = False, fp8: bool = False) -> list[str]:
+    """Layers whose live form is a transform of the loaded form weightsync does not reproduce (§2; the paths and
+    refusals: :func:`weightsync.sglang.live.classify`). ``fp8``: the job's layout is ``quant=fp8``."""
+    from weightsync.sglang.live import classify
 
-
-def transform_refusals(model: torch.nn.Module, aiter: bool = False) -> list[str]:
-    """Layers whose live form is a transform of the loaded form weightsync does not reproduce (§2)."""
-    out = []
-    for name, mod in model.named_modules():
-        if getattr(mod, "use_intel_amx_backend", False):
-            out.append(f"{name}: weights packed for Intel AMX on CPU (amx_utils.py, parameters replaced)")
-        qm = getattr(mod, "quant_method", None)
-        if qm is None:
-            continue
-        kind = type(qm).__name__
-        if kind not in PLAIN_METHODS:
-            out.append(f"{name}: quant method {kind} (its process_weights_after_loading form is not the sglang layout)")
-            continue
-        if kind != "UnquantizedFusedMoEMethod":
-            continue
-        if getattr(qm, "use_triton_kernels", False):
-            out.append(f"{name}: triton_kernels MoE backend stores w13/w2 transposed")
-        if getattr(qm, "load_up_proj_weight_first", False):
-            out.append(f"{name}: flashinfer_cutlass MoE backend loads w13 as [up; gate]")
-        if getattr(qm, "use_flashinfer_trtllm_moe", False):
-            out.append(f"{name}: flashinfer TRT-LLM MoE backend re-lays w13/w2 into blocks after loading (0.5.14 has no "
-                       f"session that undoes it)")
-        if getattr(qm, "w13_swiglu_interleaved", False):
-            out.append(f"{name}: SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED interleaves w13 rows, which no session undoes")
-        if aiter:
-            out.append(f"{name}: AITER shuffles w13/w2 after loading, which no session undoes")
-    return out
+    return classify(model, fp8=fp8, aiter=aiter).refusals
 
 
 @dataclass(frozen=True)
@@ -315,10 +295,13 @@ class WorkerProbe:
     """What one worker reports at set-up: its rank, live parameters, shared-expert fusion, refusals."""
 
     rank: int
-    live: dict[str, tuple[tuple[int, ...], str]]
+    live: dict[str, tuple[tuple[int, ...], str]]  # the parameters a step writes (``constant`` ones left out)
     fused_shared: int | None
     refusals: tuple[str, ...]
     post_load: bool = False  # the model has post_load_weights() (MLA w_kc/w_vc): after_update must re-run it
+    paths: tuple[tuple[str, int], ...] = ()  # layers per path (weightsync.sglang.live.PATHS)
+    constants: tuple[str, ...] = ()  # parameters the engine holds that no step writes (FP8 KV-cache scales at 1.0)
+    derived: tuple[str, ...] = ()  # the derived tensors re-made after each update (``layer.w_kc``, ...)
 
 
 def _aiter() -> bool:
@@ -329,21 +312,59 @@ def _aiter() -> bool:
     return bool(getattr(unquant, "_use_aiter", False))
 
 
-def _probe(ctx: WorkerContext) -> WorkerProbe:
+def _probe(ctx: WorkerContext, fp8: bool = False) -> WorkerProbe:
+    """Classify every layer of this worker (:func:`weightsync.sglang.live.classify`), keep the report for
+    :func:`_post_load_weights`, and report the live tensors a step writes."""
+    from weightsync.sglang.live import classify
+
     model = find_model(ctx)
-    live = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in ctx.tensors.items()}
+    report = classify(model, fp8=fp8, aiter=_aiter())
+    ctx.state["sglang_live"] = report
+    constants = set(report.constants)
+    live = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in ctx.tensors.items() if n not in constants}
     n = getattr(model, "num_fused_shared_experts", None)
-    return WorkerProbe(ctx.rank, live, None if n is None else int(n), tuple(transform_refusals(model, _aiter())),
-                       callable(getattr(model, "post_load_weights", None)))
+    return WorkerProbe(ctx.rank, live, None if n is None else int(n), tuple(report.refusals),
+                       callable(getattr(model, "post_load_weights", None)), tuple(report.counts().items()),
+                       tuple(sorted(constants)), tuple(f"{d.layer}.{d.attr}" for d in report.derived))
 
 
 def _post_load_weights(ctx: WorkerContext) -> bool:
-    """SGLang's ``post_load_weights(model)`` (model_loader/loader.py): MLA w_kc/w_vc from kv_b_proj."""
-    model = find_model(ctx)
-    if hasattr(model, "post_load_weights"):
-        model.post_load_weights()
-        return True
-    return False
+    """SGLang's ``post_load_weights(model)`` (model_loader/loader.py): MLA w_kc/w_vc from kv_b_proj as landed -- once
+    per update -- then every derived tensor bound at set-up checked unmoved (:func:`weightsync.sglang.live.refresh`)."""
+    from weightsync.sglang.live import refresh
+
+    report = ctx.state.get("sglang_live")
+    return refresh(find_model(ctx), report.derived if report is not None else [])
+
+
+def quantization(model_config: Mapping[str, Any], args: Mapping[str, Any]) -> int:
+    """1 where the engine serves its checkpoint's block FP8 (``quantization_config`` quant_method fp8,
+    ``weight_block_size [128, 128]``, dynamic activations, nothing ignored: what ``save_checkpoint(dir,
+    quant="fp8")`` writes and ``quant=fp8`` means), 0 where it serves an unquantized checkpoint unquantized; a
+    ConfigError naming anything else (MXFP4/NVFP4/per-tensor FP8 checkpoints, online quantization).
+
+    0.5.14 reads the checkpoint's ``quantization_config`` itself (``configs/model_config.py``); ``--quantization``
+    on an unquantized checkpoint quantizes it at load (``Fp8LinearMethod`` with ``is_checkpoint_fp8_serialized``
+    False: per-channel scales of its own, ``weight.t()``), which weightsync does not produce."""
+    from weightsync.quant.config import BlockFP8, from_hf
+
+    qc = model_config.get("quantization_config")
+    method = args.get("quantization")
+    if not qc:
+        if method:
+            raise ConfigError(f"quantization={method!r}: the engine quantizes an unquantized checkpoint itself at load; "
+                              "weightsync syncs engines served from a block-FP8 checkpoint (save_checkpoint(dir, "
+                              "quant='fp8')) or unquantized")
+        return 0
+    q = from_hf(qc)
+    if method not in (None, "fp8"):
+        raise ConfigError(f"quantization={method!r} on a block-FP8 checkpoint: start the engine without --quantization "
+                          "(it reads the checkpoint's quantization_config)")
+    if q != BlockFP8():
+        raise ConfigError(f"the engine's block-FP8 checkpoint leaves modules {list(q.ignored)[:4]} unquantized or "
+                          f"uses blocks {list(q.block)}; weightsync's quant=fp8 means every linear layer in 128 x 128 "
+                          "block FP8")
+    return 1
 
 
 # -- reading the engine's configuration ---------------------------------------------------------
@@ -535,6 +556,13 @@ class SGLangInstance:
             config = engine_config(args)
         except ConfigError as e:
             problems.append(str(e).removeprefix("sglang engine not supported by SGLangInstance: "))
+        try:
+            quant = quantization(cfg, args)
+        except ConfigError as e:
+            problems.append(str(e))
+        else:
+            if not problems:
+                config = replace(config, quant=quant)
         engine_dtype = self._engine_dtype()
         if engine_dtype is not None and engine_dtype != self.spec.dtype:
             problems.append(f"dtype mismatch: the engine computes in {engine_dtype} (model_config.dtype; dtype="
@@ -572,11 +600,13 @@ class SGLangInstance:
 
     def _check(self, config: SGLangConfig, timeout_s: float) -> None:
         """Probe every rank: refuse untransformable layers, take the fusion, check the live tensors."""
-        probes: list[WorkerProbe] = self._call(_probe, timeout_s)
+        probes: list[WorkerProbe] = self._call(_probe, timeout_s, bool(config.quant))
         refusals = sorted({r for p in probes for r in p.refusals})
         if refusals:
             raise ConfigError(f"sglang: {len(refusals)} layers hold a form weightsync cannot write in place "
                               f"(set-up refused, nothing written):\n  " + "\n  ".join(refusals[:20]))
+        #: per rank, how many layers take each path (weightsync.sglang.live: in-place, constant, derived)
+        self.paths = [dict(p.paths) for p in probes]
         fused = {p.fused_shared for p in probes}
         if len(fused) != 1:
             raise InstanceError(f"sglang: ranks disagree on shared-expert fusion: {sorted(map(str, fused))}")
@@ -586,8 +616,13 @@ class SGLangInstance:
         self._post_load = any(p.post_load for p in probes)
         self.engine = str(config)
         self.engine_layout = make_layout(self.spec, config)
+        held = self.engine_layout
+        if config.quant:  # block FP8: e4m3 weights beside their fp32 _scale_inv, as the engine loaded them
+            from weightsync.quant.layout import fp8_layout
+
+            held = fp8_layout(self.engine_layout)
         for p in probes:
-            check_live(self.engine_layout.layout(p.rank), p.live, where=f"{self.engine} rank {p.rank} ({self.spec.name})")
+            check_live(held.layout(p.rank), p.live, where=f"{self.engine} rank {p.rank} ({self.spec.name})")
 
     @property
     def world_size(self) -> int:
@@ -722,7 +757,8 @@ class SGLangInstance:
                 self.sgl.loop.run_until_complete(lock.release_writer())
 
     def after_update(self) -> None:
-        """Re-run the model's ``post_load_weights()`` where it has one (MLA); nothing to do otherwise."""
+        """Re-run the model's ``post_load_weights()`` once where it has one (MLA ``w_kc``/``w_vc`` from ``kv_b_proj``
+        as landed, its derived tensors checked unmoved: :func:`weightsync.sglang.live.refresh`); nothing otherwise."""
         if self._post_load:
             t0 = time.perf_counter()
             self._call(_post_load_weights, self.timeout_s)
@@ -1034,5 +1070,5 @@ def _nothing() -> None:
 
 __all__ = ["SGLangInstance", "rpc_loader", "RPC_LOADER", "RPC_NAME", "RpcMessage", "RpcAnswer", "WorkerProbe", "Flushed",
            "name_payload_admitted",
-           "engine_config", "resolved_args", "transform_refusals", "rpc_payload", "read_payload", "api_of",
+           "engine_config", "resolved_args", "transform_refusals", "quantization", "rpc_payload", "read_payload", "api_of",
            "API_SESSION", "API_PLAIN"]

@@ -7,6 +7,8 @@
 - :mod:`weightsync.sglang.mailbox`: a quiet update's calls straight to a thread in every scheduler process (no
   SGLang request), the KV flush by the scheduler's own thread;
 - :mod:`weightsync.sglang.worker`: what every call runs on in a scheduler process, whichever way it came.
+- :mod:`weightsync.sglang.live`: each layer's path (in place, constant, derived) or its refusal: block FP8 on
+  Hopper's default kernels and MLA's ``w_kc``/``w_vc`` re-derived after every update.
 
 Start the engine with ``custom_weight_loader=[RPC_LOADER]``.
 """

@@ -120,8 +120,9 @@ def zero_unwritten(ctx: Any, model_config: dict, engine: str) -> int:
     """On a worker: zero every element of the layout's tensors that no piece covers (vocab padding rows, which a
     checkpoint load leaves zero and dummy weights random); returns how many tensors had any."""
     from weightsync.layout.materialize import zero_uncovered
+    from weightsync.sglang.verify import held_layout
 
-    return zero_uncovered(make_layout(spec_from_config(model_config), engine).layout(ctx.rank), ctx.tensors)
+    return zero_uncovered(held_layout(model_config, engine).layout(ctx.rank), ctx.tensors)
 
 
 def stop(engine: Any) -> None:

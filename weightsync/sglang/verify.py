@@ -7,7 +7,7 @@
   :func:`computed` agree compute the same thing; compare a synced engine with a FRESH engine loaded from the
   checkpoint (never with transformers: bf16 kernels differ on near-ties).
 - :func:`loaded_problems`: the tensors weightsync writes, against canonical (checkpoint) tensors scattered
-  by the worker's layout.
+  by the worker's layout (under ``quant=fp8`` their block-FP8 checkpoint form, scales included).
 - :func:`digests`: a content hash per tensor, to compare across processes as JSON.
 """
 
@@ -24,7 +24,12 @@ def _model(ctx: Any) -> torch.nn.Module:
 
 
 def computed(ctx: Any) -> dict[str, torch.Tensor]:
-    """``param:NAME`` for every parameter, ``buffer:NAME`` for every floating buffer, on CPU."""
+    """``param:NAME`` for every parameter (an FP8 one included: e4m3 weights, their fp32 ``weight_scale_inv``, the
+    KV-cache scales), ``buffer:NAME`` for every floating buffer, and ``derived:LAYER.ATTR`` for every tensor an MLA
+    attention derives after loading and computes with (``w_kc``, ``w_vc``, and ``w_scale*`` where they are tensors:
+    plain attributes, neither parameters nor buffers; :data:`weightsync.sglang.live.MLA_DERIVED`), on CPU."""
+    from weightsync.sglang.live import MLA_DERIVED
+
     model = _model(ctx)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
@@ -32,6 +37,13 @@ def computed(ctx: Any) -> dict[str, torch.Tensor]:
     for name, b in model.named_buffers():
         if b.is_floating_point():
             out[f"buffer:{name}"] = b.detach().cpu().clone()
+    for name, mod in model.named_modules():
+        if not (hasattr(mod, "kv_b_proj") and hasattr(mod, "w_kc")):
+            continue
+        for attr in MLA_DERIVED:
+            t = getattr(mod, attr, None)
+            if isinstance(t, torch.Tensor):
+                out[f"derived:{name}.{attr}"] = t.detach().cpu().clone()
     return out
 
 
@@ -53,21 +65,74 @@ def computed_digests(ctx: Any) -> dict[str, str]:
     return digests(computed(ctx))
 
 
-def loaded_problems(ctx: Any, canonical: Mapping[str, torch.Tensor], model_config: dict, engine: str) -> list[str]:
-    """Every written tensor of this worker that is not bit-exact to ``canonical`` (padding excluded)."""
+def held_layout(model_config: dict, engine: str) -> Any:
+    """The engine layout of ``engine`` as the engine holds it: with ``quant=fp8`` its FP8 form (e4m3 weights beside
+    their fp32 ``_scale_inv``, :func:`weightsync.quant.layout.fp8_layout`), else the layout itself."""
     from weightsync.engines import make_layout
-    from weightsync.layout.materialize import canonical_view, local_view
     from weightsync.spec.model import spec_from_config
 
-    layout = make_layout(spec_from_config(model_config), engine).layout(ctx.rank)
+    layout = make_layout(spec_from_config(model_config), engine)
+    if getattr(layout.config, "quant", 0):
+        from weightsync.quant.layout import fp8_layout
+
+        return fp8_layout(layout)
+    return layout
+
+
+def checkpoint_form(canonical: Mapping[str, torch.Tensor], layout: Any) -> dict[str, torch.Tensor]:
+    """``canonical`` (the trainer's tensors) as the checkpoint of ``layout``'s engine holds them: under an FP8 layout
+    each FP8 weight through :func:`weightsync.quant.fp8.quantize_reference` (what ``save_checkpoint(dir,
+    quant="fp8")`` writes) beside its ``_scale_inv``; otherwise as they are."""
+    out = dict(canonical)
+    for name, f in (getattr(layout, "fp8", None) or {}).items():
+        from weightsync.quant.fp8 import quantize_reference
+
+        q = quantize_reference(canonical[name])
+        out[name], out[f.scale.name] = q.weight, q.scale_inv
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def loaded_problems(ctx: Any, canonical: Mapping[str, torch.Tensor], model_config: dict, engine: str) -> list[str]:
+    """Every written tensor of this worker that is not bit-exact to ``canonical`` in the engine's checkpoint form
+    (:func:`checkpoint_form`: block FP8 under ``quant=fp8``, bit for bit, scales included; padding excluded)."""
+    from weightsync.layout.materialize import canonical_view, local_view
+
+    held = held_layout(model_config, engine)
+    want = checkpoint_form(canonical, held)
+    layout = held.layout(ctx.rank)
     problems = []
     for name, t in layout.tensors.items():
         got = ctx.tensors[name]
         for p in t.pieces:
-            want = canonical_view(canonical[p.canonical], p).to(got.dtype)
-            if not torch.equal(local_view(got, p).cpu(), want):
+            exp = canonical_view(want[p.canonical], p).to(got.dtype)
+            have = local_view(got, p).cpu()
+            if have.dtype != exp.dtype or not torch.equal(_bits(have), _bits(exp)):
                 problems.append(f"rank {ctx.rank}: {name} <- {p.canonical} {list(p.canon_box)} differs")
     return problems
+
+
+def methods(ctx: Any) -> dict[str, str]:
+    """Each module's quant method, with the block-FP8 GEMM function an ``Fp8LinearMethod`` calls
+    (``w8a8_block_fp8_linear``: DeepGEMM, CUTLASS, Triton, ...) and the runner an FP8 MoE method uses."""
+    from weightsync.sglang.live import _backend_name
+
+    out = {}
+    for name, mod in _model(ctx).named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if qm is None:
+            continue
+        kind = type(qm).__name__
+        gemm = getattr(getattr(qm, "w8a8_block_fp8_linear", None), "__name__", None)
+        if gemm is not None:
+            kind += f"/{gemm}"
+        if kind == "Fp8MoEMethod":
+            kind += f"/{_backend_name(qm)}"
+        out[name] = kind
+    return out
 
 
 def ping(ctx: Any) -> float:
@@ -115,5 +180,5 @@ def differences(a: Mapping[str, str], b: Mapping[str, str]) -> list[str]:
                   for n in set(a) | set(b) if a.get(n) != b.get(n))
 
 
-__all__ = ["computed", "digests", "computed_digests", "loaded_problems", "differences", "ping", "switch_interval",
+__all__ = ["computed", "digests", "computed_digests", "loaded_problems", "held_layout", "checkpoint_form", "methods", "differences", "ping", "switch_interval",
            "empty_cache_seconds", "flip"]
