@@ -1,6 +1,8 @@
-"""Set-up traffic of a job at the MetaServer: N participants register and agree, as the checkout's own
-runtime does it (``weightsync.runtime.job``: ``register``, then ``wait_side`` for both sides, as
-``JobSession.agree`` calls them), against a real MetaServer process of the same checkout.
+"""Set-up traffic of a job at the MetaServer: N participants register, agree and prove the plan, as the
+checkout's own runtime does it (``weightsync.runtime.job``: ``register``; then what ``JobSession.agree``
+downloads: ``wait_side`` for both sides' listings before 2026-12-07, since then ``sides`` (each side's
+census) and ``placed`` (the placement that concerns the participant); then ``wait_plan_proven``), against a
+real MetaServer process of the same checkout.
 
     PYTHONPATH=CHECKOUT .venv/bin/python benchmarks/meta_setup_traffic.py --trainers 1024 --instances 128
 
@@ -11,8 +13,13 @@ The trainers are ``megatron:tp=8,pp=4,dp=T/32`` ranks of Qwen3-8B (its config.js
 config), 8 to a host, each with its own GPU UUID; the instances are ``vllm`` (TP 1) on other hosts'
 GPUs; every GPU UUID random (as real ones are). Phases: every participant registers (8 at a time), then each downloads what its ``agree`` step
 downloads (8 at a time; by then everybody has registered, so every long-poll is answered at once:
-the real job's early arrivals poll meanwhile, which can only add). Traffic is what the participants
-sent and received over the phases, both directions, HTTP headers included (:class:`Counted`). Also: the server's peak memory (VmHWM) and the phases' wall time.
+the real job's early arrivals poll meanwhile, which can only add). ``--prove``: then every participant
+posts its pair hashes (each training rank one pair with every inference rank, as a plan whose cells are
+striped over all of a shard's replicas has), one plan check is asked with half of them posted (what a
+participant waiting meanwhile downloads each time it asks), and each participant waits for the proof
+(8 at a time, every hash posted by then). Traffic is what the participants sent and received over the
+phases, both directions, HTTP headers included (:class:`Counted`). Also: the server's peak memory
+(VmHWM) and the phases' wall time.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ def main() -> None:
     p.add_argument("--trainers", type=int, default=1024)
     p.add_argument("--instances", type=int, default=128)
     p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--prove", action="store_true", help="also post every pair hash and wait for the proof")
     args = p.parse_args()
 
     import weightsync
@@ -121,10 +129,32 @@ def main() -> None:
             role = who[0]
             other = "infer" if role == "train" else "train"
             c = MetaClient(url, "setup", timeout=120)
+            if hasattr(job, "placed"):  # since 2026-12-07: censuses, then the placement that concerns it
+                from weightsync.meta.records import SessionTerms
+
+                train_side, infer_side = job.sides(c, role, T if role == "train" else I, 120)
+                shape = job.job_shape(train_side, infer_side, SessionTerms(**terms))
+                assert job.placed(c, shape, who[2]).placement is not None
+                c._drop_connection()
+                return train_side.count + infer_side.count
             own = job.wait_side(c, role, 120, count=T if role == "train" else I)
             theirs = job.wait_side(c, other, 120)
             c._drop_connection()
             return len(own) + len(theirs)
+
+        def post_hashes(who: tuple[str, int, int | None]) -> None:
+            role, rank, inst = who
+            c = MetaClient(url, "setup", timeout=120)
+            if role == "train":
+                c.post_plan_hashes("train", rank, {(rank, i, 0): "ab" * 16 for i in range(I)})
+            else:
+                c.post_plan_hashes("infer", 0, {(t, inst, 0): "ab" * 16 for t in range(T)}, instance=inst)
+            c._drop_connection()
+
+        def prove(who: tuple[str, int, int | None]) -> None:
+            c = MetaClient(url, "setup", timeout=600)
+            job.wait_plan_proven(c, 600, T + I)
+            c._drop_connection()
 
         people = [("train", r, None) for r in range(T)] + [("infer", 0, i) for i in range(I)]
         rng = random.Random(0)  # GPU UUIDs as random as real ones (gzip cannot shrink them below their entropy)
@@ -136,14 +166,27 @@ def main() -> None:
             t1 = time.perf_counter()
             registered = Counted.total
             seen = list(pool.map(agree, people))
-        t2 = time.perf_counter()
+            t2 = time.perf_counter()
+            agreed = Counted.total
+            if args.prove:
+                list(pool.map(post_hashes, people[:T:2] + people[T::2]))  # half the trainers, half the instances
+                mid = Counted.total
+                MetaClient(url, "setup", timeout=600).check_plan_hashes()
+                check_mid = Counted.total - mid
+                list(pool.map(post_hashes, people[1:T:2] + people[T + 1::2]))
+                posted = Counted.total - check_mid
+                list(pool.map(prove, people))
+        t3 = time.perf_counter()
         total = Counted.total
         assert all(n == T + I for n in seen), set(seen)
         print(json.dumps({
             "weightsync": os.path.dirname(weightsync.__file__), "typed_registrations": typed,
             "participants": T + I, "trainers": T, "instances": I,
-            "register_mb": round((registered - base) / 1e6, 2), "agree_mb": round((total - registered) / 1e6, 2),
-            "total_mb": round((total - base) / 1e6, 2), "per_participant_kb": round((total - base) / 1e3 / (T + I), 1),
+            "register_mb": round((registered - base) / 1e6, 2), "agree_mb": round((agreed - registered) / 1e6, 2),
+            "total_mb": round((agreed - base) / 1e6, 2), "per_participant_kb": round((agreed - base) / 1e3 / (T + I), 1),
+            **({"post_hashes_mb": round((posted - agreed) / 1e6, 2), "check_half_posted_mb": round(check_mid / 1e6, 3),
+                "prove_mb": round((total - posted - check_mid) / 1e6, 2), "prove_s": round(t3 - t2, 2)}
+               if args.prove else {}),
             "server_peak_rss_mb": round(peak_rss_mb(server.pid), 1),
             "register_s": round(t1 - t0, 2), "agree_s": round(t2 - t1, 2),
         }))

@@ -255,6 +255,7 @@ def test_participants_disagreeing_on_the_cadence_are_refused_at_set_up_on_both_s
     import weightsync.integrity.check as check
     from weightsync.errors import JobMismatch
     from weightsync.meta.records import LayoutInfo, Registration, SessionTerms
+    from weightsync.meta.view import sides_of
     from weightsync.runtime.job import job_shape
 
     def terms(n):
@@ -267,11 +268,11 @@ def test_participants_disagreeing_on_the_cadence_are_refused_at_set_up_on_both_s
     for mine in (terms(1), terms(1000)):  # the writer's set-up, the reader's
         with pytest.raises(JobMismatch,
                            match=r"integrity cadence .*1: training rank 0; 1000: inference rank 0 of instance 0"):
-            job_shape(people, mine)
+            job_shape(*sides_of(people), mine)
     agreed = [person("train", 1000), person("infer", 1000)]
-    assert job_shape(agreed, terms(1000)).train == "hf"
+    assert job_shape(*sides_of(agreed), terms(1000)).train == "hf"
     with pytest.raises(ConfigError, match="integrity: this participant 1, the job 1000"):
-        job_shape(agreed, terms(1))  # a participant whose own terms differ from the job's it joins
+        job_shape(*sides_of(agreed), terms(1))  # a participant whose own terms differ from the job's it joins
     assert not hasattr(check, "agree")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -12,15 +13,21 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from weightsync.errors import JobMismatch, PlanError
 from weightsync.meta import MetaAborted, MetaClient, MetaError, MetaServer, MetaTimeout
-from weightsync.meta.records import LayoutInfo, Registration
+from weightsync.meta.proof import Proof
+from weightsync.meta.records import LayoutInfo, Registration, SessionTerms
 from weightsync.meta.server import MAX_BODY
+from weightsync.meta.view import census, concerning, decode_placement, encode_placement, placement_of, sides_of
+from weightsync.plan.topology import ELSEWHERE, Placement
+from weightsync.runtime import job as setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -649,3 +656,198 @@ def test_a_request_body_never_becomes_the_next_request(method):
             assert data.count(b"HTTP/1.") == 1, data
             assert int(data.split(b" ", 2)[1]) in (400, 401, 404), data
         assert good.summary()["instances"] == [0]  # the victim job is still there
+
+
+# --------------------------------------------------------------------------------------------
+# Set-up downloads (weightsync.meta.view) and the plan's proof (weightsync.meta.proof): what concerns each
+# participant, never a row for every participant; the plans cut placements give are those of the whole
+
+SETUP_TERMS = SessionTerms(transport="p2p", mode="sync", colocate=False, bucket_bytes=1 << 28, integrity=1, delta=False)
+ANSWER_BYTES = re.compile(r'weightsync_meta_answer_bytes_total\{route="([^"]+)"\} (\d+)')
+
+
+def _job_people(trainers: int, instances: int, seed: int = 0) -> list[Registration]:
+    """A job as real ones register: 8 ranks to a host, every GPU UUID random (gzip cannot shrink them)."""
+    rng = random.Random(seed)
+
+    def gpu() -> str:
+        return f"GPU-{uuid.UUID(int=rng.getrandbits(128), version=4)}"
+
+    train = [Registration("train", r, host=f"train-node{r // 8}", gpu=gpu(), version="v", model="qwen3-8b",
+                          spec_digest="s" * 16, layout=LayoutInfo(f"megatron:tp=8,pp=4,dp={trainers // 32}", trainers,
+                                                                  f"{r:016x}"), terms=SETUP_TERMS, backend="nccl",
+                          address=f"10.0.{r // 256}.{r % 256}:29500") for r in range(trainers)]
+    infer = [Registration("infer", 0, i, host=f"infer-node{i // 8}", gpu=gpu(), version="v", model="qwen3-8b",
+                          spec_digest="s" * 16, layout=LayoutInfo("vllm:tp=1", 1, "0" * 16), terms=SETUP_TERMS,
+                          instances=instances) for i in range(instances)]
+    return train + infer
+
+
+def _sent(c: MetaClient) -> int:
+    """Answer bytes the server sent so far, every route but /metrics (the server counts them)."""
+    return sum(int(n) for route, n in ANSWER_BYTES.findall(c.metrics()) if route != "GET /metrics")
+
+
+def _downloads(trainers: int, instances: int) -> dict[str, int]:
+    """Bytes a training rank and an instance download at set-up (as the runtime's agree step asks, every
+    participant registered), and what the whole listing they downloaded before this change costs now."""
+    with MetaServer().start() as s:
+        c = MetaClient(s.url, "j", timeout=30)
+        for p in _job_people(trainers, instances):
+            c.register(p)
+        out = {}
+        for role, count, instance in (("train", trainers, None), ("infer", instances, instances - 1)):
+            before = _sent(c)
+            train, infer = setup.sides(c, role, count, 30)
+            shape = setup.placed(c, setup.job_shape(train, infer, SETUP_TERMS), instance)
+            assert shape.placement is not None and (train.count, infer.count) == (trainers, instances)
+            out[role] = _sent(c) - before
+        before = _sent(c)
+        c.wait_participants(trainers, "train", timeout=5)
+        c.wait_participants(instances, "infer", timeout=5)
+        out["listings"] = _sent(c) - before
+        return out
+
+
+def test_a_participants_set_up_download_grows_only_with_what_its_plan_compares():
+    """Before this change every participant downloaded both sides' listings, a row per participant (11.5 KB
+    at 256 + 16 participants, 20.5 KB at 512 + 16, gzipped: the random GPU UUIDs are most of a row), so the
+    job's set-up traffic grew as N x N. Now a training rank downloads each side's census (each distinct
+    profile once) and every inference rank's place; an instance its own ranks' places: doubling the
+    trainers changes neither download (1.5-1.7 KB each), while the listings they replaced nearly double."""
+    small, large = _downloads(256, 16), _downloads(512, 16)
+    assert large["listings"] > 1.6 * small["listings"], (small, large)  # what each participant got before
+    for role in ("train", "infer"):
+        assert large[role] <= small[role] + 64, (role, small, large)  # a count's digits, not a row a trainer
+        assert large[role] < large["listings"] / 10, (role, large)
+    # doubling the instances doubles what a training rank's plan compares (each instance's place), no more
+    more = _downloads(256, 32)
+    assert more["infer"] <= small["infer"] + 64 and more["train"] - small["train"] < 16 * 16, (small, more)
+
+
+def test_a_census_names_who_disagrees_without_listing_everyone():
+    people = _job_people(64, 8)
+    odd = people[70]
+    people[70] = Registration(odd.role, odd.rank, odd.instance, host=odd.host, gpu=odd.gpu, version="v",
+                              model="qwen3-8b", spec_digest="s" * 16, layout=odd.layout,
+                              terms=SessionTerms(**{**SETUP_TERMS.to_json(), "integrity": 5}), instances=8)
+    train, infer = sides_of(people)
+    assert (train.count, len(train.cohorts), infer.count, len(infer.cohorts)) == (64, 1, 8, 2)
+    assert train.cohorts[0].names == ("train:0", "train:1", "train:10")  # name order, the first three
+    with pytest.raises(JobMismatch, match=r"integrity cadence.*1: training rank 0, training rank 1, training rank 10 "
+                                          r"\.\.\.; 5: inference rank 0 of instance 6"):
+        setup.job_shape(train, infer, SETUP_TERMS)
+    assert census(people).instances == 8 and census(people).last_instance == 7
+
+
+def test_a_placement_travels_as_runs_and_a_cut_keeps_what_a_plan_compares():
+    people = _job_people(64, 16)
+    whole = placement_of([p for p in people if p.role == "train"], [p for p in people if p.role == "infer"])
+    got = encode_placement(whole)
+    assert len(got["placement"]["train"]) == 8 and decode_placement(got) == Placement(whole.train, whole.infer, 8)
+    trainer = concerning(whole, 1)
+    assert trainer.infer == whole.infer and set(trainer.train) == {ELSEWHERE}  # no trainer on an instance's host
+    mine = concerning(whole, 1, instance=3)
+    assert [w != ELSEWHERE for w in mine.infer] == [i == 3 for i in range(16)] and set(mine.train) == {ELSEWHERE}
+    assert decode_placement(encode_placement(mine)) == mine and "elsewhere" in mine.describe()
+    assert decode_placement(encode_placement(None)) is None
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_plans_from_cut_placements_are_the_plans_of_the_whole(colocate):
+    """Each end plans from the part of the placement that concerns it: every pair's hash is the one the
+    whole placement gives, on hosts where trainers and instances meet (the nearest sender is picked there)
+    and where they do not."""
+    from weightsync.engines import make_layout
+    from weightsync.plan.job import JobShape
+    from weightsync.plan.planner import pair_hash
+    from weightsync.spec import load_spec
+
+    spec = load_spec("tiny-qwen3")
+    src, dst = make_layout(spec, "megatron:tp=2,pp=1,dp=4"), make_layout(spec, "vllm:tp=2")
+    hosts = ["a", "a", "b", "b", "c", "c", "d", "d"]  # trainers: two to a host; instance 0 on b, 1 on c, 2 on e or d
+    train = [Registration("train", r, host=hosts[r], gpu=f"GPU-t{r}") for r in range(8)]
+    infer = [Registration("infer", r, i, host=("bcd" if colocate else "bce")[i],  # co-located: on trainers' GPUs
+                          gpu=f"GPU-t{2 + 2 * i + r}" if colocate else f"GPU-i{i}{r}") for i in range(3) for r in range(2)]
+    whole = placement_of(train, infer)
+
+    def shape(placement: Placement) -> JobShape:
+        return JobShape(src.describe(), dst.describe(), 8, 2, 3, colocate, 1 << 16, placement=placement)
+
+    full = shape(whole).planner(spec, src, dst)
+    cut = shape(whole if colocate else concerning(whole, 2)).planner(spec, src, dst)
+    for r in range(8):
+        a, b = full.send_plan(r), cut.send_plan(r)
+        assert {p: pair_hash(x) for p, x in a.items()} == {p: pair_hash(x) for p, x in b.items()}
+    for i in range(3):
+        mine = shape(whole if colocate else concerning(whole, 2, instance=i)).planner(spec, src, dst)
+        for r in range(2):
+            a, b = full.recv_plan(i, r), mine.recv_plan(i, r)
+            assert {p: pair_hash(x) for p, x in a.items()} == {p: pair_hash(x) for p, x in b.items()}
+    # where trainers and an instance share a host, the instance receives from them alone (the placement counts)
+    assert {p[0] for r in range(2) for p in full.recv_plan(0, r)} == {2, 3}
+    assert {p[0] for r in range(2) for p in full.recv_plan(2, r)} == ({6, 7} if colocate else set(range(8)))
+
+
+def _scan(posted: dict[str, dict]) -> dict:
+    """The comparison as the MetaServer made it before it was kept as posts came: every pair, every check."""
+    mismatches, pending, compared, seen = [], [], 0, set()
+    for name, ph in sorted(posted.items()):
+        for key, h in sorted(ph["pairs"].items()):
+            if key in seen:
+                continue
+            seen.add(key)
+            s, i, r = map(int, key.split(","))
+            train, infer = f"train:{s}", f"infer:{i}:{r}"
+            peer = infer if name == train else train
+            if peer not in posted:
+                pending.append((s, i, r))
+                continue
+            compared += 1
+            hashes = {name: h, peer: posted[peer]["pairs"].get(key)}
+            if hashes[train] != hashes[infer]:
+                mismatches.append((s, i, r))
+    return {"compared": compared, "mismatches": sorted(mismatches), "pending": sorted(pending)}
+
+
+def test_the_proof_kept_as_posts_come_is_the_scan_of_every_pair():
+    rng = random.Random(7)
+    names = [f"train:{s}" for s in range(4)] + [f"infer:{i}:{r}" for i in range(2) for r in range(2)]
+    posted: dict[str, dict] = {}
+    proof = Proof()
+    for _ in range(400):
+        name = rng.choice(names)
+        if rng.random() < 0.15:
+            proof.post(posted, name, None)  # re-registered: plans again
+        else:
+            ends = ([(int(name.split(":")[1]), i, r) for i in range(2) for r in range(2)] if name.startswith("train")
+                    else [(s, *map(int, name.split(":")[1:])) for s in range(4)])
+            pairs = {f"{s},{i},{r}": rng.choice("ab") for s, i, r in ends if rng.random() < 0.9}
+            proof.post(posted, name, {"plan_hash": rng.choice([None, "f0"]), "pairs": pairs})
+        want, got = _scan(posted), proof.answer(posted)
+        assert (got["compared"], got["mismatch_count"], got["pending_count"]) == (
+            want["compared"], len(want["mismatches"]), len(want["pending"]))
+        assert [tuple(m["pair"]) for m in got["mismatches"]] == want["mismatches"][:20]
+        assert [tuple(m["pair"]) for m in got["pending"]] == want["pending"][:20]
+        again = Proof.of(dict(posted))  # a restart rebuilds the same comparison
+        assert again.answer(posted) == got
+
+
+def test_waiting_for_the_proof_is_one_long_poll_answered_when_it_holds():
+    with MetaServer().start() as s:
+        c = MetaClient(s.url, "j", timeout=5)
+        for name in (("train", 0), ("train", 1)):
+            c.register(*name)
+        c.register("infer", 0, instance=0)
+        c.post_plan_hashes("train", 0, {(0, 0, 0): "aa"})
+        c.post_plan_hashes("infer", 0, {(0, 0, 0): "aa", (1, 0, 0): "bb"}, instance=0)
+        with pytest.raises(PlanError, match=r"2 of 3 participants posted; 1 pairs wait"):
+            setup.wait_plan_proven(c, 0.5, 3)
+        c.post_plan_hashes("train", 1, {(1, 0, 0): "bb"})
+        setup.wait_plan_proven(c, 5, 3)
+        c.post_plan_hashes("train", 1, {(1, 0, 0): "cc"})  # planned again, differently: refused at once
+        with pytest.raises(PlanError, match=r"differ between the two ends of 1 pairs.*'train_hash': 'cc'"):
+            setup.wait_plan_proven(c, 5, 3)
+        c.abort("a peer's memory budget")
+        with pytest.raises(MetaAborted, match="memory budget"):
+            setup.wait_plan_proven(c, 5, 3)

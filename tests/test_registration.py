@@ -20,6 +20,7 @@ from weightsync.meta import MetaClient, MetaServer
 from weightsync.meta.records import (
     LayoutInfo, Registration, SessionTerms, decode_listing, digest_of, encode_listing, post_body,
 )
+from weightsync.meta.view import sides_of
 from weightsync.runtime.job import job_shape
 
 TERMS = SessionTerms(transport="p2p", mode="sync", colocate=False, bucket_bytes=1 << 20, integrity=1, delta=False)
@@ -47,21 +48,21 @@ def test_a_registration_round_trips_through_json_and_the_listing():
 
 
 def test_every_session_option_is_agreed_at_set_up_naming_it_and_who_has_which():
-    shape = job_shape(_people(), TERMS)
+    shape = job_shape(*sides_of(_people()), TERMS)
     assert (shape.train, shape.infer, shape.train_world, shape.instances, shape.bucket_bytes) == (
         "fsdp:dp=2", "vllm:tp=1", 2, 1, 1 << 20)
     for field, other in (("integrity", 3), ("transport", "file"), ("mode", "async"), ("delta", True),
                          ("bucket_bytes", 4096), ("colocate", True)):
         theirs = SessionTerms(**{**TERMS.to_json(), field: other})
         with pytest.raises(JobMismatch) as e:
-            job_shape(_people(infer_terms=theirs), TERMS)
+            job_shape(*sides_of(_people(infer_terms=theirs)), TERMS)
         assert SessionTerms.MEANING[field] in str(e.value), str(e.value)
         assert "inference rank 0 of instance 0" in str(e.value) and "training rank 0" in str(e.value)
     # every participant agrees, but not with this one's own options: said, field by field
     with pytest.raises(ConfigError, match="integrity: this participant 7, the job 1"):
-        job_shape(_people(), SessionTerms(**{**TERMS.to_json(), "integrity": 7}))
+        job_shape(*sides_of(_people()), SessionTerms(**{**TERMS.to_json(), "integrity": 7}))
     with pytest.raises(JobMismatch, match="registered no layout or no session options"):
-        job_shape(_people() + [Registration("infer", 0, 1)], TERMS)
+        job_shape(*sides_of(_people() + [Registration("infer", 0, 1)]), TERMS)
 
 
 def test_the_listing_sends_each_config_and_profile_once():
@@ -120,7 +121,7 @@ def test_connect_waits_for_the_job_past_timeout_s_while_each_request_keeps_it():
 
     from weightsync.engines import make_layout
     from weightsync.errors import MetaTimeout
-    from weightsync.runtime.job import layout_digest, register, registration
+    from weightsync.runtime.job import register, registration
     from weightsync.runtime.session import SessionOptions, TrainerSession
     from weightsync.spec import load_spec
     from weightsync.transport.base import MetaLink
@@ -147,9 +148,9 @@ def test_connect_waits_for_the_job_past_timeout_s_while_each_request_keeps_it():
 
         threading.Thread(target=late_reader, daemon=True).start()
         t0 = time.monotonic()
-        people = session.agree()
-        assert 2.5 < time.monotonic() - t0 < 8.0 and [p.role for p in people] == ["train", "infer"]
-        assert session.shape.infer == "hf" and layout_digest(Train.layout) == people[0].layout.digest
+        train, infer = session.agree()
+        assert 2.5 < time.monotonic() - t0 < 8.0 and (train.count, infer.count) == (1, 1)
+        assert session.shape.infer == "hf" and infer.cohorts[0].profile.layout.engine == "hf"
 
         alone = TrainerSession(MetaClient(s.url, "alone", timeout=1.0), MetaLink(s.url, "alone"), Train,
                                SessionOptions(timeout_s=1.0, setup_timeout_s=2.0))

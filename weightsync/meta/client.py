@@ -23,6 +23,8 @@ from typing import Any, Iterable, Mapping
 
 from weightsync.errors import MetaAborted, MetaError, MetaTimeout, MetaUnavailable  # noqa: F401 - raised here, imported from here by callers
 from weightsync.meta.records import Member, Registration, decode_listing, post_body  # noqa: F401 - Member: imported from here by callers
+from weightsync.meta.view import Census, decode_placement
+from weightsync.plan.topology import Placement
 
 POLL_SLICE_S = 25.0  # one long-poll request; well under the server's 300 s cap and common proxy timeouts
 DEADLINE_MARGIN_S = 0.5  # a call returns within its timeout plus this (the last answer's way back)
@@ -175,6 +177,21 @@ class MetaClient:
         got = self._poll(f"{self._job_path}/participants", {"wait_for": n, "role": role, "limit": limit}, timeout)
         return decode_listing(got).participants
 
+    def census(self, role: str | None = None) -> Census:
+        """What agreement needs of the participants (of ``role``): each distinct profile once, counted."""
+        return Census.from_json(self._request("GET", f"{self._job_path}/census", query={"role": role}))
+
+    def wait_census(self, n: int, role: str | None = None, timeout: float | None = None) -> Census:
+        """The census (of ``role``) once ``n`` registered."""
+        return Census.from_json(self._poll(f"{self._job_path}/census", {"wait_for": n, "role": role}, timeout))
+
+    def placement(self, instance: int | None = None, whole: bool = False) -> Placement | None:
+        """Where the ranks run that a training rank's plan compares (``instance``: that instance's plan;
+        ``whole``: every rank); None where the arithmetic rules place them (weightsync.meta.view)."""
+        got = self._request("GET", f"{self._job_path}/placement",
+                            query={"instance": instance, "whole": 1 if whole else None})
+        return decode_placement(got)
+
     # -- plan hashes ----------------------------------------------------------------------------
     def post_plan_hashes(self, role: str, rank: int, pairs: Mapping[tuple[int, int, int], str], *,
                          instance: int | None = None, plan_hash: str | None = None) -> dict:
@@ -186,7 +203,13 @@ class MetaClient:
         return self._request("POST", f"{self._job_path}/plan-hashes", body)
 
     def check_plan_hashes(self) -> dict:
+        """The pairs' comparison now (weightsync.meta.proof: counts, the first pairs that disagree or wait)."""
         return self._request("GET", f"{self._job_path}/plan-hashes/check")
+
+    def wait_plan_hashes(self, n: int, timeout: float | None = None) -> dict:
+        """The comparison once ``n`` participants posted and no pair waits, or a pair disagrees, or the job
+        was aborted (``aborted`` says why); MetaTimeout at the deadline."""
+        return self._poll(f"{self._job_path}/plan-hashes/check", {"wait_for": n}, timeout)
 
     # -- instances ------------------------------------------------------------------------------
     def join(self, instance: int, incarnation: str | None = None, liveness_s: float | None = None) -> dict:

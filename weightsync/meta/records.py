@@ -10,10 +10,11 @@ client parses them once, the runtime cross-checks them field by field (:func:`we
 A bare coordinator participant (a test, a tool) may register its identity alone: ``layout`` and ``terms``
 are then None, and a weightsync session refuses to plan with it.
 
-The listing (``GET .../participants``) sends what varies per participant in each row (a list of values,
+The listing (``GET .../participants``, for tools and tests: set-up downloads a census and a placement
+instead, :mod:`weightsync.meta.view`) sends what varies per participant in each row (a list of values,
 its ``columns`` named once) and what a whole side shares (model, layout description, options, version)
-once per distinct value, as a *profile* named by its digest: the set-up traffic of a job of N participants grows as N rows per answer, not N
-full records with their model configs (:func:`encode_listing`, :func:`decode_listing`).
+once per distinct value, as a :class:`Profile` named by its digest: N rows per answer, not N full records
+with their model configs (:func:`encode_listing`, :func:`decode_listing`).
 
 :class:`Member` is one instance's membership (joined, left or gone), as the server keeps it and the job
 summary shows it.
@@ -139,6 +140,48 @@ ROW_FIELDS = ("role", "rank", "instance", "host", "gpu", "address", "layout_dige
 
 
 @dataclass(frozen=True)
+class Profile:
+    """What a side's participants register in common and must agree on (a registration less its row:
+    who, where, and its own layout digest); a census or a listing sends each distinct one once."""
+
+    version: str = ""
+    model: str = ""
+    spec_digest: str = ""
+    config_digest: str = ""
+    layout: LayoutInfo | None = None  # engine and world; the digest is each rank's own (not shared)
+    terms: SessionTerms | None = None
+    backend: str | None = None
+    peer_copies: bool = True
+    instances: int | None = None
+
+    @classmethod
+    def of(cls, rec: "Registration") -> "Profile":
+        layout = None if rec.layout is None else LayoutInfo(rec.layout.engine, rec.layout.world)
+        return cls(rec.version, rec.model, rec.spec_digest, rec.config_digest, layout, rec.terms, rec.backend,
+                   rec.peer_copies, rec.instances)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "model": self.model, "spec_digest": self.spec_digest,
+                "config_digest": self.config_digest,
+                "layout": None if self.layout is None else {"engine": self.layout.engine, "world": self.layout.world},
+                "terms": None if self.terms is None else self.terms.to_json(), "backend": self.backend,
+                "peer_copies": self.peer_copies, "instances": self.instances}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "Profile":
+        d = _only(d, {"version", "model", "spec_digest", "config_digest", "layout", "terms", "backend", "peer_copies",
+                      "instances"}, "a profile")
+        return cls(
+            version=_str(d, "version", 64, ""), model=_str(d, "model", 256, ""),
+            spec_digest=_str(d, "spec_digest", 128, ""), config_digest=_str(d, "config_digest", 64, ""),
+            layout=None if d.get("layout") is None else LayoutInfo.from_json(d["layout"]),
+            terms=None if d.get("terms") is None else SessionTerms.from_json(d["terms"]),
+            backend=_opt_str(d, "backend", 32), peer_copies=_bool(d, "peer_copies", True),
+            instances=None if d.get("instances") is None else _int(d, "instances", 1, 1 << 20),
+        )
+
+
+@dataclass(frozen=True)
 class Registration:
     """One participant's registration (module docstring)."""
 
@@ -183,12 +226,8 @@ class Registration:
                 "address": self.address, "layout_digest": self.layout.digest if self.layout else ""}
 
     def profile(self) -> dict[str, Any]:
-        """What a whole side of a job shares (sent once per distinct value in a listing)."""
-        return {"version": self.version, "model": self.model, "spec_digest": self.spec_digest,
-                "config_digest": self.config_digest,
-                "layout": None if self.layout is None else {"engine": self.layout.engine, "world": self.layout.world},
-                "terms": None if self.terms is None else self.terms.to_json(), "backend": self.backend,
-                "peer_copies": self.peer_copies, "instances": self.instances}
+        """What a whole side of a job shares (:class:`Profile`; sent once per distinct value in a listing)."""
+        return Profile.of(self).to_json()
 
     def to_json(self) -> dict[str, Any]:
         """The whole record (what is posted, without ``config_digest``, and what the server stores)."""

@@ -25,9 +25,20 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
                                                    distinct "profile" (model, layout, options) once and one
                                                    row per participant; not ready: the count only; gzipped
                                                    for a client that accepts it
+    GET  /v1/jobs/{job}/census                     ?role=&wait_for=N&timeout=S: what set-up agreement needs,
+                                                   not a row each: each distinct profile once with how many
+                                                   registered it and the first few names, the instance count
+                                                   (weightsync.meta.view.Census); not ready: the count only
+    GET  /v1/jobs/{job}/placement                  ?instance=I&whole=1: host and GPU of the ranks a
+                                                   participant's plan compares (a training rank's view without
+                                                   instance; whole=1: every rank), as runs
+                                                   (weightsync.meta.view.concerning)
     POST /v1/jobs/{job}/plan-hashes                {"role", "rank", "instance"?, "plan_hash"?,
                                                    "pairs": [[src_rank, dst_instance, dst_rank, hash], ...]}
-    GET  /v1/jobs/{job}/plan-hashes/check          pairs whose two ends disagree, with both names
+    GET  /v1/jobs/{job}/plan-hashes/check          ?wait_for=N&timeout=S: counts of pairs compared, waiting and
+                                                   disagreeing, the first few of the last two with both names
+                                                   (weightsync.meta.proof); wait_for: a long-poll until N
+                                                   posted and none waits, or one disagrees, or an abort
     POST /v1/jobs/{job}/instances/{i}/join         {"incarnation"?, "liveness_s"?}; the topology version grows
                                                    on each change
     POST /v1/jobs/{job}/instances/{i}/alive        {"incarnation"?}: a joined member's heartbeat (nothing stored)
@@ -243,7 +254,10 @@ def _routes(c: Coordinator) -> list[tuple[str, tuple[str, ...], Callable]]:
         ("GET", J + ("participants",),
          lambda p, q, b: c.participants(p["job"], Query(q, {"role", "wait_for", "limit", "timeout"}))),
         ("POST", J + ("plan-hashes",), lambda p, q, b: c.post_plan_hashes(p["job"], b)),
-        ("GET", J + ("plan-hashes", "check"), lambda p, q, b: c.check_plan_hashes(p["job"])),
+        ("GET", J + ("plan-hashes", "check"),
+         lambda p, q, b: c.check_plan_hashes(p["job"], Query(q, {"wait_for", "timeout"}))),
+        ("GET", J + ("census",), lambda p, q, b: c.census(p["job"], Query(q, {"role", "wait_for", "timeout"}))),
+        ("GET", J + ("placement",), lambda p, q, b: c.placement(p["job"], Query(q, {"instance", "whole"}))),
         ("POST", J + ("instances", "{i}", "join"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, True)),
         ("POST", J + ("instances", "{i}", "leave"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, False)),
         ("POST", J + ("instances", "{i}", "gone"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, False, "gone")),
@@ -325,6 +339,7 @@ class _App:
         for route in _routes(coord):
             self.routes.setdefault(len(route[1]), []).append(route)
         self.requests: dict[tuple[str, int], int] = {}
+        self.sent: dict[str, int] = {}  # answer body bytes by route (as sent: gzipped where it was)
 
     async def _refused(self, request: web.Request, job: str, path: str, parts: list[str], length: int | None,
                        verdict: auth.Verdict) -> None:
@@ -351,6 +366,7 @@ class _App:
         else:
             data, ctype = json.dumps(payload).encode(), "application/json"
         self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
+        self.sent[route] = self.sent.get(route, 0) + len(data)
         headers = {"Content-Type": ctype}
         if encoding is not None:
             headers["Content-Encoding"] = encoding
@@ -408,7 +424,7 @@ class _App:
                 raise HTTPError(400, f"body not read: {type(e).__name__}: {str(e)[:120]}") from None
             if method == "GET" and parts == ["metrics"]:
                 route = "GET /metrics"
-                text = self.coord.metrics(self.requests) + (self.gate.metrics() if self.gate is not None else "")
+                text = self.coord.metrics(self.requests, self.sent) + (self.gate.metrics() if self.gate is not None else "")
                 return self._answer(route, 200, text)
             found = [(m, t, fn, p) for m, t, fn in self.routes.get(len(parts), ()) if (p := _match(t, parts)) is not None]
             if not found:

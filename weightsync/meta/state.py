@@ -16,13 +16,15 @@ import gzip
 import json
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 from weightsync.errors import WeightSyncError
 from weightsync.meta.auth import Refusals
 from weightsync.meta.mismatch import check_spec_size_async, refusal
+from weightsync.meta.proof import Proof
 from weightsync.meta.records import Member, Registration, RecordError, digest_of, encode_listing
 from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten, StoredJob
+from weightsync.meta.view import census, concerning, encode_placement, placement_of
 from weightsync.meta.validate import (
     MAX_JOBS, MAX_JSON_DEPTH, MAX_LIVENESS_S, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, MIN_LIVENESS_S, ROLES,
     STEP_STRIDE, STEPS_KEPT, BELL_NAME_PREFIX, HEX_RE, Aborted, HTTPError, Query, bad, bell_address, boolean,
@@ -81,7 +83,10 @@ class Job:
     # derived, never stored
     train_set: set[int] = field(default_factory=set)
     role_count: dict[str, int] = field(default_factory=dict)
-    listing: dict[str | None, Encoded] = field(default_factory=dict)  # encoded participants answers by role
+    #: answers derived from the participants (listings and censuses by role, placements by who asks, the
+    #: whole placement they are cut from), made once per change
+    answers: dict[Hashable, Any] = field(default_factory=dict)
+    proof: Proof = field(default_factory=Proof)  # the plan hashes compared as they come (weightsync.meta.proof)
     held_answers: dict[tuple, Encoded] = field(default_factory=dict)  # encoded wait_held answers, until held moves
     #: when each joined member was last heard from (join, alive, held; time.monotonic()), for those with a
     #: ``liveness_s``; not stored: after a restart each gets a whole ``liveness_s`` from the first sweep
@@ -90,7 +95,8 @@ class Job:
     def rebuild_counts(self) -> None:
         self.train_set = {p.rank for p in self.participants.values() if p.role == "train"}
         self.role_count = {r: sum(p.role == r for p in self.participants.values()) for r in ROLES}
-        self.listing.clear()
+        self.answers.clear()
+        self.proof = Proof.of(self.plan_hashes)
         if self.written and self.written_max < max(self.written):
             self.written_max = max(self.written)
 
@@ -107,13 +113,43 @@ class Job:
         """The ready answer listing ``role``'s participants (all: None), encoded (and gzipped) once per change
         (:func:`weightsync.meta.records.encode_listing`: each profile once, then one row each); ``limit``:
         only the first that many (not kept)."""
-        got = None if limit is not None else self.listing.get(role)
+        got = None if limit is not None else self.answers.get(role)
         if got is None:
-            ps = [p for _, p in sorted(self.participants.items()) if role is None or p.role == role]
+            ps = self.people(role)
             head = json.dumps({"ready": True, "count": len(ps)})[:-1].encode()
             got = Encoded.compressed(head + b", " + encode_listing(ps[:limit]) + b"}")
             if limit is None:
-                self.listing[role] = got
+                self.answers[role] = got
+        return got
+
+    def people(self, role: str | None) -> list[Registration]:
+        """The participants of ``role`` (all: None), in name order."""
+        return [p for _, p in sorted(self.participants.items()) if role is None or p.role == role]
+
+    def encoded_census(self, role: str | None) -> Encoded:
+        """The census of ``role``'s participants (:func:`weightsync.meta.view.census`), once per change."""
+        key = ("census", role)
+        got = self.answers.get(key)
+        if got is None:
+            got = self.answers[key] = Encoded.compressed(json.dumps(census(self.people(role)).to_json()).encode())
+        return got
+
+    def encoded_placement(self, instance: int | None, whole: bool) -> Encoded:
+        """The placement that concerns a training rank (``instance`` None) or an instance, or the whole
+        (:func:`weightsync.meta.view.concerning`), once per change; every training rank gets the same."""
+        key = ("placement", None if whole else instance, whole)
+        got = self.answers.get(key)
+        if got is None:
+            if ("whole",) not in self.answers:
+                infer = self.people("infer")
+                self.answers[("whole",)] = (placement_of(self.people("train"), infer),
+                                            next((p.layout.world for p in infer if p.layout), 1),
+                                            {p.instance for p in infer})
+            placed, infer_world, ids = self.answers[("whole",)]
+            if not whole and instance is not None and instance not in ids:  # (nor is a view kept for it)
+                raise HTTPError(409, f"instance {instance} has no registered inference participant")
+            cut = placed if whole or placed is None else concerning(placed, infer_world, instance)
+            got = self.answers[key] = Encoded.compressed(json.dumps(encode_placement(cut)).encode())
         return got
 
 
@@ -382,7 +418,7 @@ class Coordinator:
         if old != rec:
             encoded = json.dumps(rec.to_json())  # cannot fail: every field was checked (types, sizes)
             j.participants[name] = rec
-            j.listing.clear()
+            j.answers.clear()
             if old is None:
                 j.role_count[rec.role] = j.role_count.get(rec.role, 0) + 1
                 if rec.role == "train":
@@ -395,9 +431,11 @@ class Coordinator:
                     p.config_digest == old.config_digest for p in j.participants.values()):
                 del j.configs[old.config_digest]  # nobody registers that config any more
                 ops.append(Delete(job, "config", old.config_digest))
-            if j.plan_hashes.pop(name, None) is not None:  # a re-registered participant plans again
+            replanned = name in j.plan_hashes
+            if replanned:  # a re-registered participant plans again
+                j.proof.post(j.plan_hashes, name, None)
                 ops.append(Delete(job, "plan", name))
-            self._save(job, j, ("participants", "written"), ops)
+            self._save(job, j, ("participants", "written") + (("plan",) if replanned else ()), ops)
         return {"name": name, "created": old is None, "count": len(j.participants)}
 
     async def participants(self, job: str, q: Query) -> Encoded:
@@ -417,6 +455,33 @@ class Coordinator:
         if not ready:  # the count only: the waiter asks again, and gets the listing once it is complete
             return Encoded(json.dumps({"ready": False, "count": count(j)}).encode())
         return j.encoded_participants(role, limit)
+
+    async def census(self, job: str, q: Query) -> Encoded:
+        """What agreement needs of ``role``'s participants once ``wait_for`` registered: each distinct profile
+        once, counted (:class:`weightsync.meta.view.Census`); not ready: the count only."""
+        role = q.values.get("role")
+        if role is not None and role not in ROLES:
+            raise bad(f"role must be one of {list(ROLES)}, got {short(role)}")
+        wait_for = q.int("wait_for", 0, 0, MAX_PARTICIPANTS)
+        timeout = q.timeout()
+
+        def count(j: Job) -> int:
+            return len(j.participants) if role is None else j.role_count.get(role, 0)
+
+        # a plain census (no wait_for) answers on an aborted job too: a refused registrant reads who differs
+        ready, j = await self._wait("census", job, "participants", ("census", role, wait_for), timeout,
+                                    lambda j: count(j) >= wait_for, allow_aborted=wait_for == 0)
+        if not ready:
+            return Encoded(json.dumps({"ready": False, "count": count(j)}).encode())
+        return j.encoded_census(role)
+
+    def placement(self, job: str, q: Query) -> Encoded:
+        """Where the ranks a participant's plan compares run (:func:`weightsync.meta.view.concerning`):
+        ``instance=I`` an instance's, none a training rank's; ``whole=1``: every rank (a co-located job)."""
+        instance = q.int("instance", None, 0, MAX_RANK)
+        whole = q.int("whole", 0, 0, 1) == 1
+        j = self._job(job, create=False)
+        return j.encoded_placement(instance, whole)
 
     # -- plan hashes ----------------------------------------------------------------------------
     def post_plan_hashes(self, job: str, body: dict) -> dict:
@@ -447,38 +512,24 @@ class Coordinator:
             raise HTTPError(409, f"{name} is not registered in job {job}; register first")
         new = {"plan_hash": plan_hash, "pairs": got}
         if j.plan_hashes.get(name) != new:
-            j.plan_hashes[name] = new
+            j.proof.post(j.plan_hashes, name, new)
             self._save(job, j, ("plan",), [Put(job, "plan", name, json.dumps(new))])
         return {"name": name, "pairs": len(got)}
 
-    def check_plan_hashes(self, job: str) -> dict:
-        """Compare each pair's hash as its sender and its receiver computed it."""
+    async def check_plan_hashes(self, job: str, q: Query) -> dict:
+        """Each pair's hash as its sender and its receiver computed it, compared as they were posted
+        (:class:`weightsync.meta.proof.Proof`): counts, and the first pairs that disagree or wait. ``wait_for=N``:
+        a long-poll, answered once N participants posted and no pair waits, or a pair disagrees, or the job
+        is aborted (``ready`` says which)."""
+        wait_for = q.int("wait_for", None, 0, MAX_PARTICIPANTS)
+        timeout = q.timeout()
         j = self._job(job, create=False, allow_aborted=True)
-        mismatches, pending, compared = [], [], 0
-        seen: set[str] = set()
-        for name, ph in sorted(j.plan_hashes.items()):
-            for key, h in sorted(ph["pairs"].items()):
-                if key in seen:
-                    continue
-                seen.add(key)
-                s, i, r = map(int, key.split(","))
-                train, infer = f"train:{s}", f"infer:{i}:{r}"
-                peer = infer if name == train else train
-                peer_ph = j.plan_hashes.get(peer)
-                pair = [s, i, r]
-                if peer_ph is None:
-                    pending.append({"pair": pair, "reported_by": name, "waiting_for": peer})
-                    continue
-                compared += 1
-                hashes = {name: h, peer: peer_ph["pairs"].get(key)}
-                if hashes[train] != hashes[infer]:
-                    mismatches.append({"pair": pair, "train": train, "train_hash": hashes[train],
-                                       "infer": infer, "infer_hash": hashes[infer]})
-        plan = {n: ph["plan_hash"] for n, ph in sorted(j.plan_hashes.items()) if ph["plan_hash"]}
-        agree = len(set(plan.values())) <= 1
-        return {"ok": not mismatches and agree, "complete": not pending, "compared": compared, "aborted": j.aborted,
-                "posted": len(j.plan_hashes),
-                "mismatches": mismatches, "pending": pending, "plan_hashes": plan, "plan_hashes_agree": agree}
+        if wait_for is None:
+            return {**j.proof.answer(j.plan_hashes), "aborted": j.aborted}
+        ready, j = await self._wait("plan-hashes", job, "plan", ("proof", wait_for), timeout,
+                                    lambda j: j.aborted is not None or j.proof.settled(wait_for, j.plan_hashes),
+                                    allow_aborted=True)
+        return {"ready": ready, **j.proof.answer(j.plan_hashes), "aborted": j.aborted}
 
     # -- instances ------------------------------------------------------------------------------
     def join_leave(self, job: str, instance: int, body: dict, join: bool, state: str | None = None) -> dict:
@@ -737,11 +788,14 @@ class Coordinator:
         return {"ready": ready, "name": name, "address": j.rendezvous.get(name)}
 
     # -- metrics --------------------------------------------------------------------------------
-    def metrics(self, requests: dict[tuple[str, int], int]) -> str:
+    def metrics(self, requests: dict[tuple[str, int], int], sent: dict[str, int] | None = None) -> str:
         out = ["# HELP weightsync_meta_requests_total HTTP requests by route and status.",
                "# TYPE weightsync_meta_requests_total counter"]
         for (route, status), n in sorted(requests.items()):
             out.append(f'weightsync_meta_requests_total{{route="{route}",status="{status}"}} {n}')
+        out += ["# HELP weightsync_meta_answer_bytes_total Answer body bytes sent (gzipped where they were), by route.",
+                "# TYPE weightsync_meta_answer_bytes_total counter"]
+        out += [f'weightsync_meta_answer_bytes_total{{route="{route}"}} {n}' for route, n in sorted((sent or {}).items())]
         out += ["# HELP weightsync_meta_jobs Jobs held.", "# TYPE weightsync_meta_jobs gauge",
                 f"weightsync_meta_jobs {len(self.jobs)}"]
         out += ["# HELP weightsync_meta_waiting Long-polls waiting now, by route.",

@@ -8,22 +8,32 @@ from typing import Sequence, TypeVar
 T = TypeVar("T")
 
 
+#: the place of a rank a participant was not told (weightsync.meta.view.concerning): on no host its plan
+#: compares with, so never on the same GPU or host as any rank it was told
+ELSEWHERE = (-1, -1)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where each rank of a job said it runs: (host index, GPU index on that host), from registration.
 
-    ``infer`` is indexed by the flat inference rank ``instance * infer_world + rank``."""
+    ``infer`` is indexed by the flat inference rank ``instance * infer_world + rank``. A participant's
+    placement may leave out (:data:`ELSEWHERE`) the ranks its plan never compares; ``per_host`` then
+    keeps the job's GPUs per host (0: from the places given)."""
 
     train: tuple[tuple[int, int], ...]
     infer: tuple[tuple[int, int], ...]
+    per_host: int = 0
 
     @property
     def gpus_per_host(self) -> int:
-        return 1 + max(g for _, g in self.train + self.infer)
+        return self.per_host or 1 + max(g for _, g in self.train + self.infer)
 
     def describe(self) -> str:
-        hosts = len({h for h, _ in self.train + self.infer})
-        return f"{hosts} host(s), {len(set(self.train + self.infer))} GPU(s)"
+        known = [w for w in self.train + self.infer if w != ELSEWHERE]
+        return f"{len({h for h, _ in known})} host(s), {len(set(known))} GPU(s)" + (
+            f" ({len(self.train) + len(self.infer) - len(known)} ranks elsewhere)"
+            if len(known) < len(self.train) + len(self.infer) else "")
 
 
 @dataclass(frozen=True)

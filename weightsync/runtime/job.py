@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import replace
 from typing import Any
 
 from weightsync import __version__
@@ -20,10 +21,10 @@ from weightsync.engines import make_layout
 from weightsync.errors import ConfigError, JobMismatch, PlanError
 from weightsync.layout.layout import EngineLayout, Layout, layout_digest
 from weightsync.meta.client import MetaAborted, MetaClient, MetaError, MetaTimeout
-from weightsync.meta.records import LayoutInfo, Registration, SessionTerms
+from weightsync.meta.records import LayoutInfo, Profile, Registration, SessionTerms
+from weightsync.meta.view import Census, Cohort, placement_of  # noqa: F401 - placement_of: re-exported
 from weightsync.plan.job import JobShape  # noqa: F401 - re-exported: the runtime's callers name it here
 from weightsync.plan.planner import Bucket, Pair, pair_hash
-from weightsync.plan.topology import Placement
 from weightsync.spec.model import ModelSpec
 from weightsync.transport.base import Buffers
 
@@ -76,34 +77,54 @@ def register(client: MetaClient, record: Registration, spec: ModelSpec) -> None:
     except MetaError as e:
         if e.status != 409:
             raise
-        for p in client.participants():
-            if p.spec_digest and p.spec_digest != spec.digest:
+        for c in client.census().cohorts:
+            if c.profile.spec_digest and c.profile.spec_digest != spec.digest:
                 raise JobMismatch(f"{record.who} refused before any transfer: its model ({spec.name}) differs from "
-                                  f"{p.who}'s ({p.model or 'its model'}): {e}") from None
+                                  f"{c.who[0]}'s ({c.profile.model or 'its model'}): {e}") from None
         raise
 
 
-def wait_side(client: MetaClient, role: str, timeout_s: float, count: int | None = None) -> list[Registration]:
-    """Every participant of one role, once they all registered (the first says how many there are);
-    ``timeout_s``: how long to wait for them to arrive (each request keeps the client's own deadline)."""
+def wait_side(client: MetaClient, role: str, timeout_s: float, count: int | None = None) -> Census:
+    """One role's census (:class:`~weightsync.meta.view.Census`: each distinct profile once, counted), once all
+    its participants registered (the first says how many there are); ``timeout_s``: how long to wait for
+    them to arrive (each request keeps the client's own deadline)."""
     deadline = time.monotonic() + timeout_s
     side = "training" if role == "train" else "inference"
     try:
         if count is None:
-            first = client.wait_participants(1, role=role, timeout=timeout_s, limit=1)[0]
-            if first.layout is None:
-                raise JobMismatch(f"{first.who} registered no layout: it is no weightsync session's participant")
-            count = first.layout.world * ((first.instances or 1) if role == "infer" else 1)
-        return client.wait_participants(count, role=role, timeout=max(0.1, deadline - time.monotonic()))
+            got = client.wait_census(1, role=role, timeout=timeout_s)
+            first = got.cohorts[0]  # the first registrant's
+            if first.profile.layout is None:
+                raise JobMismatch(f"{first.who[0]} registered no layout: it is no weightsync session's participant")
+            count = first.profile.layout.world * ((first.profile.instances or 1) if role == "infer" else 1)
+            if got.count >= count:  # all there already
+                return got
+        return client.wait_census(count, role=role, timeout=max(0.1, deadline - time.monotonic()))
     except MetaTimeout:
-        got = len(client.participants(role))
+        got = client.census(role).count
         raise MetaTimeout(f"set-up waited {timeout_s:g} s for the job's {side} participants: {got} of "
                           f"{count if count is not None else 'at least 1'} registered (a reader registers once its "
                           "engine has started); start the missing ones, or give a longer setup_timeout_s") from None
 
 
-def _value(p: Registration, field: str) -> Any:
-    """A registration's field by name: a session option (``terms``), the layout's, or the record's own."""
+def sides(client: MetaClient, role: str, count: int, timeout_s: float) -> tuple[Census, Census]:
+    """Both sides' censuses (training, inference) once the whole job registered, ``count`` of this
+    participant's own ``role``: what agreement downloads, never a row per participant."""
+    own = wait_side(client, role, timeout_s, count=count)
+    other = wait_side(client, "infer" if role == "train" else "train", timeout_s)
+    return (own, other) if role == "train" else (other, own)
+
+
+def placed(client: MetaClient, shape: JobShape, instance: int | None = None) -> JobShape:
+    """The shape with the placement of the ranks this participant's plan compares (a training rank's, or
+    ``instance``'s; a co-located job's: every rank; an elastic one plans by the arithmetic rules)."""
+    if shape.elastic:
+        return shape
+    return replace(shape, placement=client.placement(instance, whole=shape.colocate))
+
+
+def _value(p: Profile, field: str) -> Any:
+    """A profile's field by name: a session option (``terms``), the layout's, or the profile's own."""
     if field in SessionTerms.MEANING:
         return getattr(p.terms, field)
     if field in ("engine", "world"):
@@ -111,91 +132,67 @@ def _value(p: Registration, field: str) -> Any:
     return getattr(p, field)
 
 
-def check_agreement(people: list[Registration], field: str, what: str) -> Any:
+def check_agreement(cohorts: list[Cohort], field: str, what: str) -> Any:
     """All participants must agree on ``field`` (a session option, ``engine``/``world`` of the layout, or a
-    field of the record); return the common value, else refuse naming who has which."""
+    field of the profile); return the common value, else refuse naming who has which."""
     values: dict[Any, list[str]] = {}
-    for p in people:
-        values.setdefault(_value(p, field), []).append(p.who)
+    for c in cohorts:
+        values.setdefault(_value(c.profile, field), []).extend(c.who)
     if len(values) > 1:
         detail = "; ".join(f"{v!r}: {', '.join(w[:3])}{' ...' if len(w) > 3 else ''}" for v, w in values.items())
         raise JobMismatch(f"participants disagree on {what}: {detail}")
     return next(iter(values))
 
 
-def check_versions(people: list[Registration]) -> None:
-    versions = {p.version for p in people}
+def check_versions(cohorts: list[Cohort]) -> None:
+    versions = {c.profile.version for c in cohorts}
     if len(versions) > 1:
         raise JobMismatch(f"weightsync versions differ across the job: {sorted(versions)}")
 
 
-def job_shape(people: list[Registration], terms: SessionTerms, elastic: bool = False) -> JobShape:
-    """Cross-check every registration and derive the shape both sides plan from: the layouts, and every
-    session option (:class:`~weightsync.meta.records.SessionTerms`: transport, mode, co-location, bucket
-    budget, integrity cadence, delta) the same on every participant and as ``terms`` (this participant's)
-    say. A refusal names the option and who has which value. ``elastic``: instances may be missing or come
-    later, see :attr:`JobShape.elastic`."""
-    bare = [p.who for p in people if p.layout is None or p.terms is None]
+def job_shape(train: Census, infer: Census, terms: SessionTerms, elastic: bool = False) -> JobShape:
+    """Cross-check every registration (each side's :class:`~weightsync.meta.view.Census`) and derive the shape
+    both sides plan from: the layouts, and every session option (:class:`~weightsync.meta.records.SessionTerms`:
+    transport, mode, co-location, bucket budget, integrity cadence, delta) the same on every participant and
+    as ``terms`` (this participant's) say. A refusal names the option and who has which value. ``elastic``:
+    instances may be missing or come later, see :attr:`JobShape.elastic`. The placement is not here: a
+    participant downloads what concerns it once the shape holds (:func:`placed`)."""
+    cohorts = [*train.cohorts, *infer.cohorts]
+    bare = [w for c in cohorts if c.profile.layout is None or c.profile.terms is None for w in c.who]
     if bare:
         raise JobMismatch(f"{', '.join(bare[:3])}{' ...' if len(bare) > 3 else ''} registered no layout or no "
                           "session options: not a weightsync writer or reader")
-    check_versions(people)
-    train = [p for p in people if p.role == "train"]
-    infer = [p for p in people if p.role == "infer"]
+    check_versions(cohorts)
     for field, what in SessionTerms.MEANING.items():  # every option, before any is used
-        check_agreement(people, field, what)
-    agreed = people[0].terms
+        check_agreement(cohorts, field, what)
+    agreed = cohorts[0].profile.terms
     if agreed != terms:
         diff = [f"{f}: this participant {getattr(terms, f)!r}, the job {getattr(agreed, f)!r}"
                 for f in SessionTerms.MEANING if getattr(terms, f) != getattr(agreed, f)]
         raise ConfigError(f"this participant's options differ from the job's ({'; '.join(diff)})")
-    ids = {p.instance for p in infer}
     shape = JobShape(
-        train=check_agreement(train, "engine", "the training layout"),
-        infer=check_agreement(infer, "engine", "the inference layout (instances must be alike)"),
-        train_world=int(check_agreement(train, "world", "the training world size")),
-        infer_world=int(check_agreement(infer, "world", "the inference world size")),
-        instances=(max(ids) + 1) if elastic and ids else len(ids),
+        train=check_agreement(list(train.cohorts), "engine", "the training layout"),
+        infer=check_agreement(list(infer.cohorts), "engine", "the inference layout (instances must be alike)"),
+        train_world=int(check_agreement(list(train.cohorts), "world", "the training world size")),
+        infer_world=int(check_agreement(list(infer.cohorts), "world", "the inference world size")),
+        instances=(infer.last_instance + 1) if elastic and infer.last_instance is not None else infer.instances,
         colocate=agreed.colocate,
         transport=agreed.transport,
         mode=agreed.mode,
         bucket_bytes=agreed.bucket_bytes,
         # a capability, not an agreement: one participant without it sends those pieces through the group
-        peer_copies=all(p.peer_copies for p in people),
-        placement=None if elastic else placement_of(train, infer),
+        peer_copies=all(c.profile.peer_copies for c in cohorts),
         elastic=elastic,
     )
     if elastic:  # instances come and go: only the trainers must all be there
-        if len(train) != shape.train_world:
-            raise JobMismatch(f"expected {shape.train_world} training participants, got {len(train)}")
-    elif len(train) != shape.train_world or len(infer) != shape.instances * shape.infer_world:
+        if train.count != shape.train_world:
+            raise JobMismatch(f"expected {shape.train_world} training participants, got {train.count}")
+    elif train.count != shape.train_world or infer.count != shape.instances * shape.infer_world:
         raise JobMismatch(
             f"expected {shape.train_world} training and {shape.instances}x{shape.infer_world} inference participants, "
-            f"got {len(train)} and {len(infer)}"
+            f"got {train.count} and {infer.count}"
         )
     return shape
-
-
-def placement_of(train: list[Registration], infer: list[Registration]) -> Placement | None:
-    """Where every rank runs, from what it registered: hosts by name, GPUs by their UUID (stable
-    whatever ``CUDA_VISIBLE_DEVICES`` each process saw). A rank without a GPU (CPU) is a slot of its
-    own on its host, so a CPU job spanning hosts still plans which pairs cross them. None when some
-    rank has no GPU and every rank is on one host (the arithmetic rules of :class:`Topology` apply)."""
-    people = train + infer
-    hosts = sorted({p.host for p in people})
-    if not all(p.gpu for p in people) and len(hosts) < 2:
-        return None
-
-    def slot(p: Registration) -> str:
-        return p.gpu or f"cpu:{p.role}:{p.instance}:{p.rank}"
-
-    on_host = {h: sorted({slot(p) for p in people if p.host == h}) for h in hosts}
-
-    def where(p: Registration) -> tuple[int, int]:
-        return hosts.index(p.host), on_host[p.host].index(slot(p))
-
-    return Placement(tuple(where(p) for p in sorted(train, key=lambda p: p.rank)),
-                     tuple(where(p) for p in sorted(infer, key=lambda p: (p.instance, p.rank))))
 
 
 def check_own_layout(shape_engine: str, spec: ModelSpec, rank: int, registered: str, who: str) -> None:
@@ -212,23 +209,23 @@ def check_own_layout(shape_engine: str, spec: ModelSpec, rank: int, registered: 
 
 
 def wait_plan_proven(client: MetaClient, timeout_s: float, participants: int) -> None:
-    """Wait until all ``participants`` posted their pair hashes and every pair's two ends agree."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.02
-    while True:
+    """Wait until all ``participants`` posted their pair hashes and every pair's two ends agree (a long-poll:
+    the MetaServer answers once that holds, or a pair disagrees, or the job is aborted)."""
+    try:
+        check = client.wait_plan_hashes(participants, timeout=timeout_s)
+    except MetaTimeout:
         check = client.check_plan_hashes()
-        if check.get("aborted"):  # a peer refused the job (e.g. its memory budget): fail now, with its reason
-            raise MetaAborted(f"the job was aborted while this participant waited for the plan's proof: "
-                              f"{check['aborted']}", 409)
-        if check.get("mismatches"):
-            bad = check["mismatches"][:5]
-            raise PlanError(f"plan hashes differ between the two ends of {len(check['mismatches'])} pairs: {bad}")
-        if check.get("complete") and check.get("ok") and check.get("posted", 0) >= participants:
-            return
-        if time.monotonic() > deadline:
-            raise PlanError(f"plan hashes not confirmed by every peer within {timeout_s} s: {check.get('pending', [])[:5]}")
-        time.sleep(delay)  # set-up only, once per job
-        delay = min(0.5, delay * 2)
+        raise PlanError(f"plan hashes not confirmed by every peer within {timeout_s} s: {check['posted']} of "
+                        f"{participants} participants posted; {check['pending_count']} pairs wait for their other "
+                        f"end, e.g. {check['pending'][:5]}") from None
+    if check.get("aborted"):  # a peer refused the job (e.g. its memory budget): fail now, with its reason
+        raise MetaAborted(f"the job was aborted while this participant waited for the plan's proof: "
+                          f"{check['aborted']}", 409)
+    if check["mismatch_count"]:
+        raise PlanError(f"plan hashes differ between the two ends of {check['mismatch_count']} pairs: "
+                        f"{check['mismatches'][:5]}")
+    if not check["plan_hashes_agree"]:
+        raise PlanError(f"the participants' job-level plan hashes differ: {check['plan_hash_counts']}")
 
 
 def hashes_of(plans: dict[Pair, list[Bucket]]) -> dict[Pair, str]:

@@ -58,7 +58,8 @@ from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
 from weightsync.integrity.check import SentCheck
 from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.meta.heartbeat import Heartbeat
-from weightsync.meta.records import Registration, SessionTerms
+from weightsync.meta.records import SessionTerms
+from weightsync.meta.view import Census
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES, Bucket, Pair
 from weightsync.runtime.device import device_uuid
 from weightsync.runtime.doorbell import Doorbell, open_bells
@@ -70,10 +71,11 @@ from weightsync.runtime.job import (
     hashes_of,
     job_shape,
     layout_digest,
+    placed,
     register,
     registration,
+    sides,
     wait_plan_proven,
-    wait_side,
 )
 from weightsync.spec.model import ModelSpec
 from weightsync.transport.base import (
@@ -179,11 +181,13 @@ class JobSession(ABC):
     """One participant process's set-up (the steps in the module docstring)."""
 
     role: str  # "train" or "infer"
+    instance_id: int | None = None  # the instance an inference session speaks for
 
     def __init__(self, client: MetaClient, link: MetaLink, spec: ModelSpec, options: SessionOptions):
         self.client, self.link, self.spec, self.options = client, link, spec, options
         self.shape: JobShape | None = None
-        self.people: list[Registration] = []  # every registration of the job, as agreed
+        #: the job's training and inference sides as agreed (each distinct registration once, counted)
+        self.sides: tuple[Census, Census] | None = None
         self.connected = False
 
     def check_alive(self) -> None:
@@ -193,7 +197,7 @@ class JobSession(ABC):
         """Run steps 1-7; return once the job is proven and this process connected."""
         t0 = time.perf_counter()
         self.register()
-        self.people = self.agree()
+        self.sides = self.agree()
         buffers = self.plan()
         self.budget(buffers)
         self.publish_bells()
@@ -206,14 +210,13 @@ class JobSession(ABC):
     @abstractmethod
     def register(self) -> None: ...
 
-    def agree(self) -> list[Registration]:
-        mine, theirs = ("train", "infer") if self.role == "train" else ("infer", "train")
+    def agree(self) -> tuple[Census, Census]:
+        """Both sides' censuses and the placement this process's plans compare (never a row per participant:
+        :mod:`weightsync.meta.view`), cross-checked into the job's shape."""
         # the job arrives within setup_wait_s (an engine starts first); each request keeps timeout_s
-        own = wait_side(self.client, mine, self.options.setup_wait_s, count=self.expected())
-        other = wait_side(self.client, theirs, self.options.setup_wait_s)
-        people = (own + other) if self.role == "train" else (other + own)
+        train, infer = sides(self.client, self.role, self.expected(), self.options.setup_wait_s)
         try:
-            self.shape = job_shape(people, self.options.terms(), self.options.elastic)
+            self.shape = job_shape(train, infer, self.options.terms(), self.options.elastic)
             self.check_layouts()
             check_engine(self.shape.infer, self.options.codec_name, self.shape.transport, self.shape.mode,
                          self.options.integrity)  # quant=fp8: where the fp8 codec cannot run
@@ -222,7 +225,8 @@ class JobSession(ABC):
             with contextlib.suppress(MetaError):
                 self.client.abort(f"{self.who}: {e}")
             raise
-        return people
+        self.shape = placed(self.client, self.shape, self.instance_id)
+        return train, infer
 
     @abstractmethod
     def expected(self) -> int:
@@ -339,8 +343,8 @@ class TrainerSession(JobSession):
 
     def initial_instances(self) -> int:
         """How many instances the job starts with (what the first inference registrant said)."""
-        infer = [p for p in self.people if p.role == "infer"]
-        return min(p.instances or 1 for p in infer) if infer else 1
+        infer = self.sides[1].cohorts
+        return min(c.profile.instances or 1 for c in infer) if infer else 1
 
     def connect(self) -> None:
         # sync: the instances' `held` bells, when every reader is on this host (elastic: instances
@@ -434,8 +438,7 @@ class InstanceSession(JobSession):
     def plan(self) -> list[tuple[str, Buffers]]:
         from weightsync.runtime import worker
 
-        trainers = [p for p in self.people if p.role == "train"]
-        self.backend = trainers[0].backend or "gloo"
+        self.backend = self.sides[0].cohorts[0].profile.backend or "gloo"
         # co-located workers write into each other's weights (``push``: their live tensors are exported
         # to each other by CUDA IPC; off when the engine's cannot be), unless each commits its own copy
         planned = self.instance.call(worker.plan, self.shape, dict(self.instance.model_config), self.instance_id,
