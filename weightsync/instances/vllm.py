@@ -54,7 +54,9 @@ errors, with the same deadline: a worker process that dies (or whose mailbox thr
 raises :class:`WorkerDied` at once; a call past its deadline raises :class:`WorkerTimeout` naming it (vLLM's
 executor is not out of step then, but the worker thread still runs the call: the instance is unusable all
 the same); an engine core that dies takes its workers with it (and a prefix-cache reset that fails raises
-``WorkerDied``).
+``WorkerDied``). A call through vLLM's engine client that the engine core never answers because it died (vLLM's
+client would wait for it for ever) fails with ``EngineDeadError`` once the client knows the engine dead
+(:mod:`weightsync.vllm.watch`, started here), so ``collective_rpc`` raises ``WorkerDied`` then too.
 """
 
 from __future__ import annotations

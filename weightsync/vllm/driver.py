@@ -28,6 +28,7 @@ from weightsync.errors import WorkerDied
 from weightsync.meta.client import MetaClient
 from weightsync.vllm.config import InitInfo
 from weightsync.vllm.status import CallStatus, wait_status
+from weightsync.vllm.watch import watch
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -42,6 +43,7 @@ class VLLMWeightSync:
     def __init__(self, llm: Any, **options: Any):
         self.llm = llm
         self.info = InitInfo(**options)
+        watch(llm)  # a call into an engine core that died fails (vLLM's own client would wait for ever)
         self.client = MetaClient(self.info.meta, self.info.job, token=self.info.token, timeout=self.info.timeout_s)
         self.version: int | None = None
         self.last: CallStatus | None = None
