@@ -132,7 +132,7 @@ def test_deepseek_v3_shaped_mla_in_bf16_and_block_fp8_colocated_bit_exact(model)
     fp8 = model.endswith("fp8")
     assert res["engine"].endswith("quant=fp8") == fp8, res["engine"]
     (paths,) = res["paths"]
-    assert paths.get("derived") == 2 and (paths.get("constant") == 4) == fp8, paths  # 2 MLA layers; 2 x 2 RadixAttention
+    assert paths.get("derived") == 2 and (paths.get("constant", 0) > 0) == fp8, paths  # 2 MLA layers; FP8 KV scales
     kinds = set(res["methods"].values())
     if fp8:  # the GEMM SGLang picked on this host (DeepGEMM where sgl-deep-gemm imports, else CUTLASS) and Triton experts
         assert any(k.startswith("Fp8LinearMethod/") for k in kinds) and "Fp8MoEMethod/triton" in kinds, kinds
