@@ -172,7 +172,8 @@ HOWS = ["link", "group-writable", "world-writable",
 @pytest.mark.parametrize("how", HOWS)
 def test_a_reader_refuses_a_file_that_is_not_the_trainers_own(tmp_path, how):
     """Before: a reader loaded whatever file had the pair's name -- a link (followed), a file others could write,
-    another user's. Each is refused now, naming why, with nothing of it landed."""
+    another user's. Each is refused now, naming why, with nothing of it landed -- and the receiver says so
+    (``landed`` False: a live reader that refused it withholds nothing; it was True, set when the file appeared)."""
     job, directory, plans = _sent(tmp_path)
     pair = sorted(plans)[0]
     path = directory / file_name(1, pair)
@@ -180,9 +181,11 @@ def test_a_reader_refuses_a_file_that_is_not_the_trainers_own(tmp_path, how):
     live = _poisoned(job.dst.layout(0))
     why = {"link": "symbolic link", "group-writable": "writable by group", "world-writable": "writable by others",
            "another user's": f"owned by uid {NOBODY}"}[how]
+    receiver = FileTransport(directory, consume=False, timeout_s=2)
     with pytest.raises(TransportError, match=f"{why}.*refused, not read"):
-        FileTransport(directory, consume=False, timeout_s=2).recv({pair: plans[pair]}, live, step=1)
+        receiver.recv({pair: plans[pair]}, live, step=1)
     assert all(t.isnan().all() for t in live.values()), "bytes of a refused file landed"
+    assert not receiver.landed, "a refused file counted as landed"
     assert os.path.lexists(path)  # left for inspection
 
 

@@ -151,8 +151,9 @@ def test_a_step_never_written_says_so_and_withholds_nothing(server, spawn):
     withheld = []
     inst.withhold = withheld.append
     t0 = time.monotonic()
-    with pytest.raises(StepNotWritten, match=r"no training rank has written step 3 \(latest written: 2\)"):
+    with pytest.raises(StepNotWritten, match=r"no training rank has written step 3 \(latest written: 2\)") as e:
         reader.update(3)
+    assert "the instance still holds step 2" in str(e.value), str(e.value)  # not "step None": it was never withheld
     assert 2.5 < time.monotonic() - t0 < 15.0
     assert reader.version == 2 and not withheld
     assert same(inst.snapshot(), expected(spec, 2, inst))

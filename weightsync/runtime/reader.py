@@ -205,7 +205,7 @@ class WeightReader(SessionDriven):
         except StepNotWritten as e:  # say which step the trainers did write
             if e is written.error:  # (sent early: every worker called it off before its first copy)
                 called_off, self.version = True, held
-            raise self._not_written(step, e) from e
+            raise self._not_written(step, e, held) from e
         except BaseException as e:
             if e is written.error:  # the step never came: every worker called it off before its first copy
                 called_off, self.version = True, held
@@ -247,15 +247,16 @@ class WeightReader(SessionDriven):
         except Exception:  # noqa: BLE001 -- failing already: withhold rather than trust an instance in doubt
             return False
 
-    def _not_written(self, step: int, cause: BaseException) -> StepNotWritten:
-        """``cause`` -- the step never began to arrive -- naming the latest step the trainers did write."""
+    def _not_written(self, step: int, cause: BaseException, held: int | None) -> StepNotWritten:
+        """``cause`` -- the step never began to arrive -- naming the latest step the trainers did write and ``held``,
+        the step the instance still serves (a live reader's ``version`` is None until the update's end)."""
         try:
             latest = self.client.summary().get("latest_written")
         except Exception:  # noqa: BLE001 -- the message loses a detail, nothing else
             latest = "unknown (the MetaServer did not answer)"
         return type(cause)(f"instance {self.instance_id}: no training rank has written step {step} (latest written: "
                            f"{latest}); nothing of it was received, and the instance still holds step "
-                           f"{self.version}. {cause}", peer=getattr(cause, "peer", None))
+                           f"{held}. {cause}", peer=getattr(cause, "peer", None))
 
     def _check_numbering(self, step: int, held: int | None) -> None:
         """A sync job whose trainers wrote a step this reader neither holds nor asked for: the two sides number

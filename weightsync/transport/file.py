@@ -215,9 +215,10 @@ class FileTransport:
                     "timeout_s)", peer=missing[0][0], pair=missing[0])
             arrived = [pair for pair, path in pending.items() if os.path.lexists(path)]
             for pair in arrived:
+                path = pending.pop(pair)
+                _refuse_foreign(step, pair, path)  # before anything counts as landed: a refused file moved no byte
                 if not self.landed:  # the step began: the transfer's own bounds count from here
                     self.landed, began = True, time.monotonic()
-                path = pending.pop(pair)
                 b, n = (self._consume(step, pair, plans[pair], path, tensors, self.codec) if consume is None
                         else consume(pair, path))
                 buckets, nbytes = buckets + b, nbytes + n
