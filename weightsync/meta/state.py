@@ -88,6 +88,7 @@ class Job:
     answers: dict[Hashable, Any] = field(default_factory=dict)
     proof: Proof = field(default_factory=Proof)  # the plan hashes compared as they come (weightsync.meta.proof)
     held_answers: dict[tuple, Encoded] = field(default_factory=dict)  # encoded wait_held answers, until held moves
+    written_answers: dict[tuple, Encoded] = field(default_factory=dict)  # encoded wait_written answers
     #: when each joined member was last heard from (join, alive, held; time.monotonic()), for those with a
     #: ``liveness_s``; not stored: after a restart each gets a whole ``liveness_s`` from the first sweep
     heard: dict[int, float] = field(default_factory=dict)
@@ -703,7 +704,15 @@ class Coordinator:
 
         ready, j = await self._wait("written", job, "written", (step, wait_for), timeout, _safe(check))
         check(j)
-        return {"ready": ready, "step": step, "wait_for": need(j), "ranks": sorted(j.written.get(step, ()))}
+        ranks = j.written.get(step, ())
+        key = (ready, step, need(j), len(ranks))  # a step's set only grows: its size says which it is
+        cached = j.written_answers.get(key)
+        if cached is None:  # every instance gets the same answer: the 1,024 ranks sorted and encoded once
+            if len(j.written_answers) >= 1024:
+                j.written_answers.clear()
+            cached = j.written_answers[key] = Encoded(json.dumps(
+                {"ready": ready, "step": step, "wait_for": key[2], "ranks": sorted(ranks)}).encode())
+        return cached
 
     async def held(self, job: str, instance: int, body: dict) -> dict:
         fields(body, {"step"}, {"reset", "incarnation"})

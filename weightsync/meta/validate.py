@@ -208,10 +208,9 @@ class Query:
     """Query parameters: each at most once, only the names a route accepts."""
 
     def __init__(self, query: str, allowed: set[str]):
-        try:
-            pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
-        except ValueError:
-            raise bad("malformed query string") from None
+        pairs = _pairs(query)
+        if pairs is None:
+            raise bad("malformed query string")
         self.values: dict[str, str] = {}
         for k, v in pairs:
             if k not in allowed:
@@ -246,6 +245,15 @@ class Query:
         if got is None:
             raise bad(f"{name} must be a comma-separated list of instance numbers, got {short(s)}")
         return list(got)
+
+
+@functools.lru_cache(maxsize=256)
+def _pairs(query: str) -> tuple[tuple[str, str], ...] | None:
+    """A query string's pairs (None: malformed); cached, as a step's 1,000+ waiters send the same one."""
+    try:
+        return tuple(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+    except ValueError:
+        return None
 
 
 @functools.lru_cache(maxsize=256)

