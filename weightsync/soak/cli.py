@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from weightsync.soak.config import ACTIONS, TARGETS, SoakConfig
+from weightsync.soak.config import ACTIONS, KINDS, TARGETS, SoakConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,10 +26,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault-gap", type=float, default=d.fault_gap_s,
                    help=f"mean quiet seconds between a fault's recovery and the next (default {d.fault_gap_s:g})")
     p.add_argument("--targets", default=",".join(d.targets), help=f"who faults hit, of {','.join(TARGETS)}")
-    p.add_argument("--actions", default=",".join(d.actions), help=f"what they do, of {','.join(ACTIONS)}")
+    kinds = ", ".join(sorted(f"{a} {t}" for t, a in KINDS))
+    p.add_argument("--actions", default=",".join(d.actions),
+                   help=f"what they do, of {','.join(ACTIONS)} (kinds: {kinds})")
     p.add_argument("--order", default=d.order, choices=("random", "cycle"),
-                   help="random kinds of fault, or every action on every target in turn")
+                   help="random kinds of fault, or every action (in --actions order) on every target in turn")
     p.add_argument("--stop-s", default=f"{d.stop_s[0]:g},{d.stop_s[1]:g}", help="MIN,MAX seconds a SIGSTOP lasts")
+    p.add_argument("--storm-s", type=float, default=d.storm_s,
+                   help=f"a storm's bad requests go on at least this long (default {d.storm_s:g})")
+    p.add_argument("--slow-over-s", type=float, default=d.slow_over_s,
+                   help=f"a slow step trains this much longer than --timeout (default {d.slow_over_s:g})")
     p.add_argument("--recover", type=float, default=d.recover_s,
                    help=f"a fault not recovered from within this many seconds counts as not recovered (default {d.recover_s:g})")
     p.add_argument("--staged", default=d.staged, choices=("none", "all", "odd"), help="which readers are staged")
@@ -44,7 +50,8 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
                       instance_timeout_s=args.instance_timeout, fault_gap_s=args.fault_gap,
                       targets=tuple(t for t in args.targets.split(",") if t),
                       actions=tuple(a for a in args.actions.split(",") if a), order=args.order,
-                      stop_s=(float(lo), float(hi or lo)), recover_s=args.recover, staged=args.staged,
+                      stop_s=(float(lo), float(hi or lo)), storm_s=args.storm_s, slow_over_s=args.slow_over_s,
+                      recover_s=args.recover, staged=args.staged,
                       workdir=args.workdir)
 
 

@@ -13,10 +13,19 @@ import torch
 from weightsync.errors import ConfigError
 
 #: who a fault hits: a training rank, an inference instance's control process (its WeightReader), one of
-#: an instance's worker processes, the MetaServer
-TARGETS = ("trainer", "reader", "worker", "meta")
-#: what a fault does: SIGKILL (the target is restarted as a user would), SIGSTOP for a while then SIGCONT
-ACTIONS = ("kill", "stop")
+#: an instance's worker processes, the MetaServer, the file transport's directory
+TARGETS = ("trainer", "reader", "worker", "meta", "files")
+#: what a fault does: SIGKILL (the target is restarted as a user would), SIGSTOP for a while then SIGCONT;
+#: storm: bad requests at the MetaServer (no token, another job's token, an oversized body, not HTTP, headers
+#: that never end, a config bomb); squat: the directory becomes another user's while a reader restarts into it;
+#: plant: another user's weight files at the names the readers wait for; slow: a training step longer than
+#: ``timeout_s`` (:mod:`weightsync.soak.plays`)
+ACTIONS = ("kill", "stop", "storm", "squat", "plant", "slow")
+#: the kinds of fault there are, as (target, action): every process killed or stopped, and the rest where they fit
+KINDS = frozenset([(t, a) for t in ("trainer", "reader", "worker", "meta") for a in ("kill", "stop")]
+                  + [("meta", "storm"), ("files", "squat"), ("files", "plant"), ("trainer", "slow")])
+#: kinds weightsync must take without any participant noticing: the job goes on as if nothing happened
+QUIET = frozenset([("meta", "storm"), ("trainer", "slow")])
 
 
 @dataclass(frozen=True)
@@ -38,9 +47,13 @@ class SoakConfig:
     targets: tuple[str, ...] = TARGETS
     actions: tuple[str, ...] = ACTIONS
     #: random: each fault's kind drawn at random; cycle: every action on every target in turn (kill trainer,
-    #: kill reader, kill worker, kill meta, stop trainer, ...), so a short soak hits every kind
+    #: kill reader, kill worker, kill meta, stop trainer, ...: ``actions`` in their order, each on ``targets``
+    #: where the kind exists), so a short soak hits every kind
     order: str = "random"
     stop_s: tuple[float, float] = (1.0, 6.0)  # how long a SIGSTOP lasts (uniform)
+    storm_s: float = 4.0  # a storm's requests go on at least this long (and until every reader held a new step)
+    #: a slow step's training, beyond ``timeout_s`` (the step takes ``timeout_s`` + this)
+    slow_over_s: float = 3.0
     restart_after_s: float = 0.5  # a supervisor's delay before restarting a killed participant
     recover_s: float = 90.0  # a fault the job has not recovered from within this is recorded as not recovered
     step_pause_s: float = 0.2  # the trainers' pause between steps (their "training")
@@ -49,6 +62,12 @@ class SoakConfig:
 
     def is_staged(self, instance: int) -> bool:
         return self.staged == "all" or (self.staged == "odd" and instance % 2 == 1)
+
+    def kinds(self) -> list[tuple[str, str]]:
+        """The (target, action) kinds this soak injects, in ``cycle`` order: ``actions`` in turn, each on every one
+        of ``targets`` it applies to (the directory's kinds: on the file transport only)."""
+        return [(t, a) for a in self.actions for t in self.targets
+                if (t, a) in KINDS and (t != "files" or self.transport == "file")]
 
 
 def check(cfg: SoakConfig) -> None:
@@ -68,6 +87,12 @@ def check(cfg: SoakConfig) -> None:
     bad = [t for t in cfg.targets if t not in TARGETS] + [a for a in cfg.actions if a not in ACTIONS]
     if bad or not cfg.targets or not cfg.actions:
         raise ConfigError(f"soak: targets are {', '.join(TARGETS)} and actions {', '.join(ACTIONS)}; got {bad or 'none'}")
+    if not cfg.kinds():
+        raise ConfigError(f"soak: no kind of fault is both in --targets {','.join(cfg.targets)} and --actions "
+                          f"{','.join(cfg.actions)} (kinds: {', '.join(sorted(f'{a} {t}' for t, a in KINDS))}; "
+                          "the files target needs --transport file)")
+    if cfg.storm_s <= 0 or cfg.slow_over_s <= 0:
+        raise ConfigError("soak: --storm-s and --slow-over-s must be positive")
     if cfg.order not in ("random", "cycle"):
         raise ConfigError(f"soak: --order must be random or cycle, not {cfg.order!r}")
     if cfg.staged not in ("none", "all", "odd"):
@@ -88,4 +113,4 @@ def step_weights(cfg: SoakConfig, spec, step: int) -> dict[str, torch.Tensor]:
     return random_canonical(spec, seed=cfg.seed * 1_000_003 + step)
 
 
-__all__ = ["ACTIONS", "TARGETS", "SoakConfig", "check", "step_weights"]
+__all__ = ["ACTIONS", "KINDS", "QUIET", "TARGETS", "SoakConfig", "check", "step_weights"]

@@ -8,7 +8,10 @@ runner (:func:`weightsync.local.runner.start_participant`) with a pipe of its ow
 participant SIGKILLed mid-send then breaks only its own pipe; a shared queue's lock would stay held).
 
 One fault at a time: after a quiet gap, a target (a training rank, a reader, one of a reader's workers, the
-MetaServer) is SIGKILLed or SIGSTOPped for a while; the next fault waits until the job has recovered from it.
+MetaServer) is SIGKILLed or SIGSTOPped for a while, or a *play* runs (:mod:`weightsync.soak.plays`: a storm of bad
+requests at the MetaServer, the file transport's directory squatted or planted with another user's files, a training
+step longer than ``timeout_s``), checking that weightsync takes it as designed; the next fault waits until the job
+has recovered from it.
 Restarts are a supervisor's: a dead training rank takes its group down and the group restarts from the step
 after the last one every rank wrote; a dead reader restarts and joins again under its id; a dead MetaServer
 restarts on its port from its store. A fault is *detected* at the first failure weightsync reports about it
@@ -43,9 +46,10 @@ from typing import Any, Callable
 
 from weightsync.local.events import Event, Failed, Participant, StepStarted
 from weightsync.local.runner import log_name, participant_context, start_participant
-from weightsync.soak.config import SoakConfig, check
+from weightsync.soak.config import QUIET, SoakConfig, check
 from weightsync.soak.events import Claim, Held, InstanceUp, Noticed, Rejoined, Stepped
 from weightsync.soak.participants import JOB, reader_main, trainer_main
+from weightsync.soak.plays import PLAYS, Play
 from weightsync.transport.private import private_directory
 
 log = logging.getLogger("weightsync.soak")
@@ -74,16 +78,19 @@ class Fault:
     """One fault: what it hit and when; when weightsync first reported it, and when the job had recovered."""
 
     index: int
-    target: str  # trainer, reader, worker, meta
-    action: str  # kill, stop
+    target: str  # trainer, reader, worker, meta, files
+    action: str  # kill, stop, storm, squat, plant, slow
     who: str
     at: float
-    until: float  # a stop's SIGCONT (a kill: its time)
+    until: float  # a stop's SIGCONT (a kill: its time; a play's: when it ended)
     last_step: int  # the latest step any trainer had started when it hit
     pid: int | None = None
     detected_at: float | None = None
     detected_by: str = ""
     recovered_at: float | None = None
+    #: where weightsync did not take the fault as designed (a play's checks; a quiet kind that was noticed)
+    problems: list[str] = field(default_factory=list)
+    notes: str = ""  # what a play saw (a storm's answers, a refusal)
 
     @property
     def kind(self) -> str:
@@ -122,8 +129,15 @@ class SoakReport:
         return sum(f.recovered_at is not None for f in self.faults)
 
     @property
+    def mishandled(self) -> tuple[str, ...]:
+        """Faults weightsync did not take as designed (:mod:`weightsync.soak.plays`), each with its first problem."""
+        return tuple(f"fault {f.index} ({f.kind}): {f.problems[0]}" + (f" (and {len(f.problems) - 1} more)"
+                                                                     if len(f.problems) > 1 else "")
+                     for f in self.faults if f.problems)
+
+    @property
     def ok(self) -> bool:
-        return not self.violations and self.recovered == len(self.faults)
+        return not self.violations and not self.mishandled and self.recovered == len(self.faults)
 
     def by_kind(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -159,10 +173,15 @@ class SoakReport:
         rec = [f.recover_s for f in self.faults if f.recover_s is not None]
         out.append(f"  {'all':<14} {len(self.faults):>3} {len(det):>8} {_pair(_med(det), max(det, default=None)):>20} "
                    f"{_pair(_med(rec), max(rec, default=None)):>21}")
+        for f in self.faults:
+            if f.notes:
+                out.append(f"  fault {f.index} ({f.kind}): {f.notes}")
         if self.violations:
             out.append(f"INVARIANT BROKEN: {len(self.violations)} time(s); first: {self.violations[0]}")
         else:
             out.append("invariant held: no reader reported a version it does not hold bit for bit")
+        for m in self.mishandled:
+            out.append(f"NOT AS DESIGNED: {m}")
         for f in self.faults:
             if f.recovered_at is None:
                 out.append(f"NOT RECOVERED: fault {f.index} ({f.kind}: {f.who}) within {c.recover_s:g} s")
@@ -173,7 +192,8 @@ class SoakReport:
         return {"config": asdict(self.config), "seconds": self.seconds, "up_s": self.up_s, "steps": self.steps, "holds": self.holds,
                 "exact_holds": self.exact_holds, "claims": self.claims, "violations": list(self.violations),
                 "restarts": self.restarts, "rejoins": self.rejoins, "meta_held_seen": self.meta_held_seen,
-                "meta_held_unchecked": list(self.meta_held_unchecked), "ok": self.ok, "by_kind": self.by_kind(),
+                "meta_held_unchecked": list(self.meta_held_unchecked), "mishandled": list(self.mishandled),
+                "ok": self.ok, "by_kind": self.by_kind(),
                 "faults": [dict(asdict(f), kind=f.kind, detect_s=f.detect_s, recover_s=f.recover_s)
                            for f in self.faults], "workdir": self.workdir}
 
@@ -276,6 +296,7 @@ class Soak:
             private_directory(os.path.join(self.workdir, d))
         self.directory = os.path.join(self.workdir, "files")
         self.stop_path = os.path.join(self.workdir, "stop")
+        self.train_path = os.path.join(self.workdir, "train")  # while it exists the trainers train (plays.py)
         from weightsync.engines import make_layout
         from weightsync.spec import load_spec
 
@@ -302,6 +323,7 @@ class Soak:
         self._watch_stop = threading.Event()
         self._tries = 0  # faults injected (order=cycle: which kind is next)
         self.up_s = 0.0
+        self.play: Play | None = None  # the fault now running, if it is a play (weightsync.soak.plays)
 
     # -- processes ------------------------------------------------------------------------------
     def _spawn(self, participant: Participant, target: Callable[..., None], *args: Any) -> None:
@@ -319,7 +341,16 @@ class Soak:
         port = free_port()
         for r in range(self.world):
             self._spawn(Participant.trainer(r), trainer_main, r, self.world, port, self.meta.url, self.cfg, first,
-                        self.directory, self.stop_path, self.token)
+                        self.directory, self.stop_path, self.token, self.train_path)
+
+    def train(self, on: bool) -> None:
+        """Hold the trainers before their next step (they train), or let them write it."""
+        if on:
+            with open(self.train_path, "w"):
+                pass
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.train_path)
 
     def _start_reader(self, i: int) -> None:
         self._spawn(Participant.instance(i), reader_main, i, self.meta.url, self.cfg, self.directory, self.token)
@@ -354,6 +385,8 @@ class Soak:
     # -- events ---------------------------------------------------------------------------------
     def _take(self, r: _Running, ev: Event) -> None:
         who = ev.participant
+        if self.play is not None:
+            self.play.event(ev, time.time())
         if isinstance(ev, StepStarted):
             self.started_step = max(self.started_step, ev.step)
             self.step_started_at[ev.step] = min(self.step_started_at.get(ev.step, ev.at), ev.at)
@@ -416,11 +449,13 @@ class Soak:
     def _inject(self) -> Fault | None:
         """Pick a target that is up and hit it; None when none of the chosen kind is up now."""
         cfg, now = self.cfg, time.time()
+        kinds = cfg.kinds()
         if cfg.order == "cycle":
-            kinds = [(t, a) for a in cfg.actions for t in cfg.targets]
             target, action = kinds[self._tries % len(kinds)]
         else:
-            target, action = self.rng.choice(cfg.targets), self.rng.choice(cfg.actions)
+            target, action = self.rng.choice(kinds)
+        if (target, action) in PLAYS:
+            return self._start_play(target, action, now)
         stop_s = self.rng.uniform(*cfg.stop_s)
         pid: int | None = None
         if target == "meta":
@@ -462,6 +497,33 @@ class Soak:
             self.pending["meta"] = now + cfg.restart_after_s
         return f
 
+    def _start_play(self, target: str, action: str, now: float) -> Fault | None:
+        f = Fault(sum(f.target != "none" for f in self.faults) + 1, target, action, "", now, float("inf"),
+                  self.started_step)
+        play = PLAYS[(target, action)](self, f)
+        if not play.start():
+            return None
+        self._tries += 1
+        self.faults.append(f)
+        self.play = play
+        self.out(f"fault {f.index} at {now - self.t0:.1f} s: {f.kind}" + (f": {f.who}" if f.who else "")
+                 + f" (step {f.last_step})")
+        return f
+
+    def _tick_play(self, now: float) -> None:
+        if self.play is not None and self.play.tick(now):
+            self._end_play(now)
+
+    def _end_play(self, now: float) -> None:
+        play, self.play = self.play, None
+        if play is not None:
+            try:
+                play.end()
+            finally:
+                play.fault.until = min(play.fault.until, now)
+                self.out(f"  fault {play.fault.index}: {play.fault.kind} over after {now - play.fault.at:.1f} s"
+                         + (f": {play.fault.notes}" if play.fault.notes else ""))
+
     def _resume_stopped(self, now: float) -> None:
         for pid, due in list(self.conts.items()):
             if now >= due:
@@ -477,6 +539,9 @@ class Soak:
             # every reader holds, checked, a step the trainers started after the fault hit
             f.recovered_at = max(now, f.until)
             self.out(f"  fault {f.index}: recovered after {f.recover_s:.1f} s")
+            if (f.target, f.action) in QUIET and f.detected_at is not None:  # the job should not have felt it
+                f.problems.append(f"a participant noticed it: {f.detected_by}")
+                self.out(f"  fault {f.index}: NOT AS DESIGNED: {f.kind} was noticed ({f.detected_by[:200]})")
         elif now - f.at > self.cfg.recover_s:  # it stays unrecovered; the next fault waits for the job to move again
             self.out(f"  fault {f.index}: NOT recovered within {self.cfg.recover_s:g} s; restarting everyone")
             self._unstick()
@@ -484,6 +549,7 @@ class Soak:
     def _unstick(self) -> None:
         """After a fault the job did not recover from: restart every participant (the figures say so)."""
         stuck = self.faults[-1]
+        self._end_play(time.time())
         self.pending.clear()
         for who in list(self.running):
             self._end(who)
@@ -551,8 +617,9 @@ class Soak:
     def run(self) -> SoakReport:
         cfg = self.cfg
         self.t0 = time.time()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.stop_path)
+        for path in (self.stop_path, self.train_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         self.meta.start()
         watcher = threading.Thread(target=self._watch_meta, name="soak-meta-watch", daemon=True)
         watcher.start()
@@ -571,6 +638,7 @@ class Soak:
                 self._poll(_TICK_S)
                 now = time.time()
                 self._resume_stopped(now)
+                self._tick_play(now)
                 self._supervise(now)
                 self._check_recovered(now)
                 if self._open_fault() is None:
@@ -588,6 +656,7 @@ class Soak:
                     raise RuntimeError(f"soak: the job did not start within {cfg.recover_s * 2:g} s; logs in "
                                        f"{self.workdir}")
         finally:
+            self._end_play(time.time())
             with open(self.stop_path, "w"):
                 pass
             self._watch_stop.set()

@@ -68,4 +68,13 @@ class Stepped(Event):
     at: float
 
 
-__all__ = ["Claim", "Held", "InstanceUp", "Noticed", "Rejoined", "Stepped"]
+@dataclass(frozen=True)
+class Training(Event):
+    """A training rank is training before ``write(step)`` for as long as the driver says (a slow step: the
+    driver's ``train`` file exists), having written every step before ``step`` it was to write."""
+
+    step: int
+    at: float
+
+
+__all__ = ["Claim", "Held", "InstanceUp", "Noticed", "Rejoined", "Stepped", "Training"]

@@ -21,7 +21,7 @@ from weightsync.errors import InstanceError, WeightSyncError
 from weightsync.local.events import Ready, StepStarted
 from weightsync.local.runner import Emit
 from weightsync.soak.config import SoakConfig, step_weights
-from weightsync.soak.events import Claim, Held, InstanceUp, Noticed, Rejoined, Stepped
+from weightsync.soak.events import Claim, Held, InstanceUp, Noticed, Rejoined, Stepped, Training
 
 JOB = "soak"
 
@@ -39,9 +39,11 @@ def transport_args(cfg: SoakConfig, directory: str) -> dict[str, Any]:
 
 
 def trainer_main(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: SoakConfig, first: int,
-                 directory: str, stop_path: str, token: str | None = None) -> None:
+                 directory: str, stop_path: str, token: str | None = None, train_path: str | None = None) -> None:
     """Training rank ``rank``: its own gloo default group, a real trainer of ``cfg.train``, one WeightWriter; from
-    step ``first`` on it sets the model to the step's weights and writes them, until ``stop_path`` exists."""
+    step ``first`` on it sets the model to the step's weights and writes them, until ``stop_path`` exists. While
+    ``train_path`` exists the ranks train (write nothing) before their next step, as long as the driver wants: a
+    step that takes longer than ``timeout_s``, or a quiet moment for planting files."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -62,13 +64,22 @@ def trainer_main(emit: Emit, rank: int, world: int, port: int, meta: str, cfg: S
     try:
         _noticing(emit, writer.connect)
         emit(Ready(emit.participant))
-        stop = torch.zeros(1)
+        flags = torch.zeros(2)
         step = first
+        training = False
         while True:
-            stop.fill_(float(os.path.exists(stop_path)))
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops after the same step
-            if stop.item():
+            flags[0] = float(os.path.exists(stop_path))
+            flags[1] = float(train_path is not None and os.path.exists(train_path))
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank stops, or trains on, after the same step
+            if flags[0].item():
                 break
+            if flags[1].item():  # training: the next step is not written until the driver says
+                if not training:
+                    emit(Training(emit.participant, step, time.time()))
+                training = True
+                time.sleep(0.05)
+                continue
+            training = False
             with torch.no_grad():
                 fill_from(bound.layout, bound.tensors, step_weights(cfg, spec, step))
             dropped = dict(writer.dropped)
