@@ -285,6 +285,41 @@ def test_missing_sender_times_out_naming_the_pair(tmp_path):
     assert not (tmp_path / file_name(1, (0, 0, 1))).exists()
 
 
+def test_a_receive_behind_the_trainers_gives_up_at_its_timeout_not_at_written_timeout(tmp_path):
+    """Waiting for a step's first file may take ``first_s`` (the trainers may still train), but not where they are
+    past it: a reader resumed after a long pause, whose step's files were consumed or swept while later steps were
+    written, learns it from the later step's files within about a second past ``timeout_s`` -- "moved on past it",
+    not "never written" -- and nothing lands."""
+    from weightsync.errors import StepNotWritten
+
+    job = Job(CASES["llama3 fsdp:dp=2 -> sglang:tp=2, 512 B buckets"])
+    import threading
+
+    live = scatter(job.src.layout(0), random_canonical(job.spec, 2))
+    sender = FileTransport(tmp_path, timeout_s=0.5)
+    sender.send(job.planner.send_plan(0), live, step=9)  # an earlier job's leftover of a later step: not "moved on"
+    old = time.time() - 60
+    for name in os.listdir(tmp_path):
+        os.utime(tmp_path / name, (old, old))
+
+    def trainers_move_on() -> None:  # while this reader waits, the trainers write step 7 for the others only
+        time.sleep(0.3)
+        sender.send(job.planner.send_plan(0), live, step=7)
+        for name in os.listdir(tmp_path):  # (this instance, rank 1, was dropped: its files are gone)
+            if name.startswith("step000000007") and ".r1." in name:
+                os.remove(tmp_path / name)
+
+    dst = _poisoned(job.dst.layout(1))
+    before = {n: t.clone() for n, t in dst.items()}
+    receiver = FileTransport(tmp_path, timeout_s=0.5)
+    threading.Thread(target=trainers_move_on, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(TransportError, match=r"step 5: the trainers already wrote step 7 .* moved on past it") as err:
+        receiver.recv(job.planner.recv_plan(0, 1), dst, step=5, first_s=60.0)
+    assert time.monotonic() - start < 3 and not isinstance(err.value, StepNotWritten) and not receiver.landed
+    assert all(torch.equal(dst[n].view(torch.uint8), t.view(torch.uint8)) for n, t in before.items())  # (NaN poison)
+
+
 def test_a_receive_takes_its_total_budget_at_most_however_steadily_files_arrive(tmp_path):
     """``total_s`` (a job's receivers: their ``timeout_s``) bounds the whole transfer, counted from the step's first
     file (before it, the trainers may still be training: ``first_s``), so a worker's call returns before the engine's

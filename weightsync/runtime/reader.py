@@ -254,6 +254,11 @@ class WeightReader(SessionDriven):
             latest = self.client.summary().get("latest_written")
         except Exception:  # noqa: BLE001 -- the message loses a detail, nothing else
             latest = "unknown (the MetaServer did not answer)"
+        if isinstance(latest, int) and latest >= step:  # it was written, and is gone: the trainers moved on
+            return type(cause)(f"instance {self.instance_id}: step {step} never arrived, and the trainers have since "
+                               f"written step {latest} (this reader fell behind, or was dropped); nothing of it was "
+                               f"received, and the instance still holds step {held}. {cause}",
+                               peer=getattr(cause, "peer", None))
         return type(cause)(f"instance {self.instance_id}: no training rank has written step {step} (latest written: "
                            f"{latest}); nothing of it was received, and the instance still holds step "
                            f"{held}. {cause}", peer=getattr(cause, "peer", None))

@@ -203,7 +203,8 @@ class FileTransport:
             return TransferStats(0, 0, 0.0)
         start = time.perf_counter()
         pending = {pair: os.path.join(self.directory, file_name(step, pair)) for pair in sorted(plans)}
-        began = last_progress = time.monotonic()
+        began = last_progress = looked = time.monotonic()
+        since = time.time() - 1.0  # (file times are wall times; a second of slack for coarse clocks)
         buckets = nbytes = 0
         while pending:
             if self.landed and self.total_s is not None and time.monotonic() - began > self.total_s:
@@ -232,6 +233,16 @@ class FileTransport:
                     pair = min(p for p in pending if p[0] == gone.rank)
                     raise gone.error(f"step {step}: waiting for the file of {describe(pair)} ({file_name(step, pair)}) "
                                      f"in {self.directory}", pair=pair)
+            if not self.landed and idle > self.timeout_s and time.monotonic() - looked >= 1.0:
+                looked = time.monotonic()  # past the transfer's bound, waiting for trainers: have they moved on?
+                later = self._later_step(step, since)
+                if later is not None:
+                    missing = sorted(pending)
+                    raise TransportError(
+                        f"step {step}: the trainers already wrote step {later} into {self.directory} and no file of "
+                        f"step {step} is there for {describe(missing[0])}: they moved on past it (this reader fell "
+                        "behind: paused, or dropped by the trainers); nothing of it was received",
+                        peer=missing[0][0], pair=missing[0])
             if idle > self.timeout_s + (0.0 if self.landed else first_s):
                 missing = sorted(pending)
                 names = "; ".join(f"{describe(p)} ({file_name(step, p)})" for p in missing[:4])
@@ -247,6 +258,27 @@ class FileTransport:
                     "on this step?)", peer=missing[0][0], pair=missing[0])
             time.sleep(self.poll_s)
         return TransferStats(buckets, nbytes, time.perf_counter() - start)
+
+    def _later_step(self, step: int, since: float) -> int | None:
+        """The newest step after ``step`` with a (final) file in the directory, for any instance, written after
+        ``since`` (wall time: an earlier job's leftovers do not count), or None: how a receive waiting for a step's
+        first file learns the trainers are past it (they write steps in order; an instance they dropped gets no file
+        of the later steps, the others do)."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return None
+        later = None
+        for m in map(_NAME.match, names):
+            if m is None or m.group(5) or m.group(6) or m.group(0).startswith(".") or int(m.group(1)) <= step:
+                continue
+            try:
+                fresh = os.lstat(os.path.join(self.directory, m.group(0))).st_mtime >= since
+            except OSError:  # consumed or swept meanwhile
+                continue
+            if fresh and (later is None or int(m.group(1)) > later):
+                later = int(m.group(1))
+        return later
 
     # -- frames (a framed codec: weightsync.codec) ------------------------------------------------
     def send_frames(self, step: int, plans: Plans, tensors: Mapping[str, torch.Tensor], encoder, codec, *,
