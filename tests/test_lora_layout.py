@@ -64,7 +64,9 @@ def test_unsupported_features_refused_by_name(kw, words):
 
 
 @pytest.mark.parametrize("model, targets, words", [
-    (MODEL, ["embed_tokens"], r"model\.embed_tokens"),
+    (MODEL, ["embed_tokens"], r"\['embed_tokens'\]: weightsync does not sync LoRA on embeddings or lm_head"),
+    (MODEL, ["q_proj", "lm_head"], r"\['lm_head'\]: weightsync does not sync LoRA on embeddings or lm_head"),
+    (MODEL, r".*\.embed_tokens", r"model\.embed_tokens"),
     (MODEL, ["q_proj", "nope_proj"], r"\['nope_proj'\], which name no linear module"),
     ("tiny-qwen3-moe", ["gate_proj"], r"model\.layers\.0\.mlp\.experts\.0\.gate_proj"),
     ("tiny-deepseek-v3", ["q_a_proj"], r"q_a_proj"),

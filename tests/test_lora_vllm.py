@@ -213,6 +213,30 @@ class TestTP1:
         _assert_same_slots(slots.slot_tensors(v4.lora_int_id), disk_slot)
         assert _generate(llm, v4.request()) == disk_tokens
         assert _generate(llm, self.state["v2"].request()) == self.state["tokens2"]
+        self.state.update(v4=v4, tokens4=disk_tokens)
+
+    def test_a_landing_that_fails_midway_leaves_the_live_versions_serving(self, engine):
+        """One trainer tensor cut short: the worker lands the copies before it into the reserved slot, then refuses
+        that payload by name; the slot is released on every worker (unpinned, zeroed), nothing is published, and
+        the live versions serve as before."""
+        import dataclasses
+
+        from weightsync.errors import ConfigError
+        from weightsync.lora.peft import PeftTrainEngine
+        from weightsync.lora.vllm import lora_probe
+
+        llm, slots, _ = engine
+        live = list(slots.versions)
+        bound = PeftTrainEngine(peft_model(seed=8)).bound
+        last = list(bound.layout.tensors)[-1]
+        broken = dataclasses.replace(bound, tensors={**bound.tensors, last: bound.tensors[last][:-1]})
+        with pytest.raises(ConfigError, match=r"payload \d+ \(base_model\.model\..*\) has shape"):
+            slots.land(broken, "policy", 5)
+        probe = slots.call(lora_probe)[0]
+        assert slots.versions == live and probe.pinned == tuple(sorted(v.lora_int_id for v in live))
+        assert not set(probe.slots) - {0, 4} - {v.lora_int_id for v in live}  # the failed id holds no slot
+        assert _generate(llm, self.state["v2"].request()) == self.state["tokens2"]
+        assert _generate(llm, self.state["v4"].request()) == self.state["tokens4"]
 
 
 class TestTP2:

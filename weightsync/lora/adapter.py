@@ -214,6 +214,9 @@ def adapter_spec(base: ModelSpec, config: AdapterConfig) -> AdapterSpec:
         adapted = [m for m in modules if not m.endswith(("lm_head", "embed_tokens"))]
     else:
         adapted = [m for m in modules if config.matches(m)]
+    if not config.regex and (heads := [t for t in config.targets if t in ("lm_head", "embed_tokens")]):
+        raise ConfigError(f"the adapter targets {heads}: weightsync does not sync LoRA on embeddings or lm_head (only "
+                          f"the decoder's dense {', '.join(PROJECTIONS)})")
     if not config.regex and config.targets != ("all-linear",):
         unmatched = [t for t in config.targets if not any(m == t or m.endswith("." + t) for m in modules)]
         if unmatched:

@@ -399,8 +399,8 @@ class VLLMLoRASlots:
             raise ConfigError(f"adapter {name} version {version} is already live")
         self.check(spec)
         lora_id = next(self._ids)
-        slots = self.call(lora_reserve, lora_id)
         try:
+            slots = self.call(lora_reserve, lora_id)  # a worker that refused holds nothing; the others are released
             if len(set(slots)) != 1:
                 raise InstanceError(f"vllm: the workers reserved different slots for {name}@{version}: {slots}")
             config = self.slot_config(spec, slots[0])
