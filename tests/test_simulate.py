@@ -102,8 +102,8 @@ def predicted(model: str, scenario: str, receiver: str, cost: CostModel = CostMo
 #: every step, 1.8 ms of Python; d20dc79 counts them once) and ...-nixl-1gpu-fp8-vs-bf16-7aedb37.json (58.6 ms:
 #: the encode and decode one weight at a time from Python; 4cd83b1 batches them), their bf16 rows kept.
 RECORDED = [
-    ("2026-12-01-h200x1-s10-final-colo-1gpu.json", "faithful", "none"),
-    ("2026-12-01-h200x1-s9-final-colo-1gpu.json", "faithful", "none"),
+    ("2026-12-01-h200x1-colo-1gpu-e3b8935.json", "faithful", "none"),
+    ("2026-12-01-h200x1-colo-1gpu-1040492.json", "faithful", "none"),
     ("2026-12-01-h200x1-real-vllm026-colo-1gpu.json", "vllm", "none"),
     ("2026-12-01-h200x1-real-vllm026-colo-1gpu.json", "faithful", "none"),
     ("2026-12-01-h200x1-qwen3-8b-colo-1gpu-issue14-before1.json", "faithful", "none"),
@@ -112,8 +112,8 @@ RECORDED = [
     ("2026-12-01-h200x1-qwen3-8b-colo-1gpu-issue14-after4.json", "faithful", "none"),
     ("2026-12-01-h200x1-qwen3-8b-colo-1gpu-integrity-0.json", "faithful", "none"),
     ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-colo-1gpu.json", "faithful", "none"),  # its colo-1gpu row (nixl: below)
-    ("2026-12-01-h200x1-s10-final-nixl-1gpu.json", "faithful", "none"),
-    ("2026-12-01-h200x1-s9-final-nixl-1gpu.json", "faithful", "none"),
+    ("2026-12-01-h200x1-nixl-1gpu-e3b8935.json", "faithful", "none"),
+    ("2026-12-01-h200x1-nixl-1gpu-1040492.json", "faithful", "none"),
     ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-run1.json", "faithful", "none"),  # the full steps of the delta runs
     ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-run2.json", "faithful", "none"),
     ("2026-12-01-h200x1-qwen3-8b-nixl-1gpu-delta-triton-run1.json", "faithful", "none"),
@@ -171,17 +171,17 @@ RECORDED = [
     ("2026-12-06-h100x1-real-sglang0514-nixl-1gpu-faithful-f7c86f7.json", "faithful", "none"),
     # session 18, a fourth host (31ec0cc): the step's call before the trainers' `written` (early_call True; the rows
     # that gave the profile's *_early_s) and, on the same host, after it (early_call False, "-late")
-    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-faithful-s18-31ec0cc.json", "faithful", "none"),
-    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm-s18-31ec0cc.json", "vllm", "none"),
-    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm3-s18-31ec0cc.json", "vllm", "none"),
-    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm-late-s18-31ec0cc.json", "vllm", "none"),
-    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm3-late-s18-31ec0cc.json", "vllm", "none"),
-    ("2026-12-07-h100x1-qwen3-8b-nixl-1gpu-faithful-s18-31ec0cc.json", "faithful", "none"),
-    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-faithful-s18a-31ec0cc.json", "faithful", "none"),
-    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-s18a-31ec0cc.json", "sglang", "none"),
-    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-s18b-31ec0cc.json", "sglang", "none"),
-    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-late-s18a-31ec0cc.json", "sglang", "none"),
-    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-late-s18b-31ec0cc.json", "sglang", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-faithful-31ec0cc.json", "faithful", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm-31ec0cc.json", "vllm", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm3-31ec0cc.json", "vllm", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm-late-31ec0cc.json", "vllm", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm3-late-31ec0cc.json", "vllm", "none"),
+    ("2026-12-07-h100x1-qwen3-8b-nixl-1gpu-faithful-31ec0cc.json", "faithful", "none"),
+    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-faithful-call1-31ec0cc.json", "faithful", "none"),
+    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-call1-31ec0cc.json", "sglang", "none"),
+    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-call4-31ec0cc.json", "sglang", "none"),
+    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-call1-late-31ec0cc.json", "sglang", "none"),
+    ("2026-12-07-h100x1-real-sglang0514-colo-1gpu-sglang-call4-late-31ec0cc.json", "sglang", "none"),
 ]
 
 #: nixl-1gpu runs whose medians lie outside 10% of the model with its one per-descriptor cost: their CPU
@@ -731,14 +731,14 @@ def test_early_call_costs_are_their_runs_measurements():
         p = r["phase_median_seconds"]
         return p["reader.workers"] - p["reader.transport"], r["median_seconds"]
 
-    rows = {"faithful": ["qwen3-8b-colo-1gpu-faithful-s18", "real-sglang0514-colo-1gpu-faithful-s18a"],
-            "vllm": ["qwen3-8b-colo-1gpu-real-vllm026-vllm-s18", "qwen3-8b-colo-1gpu-real-vllm026-vllm3-s18"],
-            "sglang": ["real-sglang0514-colo-1gpu-sglang-s18a", "real-sglang0514-colo-1gpu-sglang-s18b"]}
+    rows = {"faithful": ["qwen3-8b-colo-1gpu-faithful", "real-sglang0514-colo-1gpu-faithful-call1"],
+            "vllm": ["qwen3-8b-colo-1gpu-real-vllm026-vllm", "qwen3-8b-colo-1gpu-real-vllm026-vllm3"],
+            "sglang": ["real-sglang0514-colo-1gpu-sglang-call1", "real-sglang0514-colo-1gpu-sglang-call4"]}
     for receiver, names in rows.items():
         got = [left(f"2026-12-07-h100x1-{n}-31ec0cc.json", receiver) for n in names]
         want = getattr(H100, f"{receiver}_early_s")
         assert want == getattr(CostModel(), f"{receiver}_early_s")
         assert abs(sum(g for g, _ in got) / 2 - want) < 1e-6, (receiver, got, want)
         if receiver != "faithful":
-            late = [left(f"2026-12-07-h100x1-{n.replace('-s18', '-late-s18')}-31ec0cc.json", receiver) for n in names]
+            late = [left(f"2026-12-07-h100x1-{n}-late-31ec0cc.json", receiver) for n in names]
             assert max(m for _, m in got) < min(m for _, m in late), (receiver, got, late)

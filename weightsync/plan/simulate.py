@@ -115,8 +115,8 @@ class CostModel:
     """Every cost the step prediction charges, each measured on the H200 hosts (source beside it): the H200
     profile (``gpu="h200"``). :data:`H100` is the same model with what the H100 runs measured in its place.
 
-    "s10-final colo" is ``benchmarks/results/2026-12-01-h200x1-s10-final-colo-1gpu.json``, "s10-final
-    nixl" ``...-s10-final-nixl-1gpu.json`` (line 5: the JSON after NIXL's log lines), "real vLLM"
+    "e3b8935 colo" is ``benchmarks/results/2026-12-01-h200x1-colo-1gpu-e3b8935.json``, "e3b8935
+    nixl" ``...-nixl-1gpu-e3b8935.json`` (line 5: the JSON after NIXL's log lines), "real vLLM"
     ``...-real-vllm026-colo-1gpu.json``, "sep-1to1 8B" ``2026-11-30-h200x2-qwen3-8b-sep-1to1.json``,
     "signals" ``2026-11-30-h200x2-signals.txt``, all under ``benchmarks/results/``.
     """
@@ -126,7 +126,7 @@ class CostModel:
     # co-located: the copy kernel's rate against the device copy, on 8B's 40 MB runs (BENCHMARKS.md session
     # 3, "Copy kernel tuned": microbenchmark 0.93)
     colocated_copy_efficiency: float = 0.93
-    # co-located: the worker's work before its first copy (address look-ups, the graph launch): s10-final
+    # co-located: the worker's work before its first copy (address look-ups, the graph launch): e3b8935
     # colo reader.started 0.15 ms
     colocated_setup_s: float = 0.15e-3
     # p2p: CPU per NCCL message posted, overlapped with the transfers: sep-1to1 8B reader.posting 6.51 ms
@@ -143,7 +143,7 @@ class CostModel:
     # (2026-12-02-h200x1-qwen3-8b-nixl-1gpu-issue26-new-nothread-cc14075.json)
     nixl_setup_s: float = 0.942e-3 - 64 * 3.156e-3 / 399
     # signals: a step's fixed cost outside the workers' call with a doorbell (writer.send, the ring, the
-    # reader's bookkeeping, held): s10-final colo median_seconds - reader.workers = 9.23 - 8.99 ms
+    # reader's bookkeeping, held): e3b8935 colo median_seconds - reader.workers = 9.23 - 8.99 ms
     step_round_s: float = 0.24e-3
     doorbell_s: float = 8.5e-6  # signals: shm-spin median (part of step_round_s)
     metaserver_signal_s: float = 886.6e-6  # signals: http (POST -> long poll returns) median, one way
@@ -153,7 +153,7 @@ class CostModel:
     metaserver_request_s: float = 160e-6
     # receivers: the reader's call into a layout-faithful worker and back (a pickled call over a pipe plus
     # the worker's bookkeeping): BENCHMARKS.md "What bounds the results now", ~0.5 ms (reader.workers -
-    # reader.transport: 0.40 ms s10-final colo, 0.51 ms real vLLM's faithful row, 0.58 ms s10-final nixl)
+    # reader.transport: 0.40 ms e3b8935 colo, 0.51 ms real vLLM's faithful row, 0.58 ms e3b8935 nixl)
     faithful_call_s: float = 0.5e-3
     # a real vLLM 0.26 engine (worker extension), through the call mailbox (no engine-core trip a step): its
     # reader.workers - reader.transport, 9.659 - 8.661 ms in 2026-12-02-h200x1-real-vllm026-mailbox-colo-1gpu-
@@ -172,11 +172,11 @@ class CostModel:
     # rows of 2026-12-07-h100x1-*-31ec0cc.json on one H100 (the mean of each receiver's two rows; not measured on an
     # H200: these stand for it too). The trip, the decode and the co-located set-up (colocated_setup_s) run before
     # the go: in the bench the reader sends step s + 1's call as update(s) returns, long before the trainers' bell.
-    # faithful: qwen3-8b-colo-1gpu-faithful-s18 0.131 ms, real-sglang0514-colo-1gpu-faithful-s18a 0.270
+    # faithful: qwen3-8b-colo-1gpu-faithful 0.131 ms, real-sglang0514-colo-1gpu-faithful-call1 0.270
     faithful_early_s: float = (0.131e-3 + 0.270e-3) / 2
-    # vLLM 0.26: qwen3-8b-colo-1gpu-real-vllm026-vllm-s18 0.174 ms, ...-vllm3-s18 0.234
+    # vLLM 0.26: qwen3-8b-colo-1gpu-real-vllm026-vllm 0.174 ms, ...-vllm3 0.234
     vllm_early_s: float = (0.174e-3 + 0.234e-3) / 2
-    # SGLang 0.5.14: real-sglang0514-colo-1gpu-sglang-s18a 0.399 ms, ...-s18b 0.453
+    # SGLang 0.5.14: real-sglang0514-colo-1gpu-sglang-call1 0.399 ms, ...-call4 0.453
     sglang_early_s: float = (0.399e-3 + 0.453e-3) / 2
     # codecs: block FP8 keeps 1 byte per element plus an fp32 scale per 128 x 128 block (weightsync.quant.fp8)
     fp8_block: int = 128
@@ -202,7 +202,7 @@ class CostModel:
     @classmethod
     def reader_progress_thread(cls, **changes) -> CostModel:
         """The costs of a NIXL reader WITH NIXL's progress thread (every nixl-1gpu run before session 12):
-        every descriptor ~19.5 us that the copies waited on, the two adding (s10-final nixl reader.posting
+        every descriptor ~19.5 us that the copies waited on, the two adding (e3b8935 nixl reader.posting
         7.795 ms for 399 descriptors; reader.transport - reader.posting 6.7-9.2 ms against an 8.0 ms floor)."""
         return cls(**{"nixl_descriptor_s": 7.795e-3 / 399, "nixl_posting_overlaps": False, "nixl_setup_s": 0.0,
                       **changes})
