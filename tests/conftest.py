@@ -80,6 +80,42 @@ def pytest_configure(config):
     reaper.start(log=os.environ.get("WEIGHTSYNC_TEST_REAPER_LOG"))
 
 
+def _stderr_fd(config) -> int:
+    """The descriptor pytest's faulthandler writes to: the process's stderr as it was before output capture,
+    which in an xdist worker is the controller's terminal (the worker's stdout goes to /dev/null)."""
+    try:
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+        return config.stash[fault_handler_stderr_fd_key]
+    except (ImportError, KeyError):
+        return 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    """A test past its timeout under xdist leaves every thread's stack on stderr. pytest-timeout's ``thread`` method
+    writes its dump through the terminal writer, which in an xdist worker is the worker's stdout, sent to /dev/null
+    by execnet: a hung test said only "node down: Not properly terminated" and "worker 'gw0' crashed while running
+    <test>" (issue 40, item 10: a call into a dead vLLM engine that never returned, docs/testing.md). So here
+    faulthandler's own watchdog -- a C thread, it needs no GIL -- dumps every thread's stack to stderr 2 s before
+    pytest-timeout ends the worker. Returns None: pytest-timeout's own timer is set as before."""
+    timeout = getattr(settings, "timeout", None)
+    if timeout and getattr(settings, "method", None) == "thread" and hasattr(item.config, "workerinput"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(max(timeout - 2, timeout / 2), file=_stderr_fd(item.config))
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item):
+    if hasattr(item.config, "workerinput"):
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+    return None
+
+
 def _slow(nodeid: str) -> str | None:
     return next((why for key, why in SLOW.items() if nodeid.endswith(key)), None)
 

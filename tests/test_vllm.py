@@ -6,10 +6,11 @@ driven through vLLM's own ``init_weight_transfer_engine`` / ``start_weight_updat
 trainer's weights saved by ``save_pretrained`` (tests/vllm_harness.py, ``Engines.check``): its loaded-form
 tensors bit-exact to the checkpoint, everything it computes with (live parameters, CPU-packed GEMM outputs)
 bit-exact to the fresh engine's, and the same greedy tokens. Faults: a trainer killed mid-step, a vLLM
-worker killed mid-update, an MLA model whose post-load transform weightsync cannot produce.
+worker killed mid-update, an engine core killed with a call waiting for its answer.
 
 No test patches vLLM. Engines are shared per module (start-up is most of the time); tests run in file
-order on one xdist worker (``xdist_group``), and the worker-death tests come last (they kill engines).
+order on one xdist worker (``xdist_group``), and the worker- and engine-death tests come last in their class
+(they kill engines).
 """
 
 from __future__ import annotations
@@ -80,6 +81,46 @@ def _held(e, job) -> int | None:
     from weightsync.meta.client import MetaClient
 
     return MetaClient(e.meta.url, job).summary()["held"].get("0")
+
+
+def _call_when_the_engine_core_dies(e, name: str) -> None:
+    """A call into engine ``name`` that its engine core will never answer: the engine core is stopped (SIGSTOP)
+    with the call waiting in its socket, then killed. The call must end, with ``EngineDeadError``, within seconds
+    of vLLM's client knowing the engine dead (``weightsync.vllm.watch``); vLLM's own client waits for ever. (The
+    same wait, a ``get_weight_version`` that reaches the engine core just after it failed, ends the xdist worker
+    running ``test_worker_dies_mid_update_tp2`` once pytest-timeout's 900 s are up: docs/testing.md.) Kills engine
+    ``name``."""
+    import os
+    import signal
+    import threading
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    inst = e.insts[name]
+    client = (inst.llm if inst.is_async else inst.llm.llm_engine).engine_core  # vLLM's engine-core client
+    (core,) = client.resources.engine_manager.processes
+    e.holds[name] = None
+    got: list = []
+
+    def call() -> None:
+        try:
+            got.append(inst.get_version())  # vLLM's get_weight_version: a utility call the engine core answers
+        except BaseException as exc:  # noqa: BLE001 -- handed to the test
+            got.append(exc)
+
+    os.kill(core.pid, signal.SIGSTOP)
+    try:
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(1.0)
+        assert caller.is_alive() and not got, f"the stopped engine core answered: {got}"
+    finally:
+        os.kill(core.pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    caller.join(30)
+    assert not caller.is_alive(), "a call into an engine whose engine core died still waits after 30 s"
+    assert isinstance(got[0], EngineDeadError), got
+    assert time.perf_counter() - t0 < 15
 
 
 class TestQwen3TP1:
@@ -329,6 +370,12 @@ class TestQwen3TP1:
             assert trainers.results(30)[0][0] in ("err", "died")
         assert _held(tp1, job.job) == 1
 
+    def test_call_waiting_when_the_engine_core_dies_asyncllm(self, tp1):
+        """A call into the ``AsyncLLM`` (engine Y) waiting when its engine core dies raises ``EngineDeadError``
+        (``_call_when_the_engine_core_dies``; kills engine Y)."""
+        assert tp1.insts["Y"].is_async
+        _call_when_the_engine_core_dies(tp1, "Y")
+
 
 class TestQwen3TP2:
     """TP=2: KV heads replicated; the backend's rank 0 drives rank 1 over vLLM's CPU group."""
@@ -374,7 +421,7 @@ class TestQwen3TP2:
         """A trainer killed mid-step, through the plug-in at TP=2: the driver gets the recorded error (bounded), the
         weight version stays at the last held step and the engine keeps serving. A raising worker RPC would leave
         vLLM's executor reading stale answers at TP=2; the backend records the failure instead, so the next job's
-        calls get their own answers and sync bit-exact. (This case also ran at TP=1 until session 9; TP=2 covers
+        calls get their own answers and sync bit-exact. (This case also ran at TP=1 once; TP=2 covers
         every assertion it made.)"""
         from weightsync.errors import TransportError
         from weightsync.vllm.driver import VLLMWeightSync
@@ -433,6 +480,12 @@ class TestQwen3TP2:
         except Exception:  # the engine is dead
             version = None
         assert version != "2" and len(pids) == 2
+
+    def test_call_waiting_when_the_engine_core_dies(self, tp2):
+        """A call into an offline ``LLM`` (engine Y, TP=2) waiting when its engine core dies raises
+        ``EngineDeadError`` (``_call_when_the_engine_core_dies``; kills engine Y)."""
+        assert not tp2.insts["Y"].is_async
+        _call_when_the_engine_core_dies(tp2, "Y")
 
 
 
