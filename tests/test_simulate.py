@@ -22,7 +22,8 @@ from weightsync.engines import make_layout
 from weightsync.plan.descriptors import count_workers, span
 from weightsync.plan.planner import Planner
 from weightsync.errors import ConfigError
-from weightsync.plan.simulate import GPUS, H100, H100_RUNS, H100_SESSION15, CostModel, Deployment, cost_model, gpu_of, predict_step
+from weightsync.plan.simulate import (GPUS, H100, H100_PROFILE_COMMITS, H100_RUNS, CostModel, Deployment, cost_model,
+                                      gpu_of, predict_step)
 from weightsync.plan.topology import Topology
 from weightsync.spec import load_spec
 
@@ -61,9 +62,9 @@ def planned(model: str, scenario: str):
     return planner, plans, count_workers(planner, plans)
 
 
-#: runs of the code before session 12 (every 2026-11-* and 2026-12-01-* run, and issue 26's "old" run): their NIXL
-#: readers ran NIXL's progress thread (CostModel.reader_progress_thread()) and their real receivers made the
-#: engines' own trips (CostModel.engine_rpc_receivers())
+#: runs of the code before 2026-12-02 (every 2026-11-* and 2026-12-01-* run, and issue 26's "old" run, 47ada14):
+#: their NIXL readers ran NIXL's progress thread (CostModel.reader_progress_thread()) and their real receivers made
+#: the engines' own trips (CostModel.engine_rpc_receivers())
 RPC = CostModel.engine_rpc_receivers()
 THREAD = CostModel.reader_progress_thread(vllm_step_s=RPC.vllm_step_s, sglang_step_s=RPC.sglang_step_s)
 #: commits before d6f900c, since which nixl readers wait on same-host doorbells (before: the MetaServer)
@@ -85,7 +86,7 @@ def doorbells_of(name: str) -> bool | None:
 
 def predicted(model: str, scenario: str, receiver: str, cost: CostModel = CostModel(), codec: str = "full",
               doorbells: bool | None = None, early_call: bool = False) -> float:
-    """``early_call``: the step's call sent before the trainers' `written` (a record's ``early_call``, session 18
+    """``early_call``: the step's call sent before the trainers' `written` (a record's ``early_call``, 31ec0cc
     on; every record before it ran without)."""
     planner, plans, counts = planned(model, scenario)
     transport = SCENARIOS[scenario][3]
@@ -126,11 +127,11 @@ RECORDED = [
     ("2026-11-30-h200x2-qwen3-8b-colo-1gpu.json", "faithful", "none"),
     ("2026-11-30-h200x2-qwen3-8b-colo-pp2-tp2.json", "faithful", "none"),
     ("2026-11-30-h200x2-qwen3-8b-sep-1to1.json", "faithful", "none"),
-    # session 12, issue 26 item 2: the code before (its reader with NIXL's progress thread), and after with the
-    # reader's progress thread off (the transport's default since)
+    # 2026-12-02, issue 26 item 2: the code before (its reader with NIXL's progress thread), and after with the
+    # reader's progress thread off (the transport's default since cdaf17d)
     ("2026-12-02-h200x1-qwen3-8b-nixl-1gpu-issue26-old-47ada14.json", "faithful", "none"),
     ("2026-12-02-h200x1-qwen3-8b-nixl-1gpu-issue26-new-nothread-cc14075.json", "faithful", "none"),
-    # session 13: nixl readers on same-host doorbells (d6f900c)
+    # 2026-12-02: nixl readers on same-host doorbells (d6f900c)
     ("2026-12-02-h200x1-qwen3-8b-nixl-1gpu-doorbells-fa91af5.json", "faithful", "none"),
     # the real receivers through the call mailbox, each with the layout-faithful receiver of the same call
     ("2026-12-02-h200x1-real-vllm026-mailbox-colo-1gpu-6f817f1.json", "vllm", "none"),
@@ -148,8 +149,8 @@ RECORDED = [
     ("2026-12-02-h200x1-qwen3-8b-colo-1gpu-fp8-vs-bf16-4cd83b1.json", "faithful", "fp8"),
     ("2026-12-02-h200x1-qwen3-8b-colo-1gpu-fp8-vs-bf16-4cd83b1.json", "faithful", "none"),
     ("2026-12-02-h200x1-qwen3-8b-colo-1gpu-fp8-vs-bf16-4869c79.json", "faithful", "none"),
-    # session 15 on one H100 80GB HBM3, predicted with the H100 profile (simulate.H100). The first call's host,
-    # whose runs gave the profile's constants: issue 23's A/B, f8eb9d9 (before; its copy kernel the masked
+    # 2026-12-06 on one H100 80GB HBM3, predicted with the H100 profile (simulate.H100). The host whose runs
+    # gave the profile's constants: issue 23's A/B, f8eb9d9 (before; its copy kernel the masked
     # one, 0.948 of the device copy in a graph against the profile's 0.9746) and cc55ce7 (after), interleaved
     ("2026-12-06-h100x1-qwen3-8b-colo-1gpu-ab1-f8eb9d9.json", "faithful", "none"),
     ("2026-12-06-h100x1-qwen3-8b-colo-1gpu-ab1-cc55ce7.json", "faithful", "none"),
@@ -159,17 +160,17 @@ RECORDED = [
     ("2026-12-06-h100x1-qwen3-8b-nixl-1gpu-ab-cc55ce7.json", "faithful", "none"),
     ("2026-12-06-h100x1-real-vllm026-colo-1gpu-cc55ce7.json", "vllm", "none"),
     ("2026-12-06-h100x1-real-vllm026-colo-1gpu-cc55ce7.json", "faithful", "none"),
-    # the second call's host (22c0d7b): its layout-faithful run; its real vLLM runs are in OTHER_HOST. Left out:
+    # another host (22c0d7b): its layout-faithful run; its real vLLM runs are in OTHER_HOST. Left out:
     # ...-colo-1gpu-real-vllm026-resetafter-experiment-22c0d7b.json, a patched snapshot (no prefix-cache reset
     # in pause), not code of this repository
     ("2026-12-06-h100x1-qwen3-8b-colo-1gpu-faithful-22c0d7b.json", "faithful", "none"),
-    # session 16, a third host (f7c86f7: real SGLang 0.5.14 through the call mailbox, the writer lock taken in place),
+    # 2026-12-06, another host (f7c86f7: real SGLang 0.5.14 through the call mailbox, the writer lock taken in place),
     # each with the layout-faithful receiver of the same call; the colo sglang row gave the profile's sglang_step_s
     ("2026-12-06-h100x1-real-sglang0514-colo-1gpu-sglang-f7c86f7.json", "sglang", "none"),
     ("2026-12-06-h100x1-real-sglang0514-colo-1gpu-faithful-f7c86f7.json", "faithful", "none"),
     ("2026-12-06-h100x1-real-sglang0514-nixl-1gpu-sglang-f7c86f7.json", "sglang", "none"),
     ("2026-12-06-h100x1-real-sglang0514-nixl-1gpu-faithful-f7c86f7.json", "faithful", "none"),
-    # session 18, a fourth host (31ec0cc): the step's call before the trainers' `written` (early_call True; the rows
+    # 2026-12-07, another host (31ec0cc): the step's call before the trainers' `written` (early_call True; the rows
     # that gave the profile's *_early_s) and, on the same host, after it (early_call False, "-late")
     ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-faithful-31ec0cc.json", "faithful", "none"),
     ("2026-12-07-h100x1-qwen3-8b-colo-1gpu-real-vllm026-vllm-31ec0cc.json", "vllm", "none"),
@@ -193,10 +194,11 @@ OUTSIDE = [
 ]
 
 
-#: real vLLM on the second H100 call's host (22c0d7b), outside 10% of the H100 profile (+10.9%, +10.2%): that host
-#: ran every CPU phase 2-4x faster than the first call's, whose runs the profile's CPU costs come from
-#: (BENCHMARKS.md session 15): step round 0.05-0.06 against 0.21 ms, the receiver's call 0.27-0.30 against 1.19,
-#: the set-up 0.05-0.06 against 0.15 (test_h100_runs_outside_follow_their_hosts_cpu)
+#: real vLLM on the H100 host of the 22c0d7b runs, outside 10% of the H100 profile (+10.9%, +10.2%): that host
+#: ran every CPU phase 2-4x faster than the cc55ce7 one, whose runs the profile's CPU costs come from
+#: (BENCHMARKS.md "2026-12-06: the copy kernel's wide accesses"): step round 0.05-0.06 against 0.21 ms, the
+#: receiver's call 0.27-0.30 against 1.19, the set-up 0.05-0.06 against 0.15
+#: (test_h100_runs_outside_follow_their_hosts_cpu)
 OTHER_HOST = [
     ("2026-12-06-h100x1-qwen3-8b-colo-1gpu-real-vllm026-22c0d7b.json", 11.63e-3),
     ("2026-12-06-h100x1-qwen3-8b-colo-1gpu-real-vllm026-50steps-22c0d7b.json", 11.71e-3),
@@ -276,8 +278,8 @@ def test_h100_profile_is_its_runs_measurements():
     """Each constant of the H100 profile is what its named file measured (simulate.H100's comments), to the
     digits written there; what the H100 did not measure stays the H200's."""
     runs = [r for f in sorted(RESULTS.glob(H100_RUNS + "*.json")) for r in load_runs(f.name)
-            if f.stem.endswith(H100_SESSION15)]
-    assert len(runs) == 12 and all(gpu_of(r) == "h100" and r["commit"] in H100_SESSION15 for r in runs)
+            if f.stem.endswith(H100_PROFILE_COMMITS)]
+    assert len(runs) == 12 and all(gpu_of(r) == "h100" and r["commit"] in H100_PROFILE_COMMITS for r in runs)
     ceiling = statistics.median(r["ceiling_bytes_per_s"] for r in runs)
     assert H100.links.hbm_copy_bytes_per_s == pytest.approx(ceiling, rel=1e-4)
     for r in runs:  # each run's floor is its bytes over its own ceiling
@@ -315,9 +317,9 @@ def test_h100_profile_is_its_runs_measurements():
 
 
 def test_h100_sglang_host_differs_around_the_call_not_in_it():
-    """The SGLang receiver's cost (simulate.H100.sglang_step_s) came from session 16's host, not the first call's host
-    that gave the other CPU costs. Its faithful row of the same call shows how the two compare: its step round and
-    set-up below each of the first host's three cc55ce7 faithful colo-1gpu runs, its NIXL posting below the first
+    """The SGLang receiver's cost (simulate.H100.sglang_step_s) came from the f7c86f7 call's host, not the cc55ce7
+    host that gave the other CPU costs. Its faithful row of the same call shows how the two compare: its step round and
+    set-up below each of the cc55ce7 host's three faithful colo-1gpu runs, its NIXL posting below that
     host's nixl run, but its receiver's call (the phase sglang_step_s replaces faithful_call_s in) within their
     spread; hence the SGLang row's call taken as measured, not shifted by the hosts' difference."""
     def phases(r):
@@ -367,7 +369,7 @@ def test_plan_predicts_for_the_gpu_asked(capsys):
         assert steps[gpu] == pytest.approx(predicted("qwen3-8b", "colo-1gpu", "faithful", cost_model(gpu), early_call=True))
     assert main(args) == 0 and json.loads(capsys.readouterr().out)["predicted_seconds"] == steps["h200"]
     assert steps["h100"] > 1.2 * steps["h200"]
-    # the readers' call after `written` (as before session 18): the receiver's whole call and the set-up on the step
+    # the readers' call after `written` (as before 4ea3863): the receiver's whole call and the set-up on the step
     assert main([*args, "--gpu", "h100", "--call-after-written"]) == 0
     late = json.loads(capsys.readouterr().out)["predicted_seconds"]
     assert late == pytest.approx(predicted("qwen3-8b", "colo-1gpu", "faithful", H100))
@@ -721,7 +723,7 @@ def test_doorbells_by_default_where_the_runtime_rings_them(transport, topology, 
 
 
 def test_early_call_costs_are_their_runs_measurements():
-    """The receivers' costs with the step's call before the trainers' `written` (CostModel.*_early_s, session 18)
+    """The receivers' costs with the step's call before the trainers' `written` (CostModel.*_early_s, 31ec0cc)
     are the mean of reader.workers - reader.transport over each receiver's two early rows (the H100 measured them;
     the H200 profile takes the same), and each early row ran faster than its receiver's rows after `written` on the
     same host."""

@@ -30,7 +30,7 @@ profile of what one H100 measured, each selected by name (:data:`GPUS`, :func:`c
 
 Used by ``weightsync plan`` for the cases that cannot be run here (thousands of GPUs), and checked
 against every recorded run that one or two H200s or one H100 could make (tests/test_simulate.py, BENCHMARKS.md
-"Simulator with per-descriptor and signalling costs" and session 16).
+"Simulator with per-descriptor and signalling costs" and "2026-12-06: the simulator per GPU").
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ class CostModel:
 
     gpu: str = "h200"  # the profile's name (GPUS): which GPU, and host, these constants were measured on
     links: LinkModel = field(default_factory=LinkModel)
-    # co-located: the copy kernel's rate against the device copy, on 8B's 40 MB runs (BENCHMARKS.md session
-    # 3, "Copy kernel tuned": microbenchmark 0.93)
+    # co-located: the copy kernel's rate against the device copy, on 8B's 40 MB runs (BENCHMARKS.md
+    # 2026-11-30 up to 993772e, "Copy kernel tuned": microbenchmark 0.93)
     colocated_copy_efficiency: float = 0.93
     # co-located: the worker's work before its first copy (address look-ups, the graph launch): e3b8935
     # colo reader.started 0.15 ms
@@ -133,7 +133,7 @@ class CostModel:
     # for the worker's 371 messages (weightsync.plan.descriptors counts them)
     nccl_message_s: float = 6.51e-3 / 371
     # nixl: CPU per READ descriptor posted, the copies running meanwhile (a reader without NIXL's progress
-    # thread, the transport's default since session 12): nixl_gpu.py --layout qwen3-8b, nothread_per_tensor_
+    # thread, the transport's default since cdaf17d): nixl_gpu.py --layout qwen3-8b, nothread_per_tensor_
     # 1xfer_post_s 3.156 ms for 399 descriptors, every copy done 8.77 ms after the first post against a 7.66 ms
     # device copy (2026-12-02-h200x1-nixl-layout-qwen3-8b-cc14075.json)
     nixl_descriptor_s: float = 3.156e-3 / 399
@@ -167,7 +167,7 @@ class CostModel:
     # 1gpu-685101f.json (0.86 ms the handler around the receive, 0.55 the mailbox's round trip, 0.11 the syncs,
     # 0.59 the writer lock and the pause check on the engine's event loop)
     sglang_step_s: float = 10.570e-3 - 8.567e-3
-    # the receivers' calls sent before the trainers' `written` (session 18, weightsync.transport.gate; the runtime's
+    # the receivers' calls sent before the trainers' `written` (2026-12-07, weightsync.transport.gate; the runtime's
     # default since 4ea3863): what is left of each after the go, reader.workers - reader.transport of the early
     # rows of 2026-12-07-h100x1-*-31ec0cc.json on one H100 (the mean of each receiver's two rows; not measured on an
     # H200: these stand for it too). The trip, the decode and the co-located set-up (colocated_setup_s) run before
@@ -201,7 +201,7 @@ class CostModel:
 
     @classmethod
     def reader_progress_thread(cls, **changes) -> CostModel:
-        """The costs of a NIXL reader WITH NIXL's progress thread (every nixl-1gpu run before session 12):
+        """The costs of a NIXL reader WITH NIXL's progress thread (every nixl-1gpu run of 2026-12-01 and 47ada14's):
         every descriptor ~19.5 us that the copies waited on, the two adding (e3b8935 nixl reader.posting
         7.795 ms for 399 descriptors; reader.transport - reader.posting 6.7-9.2 ms against an 8.0 ms floor)."""
         return cls(**{"nixl_descriptor_s": 7.795e-3 / 399, "nixl_posting_overlaps": False, "nixl_setup_s": 0.0,
@@ -209,7 +209,7 @@ class CostModel:
 
     @classmethod
     def engine_rpc_receivers(cls, **changes) -> CostModel:
-        """The costs of the real receivers before the call mailbox (every real-engine run before session 12):
+        """The costs of the real receivers before the call mailbox (every real-engine run of 2026-12-01):
         vLLM 0.26 two ``collective_rpc`` trips through its engine core a step, real vLLM reader.workers -
         reader.transport 3.14 ms + its transport's extra set-up over the faithful row of the same run (9.21 -
         8.73 = 0.48 ms), 2026-12-01-h200x1-real-vllm026-colo-1gpu.json; SGLang 0.5.14 its pause_generation, the
@@ -224,31 +224,32 @@ class CostModel:
         return min(self.delta_rates, key=lambda r: abs(math.log(r.fraction / fraction)))
 
 
-#: the H100 runs' files, on one H100 80GB HBM3 (BENCHMARKS.md "Session 15 (2026-12-06)" and "Session 16"), under
+#: the H100 runs' files, on one H100 80GB HBM3 (BENCHMARKS.md "2026-12-06: the copy kernel's wide accesses" and
+#: "2026-12-06: real SGLang at 0.82-0.88 of the floor"), under
 #: benchmarks/results/
 H100_RUNS = "2026-12-06-h100x1-"
-#: the commits session 15 ran (its files end in them): the runs the profile's device copy is the median of
-H100_SESSION15 = ("f8eb9d9", "cc55ce7", "22c0d7b")
+#: the commits of the H100 runs the profile's device copy is the median of (their files end in them), 2026-12-06
+H100_PROFILE_COMMITS = ("f8eb9d9", "cc55ce7", "22c0d7b")
 
-#: One H100 80GB HBM3 (session 15), from its runs' own measurements, each with its file (under benchmarks/results/,
-#: less the ``2026-12-06-h100x1-`` prefix). The CPU-side costs are the first call's host's (the call that ran
-#: colo-1gpu, nixl-1gpu and the real vLLM receiver at ``cc55ce7``, the code after issue 23); the second call's
-#: host ran every CPU phase 2-4x faster (BENCHMARKS.md session 15: ``reader.posting`` 0.1 against 0.4 ms), so
-#: its runs lie below this profile (tests/test_simulate.py ``OTHER_HOST``). The real SGLang receiver's cost is session
-#: 16's (one call at ``f7c86f7``, the receiver through the call mailbox with the writer lock taken in place,
-#: ``af98eeb``), on a third host: around the receiver's call it ran faster than the first (step round 0.08 against
-#: 0.21 ms, co-located set-up 0.10 against 0.15, NIXL posting 3.7 against 4.8 us a descriptor), but the receiver's
-#: call itself, the phase this constant stands for, was within the first host's own spread (the faithful worker's
-#: 0.50 ms against that host's three 0.48-0.60), so the SGLang row's is taken as measured, as the H200's and vLLM's
-#: were. Not measured on an H100, so the H200's values stand: NVLink, the NICs and the per-bucket latency (one GPU
-#: has no link to time), p2p's CPU per NCCL message (no two-GPU run), the doorbell and the MetaServer's signals and
-#: CPU, the engines' old ``collective_rpc`` trips, FP8's encode and decode rates and delta's rates (no FP8 or delta
-#: run).
+#: One H100 80GB HBM3 (2026-12-06), from its runs' own measurements, each with its file (under benchmarks/results/,
+#: less the ``2026-12-06-h100x1-`` prefix). The CPU-side costs are those of the host that ran colo-1gpu, nixl-1gpu
+#: and the real vLLM receiver at ``cc55ce7``, the code after issue 23; the host of the ``22c0d7b`` runs ran every
+#: CPU phase 2-4x faster (BENCHMARKS.md "2026-12-06: the copy kernel's wide accesses": ``reader.posting`` 0.1
+#: against 0.4 ms), so its runs lie below this profile (tests/test_simulate.py ``OTHER_HOST``). The real SGLang
+#: receiver's cost is from one call at ``f7c86f7`` (the receiver through the call mailbox with the writer lock taken
+#: in place, ``af98eeb``), on another host: around the receiver's call it ran faster than the ``cc55ce7`` one (step
+#: round 0.08 against 0.21 ms, co-located set-up 0.10 against 0.15, NIXL posting 3.7 against 4.8 us a descriptor),
+#: but the receiver's call itself, the phase this constant stands for, was within the ``cc55ce7`` host's own spread
+#: (the faithful worker's 0.50 ms against that host's three 0.48-0.60), so the SGLang row's is taken as measured, as
+#: the H200's and vLLM's were. Not measured on an H100, so the H200's values stand: NVLink, the NICs and the
+#: per-bucket latency (one GPU has no link to time), p2p's CPU per NCCL message (no two-GPU run), the doorbell and
+#: the MetaServer's signals and CPU, the engines' old ``collective_rpc`` trips, FP8's encode and decode rates and
+#: delta's rates (no FP8 or delta run).
 H100 = CostModel(
     gpu="h100",
     # the device copy: the median of the twelve qwen3-8b bench runs' measured ceiling_bytes_per_s (each run's
     # floor_seconds is its bytes over it; 1.429-1.488 TB/s): qwen3-8b-colo-1gpu-*, qwen3-8b-nixl-1gpu-ab-*,
-    # real-vllm026-colo-1gpu-cc55ce7 (both rows), all of session 15 (H100_SESSION15); session 16's four f7c86f7 runs
+    # real-vllm026-colo-1gpu-cc55ce7 (both rows), all at H100_PROFILE_COMMITS; the four f7c86f7 runs
     # (1.478-1.491 TB/s) would move the median of all sixteen by 0.07%
     links=LinkModel(hbm_copy_bytes_per_s=1.4805e12),
     # the copy kernel (wide accesses, the default since 6d7bc4a) against a 4 GiB copy_: 400 x 40 MB in a graph,
@@ -316,7 +317,7 @@ class Deployment:
     doorbells: bool | None = None
     # the readers of a transport that reads after `written` (colocated, nixl) send each step's call before it
     # (WeightReader(early_call=True), the default since 4ea3863): the receivers' *_early_s costs, the co-located
-    # set-up off the step; False: as every run before session 18
+    # set-up off the step; False: as every run before 4ea3863
     early_call: bool = True
 
     def __post_init__(self) -> None:
