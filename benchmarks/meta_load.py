@@ -14,6 +14,9 @@ all at once:
   ``--groups G``: the trainers signal in groups of G as ``WeightWriter(group=...)`` does (its first rank
   posts ``written`` with ``ranks`` for the group and long-polls ``held``; the others ask the server
   nothing, their outcome comes over the group): G=1 is the per-rank path, G=1024 one group for the job.
+  ``--one-request``: each trainer (or group's first rank) posts ``written`` with ``held`` (the step written and
+  the wait for it held in one request, as ``WeightWriter`` does since 2026-12-07 where no bells serve), and
+  long-polls ``held`` again only if that request's slice ends first.
 - ``long-polls``: K long-polls held open, ``/health`` timed meanwhile.
 
 Latencies are per request (connect included for the first); server CPU is the process's utime+stime
@@ -132,10 +135,19 @@ async def phase_step(srv: Server, ranks: int, steps: int = 3) -> list[dict]:
     return out
 
 
-async def phase_job(srv: Server, trainers: int, instances: int, steps: int, group: int = 1) -> list[dict]:
+def ready(answer: bytes) -> bool:
+    """A long-poll's ``ready`` (the server writes it first), without decoding the whole answer."""
+    if answer.startswith(b'{"ready": '):
+        return answer.startswith(b'{"ready": true')
+    return bool(json.loads(answer)["ready"])
+
+
+async def phase_job(srv: Server, trainers: int, instances: int, steps: int, group: int = 1,
+                    one_request: bool = False) -> list[dict]:
     """A sync job's set-up and steps, every participant at once, no retries (``group``: trainers signal
-    in groups of that many, by their first rank)."""
-    tag = f"job {trainers}x{instances}" + (f" groups of {group}" if group > 1 else "")
+    in groups of that many, by their first rank; ``one_request``: ``written`` carries the ``held`` wait)."""
+    tag = f"job {trainers}x{instances}" + (f" groups of {group}" if group > 1 else "") + (
+        ", written+held in one request" if one_request else "")
     setup = Result(f"{tag}: set-up (register + join)")
     conns: dict[str, Conn] = {}
     cpu0, t0 = cpu_seconds(srv.pid), time.perf_counter()
@@ -171,6 +183,17 @@ async def phase_job(srv: Server, trainers: int, instances: int, steps: int, grou
     ids = ",".join(str(i) for i in range(instances))
     sent = [0]  # every request of the steps, long-poll slices included
     for step in range(1, steps + 1):
+        # each participant's requests made beforehand (a real one makes its own, in its own process): the
+        # generator's CPU in the step is the HTTP alone
+        posts = {}
+        for r in range(0, trainers, group):
+            body: dict = {"rank": r} if group == 1 else {"ranks": list(range(r, min(r + group, trainers)))}
+            if one_request:
+                body["held"] = {"instances": ids, "timeout": 25}
+            posts[r] = request_bytes("POST", f"/v1/jobs/bench/steps/{step}/written", body)
+        poll_held = request_bytes("GET", f"/v1/jobs/bench/held?min_step={step}&instances={ids}&timeout=25")
+        poll_written = request_bytes("GET", f"/v1/jobs/bench/steps/{step}/written?timeout=25")
+        holds = {i: request_bytes("POST", f"/v1/jobs/bench/instances/{i}/held", {"step": step}) for i in range(instances)}
         t0 = time.perf_counter()
 
         async def call(c: Conn, req: bytes) -> bool:
@@ -189,23 +212,30 @@ async def phase_job(srv: Server, trainers: int, instances: int, steps: int, grou
 
         async def trainer(r: int) -> None:
             c = conns[f"t{r}"]
-            body = {"rank": r} if group == 1 else {"ranks": list(range(r, min(r + group, trainers)))}
-            await call(c, request_bytes("POST", f"/v1/jobs/bench/steps/{step}/written", body))
+            if one_request:
+                sent[0] += 1
+                status, answer = await c.call(posts[r])
+                if status != 200:
+                    req_lat.error(f"status {status}")
+                    return
+                if ready(answer):
+                    return
+            else:
+                await call(c, posts[r])
             while True:  # a long-poll slice; again if not ready (as the client does)
                 sent[0] += 1
-                status, body = await c.call(request_bytes(
-                    "GET", f"/v1/jobs/bench/held?min_step={step}&instances={ids}&timeout=25"))
-                if status != 200 or json.loads(body)["ready"]:
+                status, body = await c.call(poll_held)
+                if status != 200 or ready(body):
                     break
 
         async def instance(i: int) -> None:
             c = conns[f"i{i}"]
             while True:
                 sent[0] += 1
-                status, body = await c.call(request_bytes("GET", f"/v1/jobs/bench/steps/{step}/written?timeout=25"))
-                if status != 200 or json.loads(body)["ready"]:
+                status, body = await c.call(poll_written)
+                if status != 200 or ready(body):
                     break
-            await call(c, request_bytes("POST", f"/v1/jobs/bench/instances/{i}/held", {"step": step}))
+            await call(c, holds[i])
 
         await asyncio.gather(*(trainer(r) for r in range(0, trainers, group)), *(instance(i) for i in range(instances)))
         step_res.latencies.append(time.perf_counter() - t0)
@@ -254,6 +284,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     p.add_argument("--groups", default="1", help="job phase: trainer group sizes to run, comma-separated (1: per rank)")
     p.add_argument("--steps", type=int, default=3, help="job phase: steps")
+    p.add_argument("--one-request", action="store_true",
+                   help="job phase: written carries the held wait (one request a trainer a step)")
     args = p.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -265,7 +297,7 @@ def main() -> None:
         plan += [("step 640", st, lambda srv: phase_step(srv, 64 if q else 640)) for st in (False, True)]
     if "job" in args.phases:
         sizes = (128, 16) if q else (1024, 128)
-        plan += [(f"job groups {g}", st, lambda srv, g=g: phase_job(srv, *sizes, args.steps, g))
+        plan += [(f"job groups {g}", st, lambda srv, g=g: phase_job(srv, *sizes, args.steps, g, args.one_request))
                  for g in (int(x) for x in args.groups.split(",")) for st in (False, True)]
     if "polls" in args.phases:
         plan += [(f"polls {k}", False, lambda srv, k=k: phase_polls(srv, k)) for k in ((500,) if q else (1000, 10000))]

@@ -305,6 +305,33 @@ def test_held_long_poll(server, pool):
     assert c.summary()["held"] == {"0": 3, "1": 2}
 
 
+def test_a_rank_announces_a_step_and_waits_for_it_held_in_one_request(server, pool):
+    """A sync step's per-rank signals: ``written`` with ``held`` records the step, then answers as the held
+    long-poll does, so each training rank asks the server once a step (1,024 + 128: 1,280 requests a step,
+    not 2,304)."""
+    c = client(server)
+    c.register("train", 0)
+    c.register("train", 1)
+    c.join(0)
+    c.join(1)
+    waiters = [pool.submit(c.written_until_held, 1, r, [0, 1], 5.0) for r in (0, 1)]
+    assert c.wait_written(1, timeout=5) == [0, 1]  # recorded before the wait: the readers go on
+    c.held(0, 1)
+    c.held(1, 1)
+    assert [w.result(timeout=5) for w in waiters] == [{0: 1, 1: 1}] * 2
+    posts = re.search(r'requests_total\{route="POST /v1/jobs/\{job\}/steps/\{S\}/written",status="200"\} (\d+)',
+                      c.metrics())
+    assert int(posts.group(1)) == 2 and 'route="GET /v1/jobs/{job}/held"' not in c.metrics()
+    # a wait past the first slice goes on as wait_held; past the deadline it says who holds what
+    with pytest.raises(MetaTimeout, match="not ready after"):
+        c.written_until_held(2, 0, [0, 1], timeout=0.3)
+    assert c.wait_written(2, n=1, timeout=1) == [0]
+    with pytest.raises(MetaError, match="held.instances must be a comma-separated list"):
+        c._request("POST", "/v1/jobs/job1/steps/3/written", {"rank": 0, "held": {"instances": [0], "timeout": 1}})
+    with pytest.raises(MetaError, match="held.timeout must be a number of seconds"):
+        c._request("POST", "/v1/jobs/job1/steps/3/written", {"rank": 0, "held": {"timeout": 1e9}})
+
+
 def test_rendezvous(server, pool):
     c = client(server)
     waiter = pool.submit(c.lookup, "pg-train-infer", 5.0)

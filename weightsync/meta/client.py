@@ -252,6 +252,22 @@ class MetaClient:
         body = {"rank": rank} if isinstance(rank, int) else {"ranks": list(rank)}
         return self._request("POST", f"{self._job_path}/steps/{step}/written", body)
 
+    def written_until_held(self, step: int, rank: int | Iterable[int], instances: Iterable[int] | None = None,
+                           timeout: float | None = None) -> dict[int, int]:
+        """:meth:`written`, then :meth:`wait_held` for ``step``: one request while its first long-poll slice
+        lasts (the MetaServer records the step written and answers once it is held), so a training rank's
+        sync step asks the server once, not twice."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        instances = None if instances is None else list(instances)
+        ids = None if instances is None else ",".join(str(i) for i in instances)
+        body: dict[str, Any] = {"rank": rank} if isinstance(rank, int) else {"ranks": list(rank)}
+        body["held"] = {"instances": ids, "timeout": round(max(0.0, min(POLL_SLICE_S, timeout)), 3)}
+        got = self._request("POST", f"{self._job_path}/steps/{step}/written", body, deadline=deadline)
+        if not got["ready"]:  # the rest of the wait, as wait_held asks it (its MetaTimeout at the deadline)
+            return self.wait_held(step, instances, timeout=max(0.0, deadline - time.monotonic()))
+        return {int(i): s for i, s in got["held"].items()}
+
     def wait_written(self, step: int, n: int | None = None, timeout: float | None = None) -> list[int]:
         """Training ranks that wrote ``step``, once ``n`` of them (default: every registered one) did."""
         return self._poll(f"{self._job_path}/steps/{step}/written", {"wait_for": n}, timeout)["ranks"]

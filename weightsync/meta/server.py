@@ -47,7 +47,10 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
     GET  /v1/jobs/{job}/instances                  ?after_version=V&timeout=S
     POST /v1/jobs/{job}/steps/{S}/written          {"rank"}: training rank R has step S ready; or
                                                    {"ranks": [R, ...]}: each of them has (a trainer group's
-                                                   representative posts once for its group)
+                                                   representative posts once for its group); with "held":
+                                                   {"instances"?: "0,1,..", "timeout"}: then waits, and
+                                                   answers, as GET held?min_step=S does (one request a
+                                                   rank a sync step, not two)
     GET  /v1/jobs/{job}/steps/{S}/written          ?wait_for=N&timeout=S (N defaults to every train rank)
     POST /v1/jobs/{job}/instances/{i}/held         {"step", "reset"?, "incarnation"?}: instance i holds step S
     GET  /v1/jobs/{job}/held                       ?min_step=S&instances=0,1&timeout=T (default: the joined
@@ -166,6 +169,8 @@ class _Persister:
         coord.on_change = self._changed
 
     def _changed(self) -> None:
+        if self.store is None:  # memory only: a change is final at once (its waiters are still woken in _kick)
+            self.settled = self.coord.seq
         if not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self._kick)
@@ -263,7 +268,7 @@ def _routes(c: Coordinator) -> list[tuple[str, tuple[str, ...], Callable]]:
         ("POST", J + ("instances", "{i}", "gone"), lambda p, q, b: c.join_leave(p["job"], p["i"], b, False, "gone")),
         ("POST", J + ("instances", "{i}", "alive"), lambda p, q, b: c.alive(p["job"], p["i"], b)),
         ("GET", J + ("instances",), lambda p, q, b: c.instances(p["job"], Query(q, {"after_version", "timeout"}))),
-        ("POST", J + ("steps", "{S}", "written"), lambda p, q, b: c.written(p["job"], p["S"], b)),
+        ("POST", J + ("steps", "{S}", "written"), lambda p, q, b: c.written_held(p["job"], p["S"], b)),
         ("GET", J + ("steps", "{S}", "written"),
          lambda p, q, b: c.wait_written(p["job"], p["S"], Query(q, {"wait_for", "timeout"}))),
         ("POST", J + ("instances", "{i}", "held"), lambda p, q, b: c.held(p["job"], p["i"], b)),

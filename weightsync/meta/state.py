@@ -26,9 +26,9 @@ from weightsync.meta.records import Member, Registration, RecordError, digest_of
 from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWritten, StoredJob
 from weightsync.meta.view import census, concerning, encode_placement, placement_of
 from weightsync.meta.validate import (
-    MAX_JOBS, MAX_JSON_DEPTH, MAX_LIVENESS_S, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, MIN_LIVENESS_S, ROLES,
-    STEP_STRIDE, STEPS_KEPT, BELL_NAME_PREFIX, HEX_RE, Aborted, HTTPError, Query, bad, bell_address, boolean,
-    fields, identity, integer, json_depth, model_config, participant_name, seconds, short, string,
+    MAX_JOBS, MAX_JSON_DEPTH, MAX_LIVENESS_S, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, MAX_WAIT_S,
+    MIN_LIVENESS_S, ROLES, STEP_STRIDE, STEPS_KEPT, BELL_NAME_PREFIX, HEX_RE, Aborted, HTTPError, Query, bad, bell_address, boolean,
+    fields, identity, instance_list, integer, json_depth, model_config, participant_name, seconds, short, string,
 )
 
 #: how long a ``held`` post for a step no training rank has written yet waits for that ``written``
@@ -745,10 +745,27 @@ class Coordinator:
             self._save(job, j, ("held",), [Put(job, "held", str(instance), str(step))])
         return {"instance": instance, "step": step, "previous": prev}
 
-    async def wait_held(self, job: str, q: Query) -> dict:
-        min_step = q.int("min_step", 0)
-        listed = q.int_list("instances")
-        timeout = q.timeout()
+    async def written_held(self, job: str, step: int, body: dict) -> dict | Encoded:
+        """:meth:`written`; given ``"held": {"instances"?: "0,1,..", "timeout": S}``, then the wait until the
+        step is held, answered as ``GET .../held?min_step=STEP&instances=..&timeout=S`` answers: a training
+        rank's two requests of a sync step (announce it, wait for it) in one, so a step of per-rank signals
+        costs the server one request a rank, not two."""
+        held = body.get("held")
+        if held is None:
+            return self.written(job, step, body)
+        if not isinstance(held, dict):
+            raise bad(f'held must be an object {{"instances"?, "timeout"}}, got {short(held)}')
+        fields(held, {"timeout"}, {"instances"})
+        timeout = seconds(held["timeout"], "held.timeout", 0, MAX_WAIT_S)
+        listed = None if held.get("instances") is None else instance_list(held["instances"], "held.instances")
+        self.written(job, step, {k: v for k, v in body.items() if k != "held"})
+        return await self._wait_held(job, step, listed, timeout)
+
+    async def wait_held(self, job: str, q: Query) -> Encoded:
+        return await self._wait_held(job, q.int("min_step", 0), q.int_list("instances"), q.timeout())
+
+    async def _wait_held(self, job: str, min_step: int, listed: list[int] | None, timeout: float) -> Encoded:
+        """Until every listed instance (default: the live members ``min_step`` must reach) holds ``min_step``."""
 
         def which(j: Job) -> list[int]:  # default: the live members this step must reach
             return listed if listed is not None else live_for(j, min_step)

@@ -183,7 +183,8 @@ def parse_body(data: bytes) -> dict:
         raise bad(f"body is not valid JSON: {str(e)[:120]}") from None
     if not isinstance(body, dict):
         raise bad("body must be a JSON object")
-    if json_depth(body) > MAX_JSON_DEPTH + 1:
+    # a body with fewer opening brackets than the bound cannot nest past it: the walk only for the others
+    if data.count(b"{") + data.count(b"[") > MAX_JSON_DEPTH + 1 and json_depth(body) > MAX_JSON_DEPTH + 1:
         raise bad(f"body nests deeper than {MAX_JSON_DEPTH + 1} levels")
     return body
 
@@ -239,12 +240,15 @@ class Query:
 
     def int_list(self, name: str) -> list[int] | None:
         s = self.values.get(name)
-        if s is None:
-            return None
-        got = _int_list(s)
-        if got is None:
-            raise bad(f"{name} must be a comma-separated list of instance numbers, got {short(s)}")
-        return list(got)
+        return None if s is None else instance_list(s, name)
+
+
+def instance_list(s: Any, what: str) -> list[int]:
+    """A comma-separated list of instance numbers (``"0,1,2"``), sorted and without repeats."""
+    got = _int_list(s) if isinstance(s, str) else None
+    if got is None:
+        raise bad(f"{what} must be a comma-separated list of instance numbers, got {short(s)}")
+    return list(got)
 
 
 @functools.lru_cache(maxsize=256)

@@ -12,7 +12,8 @@ step within ``instance_timeout_s`` is dropped, see the session's "membership"). 
     4. integrity.sent(step)          on the cadence: the sums of what the codec put on the wire
                                      (weightsync.integrity.check.SentCheck; none for integrity=0)
     5. MetaServer: written
-    6. sync: wait `held`, then Sender.held(step)
+    6. sync: wait `held`, then Sender.held(step) (without `held` bells 5 and 6 are one request:
+                                     ``MetaClient.written_until_held``; last_timing's "wait_held" covers both)
 """
 
 from __future__ import annotations
@@ -136,11 +137,16 @@ class WeightWriter(SessionDriven):
             s.written_bell.ring(step)  # the workers on this host start copying now...
         self._check(step)  # ...while the transport checks what they read is the step
         self._sent(step)  # a checked step: what this rank's codec put on the wire, for the workers to compare
-        self.client.written(step, self.train.rank)
-        t2 = time.perf_counter()
+        if self.mode == "sync" and not s.shape.elastic and s.held_bells is None:
+            # no bells (a reader on another host): announce the step and wait for it held in one request
+            t2 = time.perf_counter()
+            self.client.written_until_held(step, self.train.rank, range(s.shape.instances), timeout=self.timeout_s)
+        else:
+            self.client.written(step, self.train.rank)
+            t2 = time.perf_counter()
         if self.mode == "sync" and s.shape.elastic:
             self._wait_live(step)
-        elif self.mode == "sync":
+        elif self.mode == "sync" and s.held_bells is not None:
             instances = range(s.shape.instances)
             wait_rung(s.held_bells, step, self.timeout_s, lambda t: self.client.wait_held(step, instances, timeout=t))
         if self.mode == "sync":
