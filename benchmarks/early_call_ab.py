@@ -4,7 +4,7 @@
 
 Each round runs ``weightsync bench --device cpu`` (co-located ``colo-1gpu``, tiny Qwen3, every step verified) twice,
 in a shuffled order: the readers' default (the call sent first, its copies waiting for the go) and
-``--call-after-written`` (the call sent once every trainer announced the step, as before session 18). A CPU run has
+``--call-after-written`` (the call sent once every trainer announced the step, as before 4ea3863). A CPU run has
 no floor: what it compares is the step's median (the trainer's StepStarted to the reader's return) and the reader's
 phases, arm against arm on one host. ``--out`` keeps every run's JSON.
 """

@@ -8,8 +8,8 @@ The bf16 layout gives the full and delta rows; ``--fp8-infer`` (the engine serve
 
     python benchmarks/plan_predictions.py --out benchmarks/results/<date>-plan-kimi-k2-256to128-<commit>.json
 
-Defaults: BENCHMARKS.md session 13's Kimi-K2 job (Megatron TP=8 PP=8 EP=32 DP=4, TE spec, 256 GPUs -> 8 x vLLM
-TP=16 EP=16, 128 GPUs, 8 GPUs a host).
+Defaults: the Kimi-K2 job of BENCHMARKS.md "2026-12-02: FP8 codec costs" (Megatron TP=8 PP=8 EP=32 DP=4, TE spec,
+256 GPUs -> 8 x vLLM TP=16 EP=16, 128 GPUs, 8 GPUs a host).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ fi
 if has test; then
 echo "== $(el) s make test-gpu (SGLang kit on the path, -n ${WORKERS:-6})"
 # one kit on the path: a vLLM kit an earlier call installed on this warm machine (/tmp/site, which make test-gpu puts
-# first) would load this kit's FlashInfer and fail its JIT build (session 17); set aside, not deleted
+# first) would load this kit's FlashInfer and fail its JIT build (seen at 7db2dbb, 2026-12-06); set aside, not deleted
 if [ -f /tmp/site/vllm/__init__.py ]; then rm -rf /tmp/site.vllm-kit; mv /tmp/site /tmp/site.vllm-kit; echo "vLLM kit in /tmp/site set aside"; fi
 # -v: each test's name as it ends (a stage cut by its time limit still says which passed)
 PYTEST_ADDOPTS="-v -n ${WORKERS:-6} --dist loadgroup --durations=15 ${TEST_ARGS:-}" stage testgpu "${TEST_LIMIT:-420}" make test-gpu > $OUT/test-gpu.log 2>&1

@@ -7,7 +7,7 @@ is one mailbox call of :func:`mimic`, shaped like a receive: ``--busy-ms`` of Py
 addresses, posting: it counts how many loop turns it got in that time), then ``posted()``
 (:mod:`weightsync.transport.posted`), then a 5 ms wait without the GIL (the copies). Three arms, shuffled:
 
-- ``atpause``: the reset started before the call (how ``pause()`` did it up to session 16);
+- ``atpause``: the reset started before the call (how ``pause()`` did it before 7fa2a68);
 - ``posted``: ``pause()`` / ``resume()`` as shipped, the reset started by the call's POSTED frame;
 - ``none``: no reset.
 

@@ -37,7 +37,8 @@ from weightsync.runtime.job import DEFAULT_MEMORY_BUDGET
 
 log = logging.getLogger("weightsync.bench.delta")
 
-DEFAULT_FRACTIONS = (0.001, 0.01, 0.1)  # the measured range: lr 1e-7 .. 1e-5 (BENCHMARKS.md, session 9)
+# the measured range: lr 1e-7 .. 1e-5 (BENCHMARKS.md, "Delta: change fractions (2026-12-01)")
+DEFAULT_FRACTIONS = (0.001, 0.01, 0.1)
 PREVIOUS = ("device", "host")  # where the sender keeps its previous version (delta_host=False / True)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -318,7 +318,7 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     """One scenario: our timed steps, the ceilings, then the baselines; a JSON-ready result.
 
     ``early_call=False``: the readers wait for the trainers' `written` before sending a step's call
-    (``WeightReader(early_call=False)``), as every run before session 18 did.
+    (``WeightReader(early_call=False)``), as every run before 4ea3863 did.
 
     ``peer_copies=False`` makes co-located workers take other GPUs' pieces through their NCCL group, as
     on a host whose GPUs cannot reach each other's memory (the ceiling stays the hardware's).

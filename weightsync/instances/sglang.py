@@ -471,7 +471,7 @@ def take_writer_in_place(tm: Any, loop: Any) -> bool | None:
     past the lock: not taken), None (cannot tell here: take it through the loop).
 
     Why: two ``loop.run_until_complete`` trips (take, release) cost ~0.5 ms a step on the GPU host (BENCHMARKS,
-    session 13: 0.59 ms with the pause check), each running every ready task of the loop. SGLang 0.5.14's
+    685101f on 2026-12-02: 0.59 ms with the pause check), each running every ready task of the loop. SGLang 0.5.14's
     ``utils/aio_rwlock.py:RWLock`` is asyncio state of the engine's loop: ``acquire_writer`` with its inner
     ``asyncio.Lock`` free, no writer active or waiting and no reader takes it without suspending (``_writer_active =
     True`` is the whole effect). With the loop not running no coroutine of it runs meanwhile: the offline

@@ -143,11 +143,11 @@ class SchedulerGate:
     tree-cache sanity check, metrics, KV events, ...), all Python holding the GIL. A call that arrives during it ran,
     until the scheduler came round to the gate, against a thread that yields the GIL only at its switch interval: on
     one H100 host the handler's first steps took 0.17 ms (decode; 0.016 ms on a CPU host) and 0.75 ms (the binding
-    check), the transfer after them ran at full speed (BENCHMARKS.md, session 16). Skipping one iteration's
-    housekeeping changes nothing SGLang relies on: the next idle iteration runs it. Measured with the skip (session
-    17, another H100 host): the decode still took 0.14 ms, so the housekeeping was not what slowed it (the
-    once-a-step wake-up onto cold caches fits); the mailbox round trip fell from 0.54 to 0.35 ms, not separated from
-    the host. Kept: the scheduler reaches its gate without a housekeeping pass first."""
+    check), the transfer after them ran at full speed (BENCHMARKS.md, "2026-12-06: real SGLang at 0.82-0.88 of the
+    floor"). Skipping one iteration's housekeeping changes nothing SGLang relies on: the next idle iteration runs it.
+    Measured with the skip (7db2dbb, another H100 host): the decode still took 0.14 ms, so the housekeeping was not
+    what slowed it (the once-a-step wake-up onto cold caches fits); the mailbox round trip fell from 0.54 to 0.35 ms,
+    not separated from the host. Kept: the scheduler reaches its gate without a housekeeping pass first."""
 
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
@@ -448,7 +448,7 @@ class _Check:
     if it has not run and raises what it found.
 
     Why beside the copies: inside an SGLang scheduler process on the GPU host the check took 0.21 ms a call (0.75
-    before session 17's cheaper check; ~0.03 ms of the same work on a CPU host: the handler's first Python after a
+    before b17349b's cheaper check; ~0.03 ms of the same work on a CPU host: the handler's first Python after a
     once-a-step wake-up), all of it before the first copy. Checked after the posting it is as strict: the copies'
     targets are the tensors bound before (``ctx.tensors``, which this process keeps alive, so a replaced
     parameter's old storage is never freed under a copy), a replacement still fails the call before its answer

@@ -58,7 +58,8 @@ ALIGNS = (16, 8, 4, 2, 1)  # alignment classes, widest first; the kernel's eleme
 BLOCK = 4096  # elements per program per loop step (32 KiB at 8 bytes)
 NUM_WARPS = 16
 #: long rows: row starts hinted ALIGN-aligned and whole BLOCKs copied unmasked, so 16-aligned tiles move 16 bytes an
-#: access (False: the masked loop of sessions 2-14, kept for the A/B in benchmarks/batch_copy_bench.py --variants)
+#: access (False: the masked loop from 928fb43 until 6d7bc4a, kept for the A/B in
+#: benchmarks/batch_copy_bench.py --variants)
 WIDE = True
 #: streaming cache hints on the long rows' loads and stores (evict-first, .cs): a copy reads and writes each byte once
 STREAM = False

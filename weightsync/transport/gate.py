@@ -3,10 +3,11 @@
 Why: a co-located (or NIXL) step may be copied only once every training rank announced it written, and the reader
 learns that in its control process. Sending the call only then puts the call's whole way into the workers on the
 step's path: the trip (~0.17 ms through a mailbox on an H100 host), the decode (~0.14 ms), the transport's set-up
-(the live addresses looked up, ~0.13 ms) -- BENCHMARKS.md, session 17. Sent as soon as ``update(step)`` is called,
-all of that runs while the reader waits for the trainers' bell, and only a go (a few bytes down the same pipe)
-follows the bell: 0.4-0.8 ms a step off the real engines' receive on one H100 (BENCHMARKS.md, session 18). It hides
-what fits between the call and the bell: a trainer rings ~0.1 ms into ``write(step)``, so a reader that calls
+(the live addresses looked up, ~0.13 ms) -- BENCHMARKS.md, "2026-12-06: the engines' own step work moved beside
+the copies". Sent as soon as ``update(step)`` is called, all of that runs while the reader waits for the trainers'
+bell, and only a go (a few bytes down the same pipe) follows the bell: 0.4-0.8 ms a step off the real engines'
+receive on one H100 (BENCHMARKS.md, "2026-12-07: the step's call before the trainers' `written`"). It hides what
+fits between the call and the bell: a trainer rings ~0.1 ms into ``write(step)``, so a reader that calls
 ``update(step)`` ahead of it (as the bench does) hides it all.
 
 The runner of a call sent early sends the call, runs the gate (:func:`run_gate`), then sends the go or why not. On

