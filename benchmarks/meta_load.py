@@ -1,6 +1,8 @@
 """MetaServer load on this machine, raw HTTP, no retries: the server of a commit against today's.
 
-    .venv/bin/python benchmarks/meta_load.py [--before COMMIT] [--only after] [--quick]
+    .venv/bin/python benchmarks/meta_load.py [--before COMMIT | --before-tree DIR] [--only after] [--quick]
+    .venv/bin/python benchmarks/meta_load.py --phases job --groups 1 --steps 5 --rounds 2 \
+        --before-tree /tmp/ws-before --variants before,after,after1    # (git archive COMMIT | tar -x -C DIR)
 
 Each phase starts a fresh server process (``--state`` in a temp directory where the phase says so)
 and drives it from one asyncio process (``meta_loadgen``), every participant on its own connection,
@@ -21,7 +23,10 @@ all at once:
 
 Latencies are per request (connect included for the first); server CPU is the process's utime+stime
 over the phase. The "before" server is ``weightsync/meta/server.py`` as of ``--before``, run from a
-temp copy against this checkout's package (it needs nothing newer).
+temp copy against this checkout's package (it needs nothing newer), or with ``--before-tree DIR`` the whole
+package of another checkout (``python -m weightsync.meta.server`` with ``PYTHONPATH=DIR``). ``--variants``:
+which servers run, each phase back to back (``--rounds`` times): ``before``, ``after``, ``after1`` (after,
+``--one-request`` in the job phase). Every row carries the load average when its phase ended.
 """
 
 from __future__ import annotations
@@ -63,10 +68,14 @@ def reg(rank: int, role: str = "train", instance: int | None = None) -> bytes:
 class Server:
     """A MetaServer process: today's (``python -m weightsync.meta.server``) or a commit's copy."""
 
-    def __init__(self, which: str, before: str, state: bool, tmp: str):
+    def __init__(self, which: str, before: str, state: bool, tmp: str, before_tree: str | None = None):
         cmd = [sys.executable]
-        if which == "after":
+        path = REPO
+        if which != "before":
             cmd += ["-m", "weightsync.meta.server"]
+        elif before_tree:
+            cmd += ["-m", "weightsync.meta.server"]
+            path = before_tree
         else:
             path = os.path.join(tmp, "server_before.py")
             with open(path, "wb") as f:
@@ -75,7 +84,7 @@ class Server:
         cmd += ["--port", "0"]
         if state:
             cmd += ["--state", os.path.join(tmp, f"state-{which}-{time.monotonic_ns()}")]
-        env = dict(os.environ, PYTHONPATH=REPO)
+        env = dict(os.environ, PYTHONPATH=path)
         self.proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         m = re.search(r"listening on http://[^:]+:(\d+)", line)
@@ -280,6 +289,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--before", default="0e83882^", help="commit whose server is 'before'")
     p.add_argument("--only", choices=["before", "after"])
+    p.add_argument("--before-tree", help="a checkout's directory whose whole package serves as 'before'")
+    p.add_argument("--variants", default="before,after", help="servers to run: before, after, after1 "
+                   "(after with --one-request in the job phase)")
+    p.add_argument("--rounds", type=int, default=1, help="run every phase this many times, variants back to back")
     p.add_argument("--phases", default="register,step,job,polls")
     p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     p.add_argument("--groups", default="1", help="job phase: trainer group sizes to run, comma-separated (1: per rank)")
@@ -297,24 +310,28 @@ def main() -> None:
         plan += [("step 640", st, lambda srv: phase_step(srv, 64 if q else 640)) for st in (False, True)]
     if "job" in args.phases:
         sizes = (128, 16) if q else (1024, 128)
-        plan += [(f"job groups {g}", st, lambda srv, g=g: phase_job(srv, *sizes, args.steps, g, args.one_request))
+        plan += [(f"job groups {g}", st, lambda srv, g=g, one=False: phase_job(srv, *sizes, args.steps, g,
+                                                                             one or args.one_request))
                  for g in (int(x) for x in args.groups.split(",")) for st in (False, True)]
     if "polls" in args.phases:
         plan += [(f"polls {k}", False, lambda srv, k=k: phase_polls(srv, k)) for k in ((500,) if q else (1000, 10000))]
-    for which in (["before", "after"] if args.only is None else [args.only]):
+    variants = [args.only] if args.only else args.variants.split(",")
+    for _ in range(args.rounds):
         for name, state, fn in plan:
-            if which == "before" and name == "polls 10000":
-                continue  # a thread each on the old server: 1,000 is measured
-            with tempfile.TemporaryDirectory() as tmp:
-                srv = Server(which, args.before, state, tmp)
-                try:
-                    rows = asyncio.run(asyncio.wait_for(fn(srv), 300))
-                except Exception as e:  # noqa: BLE001 - a phase the server cannot finish is a result too
-                    rows = [{"phase": name, "failed": f"{type(e).__name__}: {e}"[:200]}]
-                finally:
-                    srv.stop()
-            for row in rows:
-                print(json.dumps({"server": which, "state": state, **row}), flush=True)
+            for which in variants:
+                if which == "before" and name == "polls 10000" and not args.before_tree:
+                    continue  # a thread each on the old server: 1,000 is measured
+                run = (lambda srv, fn=fn: fn(srv, one=True)) if which == "after1" and name.startswith("job") else fn
+                with tempfile.TemporaryDirectory() as tmp:
+                    srv = Server(which, args.before, state, tmp, args.before_tree)
+                    try:
+                        rows = asyncio.run(asyncio.wait_for(run(srv), 300))
+                    except Exception as e:  # noqa: BLE001 - a phase the server cannot finish is a result too
+                        rows = [{"phase": name, "failed": f"{type(e).__name__}: {e}"[:200]}]
+                    finally:
+                        srv.stop()
+                for row in rows:
+                    print(json.dumps({"server": which, "state": state, "load": os.getloadavg(), **row}), flush=True)
 
 
 if __name__ == "__main__":
