@@ -660,7 +660,7 @@ class StandInEngine0514(StandInEngine):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.tokenizer_manager = TokenizerManager0514(self)
-        self.session = True  # the parent's update_weights_from_tensor checks a session 0.5.14 does not have
+        self.session = True  # the parent's update_weights_from_tensor wants a weight-update session; 0.5.14 has none
 
 
 def test_sglang_0514_api_has_no_session_and_keeps_the_version_in_server_args(tmp_path, fake_sglang):
