@@ -20,6 +20,7 @@ KINDS = {
     "unit": ["test_spec", "test_arch", "test_engine_config", "test_roundtrip", "test_planner",
              "test_inference_rules", "test_batch_copy", "test_batch_copy_kernel", "test_sglang_layout", "test_transport_interface",
              "test_cli", "test_simulate", "test_checksum_fast", "test_delta_sender", "test_codec", "test_import_cycles",
+             "test_repository",
              "test_fp8_quant", "test_fp8_config", "test_fp8_checkpoint",
              "test_fp8_layout", "test_fp8_codec", "test_lora_layout"],
     "multiprocess": ["test_p2p", "test_colocated", "test_file_transport", "test_fsdp_layout",
