@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: the word session (or sessions, any case), a space and a digit: a numbered work period (``session.py``, "the job
 #: session" are not)
 SESSION_WORD = re.compile(r"\bsessions? [0-9]", re.IGNORECASE)
-#: a path like ``...-session2.json``
+#: a path with the word and a digit (how some result files were once named)
 SESSION_PATH = re.compile(r"session[-_ ]?[0-9]", re.IGNORECASE)
 
 
@@ -67,7 +67,8 @@ def test_the_check_finds_what_it_must_and_nothing_else(tmp_path):
     (tmp_path / "b.py").write_text("from weightsync.runtime import session  # the job session's terms\nx = 1\n")
     (tmp_path / "c.bin").write_bytes(b"\0session " + b"9")
     (tmp_path / "d.txt").write_bytes(b"\xffsession " + b"9")
-    (tmp_path / "run-session2.json").write_text("{}")
-    found = session_words(tmp_path, ["a.md", "b.py", "c.bin", "d.txt", "run-session2.json", "gone.md"])
-    assert found == ["run-session2.json (path)", "a.md:2: " + "Session " + "15 (2026-12-06): heading",
+    bad_path = "run-session" + "2.json"
+    (tmp_path / bad_path).write_text("{}")
+    found = session_words(tmp_path, ["a.md", "b.py", "c.bin", "d.txt", bad_path, "gone.md"])
+    assert found == [f"{bad_path} (path)", "a.md:2: " + "Session " + "15 (2026-12-06): heading",
                      "a.md:3: as in sessions " + "12-16"]
