@@ -202,7 +202,8 @@ async def phase_job(srv: Server, trainers: int, instances: int, steps: int, grou
             posts[r] = request_bytes("POST", f"/v1/jobs/bench/steps/{step}/written", body)
         poll_held = request_bytes("GET", f"/v1/jobs/bench/held?min_step={step}&instances={ids}&timeout=25")
         poll_written = request_bytes("GET", f"/v1/jobs/bench/steps/{step}/written?timeout=25")
-        holds = {i: request_bytes("POST", f"/v1/jobs/bench/instances/{i}/held", {"step": step}) for i in range(instances)}
+        holds = {i: request_bytes("POST", f"/v1/jobs/bench/instances/{i}/held", {"step": step})
+                 for i in range(instances)}
         t0 = time.perf_counter()
 
         async def call(c: Conn, req: bytes) -> bool:

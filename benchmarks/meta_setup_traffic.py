@@ -183,7 +183,8 @@ def main() -> None:
             "weightsync": os.path.dirname(weightsync.__file__), "typed_registrations": typed,
             "participants": T + I, "trainers": T, "instances": I,
             "register_mb": round((registered - base) / 1e6, 2), "agree_mb": round((agreed - registered) / 1e6, 2),
-            "total_mb": round((agreed - base) / 1e6, 2), "per_participant_kb": round((agreed - base) / 1e3 / (T + I), 1),
+            "total_mb": round((agreed - base) / 1e6, 2),
+            "per_participant_kb": round((agreed - base) / 1e3 / (T + I), 1),
             **({"post_hashes_mb": round((posted - agreed) / 1e6, 2), "check_half_posted_mb": round(check_mid / 1e6, 3),
                 "prove_mb": round((total - posted - check_mid) / 1e6, 2), "prove_s": round(t3 - t2, 2)}
                if args.prove else {}),

@@ -795,7 +795,8 @@ def test_plans_from_cut_placements_are_the_plans_of_the_whole(colocate):
     hosts = ["a", "a", "b", "b", "c", "c", "d", "d"]  # trainers: two to a host; instance 0 on b, 1 on c, 2 on e or d
     train = [Registration("train", r, host=hosts[r], gpu=f"GPU-t{r}") for r in range(8)]
     infer = [Registration("infer", r, i, host=("bcd" if colocate else "bce")[i],  # co-located: on trainers' GPUs
-                          gpu=f"GPU-t{2 + 2 * i + r}" if colocate else f"GPU-i{i}{r}") for i in range(3) for r in range(2)]
+                          gpu=f"GPU-t{2 + 2 * i + r}" if colocate else f"GPU-i{i}{r}")
+             for i in range(3) for r in range(2)]
     whole = placement_of(train, infer)
 
     def shape(placement: Placement) -> JobShape:

@@ -456,7 +456,8 @@ class _App:
                 raise HTTPError(400, f"body not read: {type(e).__name__}: {str(e)[:120]}") from None
             if method == "GET" and parts == ["metrics"]:
                 route = "GET /metrics"
-                text = self.coord.metrics(self.requests, self.sent) + (self.gate.metrics() if self.gate is not None else "")
+                text = self.coord.metrics(self.requests, self.sent) + (
+                    self.gate.metrics() if self.gate is not None else "")
                 return self._answer(route, 200, text)
             found = self.router.find(parts)
             if not found:

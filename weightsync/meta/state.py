@@ -27,8 +27,9 @@ from weightsync.meta.store import AddWritten, Delete, DropJob, Op, Put, PruneWri
 from weightsync.meta.view import census, concerning, encode_placement, placement_of
 from weightsync.meta.validate import (
     MAX_JOBS, MAX_JSON_DEPTH, MAX_LIVENESS_S, MAX_PAIRS, MAX_PARTICIPANTS, MAX_RANK, MAX_RENDEZVOUS, MAX_WAIT_S,
-    MIN_LIVENESS_S, ROLES, STEP_STRIDE, STEPS_KEPT, BELL_NAME_PREFIX, HEX_RE, Aborted, HTTPError, Query, bad, bell_address, boolean,
-    fields, identity, instance_list, integer, json_depth, model_config, participant_name, seconds, short, string,
+    MIN_LIVENESS_S, ROLES, STEP_STRIDE, STEPS_KEPT, BELL_NAME_PREFIX, HEX_RE, Aborted, HTTPError, Query, bad,
+    bell_address, boolean, fields, identity, instance_list, integer, json_depth, model_config, participant_name,
+    seconds, short, string,
 )
 
 #: how long a ``held`` post for a step no training rank has written yet waits for that ``written``
@@ -821,7 +822,8 @@ class Coordinator:
             out.append(f'weightsync_meta_requests_total{{route="{route}",status="{status}"}} {n}')
         out += ["# HELP weightsync_meta_answer_bytes_total Answer body bytes sent (gzipped where they were), by route.",
                 "# TYPE weightsync_meta_answer_bytes_total counter"]
-        out += [f'weightsync_meta_answer_bytes_total{{route="{route}"}} {n}' for route, n in sorted((sent or {}).items())]
+        out += [f'weightsync_meta_answer_bytes_total{{route="{route}"}} {n}'
+                for route, n in sorted((sent or {}).items())]
         out += ["# HELP weightsync_meta_jobs Jobs held.", "# TYPE weightsync_meta_jobs gauge",
                 f"weightsync_meta_jobs {len(self.jobs)}"]
         out += ["# HELP weightsync_meta_waiting Long-polls waiting now, by route.",
