@@ -217,9 +217,11 @@ class _Requant(_Transform):
             if now.shape != live.shape or now.dtype != live.dtype or not self.moved_ok:
                 from weightsync.errors import WeightsMoved
 
+                why = ("not the form weightsync lands and the engine was set up with"
+                       if now.shape != live.shape or now.dtype != live.dtype else
+                       "in new storage, which the kernel it built reads from now, not the live tensor steps land in")
                 raise WeightsMoved(f"{self.layer}: {type(self.kernel).__name__}'s post-load step turned {local} "
-                                   f"{list(live.shape)} {live.dtype} into {list(now.shape)} {now.dtype}: not the "
-                                   "form weightsync lands and the engine was set up with")
+                                   f"{list(live.shape)} {live.dtype} into {list(now.shape)} {now.dtype} {why}")
             live.copy_(now)
             keep = torch.nn.Parameter(live, requires_grad=False)
             if hasattr(now, "weight_loader"):
