@@ -150,3 +150,35 @@ def test_files_a_killed_participant_left_are_removed_by_the_next_one_on_the_host
     unshare(path)  # a transport's close
     bell.close()
     assert not os.path.exists(path) and not os.path.exists(bell.path)
+
+
+# --------------------------------------------------------------------------------------------
+# What a transport says when its backend fails
+
+#: what gloo raises (torch 2.13) when the process at the other end of a pair died mid-transfer
+GLOO_PEER_GONE = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                  "[127.0.0.1]:16300. This is typically caused by a remote worker crashing. Check the logs of the "
+                  "remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f")
+
+
+def test_a_peer_gone_mid_transfer_is_said_without_gloo_s_words():
+    """Before: a staged reader's failure quoted gloo whole: its source file, its advice and "GLHF! 🏖️"
+    ("group rank 1: receiving bucket 2 (2048 bytes) of training rank 0 -> instance 0 rank 0 from group rank 0
+    failed (wait timeout 10s): [.../pair.cc:553] Connection closed by peer ...")."""
+    from weightsync.transport.nccl import first_line
+
+    text = first_line(RuntimeError(GLOO_PEER_GONE))
+    assert text == "the peer closed the connection: its process is gone (crashed, killed or exited)", text
+    reset = first_line(RuntimeError("[../gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:5: "
+                                    "Connection reset by peer"))
+    assert "process is gone" in reset, reset
+
+
+def test_a_gloo_timeout_keeps_its_words_and_loses_its_source_location():
+    from weightsync.transport.nccl import first_line
+
+    text = first_line(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                                   "10000ms for recv operation to complete"))
+    assert text == "Timed out waiting 10000ms for recv operation to complete", text
+    assert first_line(RuntimeError("")) == "RuntimeError"
+    assert first_line(ValueError("first\nsecond")) == "first"

@@ -9,6 +9,7 @@ stream wait on CUDA, a bounded CPU wait on gloo), and the final watch that never
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -27,10 +28,22 @@ def order_key(b: Bucket) -> tuple[int, int, int, int]:
     return (b.index, b.src_rank, b.dst_instance, b.dst_rank)
 
 
+#: gloo's source location ("[.../gloo/transport/tcp/pair.cc:553] ") and its advice after the error
+_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+_ADVICE = re.compile(r"\s*(?:This is typically caused by|Check the logs of|GLHF).*$")
+_PEER_GONE = ("closed by peer", "reset by peer", "socket closed", "unexpectedly closed", "broken pipe")
+
+
 def first_line(cause: Exception) -> str:
-    """The first line of an exception's message (backend errors run to many), or its type when empty."""
+    """What a backend error says, in one line (they run to many), or its type when empty: gloo's source location
+    and advice left out, and a connection the peer closed said as such (its process is gone)."""
     text = str(cause).strip()
-    return text.splitlines()[0] if text else type(cause).__name__
+    if not text:
+        return type(cause).__name__
+    line = _ADVICE.sub("", _SOURCE.sub("", text.splitlines()[0])).strip()
+    if any(words in line.lower() for words in _PEER_GONE):
+        return "the peer closed the connection: its process is gone (crashed, killed or exited)"
+    return line or type(cause).__name__
 
 
 def describe(pair: Pair) -> str:
