@@ -401,6 +401,37 @@ def test_a_dtype_mismatch_says_dtype_and_names_each_side_s_rank():
     assert "model.embed_tokens.weight" in text and "torch_dtype" in text, text
 
 
+def test_a_model_mismatch_names_each_side_s_model_in_one_sentence_without_the_route():
+    """Before: the trainer's message named both sides "(llama)" (two configs named by their model_type) and carried
+    the HTTP route mid-line ("... differs from inference rank 0 of instance 0's (llama): POST /v1/jobs/j/participants:
+    training rank 0 ...")."""
+    from weightsync.engines import make_layout
+    from weightsync.errors import JobMismatch
+    from weightsync.runtime.job import register, registration
+    from weightsync.spec import load_spec
+    from weightsync.spec.model import spec_from_config
+
+    engine_spec = spec_from_config(dict(load_spec("tiny-llama3").config))  # hidden_size 64
+    trainer_spec = spec_from_config(dict(load_spec("tiny-llama3-h64").config))  # hidden_size 128
+    assert engine_spec.name == trainer_spec.name == "llama"
+    with MetaServer().start() as s:
+        engine = make_layout(engine_spec, "vllm")
+        register(MetaClient(s.url, "j", timeout=10),
+                 registration(engine_spec, "infer", 0, engine, engine.layout(0), instance=0), engine_spec)
+        engine = make_layout(trainer_spec, "hf")
+        with pytest.raises(JobMismatch) as e:
+            register(MetaClient(s.url, "j", timeout=10),
+                     registration(trainer_spec, "train", 0, engine, engine.layout(0)), trainer_spec)
+    text = str(e.value)
+    assert "/v1/" not in text and "POST" not in text, text
+    assert text.startswith("training rank 0 refused before any transfer: "), text
+    assert "on training rank 0 (llama, hidden_size=128," in text, text
+    assert "on inference rank 0 of instance 0 (llama, hidden_size=64," in text, text
+    assert "(llama)" not in text, text
+    assert "give every trainer and every instance the same model (the same config.json)" in text, text
+    assert "\n" not in text, text
+
+
 # --------------------------------------------------------------------------------------------
 # The whole path with job tokens
 

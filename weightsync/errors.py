@@ -42,11 +42,13 @@ class TransportError(WeightSyncError):
 
 
 class MetaError(WeightSyncError):
-    """The MetaServer refused a request; ``status`` is the HTTP status, the message is the server's."""
+    """The MetaServer refused a request; ``status`` is the HTTP status, the message is the server's (after the
+    request's method and route); ``reason`` is the server's words alone, for a message of one's own."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, reason: str | None = None):
         super().__init__(message)
         self.status = status
+        self.reason = message if reason is None else reason
 
 
 class MetaAborted(MetaError):

@@ -108,7 +108,7 @@ class MetaClient:
                 msg, aborted = _error_message(resp.status, resp.reason, raw)
                 if resp.status != 503:
                     kind = MetaAborted if aborted else MetaError
-                    raise kind(f"{method} {path}: {msg}", resp.status) from None
+                    raise kind(f"{method} {path}: {msg}", resp.status, reason=msg) from None
                 last = f"503 {msg}"
                 self._drop_connection()  # a stopping server: the retry must reach whichever server listens next
             except _RETRY as e:

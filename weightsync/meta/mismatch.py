@@ -268,7 +268,40 @@ def tensor_reason(name: str, rec: Mapping[str, Any], other: str, orec: Mapping[s
     d = tensor_difference(mine, theirs)
     if d is None:
         return None
-    return f"{difference_words(d, who(name), mine.name, who(other), theirs.name)}. {_AGAIN}"
+    a, b = model_labels(mine.name, cfg, theirs.name, ocfg)
+    return f"{difference_words(d, who(name), a, who(other), b)}. {_AGAIN}"
+
+
+#: config.json keys that say nothing of the model's tensors
+_NOT_SHAPES = frozenset({"architectures", "model_type", "transformers_version", "auto_map"})
+
+
+def model_labels(a_name: str, a_cfg: Mapping[str, Any], b_name: str, b_cfg: Mapping[str, Any],
+                 most: int = 3) -> tuple[str, str]:
+    """Each side's model in words: its name, and where the names do not tell them apart (two configs both
+    named by their model_type, "llama"), the first ``most`` config.json values that differ ("llama,
+    hidden_size=128, num_attention_heads=2, ..." against "llama, hidden_size=64, num_attention_heads=8, ...")."""
+    if a_name != b_name:
+        return a_name, b_name
+    keys = [k for k in a_cfg if not k.startswith("_") and k not in _NOT_SHAPES and _scalar(a_cfg.get(k))
+            and _scalar(b_cfg.get(k)) and a_cfg.get(k) != b_cfg.get(k)]
+    keys += [k for k in b_cfg if k not in a_cfg and not k.startswith("_") and k not in _NOT_SHAPES
+             and _scalar(b_cfg[k])]
+    more = ", ..." if len(keys) > most else ""
+
+    def label(name: str, cfg: Mapping[str, Any]) -> str:
+        shown = ", ".join(f"{k}={_value(cfg.get(k))}" for k in keys[:most])
+        return f"{name}, {shown}{more}" if shown else name
+
+    return label(a_name, a_cfg), label(b_name, b_cfg)
+
+
+def _scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _value(v: Any) -> str:
+    return v[:40] if isinstance(v, str) else _short(v)
 
 
 _AGAIN = "Then start the job again (under a new job id, or delete this one: it stays aborted)"

@@ -78,9 +78,8 @@ def register(client: MetaClient, record: Registration, spec: ModelSpec) -> None:
         if e.status != 409:
             raise
         for c in client.census().cohorts:
-            if c.profile.spec_digest and c.profile.spec_digest != spec.digest:
-                raise JobMismatch(f"{record.who} refused before any transfer: its model ({spec.name}) differs from "
-                                  f"{c.who[0]}'s ({c.profile.model or 'its model'}): {e}") from None
+            if c.profile.spec_digest and c.profile.spec_digest != spec.digest:  # the server's words name both
+                raise JobMismatch(f"{record.who} refused before any transfer: {e.reason}") from None
         raise
 
 
