@@ -87,3 +87,27 @@ def test_the_metaserver_ends_a_wait_the_bells_do_not():
                 wait_rung([silent], 2, timeout_s=30.0, poll=lambda t: c.wait_written(2, timeout=t))
         finally:
             silent.close()
+
+
+def test_a_wait_that_ends_at_its_deadline_says_how_long_it_waited():
+    """Before: "MetaTimeout: GET .../steps/1/written {...}: not ready after 0.0 s" after the whole wait (the
+    MetaServer is asked once more at the deadline, with no time left; a trainer's written-then-held asks for the
+    rest of its wait likewise)."""
+    import re
+
+    with MetaServer(port=0) as server:
+        c = MetaClient(server.url, "j")
+        c.register("train", 0)
+        c.register("infer", 0, instance=0)
+        silent = Doorbell()
+        try:
+            with pytest.raises(MetaTimeout) as e:
+                wait_rung([silent], 1, timeout_s=1.0, poll=lambda t: c.wait_written(1, timeout=t))
+        finally:
+            silent.close()
+        said = float(re.search(r"not ready after ([0-9.]+) s", str(e.value)).group(1))
+        assert said >= 1.0, str(e.value)
+        with pytest.raises(MetaTimeout) as e:  # the rank's written, then held: the held never comes
+            c.written_until_held(1, 0, [0], timeout=0.5)
+        said = float(re.search(r"not ready after ([0-9.]+) s", str(e.value)).group(1))
+        assert said == 0.5, str(e.value)

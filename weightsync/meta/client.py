@@ -135,8 +135,7 @@ class MetaClient:
             if got["ready"]:
                 return got
             if time.monotonic() >= deadline:
-                raise MetaTimeout(f"GET {path} {query}: not ready after {timeout} s; "
-                                  f"last answer {json.dumps(got)[:300]}")
+                raise _not_ready(MetaTimeout, path, query, f"{timeout:g}", got)
 
     # -- server ---------------------------------------------------------------------------------
     def health(self) -> dict:
@@ -265,7 +264,10 @@ class MetaClient:
         body["held"] = {"instances": ids, "timeout": round(max(0.0, min(POLL_SLICE_S, timeout)), 3)}
         got = self._request("POST", f"{self._job_path}/steps/{step}/written", body, deadline=deadline)
         if not got["ready"]:  # the rest of the wait, as wait_held asks it (its MetaTimeout at the deadline)
-            return self.wait_held(step, instances, timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                return self.wait_held(step, instances, timeout=max(0.0, deadline - time.monotonic()))
+            except MetaTimeout as e:
+                raise waited(e, timeout) from None
         return {int(i): s for i, s in got["held"].items()}
 
     def wait_written(self, step: int, n: int | None = None, timeout: float | None = None) -> list[int]:
@@ -297,6 +299,22 @@ class MetaClient:
     def lookup(self, name: str, timeout: float | None = None) -> str:
         """The address published under ``name``, waiting for it."""
         return self._poll(f"{self._job_path}/rendezvous/{urllib.parse.quote(name, safe='')}", {}, timeout)["address"]
+
+
+def _not_ready(kind: type[MetaTimeout], path: str, query: Mapping, seconds: str, got: Any) -> MetaTimeout:
+    e = kind(f"GET {path} {query}: not ready after {seconds} s; last answer {json.dumps(got)[:300]}")
+    e.poll = (path, query, got)  # type: ignore[attr-defined] - for waited()
+    return e
+
+
+def waited(e: MetaTimeout, seconds: float) -> MetaTimeout:
+    """``e`` said after the whole wait, ``seconds``: a long-poll that asked only for what was left of a longer wait
+    (``timeout=0`` at its deadline) otherwise reports that remainder ("not ready after 0.0 s" after 60 s).
+    Any other MetaTimeout is ``e`` itself."""
+    poll = getattr(e, "poll", None)
+    if poll is None:
+        return e
+    return _not_ready(type(e), *poll[:2], f"{seconds:.1f}", poll[2])
 
 
 def _membership(reason: str | None, incarnation: str | None) -> dict[str, str]:

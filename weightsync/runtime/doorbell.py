@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import TransportError
-from weightsync.meta.client import MetaClient, MetaTimeout, MetaUnavailable
+from weightsync.meta.client import MetaClient, MetaTimeout, MetaUnavailable, waited
 from weightsync.meta.validate import BELL_FILE_RE
 from weightsync.transport.share import remove_files_of_dead_processes
 
@@ -179,9 +179,9 @@ def wait_rung(bells: Sequence[Doorbell] | None, step: int, timeout_s: float, pol
             try:
                 poll(max(0.0, min(left, WATCHED_POLL_S)))
                 return
-            except MetaTimeout:  # (MetaUnavailable too: a restarting server; at the deadline, who is missing)
+            except MetaTimeout as e:  # (MetaUnavailable too: a restarting server; at the deadline, who is missing)
                 if left <= WATCHED_POLL_S:
-                    raise
+                    raise waited(e, time.monotonic() - start) from None
             gone = watch.lost(watch.ranks, time.monotonic() - start)
             if gone is not None:
                 raise gone.error(f"waiting for every training rank's written of step {step}")
@@ -190,7 +190,10 @@ def wait_rung(bells: Sequence[Doorbell] | None, step: int, timeout_s: float, pol
     while any(b.step < step for b in bells):
         now = time.monotonic()
         if now >= deadline:
-            poll(0.0)  # raises MetaTimeout, unless everything arrived this instant
+            try:
+                poll(0.0)  # raises MetaTimeout, unless everything arrived this instant
+            except MetaTimeout as e:  # said after the whole wait, not the poll's 0 s
+                raise waited(e, now - start) from None
             return
         if now >= next_check:
             try:
