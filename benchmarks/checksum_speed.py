@@ -165,14 +165,14 @@ def main(argv=None) -> int:
     def _buckets(plans):
         return [b for bs in active(plans).values() for b in bs]
 
-    from weightsync.delta.state import gather_pairs
+    from weightsync.codec.delta_state import gather_pairs
     from weightsync.engines import make_layout
     from weightsync.integrity.sums import destination_dtypes, step_sums, sum_plan
     from weightsync.layout.materialize import TORCH_DTYPES
     from weightsync.plan.planner import Planner
     from weightsync.plan.topology import Topology
     from weightsync.spec import load_spec
-    from weightsync.transport.pack import copy_pairs, pack, stage
+    from weightsync.payload.pack import copy_pairs, pack, stage
 
     spec = load_spec(args.model)
     src, dst = make_layout(spec, "hf"), make_layout(spec, "vllm:tp=1")

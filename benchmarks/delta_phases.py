@@ -47,13 +47,13 @@ def main(argv=None) -> int:
     from weightsync.bench.scenarios import init_weights
     from weightsync.delta import codec
     from weightsync.codec.delta import DeltaCodec, active, sig_hash
-    from weightsync.delta.state import gather_pairs, words_of
+    from weightsync.codec.delta_state import gather_pairs, words_of
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import TORCH_DTYPES
     from weightsync.plan.planner import Planner
     from weightsync.plan.topology import Topology
     from weightsync.spec import load_spec
-    from weightsync.transport.pack import copy_pairs, pack, stage, unpack_pairs
+    from weightsync.payload.pack import copy_pairs, pack, stage, unpack_pairs
 
     dev = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
             copy_pairs(gather_pairs(st.staged, targ, slot))
         return st, st.tensors(slot)
 
-    from weightsync.delta.state import signature
+    from weightsync.codec.delta_state import signature
 
     def stamped_plan():
         """The receiver's plan from the headers the sender stamped."""

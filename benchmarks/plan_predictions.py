@@ -3,7 +3,7 @@
 ``weightsync plan`` plans a job for each prediction (Kimi-K2 256 -> 128: ~1.5 min of CPU each); this plans the
 job once per inference layout, exactly as ``weightsync plan`` does (weightsync/cli.py ``_plan``: the same
 planner, block alignment, topology and budget), counts every worker's descriptors and messages once
-(plan.descriptors.count_workers) and calls plan.simulate.predict_step for each transport, codec and profile.
+(plan.descriptors.count_workers) and calls predict.simulate.predict_step for each transport, codec and profile.
 The bf16 layout gives the full and delta rows; ``--fp8-infer`` (the engine served in FP8) the FP8 rows.
 
     python benchmarks/plan_predictions.py --out benchmarks/results/<date>-plan-kimi-k2-256to128-<commit>.json
@@ -54,7 +54,7 @@ def plan_job(model: str, train: str, infer: str, instances: int, gpus_per_host: 
 def predictions(planner, plans, rows, gpus) -> list[dict]:
     """predict_step for each (transport, codec, changed) of ``rows`` under each profile of ``gpus``."""
     from weightsync.plan.descriptors import count_workers
-    from weightsync.plan.simulate import Deployment, cost_model, predict_step
+    from weightsync.predict.simulate import Deployment, cost_model, predict_step
 
     t0 = time.process_time()
     counts = count_workers(planner, plans)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus-per-host", type=int, default=8)
     ap.add_argument("--budget", type=int, default=256 << 20)
     ap.add_argument("--changed", type=float, nargs="+", default=[0.01], help="delta: the fractions changed a step")
-    ap.add_argument("--gpu", nargs="+", default=["h200", "h100"], help="the profiles (plan.simulate.GPUS)")
+    ap.add_argument("--gpu", nargs="+", default=["h200", "h100"], help="the profiles (predict.simulate.GPUS)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -41,7 +41,7 @@ def _member(rank: int, port: int, args, descs, out) -> None:
     from weightsync.transport.batch_copy import BatchedCopy, _runs
     from weightsync.transport.colocated import ColocatedRanks, copy_programs
     from weightsync.transport.group import new_group
-    from weightsync.transport.pack import direct_pairs, segments
+    from weightsync.payload.pack import direct_pairs, segments
     from weightsync.transport.share import export_tensors, import_tensors
 
     torch.cuda.set_device(rank)

@@ -248,10 +248,11 @@ def canonical_weights(case: dict, spec: ModelSpec, seed: int, cast: bool = False
 
 
 def record_landings(set_attr=setattr, full_too: bool = False) -> list:
-    """Each landing the full codec builds in this process from now on (``codec.base.landing``; ``full_too``: also
+    """Each landing the full codec builds in this process from now on (``payload.codec.landing``; ``full_too``: also
     the name ``codec.full`` re-exports, which its ``land`` calls), as (how many of its pairs were casts, the landing).
     ``set_attr``: how to patch (``monkeypatch.setattr`` in a test; plain ``setattr`` in a worker process)."""
-    from weightsync.codec import base, full
+    from weightsync.codec import full
+    from weightsync.payload import codec as base
 
     landed, real = [], base.landing
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import same
 
-from weightsync.codec.base import NEEDS, NO_VERSION, WHOLE, Header, Proof
+from weightsync.payload.codec import NEEDS, NO_VERSION, WHOLE, Header, Proof
 from weightsync.codec.fp8 import FP8Codec
 from weightsync.errors import ConfigError
 
@@ -145,7 +145,7 @@ def test_delta_codec_one_sided_proves_its_base_and_applies_only_the_change():
     largest = max(b.nbytes for b in buckets)
     slot, scratch = torch.empty(largest, dtype=torch.uint8), torch.empty(largest, dtype=torch.uint8)
     targets = poisoned(j)
-    from weightsync.transport.pack import pack, unpack
+    from weightsync.payload.pack import pack, unpack
 
     for step in (0, 1):
         if step:
@@ -189,8 +189,8 @@ def test_delta_codec_one_sided_proves_its_base_and_applies_only_the_change():
 
 def _landed(b, targets) -> torch.Tensor:
     """The bucket's wire bytes as ``targets`` hold them (what a receiver proves)."""
-    from weightsync.delta.state import gather_pairs
-    from weightsync.transport.pack import copy_pairs, segments
+    from weightsync.codec.delta_state import gather_pairs
+    from weightsync.payload.pack import copy_pairs, segments
 
     out = torch.empty(b.nbytes, dtype=torch.uint8)
     copy_pairs(gather_pairs(segments(b), targets, out))

@@ -36,7 +36,7 @@ from weightsync.testing import random_canonical
 from weightsync.transport import colocated, share
 from weightsync.transport.colocated import ColocatedRanks, ColocatedTransport, proxy_of
 from weightsync.transport.group import free_port, new_group
-from weightsync.transport.pack import DIRECT_MIN_BYTES
+from weightsync.payload.pack import DIRECT_MIN_BYTES
 from weightsync.transport.p2p import TransportError, order_key
 
 TIMEOUT_S = 4.0

@@ -550,7 +550,7 @@ def test_delta_is_refused_where_it_does_not_run():
 def test_the_previous_version_counts_against_the_budget():
     """The sender's previous version is in Buffers.bytes (on the device) and refused over the budget
     with a message naming it; kept in host memory it leaves the device budget."""
-    from weightsync.delta.state import PreviousVersion, previous_buffers_bytes, previous_bytes
+    from weightsync.codec.delta_state import PreviousVersion, previous_buffers_bytes, previous_bytes
     from weightsync.engines import make_layout
     from weightsync.errors import ConfigError
     from weightsync.plan.planner import Planner

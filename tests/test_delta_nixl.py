@@ -188,7 +188,7 @@ def test_sync_payloads_re_encoded_under_the_read_raise_and_heal(job):
 
 
 def test_memory_counts_the_previous_version_and_the_region(job):
-    from weightsync.delta.state import previous_bytes
+    from weightsync.codec.delta_state import previous_bytes
 
     for r, s in job.senders.items():
         plans = job.planner.send_plan(r)

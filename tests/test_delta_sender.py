@@ -102,11 +102,11 @@ def test_in_place_sender_matches_the_serial_path(device):
     beside them. Both give the same headers and payloads, and a receiver holding last step applies them."""
     from weightsync.bench.delta import apply_step
     from weightsync.bench.scenarios import init_weights
-    from weightsync.codec.base import WHOLE
+    from weightsync.payload.codec import WHOLE
     from weightsync.codec.delta import KIND_NAMES, DeltaCodec
-    from weightsync.delta.state import words_of
+    from weightsync.codec.delta_state import words_of
     from weightsync.layout.materialize import TORCH_DTYPES
-    from weightsync.transport.pack import pack
+    from weightsync.payload.pack import pack
 
     spec, src, plans = _plans()
     lay = src.layout(0)

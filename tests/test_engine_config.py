@@ -31,7 +31,7 @@ from weightsync.engines.hf import FP32_KEYS
 from weightsync.errors import ConfigError
 from weightsync.layout import layout_digest
 from weightsync.plan.planner import Planner
-from weightsync.plan.stats import job_stats
+from weightsync.predict.stats import job_stats
 from weightsync.plan.topology import Topology
 from weightsync.spec import load_spec
 

@@ -200,7 +200,7 @@ def test_the_full_codec_lands_casts_as_its_work_and_bytes_as_copies():
     from weightsync.plan.planner import Planner
     from weightsync.testing import random_canonical
     from weightsync.transport.batch_copy import BatchedCopy
-    from weightsync.transport.pack import pack, unpack
+    from weightsync.payload.pack import pack, unpack
 
     src, dst = make_layout(DENSE, "hf"), make_layout(DENSE, "vllm:tp=2")
     canonical = random_canonical(DENSE, seed=3)
@@ -283,8 +283,8 @@ def test_plan_stats_count_the_fp8_bytes_the_codec_sends():
     the rest as is) and what the codec's frames carry, alignment aside."""
     from weightsync.engines import make_layout
     from weightsync.plan.planner import Planner
-    from weightsync.plan.simulate import Deployment
-    from weightsync.plan.stats import format_stats, job_stats
+    from weightsync.predict.simulate import Deployment
+    from weightsync.predict.stats import format_stats, job_stats
     from weightsync.quant.layout import fp8_layout
 
     infer = "vllm:tp=2,quant=fp8"

@@ -224,10 +224,52 @@ def test_the_graph_sees_lazy_and_type_checking_imports(tmp_path):
     assert cycles(tmp_path) == []
 
 
+#: the packages of the data path: the planner, the payload interface between codecs and transports, the codecs, the
+#: transports, integrity, quantization, checkpoints, the predictor. Among them no package may import, through any
+#: chain of their modules, one that imports it back (a new codec or transport then touches its own package only).
+DATA_PATH = ("layout", "quant", "plan", "meta", "payload", "integrity", "delta", "codec", "transport", "checkpoint",
+             "predict")
+
+
+def package_graph(graph: dict[str, set[str]], packages: Iterable[str]) -> dict[str, set[str]]:
+    """``graph`` folded onto ``packages`` (``weightsync.<name>``): an edge where a module of one imports one of
+    another; modules outside them dropped."""
+    def package(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in packages else None
+
+    out: dict[str, set[str]] = {p: set() for p in packages}
+    for mod, deps in graph.items():
+        src = package(mod)
+        if src is not None:
+            out[src] |= {d for d in map(package, deps) if d is not None and d != src}
+    return out
+
+
+def test_no_package_cycle_in_the_data_path():
+    graph = import_graph()
+    packages = package_graph(graph, DATA_PATH)
+    found = [" -> ".join(shortest_cycle(packages, c)) for c in strongly_connected(packages)]
+    why = {(a, b): sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith(f"{PACKAGE}.{a}.")
+                          for d in deps if d.startswith(f"{PACKAGE}.{b}.") or d == f"{PACKAGE}.{b}")
+           for a in packages for b in packages[a]}
+    assert not found, ("package cycle(s) among the data path's packages; each edge's imports:\n  " + "\n  ".join(
+        f"{c}: " + "; ".join(f"{a}->{b}: {why[(a, b)][:3]}" for a, b in zip(c.split(" -> "), c.split(" -> ")[1:]))
+        for c in found))
+
+
+def test_the_package_graph_folds_modules():
+    graph = {"weightsync.a.x": {"weightsync.b.y", "weightsync.c.z"}, "weightsync.b.y": {"weightsync.a.w"},
+             "weightsync.a.w": set(), "weightsync.c.z": set()}
+    folded = package_graph(graph, ("a", "b"))
+    assert folded == {"a": {"b"}, "b": {"a"}}
+    assert strongly_connected(folded) == [["a", "b"]]
+
+
 #: the tooling that may use the test aids of ``weightsync.testing``: the demo and its local job, the
 #: benchmarks, the soak. Nothing that runs in a user's trainer or engine imports it.
 TEST_AID_USERS = ("weightsync.testing", "weightsync.demo", "weightsync.local.", "weightsync.bench.",
-                  "weightsync.soak.", "weightsync.delta.bench")
+                  "weightsync.soak.")
 
 
 def test_production_code_does_not_import_the_test_module():

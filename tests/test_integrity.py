@@ -87,7 +87,7 @@ def moved_whole():
 def _moved(bucket_bytes: int):
     from weightsync.testing import random_canonical
     from weightsync.layout.materialize import scatter
-    from weightsync.transport.pack import pack, unpack
+    from weightsync.payload.pack import pack, unpack
 
     spec = load_spec("tiny-qwen3")
     src, dst = make_layout(spec, "megatron:tp=2"), make_layout(spec, "vllm:tp=2")

@@ -30,7 +30,7 @@ from weightsync.plan.planner import Planner
 from weightsync.spec import load_spec
 from weightsync.transport import p2p
 from weightsync.transport.group import free_port, new_group
-from weightsync.transport.pack import DIRECT_MIN_BYTES
+from weightsync.payload.pack import DIRECT_MIN_BYTES
 from weightsync.transport.p2p import JobRanks, P2PTransport, TransportError, order_key
 
 TIMEOUT_S = 4.0  # every wait in the transport; a fault must surface within this (plus slack)

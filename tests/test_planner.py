@@ -12,7 +12,7 @@ from weightsync.plan.planner import Planner, pair_hash
 from weightsync.plan.topology import Topology
 from weightsync.spec import load_spec
 from weightsync.testing import random_canonical
-from weightsync.transport.pack import pack, unpack
+from weightsync.payload.pack import pack, unpack
 
 SOURCES = {
     "tiny-llama3": ["hf", "megatron:tp=2,pp=2,pp_first=3", "megatron:tp=2,dp=2", "fsdp:dp=3", "fsdp:dp=2,tp=2"],
@@ -101,7 +101,7 @@ def test_dp_replicas_share_the_sending():
     spec = load_spec("qwen3-8b")
     planner = Planner(make_layout(spec, "megatron:tp=2,dp=4"),
                       make_layout(spec, "vllm:tp=2"), instances=2)
-    from weightsync.plan.stats import job_stats
+    from weightsync.predict.stats import job_stats
 
     s = job_stats(planner)
     assert s.redundancy == 1.0
@@ -163,7 +163,7 @@ def test_overlap_detection_beyond_neighbours():
 
 
 def test_segments_merge_stacked_experts_and_keep_the_buffer_layout():
-    from weightsync.transport.pack import segments
+    from weightsync.payload.pack import segments
 
     spec = load_spec("tiny-qwen3-moe")
     planner = Planner(make_layout(spec, "hf"), make_layout(spec, "vllm:tp=1"))
@@ -188,7 +188,7 @@ def test_segments_merge_stacked_experts_and_keep_the_buffer_layout():
 def test_staging_moves_the_packed_bytes_partly_in_place(model, train, infer, direct):
     """Each message is sent from / received into the live tensors where they hold it contiguous, the rest
     through a buffer that holds only those messages; on the wire the bytes are exactly the packed ones."""
-    from weightsync.transport.pack import messages, pack_segments, stage, unpack_segments
+    from weightsync.payload.pack import messages, pack_segments, stage, unpack_segments
 
     DIRECT = direct  # segments this large travel alone (8 MiB for real models)
 

@@ -1,4 +1,4 @@
-"""The step simulator (weightsync.plan.simulate) against the runs recorded on the H200 hosts and on one H100,
+"""The step simulator (weightsync.predict.simulate) against the runs recorded on the H200 hosts and on one H100,
 and its NIXL descriptor count (weightsync.plan.descriptors) against what weightsync/transport/nixl.py builds.
 
 The recorded step medians are read from their results files under benchmarks/results/ (each named below);
@@ -22,7 +22,7 @@ from weightsync.engines import make_layout
 from weightsync.plan.descriptors import count_workers, span
 from weightsync.plan.planner import Planner
 from weightsync.errors import ConfigError
-from weightsync.plan.simulate import (GPUS, H100, H100_PROFILE_COMMITS, H100_RUNS, CostModel, Deployment, cost_model,
+from weightsync.predict.simulate import (GPUS, H100, H100_PROFILE_COMMITS, H100_RUNS, CostModel, Deployment, cost_model,
                                       gpu_of, predict_step)
 from weightsync.plan.topology import Topology
 from weightsync.spec import load_spec
@@ -681,7 +681,7 @@ def test_fp8_decode_adds_on_one_gpu_and_hides_under_a_slower_wire():
     assert wire == nic.wire_bytes == 9_437_399_040  # the bench's bytes_moved for the fp8 run
     assert one_gpu.codec_s == pytest.approx(encode + wire / cost.fp8_decode_bytes_per_s)
     assert nic.data_s == pytest.approx(wire / cost.links.nic_bytes_per_s) and nic.data_s > wire / cost.fp8_decode_bytes_per_s
-    from weightsync.plan.simulate import wire_bytes
+    from weightsync.predict.simulate import wire_bytes
 
     largest = max(wire_bytes(b, Deployment("nixl", codec="fp8"), cost, planner.spec) for b in buckets)
     assert nic.codec_s == pytest.approx(encode + largest / cost.fp8_decode_bytes_per_s)

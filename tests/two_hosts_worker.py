@@ -46,7 +46,7 @@ def _predicted(shape, spec, instance: int) -> dict:
     it: a plan whose every pair crosses hosts takes ten times as long on the slower NIC."""
     from dataclasses import replace
 
-    from weightsync.plan.simulate import LinkModel, predict_seconds
+    from weightsync.predict.simulate import LinkModel, predict_seconds
 
     planner = shape.planner(spec)
     buckets = [b for rank in range(planner.dst.world_size) for bs in planner.recv_plan(instance, rank).values()

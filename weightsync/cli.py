@@ -13,8 +13,8 @@ def _plan(args: argparse.Namespace) -> int:
     from weightsync.engines import make_layout
     from weightsync.plan.job import block_aligned
     from weightsync.plan.planner import Planner
-    from weightsync.plan.simulate import Deployment, cost_model
-    from weightsync.plan.stats import format_stats, job_stats, rank_stats
+    from weightsync.predict.simulate import Deployment, cost_model
+    from weightsync.predict.stats import format_stats, job_stats, rank_stats
     from weightsync.plan.topology import Topology
     from weightsync.spec import load_spec
 
@@ -36,7 +36,7 @@ def _plan(args: argparse.Namespace) -> int:
     transport = args.transport or ("colocated" if args.colocate else "p2p")
     if transport == "colocated" and not args.colocate:
         raise WeightSyncError("--transport colocated needs --colocate (the inference ranks on the training GPUs)")
-    deployment = Deployment(transport, args.receiver, args.codec, args.changed,  # the simulator's (plan.simulate)
+    deployment = Deployment(transport, args.receiver, args.codec, args.changed,  # the simulator's (predict.simulate)
                             early_call=not args.call_after_written)
     cost = cost_model(args.gpu)  # the constants measured on that GPU
     if args.rank:
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="for the predicted step: readers that send each step's call only after the trainers' "
                            "written (WeightReader(early_call=False)); default: before it")
     plan.add_argument("--gpu", choices=["h200", "h100"], default="h200",
-                      help="predict with the costs measured on this GPU (default h200; plan.simulate.GPUS)")
+                      help="predict with the costs measured on this GPU (default h200; predict.simulate.GPUS)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_plan)
 

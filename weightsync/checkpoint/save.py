@@ -55,7 +55,7 @@ class SaveResult:
     bound_bytes: int  # what the plan promises peak_buffer_bytes stays under
     total_bytes: int  # the checkpoint's tensor data, over all ranks
     seconds: float
-    quant: str = ""  # "fp8": the files were then rewritten in block FP8 (weightsync/quant/checkpoint.py)
+    quant: str = ""  # "fp8": the files were then rewritten in block FP8 (weightsync/checkpoint/fp8.py)
     quant_bytes: int = 0  # the block-FP8 checkpoint's tensor data, over all ranks (0 without quant)
 
 
@@ -179,7 +179,7 @@ def _quantize_files(plan: CheckpointPlan, fp8: Any, directory: Path, rank: int,
                     chunk_bytes: int) -> tuple[dict[str, str], int]:
     """Rewrite this rank's files in block FP8; the whole checkpoint's weight map and data bytes (every rank computes
     them, from the plan alone)."""
-    from weightsync.quant.checkpoint import fp8_entries, quantize_file
+    from weightsync.checkpoint.fp8 import fp8_entries, quantize_file
 
     _, tensors = fp8
     weight_map: dict[str, str] = {}

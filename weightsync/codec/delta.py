@@ -2,14 +2,14 @@
 
 One implementation for every transport that serves it (p2p, file, nixl: :mod:`weightsync.codec.registry`);
 the encodings themselves are :mod:`weightsync.delta.codec`, the sender's previous version
-:mod:`weightsync.delta.state`, the why and the numbers docs/delta.md.
+:mod:`weightsync.codec.delta_state`, the why and the numbers docs/delta.md.
 
 Sender (:class:`DeltaEncoder`). It keeps the wire bytes it encoded last step per distinct source
-layout (:class:`~weightsync.delta.state.PreviousVersion`, counted against the memory budget unless
+layout (:class:`~weightsync.codec.delta_state.PreviousVersion`, counted against the memory budget unless
 ``host=True``). Per bucket it packs the bucket into the transport's slot and encodes it against that
 base in the smallest kind (indices, bitmap, full, same; :func:`weightsync.delta.codec.encode`). Where the
 transport carries the receivers' proofs to it (two-sided, p2p), a pair whose proof is not its previous
-version goes :data:`~weightsync.codec.base.WHOLE`, and so does a FULL encoding (the plan's messages
+version goes :data:`~weightsync.payload.codec.WHOLE`, and so does a FULL encoding (the plan's messages
 land in place); buckets with one source layout share one encoding. Where receivers prove themselves
 (one-sided: file, nixl), every header carries its base step and the base's checksum, and the end of the
 step gives each header this step's checksum. A slot the transport keeps for the bucket (``kept``: nixl's
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.codec.base import (
+from weightsync.payload.codec import (
     BASE_PROOF,
     NO_VERSION,
     SENDER_STEP,
@@ -46,9 +46,9 @@ from weightsync.codec.base import (
     Proof,
 )
 from weightsync.delta import codec
-from weightsync.delta.state import PreviousVersion, combine, gather_pairs, previous_buffers_bytes, signature, words_of
+from weightsync.codec.delta_state import PreviousVersion, combine, gather_pairs, previous_buffers_bytes, signature, words_of
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.transport.pack import copy_pairs, pack, stage, unpack_pairs
+from weightsync.payload.pack import copy_pairs, pack, stage, unpack_pairs
 
 log = logging.getLogger("weightsync.delta")
 

@@ -29,7 +29,7 @@ copies packed as the full codec packs them, then per FP8 copy its e4m3 bytes and
 Where it runs (:data:`SERVED`): p2p and file in sync mode (their frame paths), co-located (:meth:`FP8Codec.land`),
 and nixl in sync and async mode (each trainer quantizes every distinct bucket into its registered frames region,
 each worker READs the payloads alone: :class:`weightsync.transport.nixl.FrameReads`). Its frames are the only form
-a receiver lands (:attr:`~weightsync.codec.base.Codec.needs_frames`): where a transport cannot serve one, the step
+a receiver lands (:attr:`~weightsync.payload.codec.Codec.needs_frames`): where a transport cannot serve one, the step
 fails rather than read the plan's bf16 bytes whole. p2p in async mode is refused at set-up
 (:func:`check_engine`), as are delta with FP8 (a delta of the e4m3 bytes is not built) and integrity checks (the
 sums cover the bf16 sources, not what lands).
@@ -45,15 +45,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync.codec.base import SENDER_STEP, Codec, CodecStats, Decoder, Encoder, Frame, Header
+from weightsync.payload.codec import SENDER_STEP, Codec, CodecStats, Decoder, Encoder, Frame, Header
 from weightsync.engines.config import parse_engine
 from weightsync.errors import ConfigError
 from weightsync.layout.box import Box, slices
-from weightsync.plan.messages import bucket_bytes
+from weightsync.plan.messages import bucket_bytes, wire_bytes
 from weightsync.plan.planner import Bucket, Copy, Pair
 from weightsync.quant.fp8 import BLOCK, Quantized, cdiv, prepare, quantize
 from weightsync.codec.full import Direct, landing
-from weightsync.transport.pack import (Landing, Pairs, copy_pairs, direct_pairs, pack, pack_pairs, segments,
+from weightsync.payload.pack import (Landing, Pairs, copy_pairs, direct_pairs, pack, pack_pairs, segments,
                                       unpack_pairs)
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ def frame_layout(bucket: Bucket, fp8: Mapping[str, tuple[int, ...]]) -> FrameLay
 
 
 def payload_key(bucket: Bucket) -> int:
-    """A bucket's payload key (:meth:`~weightsync.codec.base.Encoder.key`): buckets whose copies read the same
+    """A bucket's payload key (:meth:`~weightsync.payload.codec.Encoder.key`): buckets whose copies read the same
     source boxes as the same canonical boxes, in the same order, encode to the same payload (instances of one
     layout share a one-sided transport's slot)."""
     sig = repr(tuple((c.canonical, c.canon_box, c.src_tensor, c.src_box, c.dtype) for c in bucket.copies))
@@ -432,7 +432,7 @@ class FP8Decoder(Decoder):
 
 
 def _decode_pairs(lay: FrameLayout, payload: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> Pairs:
-    """A frame's decode as copies: the plain copies as :func:`~weightsync.transport.pack.unpack` scatters them (a cast where the engine's dtype
+    """A frame's decode as copies: the plain copies as :func:`~weightsync.payload.pack.unpack` scatters them (a cast where the engine's dtype
     differs), each FP8 copy's e4m3 bytes and fp32 scales into its boxes of the weight and its ``_scale_inv``."""
     pairs = unpack_pairs(segments(lay.plain), payload[: lay.plain.nbytes], targets) if lay.plain is not None else []
     for p in lay.parts:
@@ -444,17 +444,5 @@ def _decode_pairs(lay: FrameLayout, payload: torch.Tensor, targets: Mapping[str,
     return pairs
 
 
-def wire_bytes(copies: list[Copy] | tuple[Copy, ...], fp8: Mapping[str, tuple[int, ...]]) -> int:
-    """The bytes ``copies`` put on the wire under the fp8 codec, alignment aside (plan statistics)."""
-    n = 0
-    for c in copies:
-        if c.canonical in fp8:
-            (_, rows), (_, cols) = c.canon_box
-            n += rows * cols + 4 * cdiv(rows, BLOCK) * cdiv(cols, BLOCK)
-        else:
-            n += c.nbytes
-    return n
-
-
 __all__ = ["FP8Codec", "FP8Decoder", "FP8Encoder", "check_engine", "engine_quant", "fp8_options", "frame_layout",
-           "scale_box", "wire_bytes"]
+           "scale_box"]

@@ -1,8 +1,8 @@
 """The full codec: the plan's bytes themselves, each copy in its wire dtype ``Copy.dtype`` (the source's).
 
-It is not framed (:attr:`~weightsync.codec.base.Codec.framed`): each transport moves the plan's bytes by
+It is not framed (:attr:`~weightsync.payload.codec.Codec.framed`): each transport moves the plan's bytes by
 its own path, zero-copy where the bytes lie in place (p2p and co-located post or copy the live tensors'
-views, nixl reads them, :mod:`weightsync.transport.pack` packs only the rest), and the receiver converts
+views, nixl reads them, :mod:`weightsync.payload.pack` packs only the rest), and the receiver converts
 to its tensors' dtypes as a checkpoint load would. :class:`FullEncoder` and :class:`FullDecoder` are
 that contract as one bucket's frame (pack, unpack): what a framed transport path does for a bucket
 that travels whole, and the reference a new codec's round trip is checked against.
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.codec.base import WHOLE, Codec, CodecStats, Decoder, Encoder, Frame, Header
-from weightsync.codec.base import landing as landing  # the full codec's landing: re-exported where it was defined
+from weightsync.payload.codec import WHOLE, Codec, CodecStats, Decoder, Encoder, Frame, Header
+from weightsync.payload.codec import landing as landing  # the full codec's landing: re-exported where it was defined
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.transport.pack import Landing, direct_pairs, pack, segments, unpack
+from weightsync.payload.pack import Landing, direct_pairs, pack, segments, unpack
 
 #: one co-located item: a bucket, the opened sources of its training rank, the receiver's targets
 Direct = tuple[Bucket, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]

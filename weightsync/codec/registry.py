@@ -1,6 +1,6 @@
 """Every codec by name, and the set-up check that a transport serves what a codec needs.
 
-A new codec is one module (an :class:`~weightsync.codec.base.Codec` with its two sides) and one line in
+A new codec is one module (an :class:`~weightsync.payload.codec.Codec` with its two sides) and one line in
 :data:`CODECS`; a transport says what it serves per mode in its registry entry
 (:attr:`weightsync.transport.base.TransportEntry.serves`).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from weightsync.codec.base import Codec
+from weightsync.payload.codec import Codec
 from weightsync.errors import ConfigError
 from weightsync.transport.base import SOURCES, TRANSPORTS
 

@@ -1,6 +1,6 @@
 """Encode one bucket as what changed since a base version of it, decode it onto that base in place.
 
-A bucket's wire bytes (:mod:`weightsync.transport.pack`'s buffer layout) are compared as *words*:
+A bucket's wire bytes (:mod:`weightsync.payload.pack`'s buffer layout) are compared as *words*:
 the bucket's element size (2 bytes for bf16, 4 for fp32; the gcd when a bucket mixes dtypes), so a
 changed element is one changed word and the comparison is of bits (NaN, -0.0 compare as bits do).
 An encoded bucket is a :class:`Encoded` record: its ``kind``, the ``count`` of changed words (or

@@ -1,7 +1,7 @@
 """Per-step integrity: the codec stage's proof of what it put on the wire, checked where it landed.
 
-What is summed is the codec's to say, on both sides (:meth:`weightsync.codec.base.Codec.on_wire` on a
-training rank, :meth:`~weightsync.codec.base.Codec.landed` on a worker); this module sums it along the
+What is summed is the codec's to say, on both sides (:meth:`weightsync.payload.codec.Codec.on_wire` on a
+training rank, :meth:`~weightsync.payload.codec.Codec.landed` on a worker); this module sums it along the
 proven plan (:mod:`.sums`), moves the per-bucket sums through the MetaServer (:mod:`.exchange`) and
 compares. The sums travel beside the payloads, not in the codec's per-bucket :class:`Header`: the full
 codec has no header where a transport moves the plan's bytes zero-copy (p2p and co-located post or copy
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.codec.base import landed, on_wire
+from weightsync.payload.codec import landed, on_wire
 from weightsync.errors import IntegrityError, MetaError
 from weightsync.integrity import exchange
 from weightsync.integrity.cadence import due

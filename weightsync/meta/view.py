@@ -10,7 +10,7 @@ placement to those ranks: a training rank gets every inference rank's place and 
 ranks on their hosts; an instance its own ranks' and those of the training ranks on its hosts; the rest
 are :data:`~weightsync.plan.topology.ELSEWHERE`. A co-located job's transport looks at every rank
 (which worker acts for which trainer): it gets the whole placement. A cut is for planning only: a model of
-the job's links (:mod:`weightsync.plan.simulate`) would see every ELSEWHERE rank on one host, so it wants
+the job's links (:mod:`weightsync.predict.simulate`) would see every ELSEWHERE rank on one host, so it wants
 the whole (``MetaClient.placement(whole=True)``).
 
 So a participant's set-up download grows with what it plans against, not with the job, and the

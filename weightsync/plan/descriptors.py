@@ -1,6 +1,6 @@
 """What one step of a plan posts, per receiving worker: NIXL descriptors and transfers, NCCL messages.
 
-The simulator (:mod:`weightsync.plan.simulate`) charges CPU time per descriptor and per message, so it
+The simulator (:mod:`weightsync.predict.simulate`) charges CPU time per descriptor and per message, so it
 needs the counts the transports really post. They are re-derived here from the plan alone (no tensors,
 no addresses, no NIXL), in time linear in the plan's segments, because the transports build them inside
 their set-up methods, not in a reusable function.

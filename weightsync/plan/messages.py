@@ -2,15 +2,16 @@
 
 Pure functions of a bucket (no torch), so both ends of a pair cut it the same way without talking,
 and ``weightsync plan`` counts the messages a plan will send. Moving them is the transports' part
-(:mod:`weightsync.transport.pack`).
+(:mod:`weightsync.payload.pack`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from weightsync.layout.box import Box
-from weightsync.plan.planner import Bucket
+from weightsync.plan.planner import BLOCK, Bucket, Copy
 
 
 def bucket_bytes(bucket: Bucket) -> int:
@@ -140,3 +141,20 @@ def messages(bucket: Bucket, direct_min: int = DIRECT_MIN_BYTES) -> list[Message
     return out
 
 
+def signature(bucket: Bucket) -> tuple:
+    """A bucket's source bytes: buckets to several instances with one signature share one stored copy (the delta
+    codec's previous version, :mod:`weightsync.codec.delta_state`; the simulator counts its encodings by it)."""
+    return tuple((s.src_tensor, s.src_box, s.dtype) for s in segments(bucket))
+
+
+def wire_bytes(copies: Sequence[Copy], fp8: Mapping[str, tuple[int, ...]]) -> int:
+    """The bytes ``copies`` put on the wire under the fp8 codec (:mod:`weightsync.codec.fp8`: one byte an element
+    and an fp32 scale per 128 x 128 block of an FP8 tensor ``fp8`` names, the rest as is), alignment aside."""
+    n = 0
+    for c in copies:
+        if c.canonical in fp8:
+            (_, rows), (_, cols) = c.canon_box
+            n += rows * cols + 4 * -(-rows // BLOCK) * -(-cols // BLOCK)
+        else:
+            n += c.nbytes
+    return n

@@ -35,7 +35,7 @@ def enforce_memory_budget(client: MetaClient, budget: int | None, buffers: Buffe
     """Refuse, before any byte moves, a transport whose buffers would exceed ``budget``; return their bytes.
 
     A transport keeps ``slots`` reusable buffers, each at most as large as the ``largest`` bucket it moves
-    (only the messages it cannot move in place take room; see :func:`weightsync.transport.pack.stage`):
+    (only the messages it cannot move in place take room; see :func:`weightsync.payload.pack.stage`):
     that bound, allocated in the first step and kept, is all the GPU memory a step needs beyond the weights (a staged reader's copy of its weights and
     an async writer's snapshot are chosen on top of it). ``None``: no budget. A refusal aborts the
     whole job, so every peer stops at once.

@@ -39,8 +39,9 @@ What each bucket's payload holds is the codec stage's (:mod:`weightsync.codec`),
 ``TransportOptions.codec``: the full codec (or None) is the plan's bytes, which each transport moves its own
 way; a framed codec's encoder and decoder are made by the transport at ``memory``/``connect`` and its frames
 moved by the transport's frame path. Where the plan's bytes arrive whole, the codec says how they land
-(:meth:`Codec.unpacked`: a cast to the receiver's dtype is the codec's work; with no codec, byte copies only).
-A transport imports no codec: :class:`Codec` says what it uses.
+(:meth:`~weightsync.payload.codec.Codec.unpacked`: a cast to the receiver's dtype is the codec's work; with no codec,
+byte copies only). A transport imports no codec: the interface it uses, :class:`weightsync.payload.codec.Codec`, lies
+below both.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from weightsync.errors import ConfigError
+# what a transport may serve a codec, defined with the codec interface (:mod:`weightsync.payload.codec`)
+from weightsync.payload.codec import BASE_PROOF, SENDER_STEP, SOURCES
 
 #: how long a reader waits for a sync step's trainers to announce it while they are alive (a training step may take
 #: minutes): generous, and apart from ``timeout_s``, which bounds the transfer once the step began
@@ -65,7 +68,7 @@ if TYPE_CHECKING:  # annotations only: a transport needs no runtime module to ru
     from weightsync.plan.job import JobShape
     from weightsync.transport.fence import Fence
     from weightsync.transport.liveness import TrainerWatch
-    from weightsync.transport.pack import Landing, Pairs
+    from weightsync.payload.codec import Codec
 
     Plans = Mapping[Pair, list[Bucket]]
 
@@ -123,35 +126,6 @@ class MetaLink:
         from weightsync.meta.client import MetaClient
 
         return MetaClient(self.url, self.job, token=self.token, timeout=timeout_s)
-
-
-class Codec(Protocol):
-    """What a transport needs of a codec (:mod:`weightsync.codec.base`, whose classes implement it; a
-    transport never imports a codec): its two sides, the wire forms of its per-bucket header and of a
-    receiver's proof, read back from int64 words, and how the plan's bytes land where they arrive whole
-    (:meth:`unpacked`: the receiver's cast to its dtypes is the codec's, never the transport's)."""
-
-    name: str
-    needs: frozenset[str]
-    framed: bool
-    needs_frames: bool  # no whole read in place of a frame (its payload is not the plan's bytes: fp8)
-    header_words: int
-    proof_words: int
-
-    def encoder(self, plans: Plans, device: torch.device) -> Any: ...
-
-    def decoder(self, plans: Plans) -> Any: ...
-
-    def header(self, words: Sequence[int]) -> Any: ...
-
-    def proof(self, words: Sequence[int]) -> Any: ...
-
-    def unpacked(self, pairs: Pairs) -> Landing:
-        """The plan's bytes, arrived whole in the wire dtype (``pairs``: target views, wire views), as they land:
-        byte copies for the transport, the codec's own work after them (the casts to the targets' dtypes). The
-        transport runs it (:func:`weightsync.transport.pack.run_landing`, or captured with its copies in a CUDA
-        graph), building it once per graph where it replays one."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -321,17 +295,11 @@ class TransportEntry:
     #: a sender's per-step work does not depend on which instances exist, so instances may join, leave
     #: or die while the trainers run (:mod:`weightsync.runtime.session`, "membership")
     elastic: bool = False
-    #: per mode, what it serves a codec (:data:`weightsync.codec.base.NEEDS`): the session refuses a
+    #: per mode, what it serves a codec (:data:`weightsync.payload.codec.NEEDS`): the session refuses a
     #: codec whose needs it lacks (:func:`weightsync.codec.registry.check`)
     serves: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
-# what a transport may serve a codec (the same strings as weightsync.codec.base.NEEDS)
-SENDER_STEP = "a sender step over every bucket's bytes"
-BASE_PROOF = "the receiver's proof of its base"
-#: the receiver reads the trainers' tensors in place (co-located): a codec that can land them itself there
-#: (its ``land``: the full codec's copies and casts, FP8's quantization) needs no sender step
-SOURCES = "the sources, read in place by the receiver"
 _BOTH = frozenset({SENDER_STEP, BASE_PROOF})
 
 #: every transport; a new one is one module and one line here

@@ -20,9 +20,9 @@ int64 with 16-byte alignment hints, so the compiler may emit 128-bit accesses. T
 weights are all in the 16 group: one launch.
 
 No casts. Every pair is of one dtype: a pair whose dtypes differ is refused at construction. Converting
-to the receiver's dtype is a codec's work (:meth:`weightsync.transport.base.Codec.unpacked`, the full
+to the receiver's dtype is a codec's work (:meth:`weightsync.payload.codec.Codec.unpacked`, the full
 codec's ``landing``), which hands its casts to the transport as ``Landing.work``, run after the copies
-(:mod:`weightsync.transport.pack`).
+(:mod:`weightsync.payload.pack`).
 
 The fallback. Pairs of one dtype that are not plain byte runs -- an innermost stride other than 1 on
 either side, a conjugate or negative view, a destination with a repeated (stride-0) dim, views of

@@ -54,7 +54,6 @@ from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Placement, Topology
 from weightsync.transport.base import (
     Buffers,
-    Codec,
     GroupWait,
     Receiver,
     ReceiverContext,
@@ -62,6 +61,7 @@ from weightsync.transport.base import (
     SenderContext,
     StepStats,
 )
+from weightsync.payload.codec import Codec
 from weightsync.transport.gate import ready
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.posted import posted as all_posted
@@ -77,7 +77,7 @@ from weightsync.transport.nccl import (
     retire,
     settle,
 )
-from weightsync.transport.pack import (
+from weightsync.payload.pack import (
     DIRECT_MIN_BYTES,
     Landing,
     Staging,

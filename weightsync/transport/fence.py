@@ -6,7 +6,7 @@ later completes the abandoned message. Were it then to land what it got, the eng
 job -- would hold some of the old trainer's bytes and report the new step. So a receive that lands through a
 :class:`Fence` lands each piece inside :meth:`Fence.landing`, and the watcher :meth:`Fence.close`\\ s it when it gives
 up: from then on every landing raises instead. Together with a receiver that takes every message into its own
-scratch first (gloo: :func:`weightsync.transport.pack.stage` with ``in_place=False``), nothing of an abandoned
+scratch first (gloo: :func:`weightsync.payload.pack.stage` with ``in_place=False``), nothing of an abandoned
 transfer reaches a live tensor. (NCCL needs no scratch: aborting the group ends its kernels, and a resumed peer's
 bytes have nowhere to go.)
 

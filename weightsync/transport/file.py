@@ -13,7 +13,7 @@ consulted when ``step`` is omitted, so a caller can keep the P2P call shape.
 
 One file per (pair, step). For every pair ``(src rank, dst instance, dst rank)`` of its send plan,
 the sender writes ``step{step:09d}.t{src}.i{instance}.r{rank}.safetensors`` holding each bucket's
-packed uint8 buffer (:func:`weightsync.transport.pack.pack`) under the key ``bucket.{index}``, plus
+packed uint8 buffer (:func:`weightsync.payload.pack.pack`) under the key ``bucket.{index}``, plus
 metadata: format, step, pair, the pair hash (:func:`weightsync.plan.planner.pair_hash`), the bucket
 count and total bytes. The file is streamed bucket by bucket through one reusable buffer (memory
 is bounded by the largest bucket, not the pair) into a hidden temporary name in the same directory
@@ -23,7 +23,7 @@ complete. A file that already has the final name (an earlier run's, left by a cr
 The receiver polls the directory (``poll_s`` sleep) for its pairs' files of the step, consuming
 each as it appears, in any order: it checks the metadata -- the step, the pair and the pair hash
 must equal its own plan's, and the bucket count and every bucket's size must match -- unpacks every
-bucket into the live tensors in place, landing it as the codec says (:func:`weightsync.transport.pack.unpacked`:
+bucket into the live tensors in place, landing it as the codec says (:func:`weightsync.payload.pack.unpacked`:
 byte copies, the full codec's casts where a tensor's dtype is not the wire's) and deletes the
 file (each pair's file has exactly one consumer). A file that fails a check is left in place for
 inspection and raises :class:`TransportError` naming the pair. If ``timeout_s`` passes with no new
@@ -64,11 +64,12 @@ from safetensors import safe_open
 
 from weightsync.plan.planner import Bucket, Pair, pair_hash
 from weightsync.errors import StepNotWritten, TransportError
-from weightsync.transport.base import (BASE_PROOF, Buffers, Codec, Receiver, ReceiverContext, Sender, SenderContext,
+from weightsync.transport.base import (BASE_PROOF, Buffers, Receiver, ReceiverContext, Sender, SenderContext,
                                        StepStats)
+from weightsync.payload.codec import Codec
 from weightsync.transport.liveness import TrainerWatch
 from weightsync.transport.p2p import TransferStats, describe
-from weightsync.transport.pack import pack, run_landing, segments, unpack_pairs, unpacked
+from weightsync.payload.pack import pack, run_landing, segments, unpack_pairs, unpacked
 from weightsync.transport.private import check_own_file, owned_directory, private_opener
 
 log = logging.getLogger("weightsync.transport.file")
@@ -134,7 +135,7 @@ class FileTransport:
     ``step_fn``: returns the current step when ``send``/``recv`` get no ``step=``. ``timeout_s``: how
     long a receiver waits with no new file arriving before it gives up. ``poll_s``: the receiver's
     sleep between looks at the directory. ``codec``: how a receiver's unpacked buckets land
-    (:meth:`~weightsync.transport.base.Codec.unpacked`: the full codec's casts where a tensor's dtype is not
+    (:meth:`~weightsync.payload.codec.Codec.unpacked`: the full codec's casts where a tensor's dtype is not
     the wire's); None: byte copies only, a cast refused.
     """
 

@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 
 from weightsync.transport.batch_copy import BatchedCopy
-from weightsync.transport.pack import Landing, Pairs
+from weightsync.payload.pack import Landing, Pairs
 
 T = TypeVar("T")
 
@@ -70,7 +70,7 @@ class CopyGraphs:
         on the current stream: batched into one kernel (on at most ``programs`` CTAs when given) and,
         on CUDA, replayed from its graph, both built on first use. The entry keeps ``owner`` alive, so
         its identity cannot pass to another object. ``pairs()`` gives byte copies (a pair of two dtypes is refused:
-        a cast is a codec's) or a codec's :class:`~weightsync.transport.pack.Landing` (its casts, quantization):
+        a cast is a codec's) or a codec's :class:`~weightsync.payload.pack.Landing` (its casts, quantization):
         its copies batched so, its work after them in the same graph (run once before the capture, so that its
         kernels are compiled and loaded outside it)."""
         key = (id(owner), tag)

@@ -23,7 +23,7 @@ before any byte moves, and compute each piece's remote byte runs. Per target set
 staged reader's copy; prepared on first use): register the local memory (GPU: allocator segments);
 every segment whose destination is contiguous and in the wire dtype is read in place, the others
 through two registered staging slots (each as large as the most one bucket stages) and unpacked as the
-codec lands them (:func:`~weightsync.transport.pack.unpacked`: the full codec's casts into another dtype than
+codec lands them (:func:`~weightsync.payload.pack.unpacked`: the full codec's casts into another dtype than
 the wire's). A packed box is one run; the in-place reads are ordered by remote address and runs
 that continue each other on both sides (inside one registration) merged into one descriptor, the lists
 prepared once (``prep_xfer_dlist``) and every step replayed (``make_prepped_xfer`` handles, re-posted;
@@ -82,7 +82,7 @@ from weightsync.transport.base import (
 )
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.posted import posted as all_posted
-from weightsync.transport.pack import Landing, join
+from weightsync.payload.pack import Landing, join
 from weightsync.transport.nixl_wire import (
     HEADER_WORDS,
     PackedBox,
@@ -108,7 +108,7 @@ REGION = "__weightsync.frames.region"
 INDEX = "__weightsync.frames.index"
 HEAD = 3  # index words before the slots: seq (odd while stamped), step, slots
 SLOT = 8  # words per slot: key, offset, then the header's 6 words (kind WHOLE: no payload this step)
-WHOLE = -1  # weightsync.codec.base.WHOLE
+WHOLE = -1  # weightsync.payload.codec.WHOLE
 _ALIGN = 8
 
 
@@ -761,7 +761,7 @@ class NixlReceiver(Receiver):
         return [(r, self.header_bufs[r]) for r, _ in self.header_handles]
 
     def _read(self, targets: Mapping[str, torch.Tensor], t0: float) -> StepStats:
-        from weightsync.transport.pack import run_landing, unpack_pairs, unpacked
+        from weightsync.payload.pack import run_landing, unpack_pairs, unpacked
 
         prog = self._program(targets)
         pending = [(h, pair, None) for pair, h in prog.direct]
@@ -1095,7 +1095,7 @@ class FrameReads:
         return moved
 
     def _apply_batched(self, plan: list[Planned], targets: Mapping[str, torch.Tensor]) -> int:
-        """A batched decoder's payloads (:attr:`~weightsync.codec.base.Decoder.batched`: fp8): every header taken
+        """A batched decoder's payloads (:attr:`~weightsync.payload.codec.Decoder.batched`: fp8): every header taken
         first (a plan mismatch raises before any byte is read), then the payloads in chunks of at most half the
         scratch, ordered by remote address (a chunk's payloads that lie back to back in a trainer's region are one
         descriptor), each chunk one prepped READ per peer into its half (:class:`_ChunkReads`: prepared once per

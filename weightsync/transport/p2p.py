@@ -1,6 +1,6 @@
 """Point-to-point transport: a rank's planned buckets moved over a process group with isend/irecv.
 
-Each bucket travels as a few messages (see :mod:`weightsync.transport.pack`): a large segment that
+Each bucket travels as a few messages (see :mod:`weightsync.payload.pack`): a large segment that
 lies contiguous in the live tensor is sent from it, or received into it, in place; the rest is
 packed into a buffer by the sender and unpacked from one by the receiver. Gloo needs contiguous
 tensors (a non-contiguous send fails on the sender and leaves the receiver hanging), so only
@@ -66,7 +66,6 @@ from weightsync.plan.planner import Bucket, Pair
 from weightsync.transport.base import (
     BASE_PROOF,
     Buffers,
-    Codec,
     GroupWait,
     Pulled,
     Receiver,
@@ -75,6 +74,7 @@ from weightsync.transport.base import (
     SenderContext,
     StepStats,
 )
+from weightsync.payload.codec import Codec
 from weightsync.transport.fence import Fence
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.posted import posted as all_posted
@@ -92,7 +92,7 @@ from weightsync.transport.nccl import (  # noqa: F401 - re-exported: the names c
     settle,
 )
 from weightsync.plan.messages import messages
-from weightsync.transport.pack import DIRECT_MIN_BYTES, Staging, pack_pairs, run_landing, stage, unpack_pairs, unpacked
+from weightsync.payload.pack import DIRECT_MIN_BYTES, Staging, pack_pairs, run_landing, stage, unpack_pairs, unpacked
 
 TransferStats = StepStats  # the name this module used before the transport interface
 
@@ -100,7 +100,7 @@ TransferStats = StepStats  # the name this module used before the transport inte
 class P2PTransport:
     """Sends or receives one rank's buckets over ``group``; keep one per rank and reuse it every step.
 
-    ``codec``: how a receiver's unpacked bytes land (:meth:`~weightsync.transport.base.Codec.unpacked`: the
+    ``codec``: how a receiver's unpacked bytes land (:meth:`~weightsync.payload.codec.Codec.unpacked`: the
     full codec's casts where a target's dtype is not the wire's); None: byte copies only, a cast refused."""
 
     def __init__(

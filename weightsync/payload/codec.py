@@ -4,9 +4,9 @@ Shaped as ``torch.distributed.checkpoint`` splits the transform (``resolve_data`
 from the byte movement (``StorageWriter``/``StorageReader``): the plan says which bytes go where; a
 codec turns one bucket's bytes into a *frame* (a typed :class:`Header` and a uint8 payload) on the
 training rank and back into the receiver's tensors; a transport only moves frames
-(:mod:`weightsync.transport.base`). Transports import no codec (they see one through the
-:class:`weightsync.transport.base.Codec` protocol this module implements); codecs never import a
-transport's private names.
+(:mod:`weightsync.transport.base`). This module is the interface between the two, defined once and below both
+(with :mod:`weightsync.payload.pack`, the bytes' layout on the wire): the codecs (:mod:`weightsync.codec`) implement
+it, the transports call it, and neither imports the other.
 
 Codecs (:mod:`weightsync.codec.registry`): ``full`` (:mod:`.full`: the plan's bytes themselves, moved
 zero-copy by each transport's own path where they lie in place), ``delta`` (:mod:`.delta`: what changed
@@ -62,13 +62,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from weightsync.transport.base import BASE_PROOF, SENDER_STEP  # noqa: F401 - the needs, named where transports serve them
-from weightsync.transport.pack import Landing, Pairs, copy_pairs
+from weightsync.payload.pack import Landing, Pairs, copy_pairs
 
 if TYPE_CHECKING:
     import torch
 
     from weightsync.plan.planner import Bucket, Pair
+
+# what a transport may serve a codec (its registry entry's ``serves``, :mod:`weightsync.transport.base`)
+SENDER_STEP = "a sender step over every bucket's bytes"
+BASE_PROOF = "the receiver's proof of its base"
+#: the receiver reads the trainers' tensors in place (co-located): a codec that can land them itself there
+#: (its ``land``: the full codec's copies and casts, FP8's quantization) needs no sender step
+SOURCES = "the sources, read in place by the receiver"
 
 #: what a codec may need of a transport: a sender step over every bucket's bytes (not co-located, whose
 #: workers copy the trainers' memory themselves); the receiver's proof of its base (a message back, p2p
@@ -203,7 +209,7 @@ class Encoder(ABC):
 
     def landing(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor) -> Landing:
         """A :attr:`batched` encoder's :meth:`encode` of ``bucket`` from ``sources`` into ``slot`` as copies and work
-        (:class:`~weightsync.transport.pack.Landing`: they write the bytes ``encode`` writes, allocate nothing and
+        (:class:`~weightsync.payload.pack.Landing`: they write the bytes ``encode`` writes, allocate nothing and
         never synchronize); valid while ``sources`` and ``slot`` stay where they are."""
         raise NotImplementedError(f"{type(self).__name__} does not encode through a landing")
 
@@ -267,7 +273,7 @@ class Decoder(ABC):
     def landing(self, bucket: Bucket, header: Header, payload: torch.Tensor,
                 targets: Mapping[str, torch.Tensor]) -> Landing:
         """A :attr:`batched` decoder's :meth:`decode` of ``payload`` (a view of scratch that stays put) into
-        ``targets`` as copies and work (:class:`~weightsync.transport.pack.Landing`), valid while both stay where
+        ``targets`` as copies and work (:class:`~weightsync.payload.pack.Landing`), valid while both stay where
         they are and for every header :meth:`take` accepts for ``bucket``."""
         raise NotImplementedError(f"{type(self).__name__} does not decode through a landing")
 
@@ -326,7 +332,7 @@ class Codec(ABC):
 
     def unpacked(self, pairs: Pairs) -> Landing:
         """The plan's bytes, arrived whole in the wire dtype (``pairs``: target views, wire views: a transport's
-        unpack, a whole bucket's read), as they land (:meth:`weightsync.transport.base.Codec.unpacked`): the
+        unpack, a whole bucket's read), as they land (:meth:`weightsync.payload.codec.Codec.unpacked`): the
         full codec's :func:`landing` -- byte copies for the transport, the casts to the targets' dtypes as this
         codec's work. Full and delta land whole buckets so; fp8 never lands one (``needs_frames``)."""
         return landing(pairs)
@@ -335,7 +341,7 @@ class Codec(ABC):
 def landing(pairs: Pairs) -> Landing:
     """``pairs`` as the full codec lands them (:class:`Landing`): those of one dtype are the transport's byte
     copies, the others this stage's casts, done after them (one rounding each, source dtype -> destination
-    dtype, as :func:`weightsync.transport.pack.unpack` and loading a checkpoint convert). Where no pair casts
+    dtype, as :func:`weightsync.payload.pack.unpack` and loading a checkpoint convert). Where no pair casts
     (a bf16 trainer into a bf16 engine) there is no work."""
     copies = [p for p in pairs if p[0].dtype == p[1].dtype]
     casts = [p for p in pairs if p[0].dtype != p[1].dtype]

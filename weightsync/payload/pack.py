@@ -30,7 +30,7 @@ from weightsync.plan.messages import DIRECT_MIN_BYTES, Message, Segment, bucket_
 from weightsync.plan.planner import Bucket
 
 if TYPE_CHECKING:
-    from weightsync.transport.base import Codec
+    from weightsync.payload.codec import Codec
 
 
 def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,7 +113,7 @@ def copy_pairs(pairs: Pairs) -> None:
 
 def unpacked(codec: Codec | None, pairs: Pairs) -> Landing:
     """How ``pairs`` -- the plan's bytes, arrived whole in the wire dtype (:func:`unpack_pairs`,
-    :func:`direct_pairs`) -- land: ``codec``'s :meth:`~weightsync.transport.base.Codec.unpacked` (byte copies
+    :func:`direct_pairs`) -- land: ``codec``'s :meth:`~weightsync.payload.codec.Codec.unpacked` (byte copies
     for the transport, the codec's casts as the work after them). With no codec (a transport built directly,
     ``TransportOptions.codec`` None) they are byte copies only, and a pair whose dtypes differ is refused:
     the cast is a codec's work."""

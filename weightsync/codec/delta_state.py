@@ -2,7 +2,7 @@
 
 A delta applies only on top of exactly the version it was encoded against. The sender keeps that
 version (:class:`PreviousVersion`): per bucket, the wire bytes it sent last step, their checksum,
-and the step. A receiver proves what it holds (:class:`weightsync.codec.base.Proof`): the step it last received whole
+and the step. A receiver proves what it holds (:class:`weightsync.payload.codec.Proof`): the step it last received whole
 and the checksum of what its target tensors hold *now*, read back in the bucket's wire form
 (:func:`base_parts`) -- so a failed or skipped update, a new instance, a staged copy left half
 written or rolled back, or anything else that touched the tensors, shows as a different version or
@@ -26,7 +26,7 @@ import torch
 from weightsync.delta.codec import checksum_queued, word_bytes
 from weightsync.layout.box import slices
 from weightsync.layout.materialize import TORCH_DTYPES
-from weightsync.plan.messages import DIRECT_MIN_BYTES, Segment, segments
+from weightsync.plan.messages import DIRECT_MIN_BYTES, Segment, segments, signature
 from weightsync.plan.planner import Bucket, Pair
 
 log = logging.getLogger("weightsync.delta")
@@ -49,11 +49,6 @@ def words_of(bucket: Bucket, direct_min: int = DIRECT_MIN_BYTES) -> Words:
 def combine(acc: int, part: int) -> int:
     """Fold one bucket's checksum into a pair's (in the pair's bucket order, the same on both ends)."""
     return (acc * 0x100000001B3 + part) & _MASK
-
-
-def signature(bucket: Bucket) -> tuple:
-    """A bucket's source bytes: buckets to several instances with one signature share one stored copy."""
-    return tuple((s.src_tensor, s.src_box, s.dtype) for s in segments(bucket))
 
 
 class PreviousVersion:
@@ -169,7 +164,7 @@ class PreviousVersion:
 
 def gather_pairs(segs: Sequence[Segment], targets: Mapping[str, torch.Tensor], buffer: torch.Tensor):
     """The copies reading the targets' regions of ``segs`` back into their wire places in ``buffer``
-    (converting to the wire dtype): the reverse of :func:`weightsync.transport.pack.unpack_pairs`."""
+    (converting to the wire dtype): the reverse of :func:`weightsync.payload.pack.unpack_pairs`."""
     pairs = []
     for seg in segs:
         region = targets[seg.dst_tensor][slices(seg.dst_box)]

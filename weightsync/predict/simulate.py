@@ -409,7 +409,7 @@ def wire_bytes(b: Bucket, deployment: Deployment, cost: CostModel, spec=None) ->
         return n
     from weightsync.delta import codec  # lazily: it imports torch
 
-    # as weightsync.delta.bench.encoded_bytes: the codec's choice and exact size for that many changed
+    # as weightsync.bench.delta_codec.encoded_bytes: the codec's choice and exact size for that many changed
     # 2-byte words at random, plus the 24-byte header
     words = b.nbytes // 2
     kind, count = codec.choose(int(round(words * deployment.changed)), None, words, 2)
@@ -483,7 +483,7 @@ def predict_step(
     if d.codec == "fp8" and buckets and d.transport != "colocated":
         codec_s = _fp8_codec_s(buckets, sizes, topology, data_s, cost)
     if d.codec == "delta" and buckets:
-        from weightsync.delta.state import signature  # lazily: it imports torch
+        from weightsync.plan.messages import signature
 
         r = cost.delta_at(d.changed)
         # the sender encodes each distinct bucket once, by the key its encoder stores the previous version under

@@ -1,14 +1,14 @@
 """Measure delta updates: the encodings on random sparse changes, and whole steps over CPU gloo.
 
-``python -m weightsync.delta.bench codec``   each encoding's size and encode/apply time on one bucket
+``python -m weightsync.bench.delta_codec codec``   each encoding's size and encode/apply time on one bucket
                                              at 0.1-30% changed words (bf16 and fp32), and the choice
-``python -m weightsync.delta.bench gloo``    a trainer and a receiver process (hf -> hf layouts) over
+``python -m weightsync.bench.delta_codec gloo``    a trainer and a receiver process (hf -> hf layouts) over
                                              a gloo group: per step, bytes moved and seconds, full
                                              against delta, at given change fractions
-``python -m weightsync.delta.bench predict`` the simulator's busiest-link prediction for a job, full
+``python -m weightsync.bench.delta_codec predict`` the simulator's busiest-link prediction for a job, full
                                              and at given change fractions (the plan's bytes scaled
                                              by each bucket's encoded size)
-``python -m weightsync.delta.bench memory``  the sender's previous version: planned, budgeted, resident
+``python -m weightsync.bench.delta_codec memory``  the sender's previous version: planned, budgeted, resident
 
 Each prints a markdown table and, with ``--json PATH``, writes the rows. Numbers for docs/delta.md
 and BENCHMARKS.md ("Delta updates").
@@ -232,7 +232,7 @@ def predict(model: str, train: str, infer: str, instances: int, fractions, gpus_
     """The busiest-link prediction, full and with each bucket scaled to its encoded size."""
     from weightsync.engines import make_layout
     from weightsync.plan.planner import Planner
-    from weightsync.plan.simulate import LinkModel, predict_seconds
+    from weightsync.predict.simulate import LinkModel, predict_seconds
     from weightsync.plan.topology import Topology
     from weightsync.spec import load_spec
 
@@ -288,13 +288,13 @@ def memory_rows(model: str = "qwen3-0.6b") -> list[dict]:
     """The sender's previous version: bytes the plan says (``Buffers.codec``) against the resident
     memory it took once stored, kept on the tensors' device and (``host=True``) in host memory (pinned
     where CUDA is present; on a CPU-only machine both are host memory)."""
-    from weightsync.delta.state import PreviousVersion, previous_buffers_bytes, previous_bytes
+    from weightsync.codec.delta_state import PreviousVersion, previous_buffers_bytes, previous_bytes
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import scatter
     from weightsync.plan.planner import Planner
     from weightsync.spec import load_spec
     from weightsync.testing import random_canonical
-    from weightsync.transport.pack import pack
+    from weightsync.payload.pack import pack
 
     spec = load_spec(model)
     lay = make_layout(spec, "hf")
@@ -317,7 +317,7 @@ def memory_rows(model: str = "qwen3-0.6b") -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m weightsync.delta.bench")
+    ap = argparse.ArgumentParser(prog="python -m weightsync.bench.delta_codec")
     sub = ap.add_subparsers(dest="what", required=True)
     c = sub.add_parser("codec")
     c.add_argument("--mib", type=int, default=16)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from weightsync.dtypes import DTYPE_SIZES
 from weightsync.plan.descriptors import count_workers
+from weightsync.plan.messages import wire_bytes
 from weightsync.plan.planner import Bucket, Pair, Planner, combine_hashes, pair_hash
-from weightsync.plan.simulate import CostModel, Deployment, StepPrediction, predict_seconds, predict_step
+from weightsync.predict.simulate import CostModel, Deployment, StepPrediction, predict_seconds, predict_step
 
 
 @dataclass
@@ -115,8 +117,7 @@ def _fp8_bytes(planner: Planner, buckets: list[Bucket]) -> int:
     """What the fp8 codec sends for ``buckets`` when the destination engine is declared quant=fp8, else 0."""
     if not getattr(planner.dst.config, "quant", 0):
         return 0
-    from weightsync.codec.fp8 import wire_bytes  # lazily: it imports torch
-    from weightsync.quant.config import BlockFP8, fp8_tensors
+    from weightsync.quant.config import BlockFP8, fp8_tensors  # lazily: it imports torch
 
     fp8 = {f.weight.name: f.weight.shape for f in fp8_tensors(planner.spec, BlockFP8())}
     return sum(wire_bytes(b.copies, fp8) for b in buckets)
