@@ -183,21 +183,21 @@ def test_the_readme_s_python_examples_parse_and_name_only_what_exists():
     were numbered from 0 by the trainer and from 1 by the engines. Each ```python block must parse, import only
     weightsync names that exist, and pass only keywords their callables take; every example loops over the same
     steps, and every participant is given the job's token."""
-    text = (ROOT / "README.md").read_text()
-    blocks = python_blocks(text)
-    assert len(blocks) >= 6, "the README has an example per trainer and per engine"
+    assert len(python_blocks((ROOT / "README.md").read_text())) >= 6, "the README has an example per trainer and engine"
     problems, loops = [], set()
-    for line, code in blocks:
-        try:
-            compile(code, f"README.md:{line}", "exec")
-        except SyntaxError as e:
-            problems.append(f"README.md:{line}: {e}")
-            continue
-        problems += [f"README.md:{line}: {p}" for p in unresolved(code)]
-        loops |= set(re.findall(r"for step in (range\([^)]*\)+)", code))
-        for call in re.findall(r"\b(WeightWriter|WeightReader|VLLMWeightSync)\((.*?)\)\.connect\(\)", code, re.DOTALL):
-            if "token=" not in call[1]:
-                problems.append(f"README.md:{line}: {call[0]}(...) without token=")
+    for doc in ("README.md", "docs/usage.md"):  # the README and the reference behind it
+        for line, code in python_blocks((ROOT / doc).read_text()):
+            try:
+                compile(code, f"{doc}:{line}", "exec")
+            except SyntaxError as e:
+                problems.append(f"{doc}:{line}: {e}")
+                continue
+            problems += [f"{doc}:{line}: {p}" for p in unresolved(code)]
+            loops |= set(re.findall(r"for step in (range\([^)]*\)+)", code))
+            for call in re.findall(r"\b(WeightWriter|WeightReader|VLLMWeightSync)\((.*?)\)\.connect\(\)", code,
+                                   re.DOTALL):
+                if "token=" not in call[1]:
+                    problems.append(f"{doc}:{line}: {call[0]}(...) without token=")
     assert not problems, "\n".join(problems)
     assert loops == {"range(1, steps + 1)"}, f"the examples number steps differently: {loops}"
 
