@@ -98,7 +98,7 @@ def trainer(emit: Emit, rank: int, world: int, port: int, meta: str, job: dict) 
                           memory_budget=job.get("memory_budget", 2 << 30),
                           colocate=job.get("colocate", False), transport=job.get("transport", "p2p"),
                           directory=job.get("directory"), peer_copies=job.get("peer_copies", True),
-                          group=dist.group.WORLD if job.get("writer_group") else None,
+                          group=dist.group.WORLD if job.get("writer_group") else None, codec=job.get("codec"),
                           **({"integrity": job["integrity"]} if "integrity" in job else {})).connect()
     emit(Ready(emit.participant))
     if job.get("mode") == "async":
@@ -230,6 +230,7 @@ def reader(emit: Emit, inst: int, meta: str, job: dict) -> None:
                          colocate=job.get("colocate", False), peer_copies=job.get("reader_peer_copies", True),
                          transport=job.get("reader_transport", job.get("transport", "p2p")), directory=job.get("directory"),
                          staged=job.get("staged", False), mode=job.get("mode", "sync"), push=job.get("reader_push", True),
+                         codec=job.get("codec"),
                          **({"integrity": job.get("reader_integrity", job["integrity"])} if "integrity" in job
                             else {})).connect()
         emit(Ready(emit.participant))
@@ -260,7 +261,8 @@ def reader(emit: Emit, inst: int, meta: str, job: dict) -> None:
                 raise
             seconds = time.perf_counter() - t0
             problems = tuple(p for p in instance.call(check_step, spec.name, engine, step, job.get("fp32", False)) if p)
-            emit(StepDone(emit.participant, step, seconds, 0, not problems, version=r.version, problems=problems))
+            moved = sum(s.bytes for s in r.last_stats)  # what this instance's workers received
+            emit(StepDone(emit.participant, step, seconds, moved, not problems, version=r.version, problems=problems))
     finally:
         local.close()
 

@@ -40,6 +40,40 @@ def test_the_session_refuses_at_set_up():
     assert not SessionOptions().transport_options("gloo").framed  # full: the transports' own paths
 
 
+def test_one_codec_option_chosen_in_one_place():
+    """``codec=NAME`` is the option; ``delta=True`` its older spelling; the engine decides FP8 (an engine declared
+    quant=fp8 takes the fp8 codec where the full one was asked); the session makes the job's codec from the
+    registry alone (weightsync.codec.registry)."""
+    from weightsync.codec.registry import job_codec_name, make_job_codec, requested
+    from weightsync.payload.codec import CodecJob
+    from helpers import tiny
+
+    from weightsync.runtime.session import SessionOptions
+
+    assert requested(None) == "full" and requested(None, delta=True) == requested("delta") == "delta"
+    assert requested("delta", delta=True) == "delta"
+    with pytest.raises(ConfigError, match="delta=True asks for the delta codec and codec='full'"):
+        requested("full", delta=True)
+    with pytest.raises(ConfigError, match="unknown codec 'zip'; known: full, delta, fp8"):
+        SessionOptions(codec="zip")
+    assert SessionOptions(codec="delta", transport="file", directory="/x").terms().codec == "delta"
+    assert SessionOptions(delta=True).terms() == SessionOptions(codec="delta").terms()
+    with pytest.raises(ConfigError, match="colocated transport"):
+        SessionOptions(colocate=True, codec="delta")
+    # the engine decides FP8, once the job names it
+    assert job_codec_name("full", "vllm:tp=2", "p2p", "sync") == "full"
+    assert job_codec_name("full", "vllm:tp=2,quant=fp8", "p2p", "sync") == "fp8"
+    assert job_codec_name("fp8", "vllm:tp=2,quant=fp8", "nixl", "async") == "fp8"
+    with pytest.raises(ConfigError, match="delta and FP8 together are not built"):
+        job_codec_name("delta", "vllm:tp=2,quant=fp8", "p2p", "sync")
+    with pytest.raises(ConfigError, match="vllm:tp=2 is not declared quant=fp8"):
+        job_codec_name("fp8", "vllm:tp=2", "p2p", "sync")
+    spec = tiny("tiny-qwen3-h64", hidden_size=256, head_dim=128, num_key_value_heads=2, intermediate_size=512)
+    fp8 = make_job_codec("fp8", CodecJob("vllm:tp=2,quant=fp8", spec))
+    assert fp8.name == "fp8" and fp8.fp8 and all(n.endswith("proj.weight") for n, _ in fp8.fp8)
+    assert make_job_codec("delta", CodecJob(host=True)).host and make_job_codec("full", CodecJob()).name == "full"
+
+
 def test_transports_serve_only_known_needs():
     from weightsync.transport.base import SOURCES, TRANSPORTS
 

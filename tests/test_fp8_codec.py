@@ -243,7 +243,7 @@ def test_a_copy_that_cuts_a_block_is_refused_naming_tensor_box_and_block():
 
 
 def test_quant_fp8_is_refused_where_the_codec_cannot_run():
-    from weightsync.codec.fp8 import check_engine
+    from weightsync.codec.registry import check_engine
 
     check_engine("vllm:tp=2", "delta", "file", "sync", 1000)  # not quantized: nothing to refuse
     check_engine("vllm:tp=2,quant=fp8", "full", "p2p", "sync", 0)

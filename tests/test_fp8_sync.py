@@ -96,7 +96,7 @@ def run(job: dict):
 
 
 def test_check_engine_refuses_quant_fp8_where_the_fp8_codec_cannot_run():
-    from weightsync.codec.fp8 import check_engine, engine_quant
+    from weightsync.codec.registry import check_engine, engine_quant
 
     assert engine_quant("vllm:tp=2,quant=fp8") == "fp8" and engine_quant("vllm:tp=2") == "none"
     assert engine_quant("sglang:tp=2,quant=fp8") == "fp8"

@@ -259,7 +259,7 @@ def test_participants_disagreeing_on_the_cadence_are_refused_at_set_up_on_both_s
     from weightsync.runtime.job import job_shape
 
     def terms(n):
-        return SessionTerms("p2p", "sync", False, 1 << 20, n, False)
+        return SessionTerms("p2p", "sync", False, 1 << 20, n, "full")
 
     def person(role, n):
         return Registration(role, 0, 0 if role == "infer" else None, layout=LayoutInfo("hf", 1), terms=terms(n))

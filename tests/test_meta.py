@@ -689,7 +689,7 @@ def test_a_request_body_never_becomes_the_next_request(method):
 # Set-up downloads (weightsync.meta.view) and the plan's proof (weightsync.meta.proof): what concerns each
 # participant, never a row for every participant; the plans cut placements give are those of the whole
 
-SETUP_TERMS = SessionTerms(transport="p2p", mode="sync", colocate=False, bucket_bytes=1 << 28, integrity=1, delta=False)
+SETUP_TERMS = SessionTerms(transport="p2p", mode="sync", colocate=False, bucket_bytes=1 << 28, integrity=1, codec="full")
 ANSWER_BYTES = re.compile(r'weightsync_meta_answer_bytes_total\{route="([^"]+)"\} (\d+)')
 
 

@@ -23,7 +23,7 @@ from weightsync.meta.records import (
 from weightsync.meta.view import sides_of
 from weightsync.runtime.job import job_shape
 
-TERMS = SessionTerms(transport="p2p", mode="sync", colocate=False, bucket_bytes=1 << 20, integrity=1, delta=False)
+TERMS = SessionTerms(transport="p2p", mode="sync", colocate=False, bucket_bytes=1 << 20, integrity=1, codec="full")
 
 
 def _people(train_terms: SessionTerms = TERMS, infer_terms: SessionTerms = TERMS) -> list[Registration]:
@@ -51,7 +51,7 @@ def test_every_session_option_is_agreed_at_set_up_naming_it_and_who_has_which():
     shape = job_shape(*sides_of(_people()), TERMS)
     assert (shape.train, shape.infer, shape.train_world, shape.instances, shape.bucket_bytes) == (
         "fsdp:dp=2", "vllm:tp=1", 2, 1, 1 << 20)
-    for field, other in (("integrity", 3), ("transport", "file"), ("mode", "async"), ("delta", True),
+    for field, other in (("integrity", 3), ("transport", "file"), ("mode", "async"), ("codec", "delta"),
                          ("bucket_bytes", 4096), ("colocate", True)):
         theirs = SessionTerms(**{**TERMS.to_json(), field: other})
         with pytest.raises(JobMismatch) as e:

@@ -38,6 +38,7 @@ from weightsync.payload.codec import (
     SENDER_STEP,
     WHOLE,
     Codec,
+    CodecJob,
     CodecStats,
     Decoder,
     Encoder,
@@ -65,6 +66,10 @@ class DeltaCodec(Codec):
     name = "delta"
     needs = frozenset({SENDER_STEP, BASE_PROOF})
     framed = True
+
+    @classmethod
+    def for_job(cls, job: CodecJob) -> DeltaCodec:
+        return cls(host=job.host)
 
     def encoder(self, plans: Mapping[Pair, list[Bucket]], device: torch.device) -> DeltaEncoder:
         return DeltaEncoder(plans, device, host=self.host)

@@ -31,13 +31,12 @@ and nixl in sync and async mode (each trainer quantizes every distinct bucket in
 each worker READs the payloads alone: :class:`weightsync.transport.nixl.FrameReads`). Its frames are the only form
 a receiver lands (:attr:`~weightsync.payload.codec.Codec.needs_frames`): where a transport cannot serve one, the step
 fails rather than read the plan's bf16 bytes whole. p2p in async mode is refused at set-up
-(:func:`check_engine`), as are delta with FP8 (a delta of the e4m3 bytes is not built) and integrity checks (the
+(:func:`weightsync.codec.registry.check_engine`), as are delta with FP8 (a delta of the e4m3 bytes is not built) and integrity checks (the
 sums cover the bf16 sources, not what lands).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -45,8 +44,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync.payload.codec import SENDER_STEP, Codec, CodecStats, Decoder, Encoder, Frame, Header
-from weightsync.engines.config import parse_engine
+from weightsync.engines.config import engine_quant
+from weightsync.payload.codec import SENDER_STEP, Codec, CodecJob, CodecStats, Decoder, Encoder, Frame, Header
 from weightsync.errors import ConfigError
 from weightsync.layout.box import Box, slices
 from weightsync.plan.messages import bucket_bytes, wire_bytes
@@ -71,46 +70,12 @@ SERVED = (("p2p", "sync"), ("file", "sync"), ("colocated", "sync"), ("nixl", "sy
 WHY_NOT: dict[tuple[str, str], str] = {}
 
 
-def engine_quant(infer: str) -> str:
-    """The quantization an inference layout string (``vllm:tp=2,quant=fp8``) declares: ``none`` or ``fp8``."""
-    return "fp8" if getattr(parse_engine(infer), "quant", 0) else "none"
-
-
-def check_engine(infer: str, codec: str, transport: str, mode: str, integrity: int = 0) -> None:
-    """Refuse, at set-up, a job whose inference engine is declared ``quant=fp8`` where the fp8 codec cannot run
-    (``codec``: the codec the session's own options chose, full or delta; ``transport``/``mode``: the agreed ones,
-    checked as :func:`weightsync.codec.registry.check` checks the fp8 codec; ``integrity``: the agreed cadence)."""
-    if engine_quant(infer) == "none":
-        return
-    from weightsync.codec.registry import check
-
-    why = None
-    if codec == "delta":
-        why = "delta and FP8 together are not built (a delta of the e4m3 bytes); drop delta"
-    elif integrity:
-        why = ("integrity sums cover the trainer's bf16 bytes, not the FP8 bytes and scales that land; "
-               "set integrity=0")
-    else:
-        try:
-            check("fp8", transport, mode)
-        except ConfigError as e:
-            why = str(e)
-    if why:
-        raise ConfigError(f"quant=fp8 needs the fp8 codec, which cannot run in this job ({infer}; {transport} "
-                          f"transport, {mode} mode, {codec} codec): {why}. Syncing bf16 weights into an FP8-served "
-                          "engine would cast them to e4m3 without their block scales")
-
-
 def fp8_options(opts: TransportOptions, infer: str, spec: ModelSpec) -> TransportOptions | None:
-    """``opts`` with the fp8 codec where ``infer`` is declared ``quant=fp8`` (None otherwise); a layout whose
-    pieces cut a block is refused here (:func:`weightsync.quant.layout.fp8_layout`)."""
+    """``opts`` with the fp8 codec where ``infer`` is declared ``quant=fp8`` (None otherwise): what the session's
+    :func:`weightsync.codec.registry.make_job_codec` makes, for a transport built directly."""
     if engine_quant(infer) == "none":
         return None
-    from weightsync.engines import make_layout
-    from weightsync.quant.layout import fp8_layout
-
-    layout = fp8_layout(make_layout(spec, infer))
-    return replace(opts, codec=FP8Codec(tuple(sorted((n, tuple(f.weight.shape)) for n, f in layout.fp8.items()))))
+    return replace(opts, codec=FP8Codec.for_job(CodecJob(infer, spec)))
 
 
 def scale_box(box: Box) -> Box:
@@ -209,14 +174,6 @@ def frame_layout(bucket: Bucket, fp8: Mapping[str, tuple[int, ...]]) -> FrameLay
     return FrameLayout(sub, tuple(parts), at)
 
 
-def payload_key(bucket: Bucket) -> int:
-    """A bucket's payload key (:meth:`~weightsync.payload.codec.Encoder.key`): buckets whose copies read the same
-    source boxes as the same canonical boxes, in the same order, encode to the same payload (instances of one
-    layout share a one-sided transport's slot)."""
-    sig = repr(tuple((c.canonical, c.canon_box, c.src_tensor, c.src_box, c.dtype) for c in bucket.copies))
-    return int.from_bytes(hashlib.blake2b(sig.encode(), digest_size=8).digest(), "little", signed=True)
-
-
 def _views(payload: torch.Tensor, p: Part) -> Quantized:
     w = payload[p.weight : p.weight + p.rows * p.cols].view(torch.float8_e4m3fn).view(p.rows, p.cols)
     sr, sc = p.scale_shape
@@ -235,6 +192,18 @@ class FP8Codec(Codec):
     needs_frames = True  # the bf16 plan bytes read whole into an e4m3 weight would be cast without their scales
     runs_on = frozenset(SERVED)
     why_not = WHY_NOT
+
+    @classmethod
+    def for_job(cls, job: CodecJob) -> FP8Codec:
+        """The FP8 weights of ``job.infer``'s layout (a layout whose pieces cut a block is refused:
+        :func:`weightsync.quant.layout.fp8_layout`); none before the job is agreed (the session makes it anew)."""
+        if job.infer is None or job.spec is None:
+            return cls()
+        from weightsync.engines import make_layout
+        from weightsync.quant.layout import fp8_layout
+
+        layout = fp8_layout(make_layout(job.spec, job.infer))
+        return cls(tuple(sorted((n, tuple(f.weight.shape)) for n, f in layout.fp8.items())))
 
     def encoder(self, plans: Mapping[Pair, list[Bucket]], device: torch.device) -> FP8Encoder:
         return FP8Encoder(plans, dict(self.fp8))
@@ -320,9 +289,6 @@ class FP8Encoder(Encoder):
     def bound(self, bucket: Bucket) -> int:
         return self.layouts[(bucket.pair, bucket.index)].nbytes
 
-    def key(self, bucket: Bucket) -> int:
-        return payload_key(bucket)
-
     def encode(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor, *,
                kept: bool = False) -> Frame:
         lay = self.layouts[(bucket.pair, bucket.index)]
@@ -396,9 +362,6 @@ class FP8Decoder(Decoder):
     def bound(self, bucket: Bucket) -> int:
         return self.layouts[(bucket.pair, bucket.index)].nbytes
 
-    def key(self, bucket: Bucket) -> int:
-        return payload_key(bucket)
-
     def _check_targets(self, targets: Mapping[str, torch.Tensor]) -> None:
         """The engine must hold each FP8 weight in e4m3 beside an fp32 ``_scale_inv`` (else: not served FP8)."""
         for lay in self.layouts.values():
@@ -444,5 +407,5 @@ def _decode_pairs(lay: FrameLayout, payload: torch.Tensor, targets: Mapping[str,
     return pairs
 
 
-__all__ = ["FP8Codec", "FP8Decoder", "FP8Encoder", "check_engine", "engine_quant", "fp8_options", "frame_layout",
+__all__ = ["FP8Codec", "FP8Decoder", "FP8Encoder", "engine_quant", "fp8_options", "frame_layout",
            "scale_box"]

@@ -307,5 +307,10 @@ def parse_engine(text: str | EngineConfig) -> EngineConfig:
 
 __all__ = [
     "EngineConfig", "HFConfig", "FSDPConfig", "MegatronConfig", "VLLMConfig", "SGLangConfig", "CONFIGS",
-    "Domain", "config_class", "parse_engine",
+    "Domain", "config_class", "engine_quant", "parse_engine",
 ]
+
+
+def engine_quant(infer: str) -> str:
+    """The quantization an inference layout string (``vllm:tp=2,quant=fp8``) declares: ``none`` or ``fp8``."""
+    return "fp8" if getattr(parse_engine(infer), "quant", 0) else "none"

@@ -206,7 +206,7 @@ def _check_real_sglang(cfg: DemoConfig, spec, engine: str) -> None:
 
 def _check_fp8(cfg: DemoConfig, spec, engine: str) -> None:
     """An FP8-served instance (``quant=fp8``): what the fp8 codec and its check in the demo can run."""
-    from weightsync.codec.fp8 import check_engine
+    from weightsync.codec.registry import check_engine
     from weightsync.engines import make_layout
     from weightsync.quant.layout import fp8_layout
     from weightsync.transport.base import resolve

@@ -91,7 +91,7 @@ class SessionTerms:
     colocate: bool
     bucket_bytes: int
     integrity: int  # the integrity cadence: steps divisible by it are checked; 0: none
-    delta: bool  # send only what changed since the version each receiver proves
+    codec: str  # what each bucket's payload holds, as the options ask it (weightsync.codec.registry): full, delta, ...
 
     #: each field, in words, for a refusal that names what differs
     MEANING = {
@@ -100,20 +100,20 @@ class SessionTerms:
         "colocate": "co-location",
         "bucket_bytes": "the bucket budget",
         "integrity": "the integrity cadence (integrity=N: every participant checks the same steps)",
-        "delta": "delta updates (delta=True on every writer and reader, or on none)",
+        "codec": "the codec (codec=NAME, or delta=True, on every writer and reader alike)",
     }
 
     def to_json(self) -> dict[str, Any]:
         return {"transport": self.transport, "mode": self.mode, "colocate": self.colocate,
-                "bucket_bytes": self.bucket_bytes, "integrity": self.integrity, "delta": self.delta}
+                "bucket_bytes": self.bucket_bytes, "integrity": self.integrity, "codec": self.codec}
 
     @classmethod
     def from_json(cls, d: Any) -> "SessionTerms":
-        d = _only(d, {"transport", "mode", "colocate", "bucket_bytes", "integrity", "delta"}, "terms")
+        d = _only(d, {"transport", "mode", "colocate", "bucket_bytes", "integrity", "codec"}, "terms")
         return cls(_str(d, "transport", 64, what="terms.transport"), _str(d, "mode", 16, what="terms.mode"),
                    _bool(d, "colocate", what="terms.colocate"),
                    _int(d, "bucket_bytes", 1, 1 << 62, what="terms.bucket_bytes"),
-                   _int(d, "integrity", 0, 1 << 62, what="terms.integrity"), _bool(d, "delta", what="terms.delta"))
+                   _int(d, "integrity", 0, 1 << 62, what="terms.integrity"), _str(d, "codec", 32, what="terms.codec"))
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ class Registration:
             if "engine" in ec and "world" in ec else None
         keys = ("transport", "mode", "colocate", "bucket_bytes", "integrity", "delta")
         terms = SessionTerms(str(ec["transport"]), str(ec["mode"]), bool(ec["colocate"]), int(ec["bucket_bytes"]),
-                             int(ec["integrity"]), bool(ec["delta"])) if all(k in ec for k in keys) else None
+                             int(ec["integrity"]), "delta" if ec["delta"] else "full") if all(k in ec for k in keys) else None
         gpu = ec.get("gpu")
         rec = cls(str(d["role"]), int(d["rank"]), None if d.get("instance") is None else int(d["instance"]),
                   str(d.get("host", "")), None if gpu is None else str(gpu), str(d.get("address", "")),

@@ -18,7 +18,7 @@ answers ``"ready": false`` when it runs out, and the client decides whether to p
                                                    "instance"?, "host"?, "gpu"? (UUID), "address"?, "version"?,
                                                    "model"?, "spec_digest"?, "layout"? {"engine", "world",
                                                    "digest"}, "terms"? {"transport", "mode", "colocate",
-                                                   "bucket_bytes", "integrity", "delta"}, "backend"?,
+                                                   "bucket_bytes", "integrity", "codec"}, "backend"?,
                                                    "peer_copies"?, "instances"?) and "model_config"? beside it
                                                    (kept once per distinct config); re-register = replace
     GET  /v1/jobs/{job}/participants               ?role=&wait_for=N&limit=N&timeout=S: once ready, each

@@ -57,6 +57,7 @@ plan's bytes zero-copy, and a step off the cadence must cost nothing.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ from weightsync.payload.pack import Landing, Pairs, copy_pairs
 
 if TYPE_CHECKING:
     import torch
+
+    from weightsync.spec.model import ModelSpec
 
     from weightsync.plan.planner import Bucket, Pair
 
@@ -150,6 +153,17 @@ class Proof:
         return cls(int(words[0]), int(words[1]) & _MASK)
 
 
+@dataclass(frozen=True)
+class CodecJob:
+    """What a codec is made for (:meth:`Codec.for_job`): the engine's layout string (its ``quant``) and the model once
+    the job is agreed (None before: what a participant's options alone make), and whether state the codec keeps
+    (delta's previous version) stays in host memory."""
+
+    infer: str | None = None
+    spec: ModelSpec | None = None
+    host: bool = False
+
+
 @dataclass
 class CodecStats:
     """What one side's codec did in its last step: frames per kind name, and (sender, two-sided; or
@@ -188,8 +202,9 @@ class Encoder(ABC):
         """The step did not complete: hold no base (the next step goes whole)."""
 
     def key(self, bucket: Bucket) -> int:
-        """A bucket's source-bytes key: buckets with one key share one encoding (equal layouts)."""
-        return 0
+        """A bucket's source-bytes key: buckets with one key share one encoding (equal layouts; a one-sided transport
+        finds a frame by it). :func:`payload_key` by default; a codec whose payload depends on more says so here."""
+        return payload_key(bucket)
 
     def distinct(self, buckets: Sequence[Bucket]) -> list[Bucket]:
         """One bucket per :meth:`key`, first seen first (what a staged region holds)."""
@@ -248,7 +263,7 @@ class Decoder(ABC):
 
     def key(self, bucket: Bucket) -> int:
         """:meth:`Encoder.key` on this side (a published header is found by it)."""
-        return 0
+        return payload_key(bucket)
 
     def size(self, bucket: Bucket, header: Header) -> int:
         """The payload bytes ``header`` implies for ``bucket`` by this worker's own plan (a transport
@@ -312,6 +327,13 @@ class Codec(ABC):
     def proof(words: Sequence[int]) -> Proof:
         return Proof.of(words)
 
+    @classmethod
+    def for_job(cls, job: CodecJob) -> Codec:
+        """This codec for ``job`` (:func:`weightsync.codec.registry.make_job_codec`, once per participant at set-up):
+        its options from the engine's layout and the participant's choices (delta: ``host``; fp8: which weights
+        are FP8). A layout the codec cannot serve is refused here, by name."""
+        return cls()
+
     @abstractmethod
     def encoder(self, plans: Mapping[Pair, list[Bucket]], device: torch.device) -> Encoder: ...
 
@@ -361,6 +383,14 @@ def on_wire(codec: Codec | None, sources: Mapping[str, torch.Tensor]) -> Mapping
 def landed(codec: Codec | None, targets: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """:meth:`Codec.landed` (None: the full codec, the targets themselves)."""
     return targets if codec is None else codec.landed(targets)
+
+
+def payload_key(bucket: Bucket) -> int:
+    """A bucket's payload key (:meth:`Encoder.key`, the default): buckets whose copies read the same
+    source boxes as the same canonical boxes, in the same order, encode to the same payload (instances of one
+    layout share a one-sided transport's slot)."""
+    sig = repr(tuple((c.canonical, c.canon_box, c.src_tensor, c.src_box, c.dtype) for c in bucket.copies))
+    return int.from_bytes(hashlib.blake2b(sig.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 _MASK = (1 << 64) - 1

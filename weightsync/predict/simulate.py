@@ -508,7 +508,7 @@ def predict_step(
 
 
 def _source_key(b: Bucket) -> tuple:
-    """What the fp8 encoder keys a bucket's frame by (codec.fp8.payload_key): buckets that read the same source
+    """What the fp8 encoder keys a bucket's frame by (payload.codec.payload_key): buckets that read the same source
     boxes as the same canonical boxes share one frame, encoded once (instances of one layout)."""
     return tuple((c.canonical, c.canon_box, c.src_tensor, c.src_box) for c in b.copies)
 

@@ -103,6 +103,7 @@ class WeightReader(SessionDriven):
         integrity: int | bool | None = DEFAULT_INTEGRITY,
         validate_every: int = 0,
         validate_checkpoint: str | Callable[[int], str] | None = None,
+        codec: str | None = None,
         delta: bool = False,
         instance_timeout_s: float | None = None,
         early_call: bool = True,
@@ -120,7 +121,7 @@ class WeightReader(SessionDriven):
         options = SessionOptions(colocate=colocate, mode=mode, transport=transport, directory=directory,
                                  bucket_bytes=bucket_bytes, memory_budget=memory_budget, timeout_s=timeout_s,
                                  peer_copies=peer_copies, integrity=integrity_every(integrity),
-                                 delta=delta,  # delta: as the writers (weightsync.delta)
+                                 codec=codec, delta=delta,  # as the writers (weightsync.codec.registry)
                                  written_timeout_s=written_timeout_s)
         check_instance_id(instance_id, instances, options)  # beyond the job's start: elastic transports only
         self.instance, self.instance_id, self.timeout_s = instance, instance_id, timeout_s

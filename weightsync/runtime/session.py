@@ -51,7 +51,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.codec.fp8 import check_engine, fp8_options
+from weightsync.codec.registry import job_codec_name, make_job_codec, requested
 from weightsync.engines import make_layout
 from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.integrity.cadence import DEFAULT_EVERY as DEFAULT_INTEGRITY
@@ -60,6 +60,7 @@ from weightsync.meta.client import MetaClient, MetaError, MetaTimeout
 from weightsync.meta.heartbeat import Heartbeat
 from weightsync.meta.records import SessionTerms
 from weightsync.meta.view import Census
+from weightsync.payload.codec import Codec, CodecJob
 from weightsync.plan.planner import DEFAULT_BUCKET_BYTES, Bucket, Pair
 from weightsync.runtime.device import device_uuid
 from weightsync.runtime.doorbell import Doorbell, open_bells
@@ -123,8 +124,11 @@ class SessionOptions:
     host: str = "127.0.0.1"
     backend: str | None = None  # None: nccl for CUDA tensors, gloo otherwise
     integrity: int = DEFAULT_INTEGRITY  # check the steps divisible by N (weightsync.integrity); 0: none
-    delta: bool = False  # send only what changed since the version each receiver proves (weightsync.delta)
-    delta_host: bool = False  # delta: the sender keeps its previous version in host memory
+    #: what each bucket's payload holds, by name (weightsync.codec.registry: full, delta, fp8, ...); None: the full
+    #: codec, or what ``delta`` asks; an engine declared quant=fp8 takes the fp8 codec in the full codec's place
+    codec: str | None = None
+    delta: bool = False  # the older spelling of codec="delta": only what changed since the version each receiver proves
+    delta_host: bool = False  # the codec keeps its state (delta: the sender's previous version) in host memory
     setup_timeout_s: float | None = None  # how long connect waits for the job to arrive (class docstring)
     #: a reader's wait for a sync step's trainers to announce it, while they are alive (a training step may take
     #: minutes); the transfer that follows has ``timeout_s``
@@ -158,14 +162,15 @@ class SessionOptions:
 
     @property
     def codec_name(self) -> str:
-        """What each bucket's payload holds (weightsync.codec)."""
-        return "delta" if self.delta else "full"
+        """The codec these options ask for (:func:`weightsync.codec.registry.requested`); the job's may differ by
+        its engine (:meth:`JobSession.job_options`)."""
+        return requested(self.codec, self.delta)
 
-    def transport_options(self, backend: str) -> TransportOptions:
-        from weightsync.codec.registry import make_codec
-
-        # the full codec: the plan's bytes (co-located workers land them by its ``land``: copies, then its casts)
-        codec = make_codec("delta", host=self.delta_host) if self.delta else make_codec("full")
+    def transport_options(self, backend: str, codec: Codec | None = None) -> TransportOptions:
+        """The transport's options with ``codec`` (None: the codec these options ask for, made before the job is
+        known -- what a sender holds until the session makes the job's, :meth:`JobSession.job_options`)."""
+        if codec is None:
+            codec = make_job_codec(self.codec_name, CodecJob(host=self.delta_host))
         return TransportOptions(self.transport_name, self.mode, backend, self.timeout_s, self.host,
                                 self.directory, self.peer_copies, codec=codec,
                                 written_timeout_s=self.written_timeout_s)
@@ -174,7 +179,7 @@ class SessionOptions:
         """The options every participant must agree on, as registered with the MetaServer (each typed; a
         difference, the integrity cadence's included, is refused at set-up on every side at once)."""
         return SessionTerms(transport=self.transport_name, mode=self.mode, colocate=self.colocate,
-                            bucket_bytes=self.bucket_bytes, integrity=self.integrity, delta=self.delta)
+                            bucket_bytes=self.bucket_bytes, integrity=self.integrity, codec=self.codec_name)
 
 
 class JobSession(ABC):
@@ -189,6 +194,8 @@ class JobSession(ABC):
         #: the job's training and inference sides as agreed (each distinct registration once, counted)
         self.sides: tuple[Census, Census] | None = None
         self.connected = False
+        #: the job's codec (:meth:`agree`): what the options ask, unless the agreed engine decides
+        self.codec_name = options.codec_name
 
     def check_alive(self) -> None:
         """Raise if the MetaServer no longer counts this participant (an async instance's refused heartbeat)."""
@@ -218,8 +225,9 @@ class JobSession(ABC):
         try:
             self.shape = job_shape(train, infer, self.options.terms(), self.options.elastic)
             self.check_layouts()
-            check_engine(self.shape.infer, self.options.codec_name, self.shape.transport, self.shape.mode,
-                         self.options.integrity)  # quant=fp8: where the fp8 codec cannot run
+            # the job's codec: as asked, but an engine declared quant=fp8 takes fp8 (refused where it cannot run)
+            self.codec_name = job_codec_name(self.options.codec_name, self.shape.infer, self.shape.transport,
+                                             self.shape.mode, self.options.integrity)
         except WeightSyncError as e:  # every participant learns of it at once, not at its timeout
             log.error("%s refused the job: %s", self.who, e)
             with contextlib.suppress(MetaError):
@@ -227,6 +235,12 @@ class JobSession(ABC):
             raise
         self.shape = placed(self.client, self.shape, self.instance_id)
         return train, infer
+
+    def job_options(self, backend: str) -> TransportOptions:
+        """This participant's transport options with the job's codec, made for the agreed engine (after
+        :meth:`agree`: the one place a session makes its codec)."""
+        job = CodecJob(self.shape.infer, self.spec, host=self.options.delta_host)
+        return self.options.transport_options(backend, make_job_codec(self.codec_name, job))
 
     @abstractmethod
     def expected(self) -> int:
@@ -304,9 +318,7 @@ class TrainerSession(JobSession):
     def plan(self) -> list[tuple[str, Buffers]]:
         # elastic: one instance slot, whatever instances come and go (module docstring)
         planner = self.shape.planner(self.spec, src=self.train.engine, instances=1 if self.shape.elastic else None)
-        fp8 = fp8_options(self.options.transport_options(self.backend), self.shape.infer, self.spec)
-        if fp8 is not None:  # the engine is declared quant=fp8: its weights go quantized (weightsync.codec.fp8)
-            self.sender = make_sender(fp8)
+        self.sender = make_sender(self.job_options(self.backend))  # made before the job was known, unconnected: anew
         self.plans = planner.send_plan(self.train.rank)
         self.context = SenderContext(self.link, self.client, self.shape, self.train.rank, planner, self.plans,
                                      self.train.tensors)
@@ -443,8 +455,7 @@ class InstanceSession(JobSession):
         # to each other by CUDA IPC; off when the engine's cannot be), unless each commits its own copy
         planned = self.instance.call(worker.plan, self.shape, dict(self.instance.model_config), self.instance_id,
                                      self.push and not self.staged,
-                                     fp8_options(opts := self.options.transport_options(self.backend), self.shape.infer,
-                                                 self.spec) or opts, self.options.integrity,
+                                     self.job_options(self.backend), self.options.integrity,
                                      timeout_s=self.options.timeout_s)
         self.hashes = [p.hashes for p in planned]
         return [(f"{self.who} rank {r}", p.buffers) for r, p in enumerate(planned)]

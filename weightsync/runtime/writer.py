@@ -81,16 +81,19 @@ class WeightWriter(SessionDriven):
         host: str = "127.0.0.1",
         integrity: int | bool | None = DEFAULT_INTEGRITY,
         instance_timeout_s: float | None = None,
+        codec: str | None = None,
         delta: bool = False,
         delta_host: bool = False,
         group: object | None = None,
     ):
-        # delta: send each bucket as what changed since the version its receiver proves it holds, else
-        # whole (weightsync.delta, docs/delta.md); delta_host: keep that previous version in host memory
+        # codec: what each bucket's payload holds, by name (weightsync.codec.registry; every writer and reader alike;
+        # an engine declared quant=fp8 takes fp8). delta=True: codec="delta", each bucket as what changed since the
+        # version its receiver proves it holds (docs/delta.md); delta_host: keep that previous version in host memory
         options = SessionOptions(colocate=colocate, mode=mode, transport=transport, directory=directory,
                                  bucket_bytes=bucket_bytes, memory_budget=memory_budget, timeout_s=timeout_s,
                                  peer_copies=peer_copies, host=host, backend=backend,
-                                 integrity=integrity_every(integrity), delta=delta, delta_host=delta_host)
+                                 integrity=integrity_every(integrity), codec=codec, delta=delta,
+                                 delta_host=delta_host)
         if instance_timeout_s is not None and instance_timeout_s <= 0:
             raise ConfigError(f"instance_timeout_s must be positive, got {instance_timeout_s}")
         self.train, self.mode, self.timeout_s = train, mode, timeout_s
