@@ -243,7 +243,7 @@ def main() -> int:
     p.add_argument("--transports", default="colocated",
                    help="comma-separated, in order, each a job into the same engines: colocated, nixl")
     p.add_argument("--graphs", action="store_true", help="engines with torch.compile + CUDA graphs (default eager)")
-    p.add_argument("--model", default=MODEL, help="the sync's preset (FP8 blocks whole: tiny-qwen3-fp8, "
+    p.add_argument("--model", default=MODEL, help="the sync's preset or config.json path (FP8 blocks whole: tiny-qwen3-fp8, "
                                                   "tiny-qwen3-moe-fp8)")
     a = p.parse_args()
     out = Path(a.out)
@@ -258,7 +258,7 @@ def main() -> int:
         p.error(f"--transports: unknown {sorted(unknown)}; known: {', '.join(TRANSPORTS)}")
     if not a.skip_sync:
         for t, r in zip(transports, sync(a.graphs, transports, a.model)):
-            name = ("fp8_sync" + ("" if t == "colocated" else f"_{t}") + ("" if a.model == MODEL else f"_{a.model}")
+            name = ("fp8_sync" + ("" if t == "colocated" else f"_{t}") + ("" if a.model == MODEL else f"_{Path(a.model).name.removesuffix('.json')}")
                     + ".json")
             with open(out / name, "w") as f:
                 json.dump(r, f, indent=1, default=str)

@@ -78,8 +78,11 @@ OTHER = dict(MODELS["llama"], hidden_size=128, intermediate_size=256, num_attent
 _DSV3 = json.loads((HERE.parent / "weightsync" / "spec" / "presets" / "tiny-deepseek-v3-fp8.json").read_text())
 MODELS["deepseek"] = dict(_DSV3, vocab_size=512, bos_token_id=1, eos_token_id=2)
 MODELS["deepseek-fp8"] = MODELS["deepseek"]
+#: Qwen3-MoE in block FP8 (every linear a whole number of 128 x 128 blocks at these sizes; SGLang builds the router
+#: ``mlp.gate`` unquantized, as the FP8 checkpoint holds it)
+MODELS["qwen3moe-fp8"] = MODELS["qwen3moe"]
 #: models whose checkpoints (and so the engines) are block FP8: their jobs run the fp8 codec (integrity 0)
-FP8 = ("deepseek-fp8",)
+FP8 = ("deepseek-fp8", "qwen3moe-fp8")
 
 
 def log(*a) -> None:

@@ -167,8 +167,9 @@ def main() -> int:
     p.add_argument("stage", choices=["colo", "bench"])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--model", default=None, help="the preset: bench's default qwen3-8b, colo's tiny-qwen3-h64 "
-                                                 "(tiny-deepseek-v3-h64: MLA, shared + routed experts)")
+    p.add_argument("--model", default=None, help="the preset or a config.json path: bench's default qwen3-8b, colo's "
+                                                 "tiny-qwen3-h64 (MLA on vLLM 0.26 on Hopper: "
+                                                 "benchmarks/configs/tiny-deepseek-v3-hopper.json)")
     p.add_argument("--steps", type=int, default=5)
     a = p.parse_args()
     out = Path(a.out)
@@ -180,7 +181,8 @@ def main() -> int:
         r = colo(a.device, out, a.model or MODEL)
     else:
         r = bench(a.device, out, a.model or "qwen3-8b", a.steps)
-    with open(out / (f"{a.stage}.json" if a.model is None else f"{a.stage}_{a.model}.json"), "w") as f:
+    tag = None if a.model is None else Path(a.model).name.removesuffix(".json")  # a preset or a config.json path
+    with open(out / (f"{a.stage}.json" if tag is None else f"{a.stage}_{tag}.json"), "w") as f:
         json.dump(r, f, indent=1)
     print(f"[{a.stage}] verified {r['verified']}", flush=True)
     return 0 if r["verified"] else 1

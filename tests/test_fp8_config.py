@@ -3,6 +3,9 @@ configs, and the refusals at set-up: other quantizations, other blocks, trainer 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from weightsync.engines import make_layout, parse_engine
@@ -189,3 +192,62 @@ def test_trainer_dtypes():
     with pytest.raises(ConfigError, match="the trainer holds model.layers.0.self_attn.q_proj.weight in float16; "
                                           "block FP8 is quantized from bf16 or fp32 weights only"):
         check_trainer_dtypes({"model.layers.0.self_attn.q_proj.weight": "float16"}, fp8)
+
+
+# -- the model configs the GPU scripts take by path (benchmarks/configs) ----------------------------------------------
+# Before: ``benchmarks/vllm_gpu.py colo --model tiny-deepseek-v3-h64`` failed on an H100 inside vLLM 0.26 ("No valid MLA
+# prefill backend ... FLASH_ATTN: Model does not have supported MLA dimensions (got (qk_nope_head_dim=64,
+# qk_rope_head_dim=64, v_head_dim=64))": on Hopper its only MLA prefill is FlashAttention, ``v1/attention/backends/mla/
+# prefill/flash_attn.py``), and a config path given as ``--model`` named the output file after the path.
+
+_ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((_ROOT / "benchmarks" / "configs").glob("*.json"))
+#: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) vLLM 0.26's FlashAttention MLA prefill takes (FA3: DeepSeek's,
+#: GLM's, Mistral Small 4's); on Hopper it is the only MLA prefill backend (``prefill/selector.py``)
+VLLM026_HOPPER_MLA_DIMS = {(128, 64, 128), (192, 64, 256), (64, 64, 128)}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_each_config_loads_and_an_mla_one_has_dims_vllm_0_26_prefills_on_hopper(path):
+    from weightsync.spec import load_spec
+
+    spec = load_spec(path)
+    assert spec.name == path.stem
+    a = spec.attention
+    if a.kind == "mla":
+        assert (a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim) in VLLM026_HOPPER_MLA_DIMS
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_each_fp8_linear_of_a_config_is_whole_128_blocks_but_a_fused_modules_last_shard(path):
+    """vLLM's ``validate_fp8_block_shape`` lets only the last shard of a merged GEMM end inside a block (MLA's
+    ``kv_a_proj_with_mqa``, 576 rows, as in DeepSeek-V3 itself); every other FP8 weight's rows and columns are whole
+    128 blocks here, so every GEMM takes the kernel the engine picks by default."""
+    from weightsync.quant.config import BlockFP8, fp8_tensors
+    from weightsync.spec import load_spec
+
+    spec = load_spec(path)
+    weights = [f.weight for f in fp8_tensors(spec, BlockFP8())]
+    assert weights, "no FP8 tensors"
+    ragged = [w.name for w in weights if any(d % 128 for d in w.shape)]
+    assert all(n.endswith("kv_a_proj_with_mqa.weight") for n in ragged), ragged
+
+
+def test_a_config_path_names_the_output_after_its_file(tmp_path, monkeypatch):
+    sys.path.insert(0, str(_ROOT / "benchmarks"))
+    try:
+        import vllm_gpu
+    finally:
+        sys.path.remove(str(_ROOT / "benchmarks"))
+    written = {}
+
+    def colo(device, out, model):
+        written["model"] = model
+        return {"verified": True}
+
+    monkeypatch.setattr(vllm_gpu, "colo", colo)
+    monkeypatch.setattr(sys, "argv", ["vllm_gpu.py", "colo", "--device", "cpu", "--out", str(tmp_path), "--model",
+                                      "benchmarks/configs/tiny-deepseek-v3-hopper.json"])
+    assert vllm_gpu.main() == 0
+    assert written["model"] == "benchmarks/configs/tiny-deepseek-v3-hopper.json"
+    assert [p.name for p in tmp_path.iterdir()] == ["colo_tiny-deepseek-v3-hopper.json"]
