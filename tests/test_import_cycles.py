@@ -258,6 +258,19 @@ def test_no_package_cycle_in_the_data_path():
         for c in found))
 
 
+def test_no_private_name_is_taken_across_packages():
+    """A name starting with ``_`` is its package's own: another package importing it (``from weightsync.a.b import
+    _x``) leans on what may change without notice; what two packages share is public, below both."""
+    found = []
+    for mod, path in module_files().items():
+        own = mod.split(".")[1] if mod.count(".") else None
+        for target, name in _imports(ast.parse(path.read_text()), mod, path.name == "__init__.py"):
+            if (name and name.startswith("_") and not name.startswith("__") and target.startswith(PACKAGE + ".")
+                    and target.split(".")[1] != own):
+                found.append(f"{mod} takes {target}.{name}")
+    assert not found, "private names taken across packages:\n  " + "\n  ".join(found)
+
+
 def test_the_package_graph_folds_modules():
     graph = {"weightsync.a.x": {"weightsync.b.y", "weightsync.c.z"}, "weightsync.b.y": {"weightsync.a.w"},
              "weightsync.a.w": set(), "weightsync.c.z": set()}

@@ -100,7 +100,7 @@ def write_canonical(ctx: WorkerContext, canonical, cfg, engine):
 
 
 def test_payload_passes_sglang_unpickler_in_a_spawned_process(tmp_path):
-    from weightsync.sglang import wire
+    from weightsync.runtime import wire
 
     d, key = wire.new_key_dir()
     try:
@@ -139,7 +139,7 @@ def _sglang_delivery(named: list) -> list:
 
 def test_a_payload_that_would_run_code_is_refused_and_runs_nothing(tmp_path, monkeypatch, caplog):
     """Issue 25: the old read_payload pickle.loads-ed the request; a payload creating a marker file must not run."""
-    from weightsync.sglang import wire
+    from weightsync.runtime import wire
 
     monkeypatch.setattr(S, "_tp_rank", lambda: 0)
     model = Model({"a.weight": torch.randn(3, 2)})
@@ -174,7 +174,7 @@ def test_a_payload_that_would_run_code_is_refused_and_runs_nothing(tmp_path, mon
 
 
 def test_the_key_is_read_only_from_a_private_weightsync_directory(tmp_path):
-    from weightsync.sglang import wire
+    from weightsync.runtime import wire
 
     with pytest.raises(wire.WireError, match="not a weightsync-sglang"):
         wire.read_key(str(tmp_path))
@@ -237,13 +237,13 @@ def run_loader(model, msg, key, rank=0, monkeypatch=None):
     monkeypatch.setattr(S, "_tp_rank", lambda: rank)
     named = _sglang_delivery(S.rpc_payload(msg, key))
     assert S.rpc_loader(model, named) is None
-    from weightsync.sglang import wire
+    from weightsync.runtime import wire
 
     return wire.read_answer(f"{msg.dir}/{msg.seq}.{rank}")
 
 
 def test_rpc_loader_answers_values_errors_and_never_raises(monkeypatch):
-    from weightsync.sglang import wire
+    from weightsync.runtime import wire
 
     d, key = wire.new_key_dir()
     model = Model({"a.weight": torch.randn(3, 2), "b.weight": torch.randn(2)})
@@ -756,7 +756,7 @@ def test_a_call_carried_in_the_name_crosses_sglangs_unpickler_without_a_descript
     """The message in the tensor's name beside an empty tensor: ForkingPickler pickles no shared-memory descriptor
     for it (no DupFd, no resource-sharer connection), SGLang's unpickler admits it, the worker authenticates it;
     a changed byte in the name is refused before anything is unpickled."""
-    from weightsync.sglang import wire
+    from weightsync.runtime import wire
 
     d, key = wire.new_key_dir()
     try:
@@ -1608,7 +1608,7 @@ def test_a_stuck_scheduler_loop_fails_the_flush_within_the_deadline(looping):
 
 
 def test_a_forged_a_replayed_or_a_misdirected_message_is_refused_and_runs_nothing(looping, tmp_path):
-    from weightsync.sglang import wire
+    from weightsync.runtime import wire
 
     spec, layout, eng, inst = looping()
     box = inst._mailbox

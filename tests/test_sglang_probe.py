@@ -182,7 +182,7 @@ def rank_main(mode: str, cfg_dir: str, tp: int, rank: int, port: int, engine: st
     from sglang.srt.model_executor.model_runner_components.weight_updater import _unwrap_tensor
     from sglang.srt.utils.common import MultiprocessingSerializer
 
-    from weightsync.sglang import wire
+    from weightsync.runtime import wire
 
     answers, key = wire.new_key_dir()  # the signed call channel (docs/sglang.md §0.1)
     seq = [0]

@@ -49,7 +49,7 @@ from weightsync.payload.codec import (
 from weightsync.delta import codec
 from weightsync.codec.delta_state import PreviousVersion, combine, gather_pairs, previous_buffers_bytes, signature, words_of
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.payload.pack import copy_pairs, pack, stage, unpack_pairs
+from weightsync.payload.pack import active, copy_pairs, pack, stage, unpack_pairs
 
 log = logging.getLogger("weightsync.delta")
 
@@ -76,16 +76,6 @@ class DeltaCodec(Codec):
 
     def decoder(self, plans: Mapping[Pair, list[Bucket]]) -> DeltaDecoder:
         return DeltaDecoder(plans)
-
-
-def active(plans: Mapping[Pair, list[Bucket]]) -> dict[Pair, list[Bucket]]:
-    """The pairs with bytes to move and their non-empty buckets, in the pair's bucket order."""
-    out = {}
-    for pair in sorted(plans):
-        bs = sorted((b for b in plans[pair] if b.nbytes > 0), key=lambda b: b.index)
-        if bs:
-            out[pair] = bs
-    return out
 
 
 def sig_hash(sig: tuple) -> int:

@@ -15,7 +15,7 @@ hook, the one place that runs our code in every TP worker with the live model (0
 ``server_args.custom_weight_loader``). Start the engine with
 ``custom_weight_loader=[weightsync.instances.sglang.RPC_LOADER]``. ``call`` sends
 ``update_weights_from_tensor([(RPC_NAME, uint8 tensor)], load_format=RPC_LOADER, flush_cache=False)``;
-the tensor holds a :mod:`weightsync.sglang.wire` message: a JSON header signed with an HMAC under a key
+the tensor holds a :mod:`weightsync.runtime.wire` message: a JSON header signed with an HMAC under a key
 in this instance's private directory, and the arguments in a restricted pickle that admits weightsync's
 own record types only. A worker refuses a message it cannot authenticate before decoding anything, so
 a caller of the engine's ``/update_weights_from_tensor`` cannot run code through our loader.
@@ -94,7 +94,7 @@ from weightsync.errors import ConfigError
 from weightsync.instances import InstanceError, WorkerTimeout, error_record, rebuild_error
 from weightsync.layout.layout import check_live
 from weightsync.runtime.instance import WorkerContext
-from weightsync.sglang import wire
+from weightsync.runtime import wire
 from weightsync.sglang.worker import (
     CONTEXTS,
     LAST_SEQ,
@@ -126,7 +126,7 @@ RpcMessage = wire.Call
 
 def rpc_payload(msg: RpcMessage, key: bytes, in_name: bool = False) -> list[tuple[str, torch.Tensor]]:
     """The ``named_tensors`` argument of ``update_weights_from_tensor``: one (str, uint8 CPU tensor) pair holding
-    a signed :mod:`weightsync.sglang.wire` message (only a list, a tuple, a str and a plain tensor cross SGLang's
+    a signed :mod:`weightsync.runtime.wire` message (only a list, a tuple, a str and a plain tensor cross SGLang's
     own unpickler).
 
     ``in_name``: the message rides in the *name* (``RPC_NAME:`` + base64) beside an EMPTY tensor. SGLang pickles
@@ -144,7 +144,7 @@ def rpc_payload(msg: RpcMessage, key: bytes, in_name: bool = False) -> list[tupl
 
 def read_payload(named_tensors: list) -> RpcMessage:
     """Authenticate and decode a payload (worker side), either form of :func:`rpc_payload`:
-    :class:`~weightsync.sglang.wire.WireError` for anything not signed by this instance's control process,
+    :class:`~weightsync.runtime.wire.WireError` for anything not signed by this instance's control process,
     raised before any of it is unpickled."""
     pairs = list(named_tensors)
     names = [n for n, _ in pairs if isinstance(n, str)]

@@ -27,7 +27,7 @@ import torch
 from weightsync.layout.box import slices
 from weightsync.layout.materialize import TORCH_DTYPES
 from weightsync.plan.messages import DIRECT_MIN_BYTES, Message, Segment, bucket_bytes, messages, segments  # noqa: F401 - re-exported
-from weightsync.plan.planner import Bucket
+from weightsync.plan.planner import Bucket, Pair
 
 if TYPE_CHECKING:
     from weightsync.payload.codec import Codec
@@ -47,6 +47,16 @@ def unpack(bucket: Bucket, buffer: torch.Tensor, targets: Mapping[str, torch.Ten
     differs (``copy_``): the full codec's frame (:class:`~weightsync.codec.full.FullDecoder`) and the
     reference in tests; a transport lands what it unpacked through :func:`unpacked` instead."""
     unpack_segments(segments(bucket), buffer, targets)
+
+
+def active(plans: Mapping[Pair, list[Bucket]]) -> dict[Pair, list[Bucket]]:
+    """The pairs with bytes to move and their non-empty buckets, in the pair's bucket order."""
+    out = {}
+    for pair in sorted(plans):
+        bs = sorted((b for b in plans[pair] if b.nbytes > 0), key=lambda b: b.index)
+        if bs:
+            out[pair] = bs
+    return out
 
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination view, source view): the copies of a step

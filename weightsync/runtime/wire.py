@@ -4,8 +4,7 @@ Why: the engines hand whatever arrives to weightsync inside every TP worker thro
 anyone who can call the engine reaches: SGLang's ``update_weights_from_tensor(..., load_format=RPC_LOADER)``
 (HTTP ``/update_weights_from_tensor``), vLLM's ``collective_rpc("weightsync_call", ...)`` (HTTP
 ``/collective_rpc`` in vLLM's dev mode). A message that is ``pickle.loads``-ed there runs the sender's code
-in every worker. So a message here (the same for both engines; :mod:`weightsync.sglang.wire` re-exports
-this module) is:
+in every worker. So a message here (the same for both engines) is:
 
     MAGIC | u32 header length | header (JSON) | body (restricted pickle)
 

@@ -1,6 +1,6 @@
 """weightsync inside stock SGLang (imported lazily: ``import weightsync`` never imports SGLang).
 
-- :mod:`weightsync.sglang.wire`: the call messages into SGLang's workers (signed, no code on decode);
+- :mod:`weightsync.runtime.wire`: the call messages into SGLang's workers (signed, no code on decode);
 - :class:`~weightsync.instances.sglang.SGLangInstance`: ``sglang.Engine`` behind a ``WeightReader``;
 - :mod:`weightsync.sglang.engine`: a real engine weightsync starts and owns (bench, demo, GPU tests);
 - :mod:`weightsync.sglang.verify`: what a worker computes with, to compare with a fresh engine;

@@ -92,7 +92,8 @@ from weightsync.transport.nccl import (  # noqa: F401 - re-exported: the names c
     settle,
 )
 from weightsync.plan.messages import messages
-from weightsync.payload.pack import DIRECT_MIN_BYTES, Staging, pack_pairs, run_landing, stage, unpack_pairs, unpacked
+from weightsync.payload.pack import (DIRECT_MIN_BYTES, Staging, active, pack_pairs, run_landing, stage, unpack_pairs,
+                                     unpacked)
 
 TransferStats = StepStats  # the name this module used before the transport interface
 
@@ -154,7 +155,7 @@ class P2PTransport:
         ``(src_rank, dst_instance, dst_rank)``, a pair's two messages in one order on both ends -- by the module
         docstring's argument, with them as the earliest transfers."""
         coalesce = self._decide_coalescing(device)
-        pairs = list(_active(plans))
+        pairs = list(active(plans))
         peers = [self.ranks.receiver(p) if sending else self.ranks.sender(p) for p in pairs]
         if peers:
             mine = [step_header(step, device) for _ in peers]
@@ -321,7 +322,7 @@ class P2PTransport:
         Deadlock freedom is the argument of the module docstring: a header and its payload are one
         transfer in the order, this rank keeps at most ``window`` outstanding, a receiver one."""
         start = time.perf_counter()
-        pairs = _active(plans)
+        pairs = active(plans)
         ops = sorted((b for bs in pairs.values() for b in bs), key=order_key)
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         moved = 0
@@ -374,7 +375,7 @@ class P2PTransport:
         ``fence``: as :meth:`recv` (each landing under it; on CPU a whole bucket through the frame slot)."""
         start = time.perf_counter()
         land = fence.landing if fence is not None else contextlib.nullcontext
-        pairs = _active(plans)
+        pairs = active(plans)
         ops = sorted((b for bs in pairs.values() for b in bs), key=order_key)
         device = next(iter(targets.values())).device if targets else torch.device("cpu")
         if ops:
@@ -454,17 +455,9 @@ STEP_HEADER = (0x77737465, 0)  # (magic "wste", step): what a step's announcemen
 def step_header(step: int, device: torch.device) -> torch.Tensor:
     """A sync step's announcement, one per (sender, receiver) pair: :data:`STEP_HEADER` with ``step``."""
     return torch.tensor([STEP_HEADER[0], step], dtype=torch.int64, device=device)
+
+
 HEADER_TAG = 1 << 25  # frames: + bucket index
-
-
-def _active(plans: Mapping[Pair, list[Bucket]]) -> dict[Pair, list[Bucket]]:
-    """The pairs with bytes to move and their non-empty buckets, in the pair's bucket order."""
-    out = {}
-    for pair in sorted(plans):
-        bs = sorted((b for b in plans[pair] if b.nbytes > 0), key=lambda b: b.index)
-        if bs:
-            out[pair] = bs
-    return out
 
 
 # -- the transport interface (weightsync.transport.base) -------------------------------------------
