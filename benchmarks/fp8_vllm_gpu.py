@@ -4,7 +4,9 @@
     # on the GPU host, with the vLLM kit + 2 wheels (and NIXL on the path for nixl)
 
 ``sync``: a tiny Qwen3 (``tiny-qwen3-fp8``; ``--model tiny-qwen3-moe-fp8``: its MoE twin, 8 experts; 2 layers, hidden 256, head_dim 128, every linear a whole number of
-128 x 128 blocks). Two FP8 checkpoints written by ``save_checkpoint(dir, quant="fp8")`` from bf16 weights of seeds
+128 x 128 blocks; ``--model benchmarks/configs/tiny-deepseek-v3-hopper.json``: DeepSeek-V3-shaped, MLA with the head dims
+vLLM 0.26 prefills on Hopper, ran bit-exact on 1 x H100 on 2026-12-07; ``tiny-qwen3-moe-fp8`` does not start in vLLM
+0.26, whose Qwen3-MoE router is an FP8 linear there, docs/fp8.md). Two FP8 checkpoints written by ``save_checkpoint(dir, quant="fp8")`` from bf16 weights of seeds
 1 and 2 (``tests/vllm_harness.weights``). Two real vLLM engines on the same GPU (eager; ``--graphs``: CUDA graphs): X fresh on the
 seed-1 checkpoint, Y fresh on seed 2; what each computes with (:func:`weightsync.quant.engine_check.computed`:
 every parameter's bits -- e4m3 weights, fp32 ``weight_scale_inv``, bf16 norms and embeddings -- and every linear's

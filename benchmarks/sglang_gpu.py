@@ -31,8 +31,11 @@ layer, noaux_tc; bf16 from ``save_pretrained``, block FP8 from ``save_checkpoint
 co-located steps; with FP8 the trainer's fp8 codec quantizes each bucket (integrity 0) and the engine's e4m3 weights
 and fp32 scales take it in place; "every tensor the engine computes with" includes MLA's derived ``w_kc`` / ``w_vc``
 (re-derived by the model's ``post_load_weights`` after every update) and the FP8 KV-cache scales; the record says
-which FP8 GEMM and MoE runner the engine chose (``methods``) and each layer's path (``paths``). Written 2026-12-07,
-**not yet run on a GPU**.
+which FP8 GEMM and MoE runner the engine chose (``methods``) and each layer's path (``paths``). Ran on 1 x H100 on
+2026-12-07 (``--no-extras``, one model per process): both bit-exact to fresh engines after all three steps, tokens
+equal (BENCHMARKS.md; docs/sglang.md §7.7), with flashinfer's ``fused_topk_deepseek`` import disabled on the host (a
+JIT kernel whose sources the SGLang kit does not carry; SGLang then routes with ``sgl_kernel.moe_fused_gate``).
+``qwen3moe-fp8`` (the Qwen3-MoE above in block FP8): written, not yet run on a GPU.
 
 ``bench``: ``weightsync.bench.run.run(scenario, model, receiver="sglang")`` then ``receiver="faithful"``,
 each with its device-copy ceiling measured in the same run. Every stage records what failed instead of

@@ -14,6 +14,11 @@ checked as tests/vllm_harness.py ``Engines.check`` does: its loaded-form tensors
 every tensor it computes with (``weightsync.vllm.verify.computed``) bit-exact to the fresh engine's on that
 checkpoint, and the same greedy tokens. Written to ``DIR/colo.json``.
 
+``--model`` takes a preset or a config.json path: ``benchmarks/configs/tiny-deepseek-v3-hopper.json`` (MLA with
+DeepSeek-V3's head dims, shared + routed experts; the ``MOE=1`` kit and ``benchmarks/vllm_kit_stubs``) ran bit-exact
+on 1 x H100 on 2026-12-07 (docs/vllm.md 9.2); ``tiny-deepseek-v3-h64`` does not start in vLLM 0.26 on Hopper (its MLA
+head dims have no prefill backend there).
+
 ``bench``: ``weightsync bench --scenario colo-1gpu`` with the real vLLM receiver (dummy weights, eager), then
 the layout-faithful one, each with its device-copy ceiling measured in the same run (``DIR/bench.json``).
 
