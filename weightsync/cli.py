@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from weightsync.bench.run import add_arguments as add_bench_arguments
 
-    bench = sub.add_parser("bench", help="time weight syncs on GPUs against the link ceilings (GPU host)")
+    bench = sub.add_parser("bench", help="time weight syncs on GPUs against the link ceilings (GPU host); --lora RANK: "
+                                         "a LoRA adapter sync into vLLM against its own disk path")
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
 

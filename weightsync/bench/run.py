@@ -740,6 +740,10 @@ def environment() -> dict:
 
 
 def main_from_args(args) -> int:
+    if getattr(args, "lora", None):
+        return lora_main(args)
+    if not args.scenario:
+        raise ConfigError("give a --scenario (or --lora RANK for an adapter sync)")
     baselines = tuple(b for b in args.baselines.split(",") if b)
     model = args.model or ("qwen3-8b" if args.device == "cuda" else "tiny-qwen3-moe")
     delta = delta_options(args)
@@ -788,6 +792,27 @@ def main_from_args(args) -> int:
                     for r in results) else 1
 
 
+def lora_main(args) -> int:
+    """``weightsync bench --lora RANK [--lora RANK ...]``: :mod:`weightsync.bench.lora`."""
+    from weightsync.bench.lora import print_results, run_lora
+
+    if args.scenario or args.delta or args.quant != "none" or args.receiver != "faithful":
+        raise ConfigError("--lora runs alone: one real vLLM engine with LoRA slots, no --scenario, --delta, --quant "
+                          "or --receiver")
+    if any(r < 1 for r in args.lora):
+        raise ConfigError(f"--lora takes adapter ranks of at least 1, got {args.lora}")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1 (timed repetitions), got {args.steps}")
+    model = args.model or ("qwen3-8b" if args.device == "cuda" else "qwen3-0.6b")
+    results = run_lora(sorted(set(args.lora)), model, args.steps, args.device, args.lora_dir,
+                       log=(lambda s: print(s, file=sys.stderr)) if args.json else print)
+    if args.json:
+        print(json.dumps(results if len(results) > 1 else results[0]))
+    else:
+        print_results(results)
+    return 0 if all(r["verified"] for r in results) else 1
+
+
 def _fractions(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -810,9 +835,11 @@ def delta_options(args):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--scenario", action="append", required=True, choices=sorted(SCENARIOS))
-    p.add_argument("--model", default=None, help="preset or config.json (default qwen3-8b; with --device cpu tiny-qwen3-moe)")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="required unless --lora")
+    p.add_argument("--model", default=None,
+                   help="preset or config.json (default qwen3-8b; with --device cpu tiny-qwen3-moe, with --lora and "
+                        "--device cpu qwen3-0.6b)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (with --lora: timed repetitions of each path)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--baselines", default="naive,bucketed",
                    help=f"comma-separated: naive,bucketed,{CHECKPOINT_ENGINE} (or empty); {CHECKPOINT_ENGINE} needs "
@@ -845,9 +872,17 @@ def add_arguments(p) -> None:
     p.add_argument("--quant", choices=["none", "fp8"], default="none",
                    help="fp8: the scenario in bf16, then into an instance served in block FP8 (the fp8 codec), side by "
                         "side; one-GPU scenarios (colo-1gpu, nixl-1gpu), integrity off, no baselines")
+    p.add_argument("--lora", action="append", type=int, metavar="RANK",
+                   help="instead of a scenario: one LoRA adapter sync (all linear modules, this rank; repeatable) into "
+                        "a real vLLM engine's slots in place, against the engine's own disk path (PEFT "
+                        "save_pretrained, vLLM add_lora) on the same engine, every repetition checked bit for bit "
+                        "(weightsync.bench.lora)")
+    p.add_argument("--lora-dir", default=None,
+                   help="with --lora: where the disk path writes its adapter folders (default: the temporary folder)")
     p.add_argument("--json", action="store_true")
 
 
 __all__ = ["run", "run_quant", "check_fp8", "fp8_copy_bytes", "writer_budget", "quantize_time", "environment", "main_from_args", "add_arguments", "CHECKPOINT_ENGINE",
+           "lora_main",
            # the scenarios and their data, kept importable from here
            "SCENARIOS", "Scenario", "advance", "canonical_region", "check", "init_weights", "moved_per_gpu"]
