@@ -35,7 +35,7 @@ which FP8 GEMM and MoE runner the engine chose (``methods``) and each layer's pa
 2026-12-07 (``--no-extras``, one model per process): both bit-exact to fresh engines after all three steps, tokens
 equal (BENCHMARKS.md; docs/sglang.md §7.7), with flashinfer's ``fused_topk_deepseek`` import disabled on the host (a
 JIT kernel whose sources the SGLang kit does not carry; SGLang then routes with ``sgl_kernel.moe_fused_gate``).
-``qwen3moe-fp8`` (the Qwen3-MoE above in block FP8): written, not yet run on a GPU.
+``qwen3moe-fp8`` (the Qwen3-MoE above in block FP8): ran the same way the same day, bit-exact, tokens equal.
 
 ``bench``: ``weightsync.bench.run.run(scenario, model, receiver="sglang")`` then ``receiver="faithful"``,
 each with its device-copy ceiling measured in the same run. Every stage records what failed instead of
