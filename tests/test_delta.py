@@ -167,7 +167,7 @@ def _p2p_member(role: str, who: tuple, port: int, results) -> None:
     from weightsync.plan.planner import Planner
     from weightsync.spec import load_spec
     from weightsync.transport.group import new_group
-    from weightsync.transport.p2p import JobRanks, P2PTransport
+    from weightsync.transport.p2p import Framing, JobRanks, P2PTransport
 
     torch.set_num_threads(1)
     g_rank = None
@@ -190,7 +190,7 @@ def _p2p_member(role: str, who: tuple, port: int, results) -> None:
                 fill_from(layout, tensors, traj[step])
                 if step == SENDER_FORGETS:
                     sender.fail()
-                stats = transport.send_frames(step, plans, tensors, sender, codec, proofs=True)
+                stats = transport.send(plans, tensors, frames=Framing(step, sender, codec, proofs=True))
                 report.append((step, sorted(sender.stats.whole_pairs), stats.bytes, stats.full_bytes,
                                dict(sender.stats.kinds)))
         else:
@@ -220,7 +220,7 @@ def _p2p_member(role: str, who: tuple, port: int, results) -> None:
                 elif gap == "touched":  # one element changed behind the reader's back
                     t = next(iter(tensors.values()))
                     t.view(-1)[0] = t.view(-1)[0] + 1
-                stats = transport.recv_frames(step, plans, tensors, receiver, codec, proofs=True)
+                stats = transport.recv(plans, tensors, frames=Framing(step, receiver, codec, proofs=True))
                 want = scatter(layout, traj[step])
                 bad = [n for n in want if not same(tensors[n], want[n])]
                 assert not bad, f"step {step}: wrong values in {bad[:4]}"

@@ -135,7 +135,7 @@ def _member(role: str, port: int, model: str, fractions, steps: int, results) ->
     from weightsync.testing import random_canonical
     from weightsync.transport.group import new_group
     from weightsync.plan.job import JobRanks
-    from weightsync.transport.p2p import P2PTransport
+    from weightsync.transport.p2p import Framing, P2PTransport
 
     torch.set_num_threads(1)  # two processes on a shared machine: OpenMP threads would spin against each other
     try:
@@ -162,10 +162,10 @@ def _member(role: str, port: int, model: str, fractions, steps: int, results) ->
                     if role == "train":
                         if step or mode == "delta":
                             _mutate(tensors, frac, g)
-                        st = (t.send_frames(step, plans, tensors, delta, codec, proofs=True) if mode == "delta"
+                        st = (t.send(plans, tensors, frames=Framing(step, delta, codec, proofs=True)) if mode == "delta"
                               else t.send(plans, tensors))
                     else:
-                        st = (t.recv_frames(step, plans, tensors, delta, codec, proofs=True) if mode == "delta"
+                        st = (t.recv(plans, tensors, frames=Framing(step, delta, codec, proofs=True)) if mode == "delta"
                               else t.recv(plans, tensors))
                     rows.append((mode, frac, step, st.bytes, st.full_bytes or st.bytes, st.seconds))
                     if mode == "delta" and step:

@@ -72,6 +72,7 @@ class CastCodec(Codec):
     name = "cast"
     needs = frozenset({SENDER_STEP})
     framed = True
+    sized = True  # every frame's size is the plan's (its layout): posted with its header
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CastCodec) and other.dtypes == self.dtypes

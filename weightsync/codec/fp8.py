@@ -189,6 +189,7 @@ class FP8Codec(Codec):
     name = "fp8"
     needs = frozenset({SENDER_STEP})
     framed = True
+    sized = True  # every frame's size is the plan's (its layout): posted with its header
     needs_frames = True  # the bf16 plan bytes read whole into an e4m3 weight would be cast without their scales
     runs_on = frozenset(SERVED)
     why_not = WHY_NOT

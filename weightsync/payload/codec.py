@@ -316,6 +316,10 @@ class Codec(ABC):
     #: bytes into e4m3 weights), so a transport that cannot serve a bucket's frame fails the step where it would
     #: otherwise read the bucket whole (delta: False, a whole bucket is what its decoding lands)
     needs_frames: ClassVar[bool] = False
+    #: whether every frame's size is fixed by the plan (:meth:`Decoder.bound` is its size): a two-sided transport may
+    #: then post the payload together with its header, before reading it (fp8, cast; not delta, whose header says
+    #: how much follows)
+    sized: ClassVar[bool] = False
     header_words: ClassVar[int] = Header.SENT  # what a two-sided transport sends per bucket
     proof_words: ClassVar[int] = Proof.WORDS
 

@@ -35,13 +35,14 @@ unchanged: a rank's stream runs its operations in the one global order, each onl
 k - window completed. At the end the CPU watches the posted operations and an event recorded after
 the last unpack, and returns when the event completed.
 
-Frames (a framed codec, :mod:`weightsync.codec`: delta). :meth:`P2PTransport.send_frames` first takes
-each receiver's proof of its base (one small message per pair, all before any bucket), then posts per
-bucket, in the same global order and window, the encoder's header and its payload (a bucket that goes
-whole travels as the plan's messages, so it lands in place); the receiver waits for each header,
-receives the payload the header sizes, and the decoder lands it. The argument above holds unchanged:
-a header and its payload are one transfer in the order, and waits are on the CPU (a header sizes what
-follows it).
+Frames (a framed codec, :mod:`weightsync.payload.codec`: delta, fp8, cast; :class:`Framing`) take the same path:
+the same global order, window and buffers, a bucket's route being its codec's. A framed step first takes each
+receiver's proof of its base where the codec needs one (delta: one small message per pair, all before any bucket),
+then posts per bucket the encoder's header and its payload, encoded into the bucket's window buffer (a bucket that
+goes whole travels as the plan's messages, so it lands in place). A receiver posts the payload with its header where
+the codec's frames are sized by the plan (``Codec.sized``: fp8, cast), else it reads the header first (delta: it
+sizes what follows); it decodes once the bucket is retired. The argument above holds unchanged: a header and its
+payload are one transfer in the order; a framed step's waits are on the CPU (each header is read there).
 
 Failures never hang: on CPU every wait has ``timeout_s``; on CUDA the final watch raises once no
 posted operation has completed for ``timeout_s``. A dead peer (gloo sees the connection reset) or a
@@ -54,8 +55,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.distributed import ProcessGroup
@@ -130,16 +132,18 @@ class P2PTransport:
         self.coalesce = coalesce
         self._coalescing: bool | None = None  # decided (and the communicator built) in the first step
 
-    def send(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor]) -> TransferStats:
-        """Ship every bucket of this training rank's ``send_plan`` from its live ``tensors``."""
-        return self._run(plans, tensors, sending=True)
+    def send(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor],
+             frames: Framing | None = None) -> TransferStats:
+        """Ship every bucket of this training rank's ``send_plan`` from its live ``tensors`` (``frames``: as a
+        framed codec's frames, :class:`Framing`)."""
+        return self._run(plans, tensors, sending=True, frames=frames)
 
     def recv(self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor],
-             fence: Fence | None = None) -> TransferStats:
+             fence: Fence | None = None, frames: Framing | None = None) -> TransferStats:
         """Receive every bucket of this inference rank's ``recv_plan`` into its live ``tensors`` in place;
         through ``fence`` where given (:mod:`weightsync.transport.fence`: on CPU every message then goes
-        through the buffers, so an abandoned receive lands nothing)."""
-        return self._run(plans, tensors, sending=False, fence=fence)
+        through the buffers, so an abandoned receive lands nothing); ``frames``: as a framed codec's frames."""
+        return self._run(plans, tensors, sending=False, fence=fence, frames=frames)
 
     # -- the step's announcement ------------------------------------------------------------------
     def exchange_step(self, step: int, plans: Mapping[Pair, list[Bucket]], device: torch.device, sending: bool,
@@ -221,11 +225,15 @@ class P2PTransport:
             self._coalescing = self.coalesce and coalescing(self.group, device)
         return self._coalescing
 
-    # -- internals ------------------------------------------------------------------------------
+    # -- internals: one path for every codec ------------------------------------------------------
     def _run(
         self, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor], sending: bool,
-        fence: Fence | None = None,
+        fence: Fence | None = None, frames: Framing | None = None,
     ) -> TransferStats:
+        """Every bucket of this rank's plan, in the one global order, at most ``window`` outstanding (module
+        docstring). A bucket's route is its codec's: the full codec's messages of the plan's bytes (in place where
+        they lie so, else packed / unpacked through a window buffer, in CUDA graphs), or a framed codec's header and
+        payload (:class:`Framing`), encoded into / decoded from the same window buffers."""
         me = self.group.rank()
         mine, peer_of = self.ranks.sender, self.ranks.receiver
         if not sending:
@@ -239,61 +247,186 @@ class P2PTransport:
                 )
         ops = sorted((b for buckets in plans.values() for b in buckets if b.nbytes > 0), key=order_key)
         device = next(iter(tensors.values())).device if tensors else (self.group.bound_device_id or torch.device("cpu"))
-        ordered = on_gpu(device)
+        ordered = on_gpu(device) and frames is None  # a framed step's CPU reads each header (it sizes what follows)
         coalesce = self._decide_coalescing(device)  # every rank gets here in its first step (see coalescing())
+        start = time.perf_counter()
+        moved = self._begin(frames, plans, tensors, sending, device) if frames is not None else 0
         if not ops:
-            return TransferStats(0, 0, 0.0)
+            if frames is not None:
+                frames.side.end(frames.step)
+            return TransferStats(0, moved, 0.0)
         # a fenced receive on CPU takes every message into the buffers (landed, under the fence, by the unpack);
         # on CUDA in place (an aborted group's kernels land nothing more)
-        direct = sending or fence is None or ordered
+        direct = sending or fence is None or on_gpu(device)
         # graphs and views stay valid while the tensors and buffers stay put
         self._graphs.begin(tensors, buffers=self._buffers)
         stagings = [self._graphs.memo(b, sending, lambda b=b: stage(b, tensors, sending, self.direct_min, direct))
                     for b in ops]
-        if self._ensure_buffers(max(st.nbytes for st in stagings), device):
+        need = max(st.nbytes for st in stagings)
+        if frames is not None:
+            need = max(need, max(max(b.nbytes, frames.side.bound(b)) for b in ops))
+        if self._ensure_buffers(need, device):
             self._graphs.begin(tensors, buffers=self._buffers)  # new buffers (first step, or grown)
-        start = time.perf_counter()
-        inflight: deque[tuple[Bucket, int, list, Staging, torch.Tensor]] = deque()
+        inflight: deque[tuple] = deque()
         posted: list[tuple[object, Callable[[Exception], TransportError]]] = []
-        into = fence.landing if (fence is not None and ordered) else contextlib.nullcontext  # CUDA: posts land
-        for k, (b, st) in enumerate(zip(ops, stagings)):
-            if len(inflight) == self.window:
-                self._finish(*inflight.popleft(), tensors, sending, ordered, fence)
-            peer = peer_of(b.pair)
-            slot = self._buffers[k % self.window]  # the buffer bucket k - window just freed
-            try:
-                if sending and st.staged:
-                    self._graphs.run(b, ("pack", slot.data_ptr()),
-                                     lambda st=st, o=slot: pack_pairs(st.staged, tensors, o), device)
-                with into():
-                    works = post(self.group, [(t, peer, b.index, sending) for t in st.tensors(slot)], device,
-                                 coalesce)
-            except RuntimeError as e:  # a peer already known dead fails at post time
-                raise self._error(b, peer, sending, e) from e
-            inflight.append((b, peer, works, st, slot))
-            posted.extend((w, lambda e, b=b, peer=peer: self._error(b, peer, sending, e)) for w in works)
-        while inflight:
-            self._finish(*inflight.popleft(), tensors, sending, ordered, fence)
-        done_posting = time.perf_counter() - start
-        all_posted()  # the rest is the device's
-        if ordered:
-            settle(posted, self.timeout.total_seconds(), device, self.group)
-        return TransferStats(len(ops), sum(b.nbytes for b in ops), time.perf_counter() - start, done_posting)
+        into = fence.landing if (fence is not None and on_gpu(device)) else contextlib.nullcontext  # CUDA: posts land
+        try:
+            for k, (b, st) in enumerate(zip(ops, stagings)):
+                if len(inflight) == self.window:
+                    moved += self._finish(*inflight.popleft(), tensors, sending, ordered, fence, frames)
+                peer = peer_of(b.pair)
+                slot = self._buffers[k % self.window]  # the buffer bucket k - window just freed
+                try:
+                    if frames is None:
+                        if sending and st.staged:
+                            self._graphs.run(b, ("pack", slot.data_ptr()),
+                                             lambda st=st, o=slot: pack_pairs(st.staged, tensors, o), device)
+                        msgs, keep, joined = st.tensors(slot), None, coalesce
+                    else:
+                        msgs, keep, joined = self._frame(b, st, slot, k, tensors, sending, frames, peer, fence)
+                    with into():
+                        works = post(self.group, [(t, peer, tag, sending) for t, tag in _tagged(msgs, b.index)],
+                                     device, joined)
+                except RuntimeError as e:  # a peer already known dead fails at post time
+                    raise self._error(b, peer, sending, e) from e
+                inflight.append((b, peer, works, st, slot, k, keep))
+                posted.extend((w, lambda e, b=b, peer=peer: self._error(b, peer, sending, e)) for w in works)
+            while inflight:
+                moved += self._finish(*inflight.popleft(), tensors, sending, ordered, fence, frames)
+            done_posting = time.perf_counter() - start
+            all_posted()  # the rest is the device's
+            if ordered:
+                settle(posted, self.timeout.total_seconds(), device, self.group)
+            if frames is not None:
+                frames.side.end(frames.step)
+        except BaseException:
+            if frames is not None:
+                frames.side.fail()  # a sender's kept base, a receiver's targets: not one whole step
+            raise
+        full = sum(b.nbytes for b in ops)
+        if frames is None:
+            return TransferStats(len(ops), full, time.perf_counter() - start, done_posting)
+        return TransferStats(len(ops), moved, time.perf_counter() - start, done_posting, full_bytes=full)
+
+    def _frame(self, b: Bucket, st: Staging, slot: torch.Tensor, k: int, tensors: Mapping[str, torch.Tensor],
+               sending: bool, frames: Framing, peer: int, fence: Fence | None) -> tuple[list, object, bool]:
+        """A framed bucket's messages -- its header (tag ``HEADER_TAG + index``), then its payload, or the plan's
+        messages where it goes whole -- what the post must keep alive, and whether they go as one NCCL group.
+        A sender encodes into ``slot``. A receiver posts the payload with the header when the codec's frames are
+        sized by the plan (:attr:`~weightsync.payload.codec.Codec.sized`), else reads the header first: it sizes
+        what follows."""
+        codec = frames.codec
+        if sending:
+            frame = frames.side.encode(b, tensors, slot)
+            h = frame.header
+            header = torch.tensor(h.words(codec.header_words), dtype=torch.int64, device=slot.device)
+            if h.whole:  # the plan's messages, so the receiver lands them in place
+                body = [frame.payload[m.offset : m.offset + m.nbytes] for m in messages(b, self.direct_min)]
+            else:
+                body = [frame.payload[: h.nbytes]] if h.nbytes else []
+            return [("header", header)] + body, (header, frame, codec.header_words * 8 + h.nbytes), False
+        header = self._headers(codec.header_words, slot.device)[k % self.window]
+        if codec.sized:
+            return [("header", header), slot[: frames.side.bound(b)]], None, self._coalescing
+        try:
+            works = post(self.group, [(header, peer, HEADER_TAG + b.index, False)], slot.device, False)
+            for w in works:
+                retire(w, self.timeout, False)
+        except (RuntimeError, TimeoutError) as e:
+            raise self._error(b, peer, False, e) from e
+        h = self._header(b, codec, header, frames)
+        if h.whole:
+            return st.tensors(slot), h, False  # in place where the plan's messages lie so: posted under the fence
+        return ([slot[: h.nbytes]] if h.nbytes else []), h, False
+
+    def _header(self, b: Bucket, codec: Codec, header: torch.Tensor, frames: Framing):
+        h = codec.header(header.tolist())
+        size = frames.side.size(b, h)
+        if size != h.nbytes:
+            raise TransportError(f"bucket {b.index} of {describe(b.pair)}: the sender's header says {h.nbytes} "
+                                 f"bytes, this receiver's plan {size} (the two ends built different plans)",
+                                 pair=b.pair, bucket=b.index)
+        return h
 
     def _finish(
-        self, b: Bucket, peer: int, works: list, st: Staging, slot: torch.Tensor,
+        self, b: Bucket, peer: int, works: list, st: Staging, slot: torch.Tensor, k: int, keep: object,
         tensors: Mapping[str, torch.Tensor], sending: bool, ordered: bool, fence: Fence | None = None,
-    ) -> None:
+        frames: Framing | None = None,
+    ) -> int:
+        """Retire bucket ``b``'s operations and land what arrived; the bytes a framed bucket moved."""
         try:
             for work in works:
                 retire(work, self.timeout, ordered)
         except (RuntimeError, TimeoutError) as e:  # gloo: connection reset / closed by peer, or timed out
             raise self._error(b, peer, sending, e) from e
-        if not sending and st.staged:  # the codec's casts, if any, run after the copies in the same graph
-            with fence.landing() if fence is not None else contextlib.nullcontext():  # an abandoned one: refused
-                self._graphs.run(b, ("unpack", slot.data_ptr()),
-                                 lambda st=st, i=slot: unpacked(self.codec, unpack_pairs(st.staged, i, tensors)),
-                                 slot.device)
+        land = fence.landing() if fence is not None else contextlib.nullcontext()  # an abandoned one: refused
+        if frames is None:
+            if not sending and st.staged:  # the codec's casts, if any, run after the copies in the same graph
+                with land:
+                    self._graphs.run(b, ("unpack", slot.data_ptr()),
+                                     lambda st=st, i=slot: unpacked(self.codec, unpack_pairs(st.staged, i, tensors)),
+                                     slot.device)
+            return 0
+        codec = frames.codec
+        if sending:
+            return keep[2]
+        h = keep if keep is not None else self._header(b, codec, self._headers(codec.header_words, slot.device)
+                                                       [k % self.window], frames)
+        with land:
+            if h.whole:
+                if st.staged:
+                    run_landing(unpacked(codec, unpack_pairs(st.staged, slot, tensors)))
+                frames.side.decode(b, h, None, tensors, self._scratch)
+            else:
+                frames.side.decode(b, h, slot[: h.nbytes], tensors, self._scratch)
+        return codec.header_words * 8 + h.nbytes
+
+    def _begin(self, frames: Framing, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor],
+               sending: bool, device: torch.device) -> int:
+        """A framed step's start: when ``frames.proofs``, each receiver's proof of its base first (one small
+        message per pair, every one before any bucket: the earliest transfers of the global order), then the
+        codec side's ``begin``. Returns the bytes the proofs moved."""
+        codec, side, pairs = frames.codec, frames.side, active(plans)
+        largest = max((b.nbytes for bs in pairs.values() for b in bs), default=0)
+        if not sending:
+            self._scratch = torch.empty(largest, dtype=torch.uint8, device=device) \
+                if getattr(self, "_scratch", None) is None or self._scratch.numel() < largest else self._scratch
+        if not frames.proofs:
+            side.begin(frames.step, None) if sending else side.begin()
+            return 0
+        moved = codec.proof_words * 8 * len(pairs)
+        if sending:
+            bufs = {pair: torch.empty(codec.proof_words, dtype=torch.int64, device=device) for pair in pairs}
+            works = [(pair, post(self.group, [(bufs[pair], self.ranks.receiver(pair), PROOF_TAG, False)], device,
+                                 False)) for pair in pairs]
+            for pair, ws in works:
+                self._retire_cpu(pairs[pair][0], ws, True)
+            side.begin(frames.step, {pair: codec.proof(bufs[pair].tolist()) for pair in pairs})
+            return moved
+        sends = []
+        for pair, bs in pairs.items():
+            msg = torch.tensor(side.proof(bs, tensors, self._scratch).words(), dtype=torch.int64, device=device)
+            peer = self.ranks.sender(pair)
+            try:
+                sends.append((bs[0], msg, post(self.group, [(msg, peer, PROOF_TAG, True)], device, False)))
+            except RuntimeError as e:
+                raise self._error(bs[0], peer, False, e) from e
+        side.begin()  # from here the targets may mix two steps
+        try:
+            for b, _, ws in sends:
+                self._retire_cpu(b, ws, False)
+        except BaseException:
+            side.fail()
+            raise
+        return moved
+
+    def _headers(self, words: int, device: torch.device) -> list[torch.Tensor]:
+        """A header buffer per window slot (a receiver's framed steps)."""
+        got = getattr(self, "_header_bufs", None)
+        if got is None or got[0].numel() != words or got[0].device != device:
+            got = self._header_bufs = [torch.empty(words, dtype=torch.int64, device=device)
+                                       for _ in range(self.window)]
+        return got
 
     def _error(self, b: Bucket, peer: int, sending: bool, cause: Exception) -> TransportError:
         pair = b.pair
@@ -313,138 +446,32 @@ class P2PTransport:
         self._buffers = ensure_buffers(have, self.window, need, self.buffer_bytes, device)
         return self._buffers is not have
 
-    # -- frames (a framed codec: weightsync.codec) ------------------------------------------------
-    def send_frames(self, step: int, plans: Mapping[Pair, list[Bucket]], tensors: Mapping[str, torch.Tensor],
-                    encoder, codec, proofs: bool) -> TransferStats:
-        """Ship every bucket of this training rank's plan as ``encoder``'s frames: when ``proofs``, first
-        each receiver's proof of its base (:data:`PROOF_TAG`); then per bucket, in the one global
-        order, a header and its payload (a whole bucket as the plan's messages, so it lands in place).
-        Deadlock freedom is the argument of the module docstring: a header and its payload are one
-        transfer in the order, this rank keeps at most ``window`` outstanding, a receiver one."""
-        start = time.perf_counter()
-        pairs = active(plans)
-        ops = sorted((b for bs in pairs.values() for b in bs), key=order_key)
-        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        moved = 0
-        got = None
-        if proofs:
-            bufs = {pair: torch.empty(codec.proof_words, dtype=torch.int64, device=device) for pair in pairs}
-            works = [(pair, post(self.group, [(bufs[pair], self.ranks.receiver(pair), PROOF_TAG, False)], device, False))
-                     for pair in pairs]
-            for pair, ws in works:
-                self._retire_all(pairs[pair][0], ws, True)
-            got = {pair: codec.proof(bufs[pair].tolist()) for pair in pairs}
-            moved += codec.proof_words * 8 * len(pairs)
-        encoder.begin(step, got)
-        try:
-            if ops:
-                self._frame_slots = ensure_buffers(getattr(self, "_frame_slots", []), self.window,
-                                                   max(max(b.nbytes, encoder.bound(b)) for b in ops), None, device)
-            inflight: deque[tuple[Bucket, list, tuple]] = deque()
-            for k, b in enumerate(ops):
-                if len(inflight) == self.window:
-                    self._retire_all(*inflight.popleft()[:2], True)
-                frame = encoder.encode(b, tensors, self._frame_slots[k % self.window])
-                h = frame.header
-                header = torch.tensor(h.words(codec.header_words), dtype=torch.int64, device=device)
-                peer = self.ranks.receiver(b.pair)
-                msgs = [(header, peer, HEADER_TAG + b.index, True)]
-                if h.whole:  # the plan's messages, so the receiver lands them in place
-                    msgs += [(frame.payload[m.offset : m.offset + m.nbytes], peer, b.index, True)
-                             for m in messages(b, self.direct_min)]
-                elif h.nbytes:
-                    msgs.append((frame.payload[: h.nbytes], peer, b.index, True))
-                try:
-                    works = post(self.group, msgs, device, False)
-                except RuntimeError as e:
-                    raise self._error(b, peer, True, e) from e
-                moved += codec.header_words * 8 + h.nbytes
-                inflight.append((b, works, (header, frame)))  # keep what is posted alive until sent
-            while inflight:
-                self._retire_all(*inflight.popleft()[:2], True)
-            encoder.end(step)
-        except BaseException:
-            encoder.fail()  # the kept base may mix two steps now
-            raise
-        return TransferStats(len(ops), moved, time.perf_counter() - start, full_bytes=sum(b.nbytes for b in ops))
-
-    def recv_frames(self, step: int, plans: Mapping[Pair, list[Bucket]], targets: Mapping[str, torch.Tensor],
-                    decoder, codec, proofs: bool, fence: Fence | None = None) -> TransferStats:
-        """Receive every bucket of this inference rank's plan as frames (see :meth:`send_frames`) and
-        decode them in place; when ``proofs``, first send each pair's proof of what the targets hold.
-        ``fence``: as :meth:`recv` (each landing under it; on CPU a whole bucket through the frame slot)."""
-        start = time.perf_counter()
-        land = fence.landing if fence is not None else contextlib.nullcontext
-        pairs = active(plans)
-        ops = sorted((b for bs in pairs.values() for b in bs), key=order_key)
-        device = next(iter(targets.values())).device if targets else torch.device("cpu")
-        if ops:
-            self._frame_slots = ensure_buffers(getattr(self, "_frame_slots", []), 1, max(b.nbytes for b in ops),
-                                               None, device)
-        slot = self._frame_slots[0] if ops else None
-        moved = 0
-        sends = []
-        if proofs:
-            for pair, bs in pairs.items():
-                msg = torch.tensor(decoder.proof(bs, targets, slot).words(), dtype=torch.int64, device=device)
-                peer = self.ranks.sender(pair)
-                try:
-                    sends.append((bs[0], msg, post(self.group, [(msg, peer, PROOF_TAG, True)], device, False)))
-                except RuntimeError as e:
-                    raise self._error(bs[0], peer, False, e) from e
-                moved += codec.proof_words * 8
-        decoder.begin()  # from here the targets may mix two steps
-        try:
-            for b, _, ws in sends:
-                self._retire_all(b, ws, False)
-            header = torch.empty(codec.header_words, dtype=torch.int64, device=device)
-            for b in ops:
-                peer = self.ranks.sender(b.pair)
-                self._retire_all(b, post(self.group, [(header, peer, HEADER_TAG + b.index, False)], device, False), False)
-                h = codec.header(header.tolist())
-                size = decoder.size(b, h)
-                if size != h.nbytes:
-                    raise TransportError(f"bucket {b.index} of {describe(b.pair)}: the sender's header says {h.nbytes} "
-                                         f"bytes, this receiver's plan {size} (the two ends built different plans)",
-                                         pair=b.pair, bucket=b.index)
-                if h.whole:
-                    st = stage(b, targets, False, self.direct_min, direct=fence is None or on_gpu(device))
-                    posts = [(x, peer, b.index, False) for x in st.tensors(slot)]
-                    straight = any(isinstance(p, torch.Tensor) for p in st.posts)  # posted into a target: landing
-                    with land() if straight else contextlib.nullcontext():
-                        works = self._post(b, peer, posts, device)
-                    self._retire_all(b, works, False)
-                    with land():
-                        if st.staged:
-                            run_landing(unpacked(codec, unpack_pairs(st.staged, slot, targets)))
-                        decoder.decode(b, h, None, targets, slot)
-                else:
-                    payload = torch.empty(size, dtype=torch.uint8, device=device)
-                    if size:
-                        self._retire_all(b, self._post(b, peer, [(payload, peer, b.index, False)], device), False)
-                    with land():
-                        decoder.decode(b, h, payload, targets, slot)
-                moved += codec.header_words * 8 + h.nbytes
-            decoder.end(step)
-        except BaseException:
-            decoder.fail()
-            raise
-        return TransferStats(len(ops), moved, time.perf_counter() - start, full_bytes=sum(b.nbytes for b in ops))
-
-    def _post(self, b: Bucket, peer: int, ops: list, device: torch.device) -> list:
-        try:
-            return post(self.group, ops, device, False)
-        except RuntimeError as e:
-            raise self._error(b, peer, ops[0][3], e) from e
-
-    def _retire_all(self, b: Bucket, works: list, sending: bool) -> None:
-        """Wait for ``works`` on the CPU (frames size what follows them), at most the timeout each."""
+    def _retire_cpu(self, b: Bucket, works: list, sending: bool) -> None:
+        """Wait for ``works`` on the CPU, at most the timeout each."""
         peer = self.ranks.receiver(b.pair) if sending else self.ranks.sender(b.pair)
         try:
             for w in works:
                 retire(w, self.timeout, False)
         except (RuntimeError, TimeoutError) as e:
             raise self._error(b, peer, sending, e) from e
+
+
+@dataclass(frozen=True)
+class Framing:
+    """A framed codec's step over p2p (:mod:`weightsync.payload.codec`): the step, this rank's side of the codec
+    (its ``Encoder`` on a training rank, its ``Decoder`` on a worker), the codec, and whether each receiver's proof
+    of its base travels first (two-sided: the delta codec's ``BASE_PROOF``)."""
+
+    step: int
+    side: Any
+    codec: Codec
+    proofs: bool = False
+
+
+def _tagged(msgs: list, index: int) -> list[tuple[torch.Tensor, int]]:
+    """A bucket's messages with their tags: a frame's header (``("header", t)``) under ``HEADER_TAG + index``, every
+    other message under the bucket's index (a pair's messages of one tag match in posting order)."""
+    return [(m[1], HEADER_TAG + index) if isinstance(m, tuple) else (m, index) for m in msgs]
 
 
 PROOF_TAG = (1 << 24) + 1  # frames: a receiver's proof, beside the pull header's tag (1 << 24)
@@ -463,8 +490,18 @@ HEADER_TAG = 1 << 25  # frames: + bucket index
 # -- the transport interface (weightsync.transport.base) -------------------------------------------
 
 
-def largest_bucket(plans: Mapping[Pair, list[Bucket]]) -> int:
-    return max((b.nbytes for bs in plans.values() for b in bs), default=0)
+def largest_bucket(plans: Mapping[Pair, list[Bucket]], side: Any = None) -> int:
+    """The most bytes a bucket of ``plans`` puts in a window buffer (``side``: a framed codec's encoder or decoder,
+    whose frames may be larger than the plan's bytes: its ``bound``)."""
+    return max((max(b.nbytes, side.bound(b)) if side is not None else b.nbytes
+                for bs in plans.values() for b in bs), default=0)
+
+
+def framing(options: Any, step: int, side: Any) -> Framing | None:
+    """A framed codec's step for :meth:`P2PTransport.send` / ``recv`` (None: the full codec's)."""
+    if side is None:
+        return None
+    return Framing(step, side, options.codec, proofs=BASE_PROOF in options.codec.needs)
 
 
 def job_group(client, ranks: JobRanks, me: int, options, device: torch.device, host: str | None = None) -> ProcessGroup:
@@ -489,7 +526,10 @@ class P2PSender(Sender):
     modes = frozenset({"sync", "async"})
 
     def memory(self, ctx: SenderContext) -> Buffers:
-        return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans), self._encoder(ctx).memory() if self.options.framed else 0)
+        if not self.options.framed:
+            return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans))
+        encoder = self._encoder(ctx)  # its frames go through the same window buffers
+        return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans, encoder), encoder.memory())
 
     def _encoder(self, ctx: SenderContext):
         """The codec's encoder for this rank (framed codecs: :mod:`weightsync.codec`), made once."""
@@ -524,11 +564,7 @@ class P2PSender(Sender):
             # the step first, both ways: no byte moves for a step the receivers did not ask for
             self.transport.exchange_step(step, self.plans, next(iter(self.tensors.values())).device, True,
                                          self.options.timeout_s)
-            if self.encoder is not None:
-                codec = self.options.codec
-                return self.transport.send_frames(step, self.plans, self.tensors, self.encoder, codec,
-                                                  proofs=BASE_PROOF in codec.needs)
-            return self.transport.send(self.plans, self.tensors)
+            return self.transport.send(self.plans, self.tensors, framing(self.options, step, self.encoder))
 
     def close(self) -> None:
         if getattr(self, "server", None) is not None:
@@ -543,7 +579,16 @@ class P2PReceiver(Receiver):
     waits_for_step = True  # sync: the step's announcement (P2PTransport.exchange_step), written_timeout_s
 
     def memory(self, ctx: ReceiverContext) -> Buffers:
-        return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans))
+        if not self.options.framed:
+            return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans))
+        # a framed codec's payloads through the same window buffers, and a bucket's scratch for its decoder
+        return Buffers(DEFAULT_WINDOW, largest_bucket(ctx.plans, self._decoder(ctx)), largest_bucket(ctx.plans))
+
+    def _decoder(self, ctx: ReceiverContext):
+        """The codec's decoder for this worker (framed codecs), made once."""
+        if getattr(self, "decoder", None) is None:
+            self.decoder = self.options.codec.decoder(ctx.plans)
+        return self.decoder
 
     def connect(self, ctx: ReceiverContext) -> None:
         shape = ctx.shape
@@ -553,7 +598,9 @@ class P2PReceiver(Receiver):
         self.transport = P2PTransport(group, ranks, timeout_s=self.options.timeout_s,
                                       coalesce=self.options.mode == "sync", codec=self.options.codec)
         self.plans = ctx.plans
-        self.decoder = self.options.codec.decoder(ctx.plans) if self.options.framed else None
+        self.decoder = None
+        if self.options.framed:
+            self._decoder(ctx)
         self.fence: Fence | None = None  # the current transfer's (group_wait)
 
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
@@ -561,11 +608,7 @@ class P2PReceiver(Receiver):
         device = next(iter(targets.values())).device if targets else torch.device("cpu")
         # every sender's announcement of the step first, as long as the trainers train (written_timeout_s)
         self.transport.exchange_step(step, self.plans, device, False, self.options.written_timeout_s, fence)
-        if self.decoder is not None:
-            codec = self.options.codec
-            return self.transport.recv_frames(step, self.plans, targets, self.decoder, codec,
-                                              proofs=BASE_PROOF in codec.needs, fence=fence)
-        return self.transport.recv(self.plans, targets, fence=fence)
+        return self.transport.recv(self.plans, targets, fence=fence, frames=framing(self.options, step, self.decoder))
 
     def landed(self) -> bool:
         # the last receive's fence: False only where it posted nothing into a target (its step never began)
