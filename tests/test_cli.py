@@ -69,3 +69,15 @@ def test_errors_are_one_line_and_nonzero(args, message):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("weightsync: error:"), p.stderr
     assert message in lines[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench"], "give a --scenario (or --lora RANK for an adapter sync)"),
+    (["bench", "--lora", "16", "--scenario", "colo-1gpu"], "--lora runs alone"),
+    (["bench", "--lora", "0"], "--lora takes adapter ranks of at least 1"),
+])
+def test_bench_lora_refusals(capsys, args, message):
+    """``weightsync bench --lora RANK``'s argument errors, before any engine starts (its run: tests/test_lora_vllm.py
+    and BENCHMARKS.md)."""
+    assert main(args) == 2
+    assert message in capsys.readouterr().err

@@ -9,6 +9,9 @@ in bf16 (alpha 20 / r 8) is bound (:class:`weightsync.lora.peft.PeftTrainEngine`
 (:class:`weightsync.lora.vllm.VLLMLoRASlots`) into a slot poisoned first; the same adapter, written by PEFT's
 ``save_pretrained``, is loaded by the same engine through ``LoRARequest``. Every stacked buffer's slot of every
 LoRA wrapper (embeddings' and lm_head's included) must be bit-exact to vLLM's own load, and greedy tokens equal.
+On the same TP=1 engine, :class:`TestAtomicity`: requests in flight across a sync (and across syncs that fail midway)
+each give one version's output alone, through the "switch when landed" policy
+(:class:`weightsync.lora.vllm.SwitchWhenLanded`); and ``weightsync bench --lora``'s measuring loop runs and verifies.
 Tests run in file order on one xdist worker (the ``vllm`` group: engines are slow on 2 cores).
 """
 
@@ -64,10 +67,18 @@ def poison_free_slots(host) -> int:
     return len(free)
 
 
+def requests_in_flight(host) -> dict[str, tuple[int, int]]:
+    """On a vLLM worker: every request its model runner holds (under the id the client gave it), with the tokens it
+    has generated so far and the LoRA int id it runs on. A request stays there until the step after its last token."""
+    return {rid.rsplit("-", 1)[0]: (len(s.output_token_ids), s.lora_request.lora_int_id if s.lora_request else 0)
+            for rid, s in host.model_runner.requests.items()}
+
+
 def _mark_host_call():
     from weightsync.vllm.side import host_call
 
     host_call(poison_free_slots)
+    host_call(requests_in_flight)
 
 
 _mark_host_call()
@@ -87,7 +98,7 @@ def _start(tmp_path_factory, tp: int, **kw):
     return llm, VLLMLoRASlots(llm), root
 
 
-@pytest.fixture(scope="class")
+@pytest.fixture(scope="module")  # TestTP1 and TestAtomicity: one engine start
 def engine(tmp_path_factory):
     from vllm_harness import stop_llm
 
@@ -237,6 +248,172 @@ class TestTP1:
         assert not set(probe.slots) - {0, 4} - {v.lora_int_id for v in live}  # the failed id holds no slot
         assert _generate(llm, self.state["v2"].request()) == self.state["tokens2"]
         assert _generate(llm, self.state["v4"].request()) == self.state["tokens4"]
+
+
+LONG = 128  # tokens per request in the atomicity tests: many engine steps, so a landing falls inside them
+PROMPTS3 = [[3, 17, 42, 99, 7, 128], [200, 5, 61, 11], [9, 8, 7, 6, 5]]
+
+
+class _Dying(dict):
+    """A trainer's tensors that become unreadable after ``after`` reads (the trainer gone mid-sync)."""
+
+    def __init__(self, tensors, after: int):
+        super().__init__(tensors)
+        self.left = after
+
+    def __getitem__(self, name):
+        self.left -= 1
+        if self.left < 0:
+            raise RuntimeError("trainer gone: its adapter tensors can no longer be read")
+        return super().__getitem__(name)
+
+
+class TestAtomicity:
+    """Requests in flight across a sync, through vLLM's own engine loop (``LLMEngine.add_request`` / ``step``).
+
+    How requests overlap a landing: the offline ``LLM``'s engine core runs in its own process and steps on its own
+    as long as it holds unfinished requests; the client's ``step()`` only collects outputs. A landing is a
+    ``collective_rpc`` that the engine core's busy loop takes between two steps (``_process_input_queue``, vLLM
+    0.32 ``v1/engine/core.py``). So the test adds long greedy requests (``LONG`` tokens), waits until each has
+    produced a token, lands, and proves the overlap from the worker itself (:func:`requests_in_flight`, a host call
+    answered in the same busy loop): right before and right after the landing every one of them is in the model
+    runner with more than 0 and fewer than ``LONG`` tokens, so each started before the landing and finished after
+    it. Every output is then compared with the same prompt run alone on each version."""
+
+    state: dict = {}
+
+    def _policy(self, engine):
+        from weightsync.lora.vllm import SwitchWhenLanded
+
+        if "policy" not in self.state:
+            llm, slots, _ = engine
+            for v in list(slots.versions):  # whatever an earlier class left live
+                slots.release(v)
+            self.state["policy"] = SwitchWhenLanded(slots, "atomic")
+        return self.state["policy"]
+
+    @staticmethod
+    def _alone(llm, request) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=LONG, detokenize=False, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS3], sp, use_tqdm=False, lora_request=request)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    @staticmethod
+    def _add(llm, policy, prefix: str, taken: dict) -> None:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=LONG, detokenize=False, ignore_eos=True)
+        for i, p in enumerate(PROMPTS3):
+            taken[f"{prefix}{i}"] = request = policy.take()
+            llm.llm_engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, sp, lora_request=request)
+
+    @staticmethod
+    def _step(llm, policy, taken: dict, outs: dict, until=lambda: False) -> None:
+        """Collect outputs until ``until()`` or no request is left; a finished request is done with its version."""
+        eng = llm.llm_engine
+        while eng.has_unfinished_requests() and not until():
+            for o in eng.step():
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+                if o.finished:
+                    policy.done(taken.pop(o.request_id))
+
+    @staticmethod
+    def _in_flight(slots, names) -> dict[str, tuple[int, int]]:
+        from weightsync.lora.vllm import FIRST_ID
+
+        seen = slots.call(requests_in_flight)[0]
+        assert all(0 < seen[n][0] < LONG for n in names), f"not every request in flight: {seen}"
+        assert all(seen[n][1] >= FIRST_ID for n in names)
+        return seen
+
+    def test_requests_in_flight_across_a_sync_each_run_on_one_version(self, engine):
+        """Requests on version 1 run while version 2 lands; new requests then take version 2 ("switch when
+        landed") and run beside them in the same batches; version 1 is released when its last request is done.
+        Every output equals its version's alone, and the two versions' outputs differ."""
+        from weightsync.lora.peft import PeftTrainEngine
+
+        llm, slots, _ = engine
+        policy = self._policy(engine)
+        v1 = policy.land(PeftTrainEngine(peft_model(seed=11)).bound, 1)
+        alone1 = self._alone(llm, v1.request())
+        taken, outs = {}, {}
+        self._add(llm, policy, "a", taken)
+        self._step(llm, policy, taken, outs, until=lambda: all(outs.get(f"a{i}") for i in range(len(PROMPTS3))))
+        before = self._in_flight(slots, ["a0", "a1", "a2"])
+        v2 = policy.land(PeftTrainEngine(peft_model(seed=12)).bound, 2)
+        after = self._in_flight(slots, ["a0", "a1", "a2"])  # landed between these two: every a-request unfinished
+        assert {before[n][1] for n in ("a0", "a1", "a2")} == {after[n][1] for n in ("a0", "a1", "a2")} \
+            == {v1.lora_int_id}
+        assert policy.current == v2 and v1 in slots.versions  # still running requests: not released
+        assert policy.running() == {"atomic@1": 3, "atomic@2": 0}
+        self._add(llm, policy, "b", taken)
+        assert {r.lora_name for n, r in taken.items() if n[0] == "b"} == {"atomic@2"}
+        self._step(llm, policy, taken, outs, until=lambda: any(outs.get(f"b{i}") for i in range(len(PROMPTS3))))
+        both = slots.call(requests_in_flight)[0]  # one batch, both versions
+        assert {both[n][1] for n in both if both[n][0] < LONG} == {v1.lora_int_id, v2.lora_int_id}, both
+        self._step(llm, policy, taken, outs)
+        assert not taken and v1 not in slots.versions and slots.versions == [v2]  # released once done
+        alone2 = self._alone(llm, v2.request())
+        for i in range(len(PROMPTS3)):
+            assert alone1[i] != alone2[i]
+            assert outs[f"a{i}"] == alone1[i], f"request a{i} (version 1) is no version's output alone"
+            assert outs[f"b{i}"] == alone2[i], f"request b{i} (version 2) is no version's output alone"
+        self.state.update(v2=v2, alone2=alone2)
+
+    @pytest.mark.parametrize("how", ["worker refuses a payload midway", "trainer gone while read"])
+    def test_a_sync_failing_midway_under_load_publishes_nothing(self, engine, how):
+        """With requests on version 2 in flight, version 3's landing fails midway: the worker refuses a payload
+        after the copies before it landed in the reserved slot, or the trainer's tensors become unreadable after
+        the slot was reserved. Nothing is published, the policy still hands out version 2, the reserved slot is
+        released on the worker (its id in no slot, not pinned), and every request's output is version 2's alone."""
+        import dataclasses
+
+        from weightsync.errors import ConfigError
+        from weightsync.lora.peft import PeftTrainEngine
+        from weightsync.lora.vllm import FIRST_ID, lora_probe
+
+        llm, slots, _ = engine
+        policy = self._policy(engine)
+        v2 = self.state["v2"]
+        assert policy.current == v2
+        bound = PeftTrainEngine(peft_model(seed=13)).bound
+        if how == "trainer gone while read":
+            broken, error = dataclasses.replace(bound, tensors=_Dying(bound.tensors, after=5)), RuntimeError
+            match = "trainer gone"
+        else:
+            last = list(bound.layout.tensors)[-1]
+            broken = dataclasses.replace(bound, tensors={**bound.tensors, last: bound.tensors[last][:-1]})
+            error, match = ConfigError, r"payload \d+ \(base_model\.model\..*\) has shape"
+        taken, outs = {}, {}
+        self._add(llm, policy, "c", taken)
+        self._step(llm, policy, taken, outs, until=lambda: all(outs.get(f"c{i}") for i in range(len(PROMPTS3))))
+        self._in_flight(slots, ["c0", "c1", "c2"])
+        with pytest.raises(error, match=match):
+            policy.land(broken, 3)
+        self._in_flight(slots, ["c0", "c1", "c2"])
+        probe = slots.call(lora_probe)[0]
+        assert policy.current == v2 and slots.versions == [v2]
+        assert probe.pinned == (v2.lora_int_id,)
+        synced = [i for i in probe.slots if i >= FIRST_ID]
+        assert synced == [v2.lora_int_id], f"a failed version holds a slot: {probe.slots}"
+        self._step(llm, policy, taken, outs)
+        assert [outs[f"c{i}"] for i in range(len(PROMPTS3))] == self.state["alone2"]
+
+    def test_bench_lora_runs_and_verifies(self, engine, tmp_path):
+        """``weightsync bench --lora``'s measuring loop on this engine (its module docstring): both paths, every
+        repetition's slot bit-exact to vLLM's own load of the saved folder. Nothing timed is asserted."""
+        from weightsync.bench.lora import measure, peft_model as bench_model, summary
+
+        llm, slots, _ = engine
+        for v in list(slots.versions):
+            slots.release(v)
+        self.state.pop("policy", None)
+        reps = measure(llm, slots, bench_model(MODEL, 8, targets=SERVED), 1, str(tmp_path), first_disk_id=100)
+        s = summary(reps)
+        assert s["verified"] and s["repetitions"] == 1 and s["ratio_total"] > 0
+        assert slots.versions == [] and 100 not in llm.llm_engine.list_loras()
 
 
 class TestTP2:

@@ -235,7 +235,8 @@ def run_lora(ranks: list[int], model: str, reps: int = 5, device: str = "cpu", d
                                 "alpha": 2 * rank, "targets": list(ALL_LINEAR), "adapter_dtype": "float32",
                                 "lora_dtype": slots.probes[0].lora_dtype, "adapter_bytes": adapter_bytes(peft),
                                 "max_lora_rank": max(ranks), "max_loras": 2, "engine_startup_s": startup,
-                                "disk_dir": work, **s, "environment": env})
+                                "disk_dir": work, **s, "load_average_after": list(os.getloadavg()),
+                                "environment": env})
                 del peft
         finally:
             slots.close()

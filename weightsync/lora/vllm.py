@@ -5,6 +5,11 @@
     llm.generate(prompts, params, lora_request=v.request())
     slots.release(old)                               # the previous version served until now
 
+    policy = SwitchWhenLanded(slots, "policy")      # or "switch when landed": new requests take the newest
+    policy.land(trainer.bound, step)                # landed version; an older one is released once no request
+    with policy.request() as request:               # taken from the policy runs on it
+        llm.generate(prompts, params, lora_request=request)
+
 What one :meth:`VLLMLoRASlots.land` does, each step a signed call into every worker (a *host call*:
 :func:`weightsync.vllm.side.host_call`; the engine's loaded-form base tensors are never bound, the base never
 moves):
@@ -41,7 +46,9 @@ import contextlib
 import dataclasses
 import itertools
 import shutil
+import threading
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -435,5 +442,78 @@ class VLLMLoRASlots:
         return self.call(lora_slot, lora_int_id)
 
 
-__all__ = ["AdapterVersion", "FIRST_ID", "Landed", "PATH_ROOT", "SlotProbe", "VLLMLoRASlots", "live_buffers",
-           "lora_land", "lora_probe", "lora_release", "lora_reserve", "lora_slot"]
+class SwitchWhenLanded:
+    """The "switch when landed" policy for one adapter of a :class:`VLLMLoRASlots`: new requests take the newest
+    landed version, requests already running keep the version they took, and an older version is released as soon
+    as no request taken from here runs on it (its slot then free for the next landing).
+
+        policy = SwitchWhenLanded(slots, "policy")
+        policy.land(trainer.bound, step)             # a failed landing leaves ``current`` as it was
+        request = policy.take()                      # a LoRARequest naming the newest landed version
+        llm.llm_engine.add_request(rid, prompt, params, lora_request=request)
+        ...                                          # once that request has finished:
+        policy.done(request)
+        with policy.request() as request:            # the same around one blocking call
+            llm.generate(prompts, params, lora_request=request)
+
+    Only the versions this policy landed (and the newest live one of ``name`` when it was made) are ever released
+    by it. A version must not be released while a request names it: vLLM would look for its (nonexistent) path at
+    the next step. Thread-safe."""
+
+    def __init__(self, slots: VLLMLoRASlots, name: str):
+        self.slots, self.name = slots, name
+        self.current: AdapterVersion | None = slots.latest(name)
+        self._mine: list[AdapterVersion] = [self.current] if self.current else []
+        self._running: Counter[int] = Counter()  # lora_int_id -> requests taken and not done
+        self._lock = threading.Lock()
+
+    def land(self, bound: Any, version: int) -> AdapterVersion:
+        """Land ``version`` (:meth:`VLLMLoRASlots.land`), make it the one new requests take, release the older
+        versions no request runs on."""
+        v = self.slots.land(bound, self.name, version)
+        with self._lock:
+            self._mine.append(v)
+            self.current = v
+            self._release_idle()
+        return v
+
+    def take(self) -> Any:
+        """The ``LoRARequest`` of the newest landed version, counted as running until :meth:`done`."""
+        with self._lock:
+            if self.current is None:
+                raise ConfigError(f"adapter {self.name} has no landed version yet")
+            self._running[self.current.lora_int_id] += 1
+            return self.current.request()
+
+    def done(self, request: Any) -> None:
+        """A request taken from :meth:`take` has finished (or was aborted): its version may go."""
+        with self._lock:
+            if self._running[request.lora_int_id] <= 0:
+                raise ConfigError(f"{request.lora_name}: done more often than taken")
+            self._running[request.lora_int_id] -= 1
+            self._release_idle()
+
+    @contextlib.contextmanager
+    def request(self):
+        """:meth:`take` for the body of a ``with``, :meth:`done` after it."""
+        r = self.take()
+        try:
+            yield r
+        finally:
+            self.done(r)
+
+    def running(self) -> dict[str, int]:
+        """Per live version (``name@version``), the requests taken from here that have not finished."""
+        with self._lock:
+            return {v.lora_name: self._running[v.lora_int_id] for v in self._mine}
+
+    def _release_idle(self) -> None:
+        for v in [v for v in self._mine if v != self.current and self._running[v.lora_int_id] == 0]:
+            if v in self.slots.versions:
+                self.slots.release(v)
+            self._mine.remove(v)
+            del self._running[v.lora_int_id]
+
+
+__all__ = ["AdapterVersion", "FIRST_ID", "Landed", "PATH_ROOT", "SlotProbe", "SwitchWhenLanded", "VLLMLoRASlots",
+           "live_buffers", "lora_land", "lora_probe", "lora_release", "lora_reserve", "lora_slot"]
