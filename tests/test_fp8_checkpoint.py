@@ -11,7 +11,7 @@ import torch
 
 from weightsync.quant.config import BlockFP8, fp8_tensors, from_hf
 from weightsync.quant.fp8 import quantize_reference
-from weightsync.spec import load_spec
+from weightsync.spec import Kind, load_spec
 
 from helpers import tiny
 
@@ -67,7 +67,11 @@ def test_fp8_checkpoint_holds_the_definition_of_the_trainers_weights(tmp_path, s
     total = sum(t.numel() * t.element_size() for t in got.values())
     assert index["metadata"]["total_size"] == total == r.quant_bytes and r.quant == "fp8" and total < r.total_bytes
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert from_hf(cfg["quantization_config"]) == BlockFP8() and cfg["architectures"] == [spec.architecture]
+    q = from_hf(cfg["quantization_config"])  # plain block FP8, the routers listed as ignored (vLLM 0.26's Qwen3-MoE)
+    assert q.plain() and fp8_tensors(spec, q) == fp8_tensors(spec, BlockFP8())
+    assert q.ignored == tuple(sorted({t.name.removesuffix(".weight") for t in spec.tensors
+                                      if t.role.kind is Kind.ROUTER and not t.role.bias}))
+    assert cfg["architectures"] == [spec.architecture]
     assert not list(tmp_path.glob("*.tmp"))
 
 

@@ -251,3 +251,21 @@ def test_a_config_path_names_the_output_after_its_file(tmp_path, monkeypatch):
     assert vllm_gpu.main() == 0
     assert written["model"] == "benchmarks/configs/tiny-deepseek-v3-hopper.json"
     assert [p.name for p in tmp_path.iterdir()] == ["colo_tiny-deepseek-v3-hopper.json"]
+
+
+def test_a_checkpoint_lists_its_routers_as_ignored_and_that_is_still_plain_fp8():
+    """vLLM 0.26 builds Qwen3-MoE's router ``mlp.gate`` with the model's quant_config (an FP8 layer unless listed in
+    ``ignored_layers``; 0.32 and SGLang build it unquantized): a checkpoint weightsync writes lists every router, which
+    changes nothing weightsync holds in FP8, and an engine served from it is ``quant=fp8``; ignoring a projection is
+    not."""
+    from weightsync.quant.config import for_checkpoint
+
+    moe = load_spec("qwen3-30b-a3b")
+    q = for_checkpoint(moe)
+    assert len(q.ignored) == moe.config["num_hidden_layers"] and all(m.endswith(".mlp.gate") for m in q.ignored)
+    assert q.plain() and from_hf(q.hf_config()) == q and q.hf_config()["ignored_layers"][0] == "model.layers.0.mlp.gate"
+    assert fp8_tensors(moe, q) == fp8_tensors(moe, BlockFP8())
+    assert for_checkpoint(load_spec("qwen3-8b")) == BlockFP8()  # dense: nothing to list
+    assert not BlockFP8(("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")).plain()
+    ds = load_spec("tiny-deepseek-v3")  # its router bias is no module of its own
+    assert all(m.endswith(".mlp.gate") for m in for_checkpoint(ds).ignored) and for_checkpoint(ds).plain()

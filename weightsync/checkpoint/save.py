@@ -157,9 +157,9 @@ def _fp8_problems(train: Any, quant: str | None, problems: list[str]) -> Any:
     if quant != "fp8":
         problems.append(f"quant={quant!r} is not supported; use quant='fp8' (128 x 128 block FP8) or none")
         return None
-    from weightsync.quant.config import BlockFP8, check_trainer_dtypes, fp8_tensors
+    from weightsync.quant.config import check_trainer_dtypes, for_checkpoint, fp8_tensors
 
-    q = BlockFP8()
+    q = for_checkpoint(train.spec)  # the routers listed as ignored: every engine version leaves them bf16
     try:
         fp8 = fp8_tensors(train.spec, q)
         dtypes = {p.canonical: t.dtype for t in train.layout.tensors.values() for p in t.pieces}

@@ -346,7 +346,7 @@ def quantization(model_config: Mapping[str, Any], args: Mapping[str, Any]) -> in
     0.5.14 reads the checkpoint's ``quantization_config`` itself (``configs/model_config.py``); ``--quantization``
     on an unquantized checkpoint quantizes it at load (``Fp8LinearMethod`` with ``is_checkpoint_fp8_serialized``
     False: per-channel scales of its own, ``weight.t()``), which weightsync does not produce."""
-    from weightsync.quant.config import BlockFP8, from_hf
+    from weightsync.quant.config import from_hf
 
     qc = model_config.get("quantization_config")
     method = args.get("quantization")
@@ -360,7 +360,7 @@ def quantization(model_config: Mapping[str, Any], args: Mapping[str, Any]) -> in
     if method not in (None, "fp8"):
         raise ConfigError(f"quantization={method!r} on a block-FP8 checkpoint: start the engine without --quantization "
                           "(it reads the checkpoint's quantization_config)")
-    if q != BlockFP8():
+    if not q.plain():
         raise ConfigError(f"the engine's block-FP8 checkpoint leaves modules {list(q.ignored)[:4]} unquantized or "
                           f"uses blocks {list(q.block)}; weightsync's quant=fp8 means every linear layer in 128 x 128 "
                           "block FP8")

@@ -11,7 +11,11 @@ being the same for these models:
   expert's whole MoE layer is skipped when an ignored name containing ``experts`` contains the layer's
   ``...mlp.experts`` prefix; the shards of one fused module (q/k/v, gate/up, q_a/kv_a) must all agree.
 - Not FP8, whatever the config: embeddings, ``lm_head`` (vLLM's ParallelLMHead is no LinearBase), norms, the MoE
-  router ``mlp.gate`` (built with ``quant_config=None``) and its bias, projection biases.
+  router ``mlp.gate`` and its bias, projection biases. vLLM 0.32 and SGLang build the router with
+  ``quant_config=None``; vLLM 0.26 builds Qwen3-MoE's with the model's (``models/qwen3_moe.py``: an FP8 layer unless
+  the checkpoint lists it in ``ignored_layers``), so a checkpoint weightsync writes lists every router there
+  (:func:`for_checkpoint`), as Qwen's own FP8 checkpoints list them, and a checkpoint that ignores routers only is
+  what ``quant=fp8`` means (:meth:`BlockFP8.plain`).
 
 Each FP8 weight ``W [N, K]`` has its scale ``W_scale_inv`` ``float32 [ceil(N/128), ceil(K/128)]`` (per expert, as
 the checkpoint names them). Refused, each with one line: a quantization other than block FP8 128 x 128 e4m3 with
@@ -22,6 +26,7 @@ weights are not bf16/fp32, and a layout piece of an FP8 tensor that does not sta
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +45,8 @@ LINEAR_KINDS = frozenset({Kind.Q, Kind.K, Kind.V, Kind.O, Kind.Q_A, Kind.Q_B, Ki
 FUSED = ((Kind.Q, Kind.K, Kind.V), (Kind.GATE, Kind.UP), (Kind.Q_A, Kind.KV_A))
 TRAINER_DTYPES = ("bfloat16", "float32")
 SCALE_SUFFIX = "_scale_inv"
+#: an MoE router's module (HF name): never FP8 under these rules, whatever a checkpoint's ``ignored_layers`` says
+ROUTER_MODULE = re.compile(r"\.(mlp\.gate|mlp\.shared_expert_gate|block_sparse_moe\.gate)$")
 
 _UNSUPPORTED = {  # quant_method -> what it is, for the refusal
     "mxfp4": "MXFP4", "modelopt": "ModelOpt (FP8 per-tensor or NVFP4)", "modelopt_fp4": "NVFP4",
@@ -62,6 +69,11 @@ class BlockFP8:
             raise ConfigError(f"fp8: weight_block_size {list(self.block)} is not supported; only [{BLOCK}, {BLOCK}] "
                               "(DeepSeek-V3, Kimi-K2, Qwen3-FP8) is")
 
+    def plain(self) -> bool:
+        """Whether this is what ``quant=fp8`` means: 128 x 128 blocks, no module ignored but MoE routers (which are
+        never FP8 here: listing them only keeps an engine version that would quantize them from doing so)."""
+        return tuple(self.block) == (BLOCK, BLOCK) and all(ROUTER_MODULE.search(m) for m in self.ignored)
+
     def hf_config(self) -> dict[str, Any]:
         """The checkpoint's ``quantization_config`` for this quantization."""
         out: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -69,6 +81,13 @@ class BlockFP8:
         if self.ignored:
             out["ignored_layers"] = list(self.ignored)
         return out
+
+
+def for_checkpoint(spec: ModelSpec) -> BlockFP8:
+    """``quant=fp8`` as a checkpoint of ``spec`` writes it: every MoE router's module in ``ignored_layers`` (module
+    docstring: vLLM 0.26 would build Qwen3-MoE's as an FP8 layer otherwise)."""
+    routers = sorted({_module(t) for t in spec.tensors if t.role.kind is Kind.ROUTER and not t.role.bias})
+    return BlockFP8(tuple(routers))
 
 
 def from_hf(quantization_config: Mapping[str, Any] | None) -> BlockFP8 | None:
@@ -238,5 +257,5 @@ def check_layout(layout: EngineLayout, quant: BlockFP8) -> tuple[FP8Tensor, ...]
 
 __all__ = [
     "BlockFP8", "FP8Tensor", "LINEAR_KINDS", "TRAINER_DTYPES", "block_problems", "check_layout",
-    "check_trainer_dtypes", "checkpoint_tensors", "fp8_tensors", "from_hf", "not_fp8", "scale_name",
+    "check_trainer_dtypes", "checkpoint_tensors", "for_checkpoint", "fp8_tensors", "from_hf", "not_fp8", "scale_name",
 ]

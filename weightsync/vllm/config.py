@@ -75,7 +75,7 @@ def quantization(model_config: Any) -> Any:
     vLLM 0.26 and 0.32 read the checkpoint's ``quantization_config`` from the HF config into ``model_config.quantization``
     (``ModelConfig._verify_quantization``); an engine asked to quantize a bf16 checkpoint itself
     (``quantization="fp8"`` with no ``quantization_config``) holds per-tensor scales of its own making: refused."""
-    from weightsync.quant.config import BlockFP8, from_hf
+    from weightsync.quant.config import from_hf
 
     method = getattr(model_config, "quantization", None)
     qc = getattr(model_config.hf_config, "quantization_config", None)
@@ -88,7 +88,7 @@ def quantization(model_config: Any) -> Any:
                               "served from a block-FP8 checkpoint (save_checkpoint(dir, quant='fp8')) or unquantized")
         return None
     q = from_hf(qc)
-    if q is not None and q != BlockFP8():
+    if q is not None and not q.plain():
         raise ConfigError(f"vllm: the engine's block-FP8 checkpoint leaves modules {list(q.ignored)[:4]} unquantized "
                           "(ignored_layers); weightsync's quant=fp8 means every linear layer in FP8: serve a "
                           "checkpoint without ignored_layers")

@@ -216,9 +216,10 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
         workdir = tempfile.mkdtemp(prefix="weightsync-vllm-")
         if getattr(make_layout(spec_from_config(model_config), engine).config, "quant", 0):
             # quant=fp8 on dummy weights: the config an FP8 checkpoint carries, so vLLM builds Fp8LinearMethod layers
-            from weightsync.quant.config import BlockFP8
+            from weightsync.quant.config import for_checkpoint
 
-            model_config = {**model_config, "quantization_config": BlockFP8().hf_config()}
+            quant = for_checkpoint(spec_from_config(model_config))
+            model_config = {**model_config, "quantization_config": quant.hf_config()}
         checkpoint = config_dir(model_config, workdir)
     from vllm import LLM
 
