@@ -26,9 +26,6 @@ def _plan(args: argparse.Namespace) -> int:
         from weightsync.quant.layout import fp8_layout
 
         fp8_layout(dst)  # the engine's own refusal first: a shard that cuts a 128 x 128 block
-        if args.codec == "delta":
-            raise WeightSyncError("--codec delta with quant=fp8: delta and FP8 together are not built; drop one")
-        args.codec = "fp8"
     make_topo = Topology.colocated if args.colocate else Topology.separated
     topo = make_topo(src.world_size, dst.world_size, args.instances, args.gpus_per_host)
     planner = Planner(src, dst, args.instances, topo, bucket_bytes=args.budget,
@@ -36,7 +33,11 @@ def _plan(args: argparse.Namespace) -> int:
     transport = args.transport or ("colocated" if args.colocate else "p2p")
     if transport == "colocated" and not args.colocate:
         raise WeightSyncError("--transport colocated needs --colocate (the inference ranks on the training GPUs)")
-    deployment = Deployment(transport, args.receiver, args.codec, args.changed,  # the simulator's (predict.simulate)
+    from weightsync.codec.registry import job_codec_name
+
+    # the job's codec as a session chooses it (an engine declared quant=fp8 takes fp8; delta with it refused)
+    codec = job_codec_name(args.codec, args.infer, transport, "sync")
+    deployment = Deployment(transport, args.receiver, codec, args.changed,  # the simulator's (predict.simulate)
                             early_call=not args.call_after_written)
     cost = cost_model(args.gpu)  # the constants measured on that GPU
     if args.rank:
@@ -115,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="for the predicted step: colocated (default with --colocate), p2p (NCCL, default), nixl")
     plan.add_argument("--receiver", choices=["faithful", "vllm", "sglang"], default="faithful",
                       help="for the predicted step: layout-faithful workers (default) or a real vLLM / SGLang engine")
-    plan.add_argument("--codec", choices=["full", "fp8", "delta"], default="full",
+    from weightsync.predict.simulate import CODECS as SIMULATED_CODECS  # the codecs whose sizes it models
+
+    plan.add_argument("--codec", choices=list(SIMULATED_CODECS), default="full",
                       help="for the predicted step: bytes on the wire (fp8: an estimate; delta: at --changed)")
     plan.add_argument("--changed", type=float, default=0.01, help="delta: fraction changed a step (default 0.01)")
     plan.add_argument("--call-after-written", action="store_true",
