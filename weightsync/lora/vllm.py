@@ -238,12 +238,29 @@ def lora_release(host: Any, lora_id: int) -> bool:
     return True
 
 
+#: a worker's opened trainer tensors, by the export's id (:func:`lora_land` with ``shared``): mapped once per process
+_OPENED: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def _sources(shared: dict) -> dict[str, torch.Tensor]:
+    """The trainer's adapter tensors this worker reads in place (:mod:`weightsync.transport.share`: shared memory on
+    CPU, CUDA IPC on a GPU, mapped on this worker's device), opened once per export."""
+    from weightsync.transport.share import import_tensors
+
+    got = _OPENED.get(shared["id"])
+    if got is None:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        got = _OPENED[shared["id"]] = import_tensors(shared["tensors"], cuda_device=device)
+    return got
+
+
 @host_call
 def lora_land(host: Any, spec: AdapterSpec, config: SlotConfig, lora_id: int, adapter_name: str,
-              hashes: dict, payloads: dict) -> Landed:
+              hashes: dict, payloads: dict | None, shared: dict | None = None) -> Landed:
     """Land this worker's part of an adapter version in slot ``config.slot`` (a host call; module docstring,
     step 3). ``hashes``: the sender's plan hash per (src, instance, dst) pair; ``payloads``: per dst rank, the
-    payload of each copy in the plan's bucket order."""
+    payload of each copy in the plan's bucket order -- or None with ``shared``: the trainer's tensors exported on
+    this host (:meth:`VLLMLoRASlots.land`), which the worker reads in place, so no byte rides in the call."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     from weightsync.layout.box import box_shape, slices
@@ -264,7 +281,12 @@ def lora_land(host: Any, spec: AdapterSpec, config: SlotConfig, lora_id: int, ad
                 if got.get(n) != want.get(n)]
         raise ConfigError(f"vllm rank {rank}: the LoRA buffers differ from {layout.describe()}: " + "; ".join(diff[:8]))
     plan = Planner(PeftLayout(spec, adapter_name), layout).recv_plan(0, rank)
-    mine = payloads.get(rank, [])
+    if shared is not None:  # the trainer's tensors in place, each copy's source box read as the plan says
+        sources = _sources(shared)
+        mine = [sources[c.src_tensor][slices(c.src_box)] for pair in sorted(plan) for b in plan[pair]
+                for c in b.copies]
+    else:
+        mine = payloads.get(rank, [])
     n = nbytes = 0
     for pair in sorted(plan):
         if hashes.get(pair) != pair_hash(plan[pair]):
@@ -322,7 +344,7 @@ class VLLMLoRASlots:
     """Adapter versions in the LoRA slots of one offline ``vllm.LLM`` started with ``enable_lora=True`` and
     weightsync's worker extension (module docstring). ``versions``: the live versions, oldest first."""
 
-    def __init__(self, llm: Any, timeout_s: float = 300.0, first_id: int = FIRST_ID):
+    def __init__(self, llm: Any, timeout_s: float = 300.0, first_id: int = FIRST_ID, share: bool = True):
         from weightsync.runtime import wire
         from weightsync.vllm.extension import EXTENSION
 
@@ -335,8 +357,9 @@ class VLLMLoRASlots:
         if vc.lora_config is None:
             raise ConfigError("vllm: this engine was started without LoRA: start it with enable_lora=True "
                               "(max_loras, max_lora_rank) to land adapters in it")
-        self.llm, self.timeout_s = llm, timeout_s
+        self.llm, self.timeout_s, self.share = llm, timeout_s, share
         self.vllm_config = vc
+        self._exports: dict[int, tuple[tuple[int, ...], dict]] = {}  # id(bound) -> (its tensors' addresses, export)
         directory, key = wire.new_key_dir(wire.VLLM_DIR_PREFIX)
         self._channel = _Channel(uuid.uuid4().hex, directory, key)
         self._ids = itertools.count(first_id)
@@ -359,6 +382,11 @@ class VLLMLoRASlots:
         return [result(a, rank, "vllm") for rank, a in enumerate(answers)]
 
     def close(self) -> None:
+        from weightsync.transport.share import release
+
+        for _, shared in self._exports.values():
+            release(shared["tensors"])
+        self._exports.clear()
         shutil.rmtree(self._channel.dir, ignore_errors=True)
 
     def _base_digest(self) -> str:
@@ -397,7 +425,12 @@ class VLLMLoRASlots:
     def land(self, bound: Any, name: str, version: int) -> AdapterVersion:
         """Land the adapter tensors of ``bound`` (a :class:`~weightsync.bind.Bound` of a
         :class:`~weightsync.lora.layouts.PeftLayout`: :class:`weightsync.lora.peft.PeftTrainEngine`'s) as version
-        ``version`` of adapter ``name`` in a free slot; the landed version, published (module docstring)."""
+        ``version`` of adapter ``name`` in a free slot; the landed version, published (module docstring).
+
+        With ``share`` (the default: the engine's workers run on this host, as an offline ``LLM``'s do) the workers
+        read the trainer's tensors in place: they are exported once (:func:`weightsync.transport.share.export_tensors`:
+        moved into shared memory in place on CPU, CUDA IPC handles on a GPU) and only their description travels in
+        the call. Without it every copy's bytes ride inside the signed call."""
         from weightsync.layout.box import slices
         from weightsync.plan.planner import Planner, pair_hash
 
@@ -412,13 +445,14 @@ class VLLMLoRASlots:
                 raise InstanceError(f"vllm: the workers reserved different slots for {name}@{version}: {slots}")
             config = self.slot_config(spec, slots[0])
             planner = Planner(bound.engine, VLLMSlotLayout(spec, config))
-            hashes, payloads = {}, {}
-            with torch.no_grad():
-                for pair, buckets in sorted(planner.send_plan(0).items()):
-                    hashes[pair] = pair_hash(buckets)
-                    payloads[pair[2]] = [bound.tensors[c.src_tensor][slices(c.src_box)].detach().clone()
-                                         for b in buckets for c in b.copies]
-            self.call(lora_land, spec, config, lora_id, bound.engine.adapter_name, hashes, payloads)
+            plans = sorted(planner.send_plan(0).items())
+            hashes = {pair: pair_hash(buckets) for pair, buckets in plans}
+            payloads, shared = None, self._shared(bound) if self.share else None
+            if shared is None:
+                with torch.no_grad():
+                    payloads = {pair[2]: [bound.tensors[c.src_tensor][slices(c.src_box)].detach().clone()
+                                          for b in buckets for c in b.copies] for pair, buckets in plans}
+            self.call(lora_land, spec, config, lora_id, bound.engine.adapter_name, hashes, payloads, shared)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.call(lora_release, lora_id)
@@ -426,6 +460,21 @@ class VLLMLoRASlots:
         v = AdapterVersion(name, version, lora_id, slots[0], spec.digest)
         self.versions.append(v)
         return v
+
+    def _shared(self, bound: Any) -> dict:
+        """``bound``'s tensors exported for the workers to read in place (:meth:`land`): once, and again only where
+        a tensor moved (an optimizer that replaced it; the export keeps the old memory alive until released)."""
+        from weightsync.transport.share import addresses, export_tensors, release
+
+        tensors = {n: bound.tensors[n].detach() for n in bound.tensors}
+        got = self._exports.get(id(bound))
+        if got is not None and got[0] == addresses(tensors):
+            return got[1]
+        if got is not None:
+            release(got[1]["tensors"])
+        shared = {"id": uuid.uuid4().hex, "tensors": export_tensors(tensors)}
+        self._exports[id(bound)] = (addresses(tensors), shared)  # after export: a CPU storage moved into shm
+        return shared
 
     def latest(self, name: str) -> AdapterVersion | None:
         return next((v for v in reversed(self.versions) if v.name == name), None)
