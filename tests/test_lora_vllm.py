@@ -84,7 +84,7 @@ def _mark_host_call():
 _mark_host_call()
 
 
-def _start(tmp_path_factory, tp: int, **kw):
+def _start(tmp_path_factory, tp: int, share: bool = True, **kw):
     from vllm_harness import TP2_ENV, checkpoint, start_llm
 
     from weightsync.lora.vllm import VLLMLoRASlots
@@ -95,7 +95,7 @@ def _start(tmp_path_factory, tp: int, **kw):
     with environ(TP2_ENV if tp > 1 else {}):
         llm = start_llm(checkpoint(load_spec(MODEL), 1, root / "base"), tp, enable_lora=True, max_loras=MAX_LORAS,
                         max_lora_rank=MAX_RANK, **kw)
-    return llm, VLLMLoRASlots(llm), root
+    return llm, VLLMLoRASlots(llm, share=share), root
 
 
 @pytest.fixture(scope="module")  # TestTP1 and TestAtomicity: one engine start
@@ -112,7 +112,8 @@ def engine(tmp_path_factory):
 def engine_tp2(tmp_path_factory):
     from vllm_harness import stop_llm
 
-    llm, slots, root = _start(tmp_path_factory, 2)
+    # the bytes inside the signed call (share=False: workers on another host); TP=1 reads the trainer in place
+    llm, slots, root = _start(tmp_path_factory, 2, share=False)
     yield llm, slots, root
     slots.close()
     stop_llm(llm)
