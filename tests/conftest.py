@@ -60,6 +60,9 @@ SLOW = {
         "SGLang DP-attention layouts: test_roundtrip in process, test_instances against live faithful workers",
     "test_runtime.py::test_end_to_end_bit_exact[tiny-qwen3-moe-megatron:ep=2,dp=2-vllm:tp=2,dp=2,ep=4x1]":
         "the EP layout pair runs in test_roundtrip; live Megatron EP ranks in test_checkpoint_save's ep=2 case",
+    "test_vllm.py::TestMLA::test_offline_and_plugin_sync[tp1]":
+        "the [tp2] case lands kv_b_proj and re-derives W_UK_T / W_UV on each rank from its own shard, the same "
+        "code at TP=1 with one rank; landing into a TP=1 engine runs in TestQwen3TP1",
     "test_fp8_sync.py::test_fsdp2_to_an_fp8_vllm_layout_over_file_colocated_and_nixl[file]":
         "the file transport's FP8 payload file is written and read by test_fp8_codec; whole FP8 jobs run over "
         "p2p, co-located and nixl",
