@@ -62,13 +62,26 @@ def test_readable_summary(capsys):
         (["--model", "tiny-qwen3", "--train", "hf", "--infer", "hf", "--rank", "train:5"], "outside"),
     ],
 )
-def test_errors_are_one_line_and_nonzero(args, message):
-    p = subprocess.run([sys.executable, "-m", "weightsync", "plan", *args], capture_output=True, text=True)
+def test_errors_are_one_line_and_nonzero(capsys, args, message):
+    """Each error through ``main`` in this process (a process start costs seconds of torch imports on CI's two
+    cores); the command-line process itself -- exit status, nothing on stdout, nothing else on stderr -- is
+    ``test_an_error_is_one_line_and_nonzero_from_the_command_line``."""
+    assert main(["plan", *args]) != 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("weightsync: error:"), err
+    assert message in lines[0]
+
+
+def test_an_error_is_one_line_and_nonzero_from_the_command_line():
+    p = subprocess.run([sys.executable, "-m", "weightsync", "plan", "--model", "tiny-qwen3", "--train", "hf",
+                        "--infer", "vllm:tp=3"], capture_output=True, text=True)
     assert p.returncode != 0
     assert p.stdout == ""
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("weightsync: error:"), p.stderr
-    assert message in lines[0]
+    assert "not divisible by attention TP 3" in lines[0]
 
 
 @pytest.mark.parametrize("args,message", [
