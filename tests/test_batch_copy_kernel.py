@@ -20,8 +20,8 @@ from weightsync.transport import batch_copy as bc
 g = torch.Generator().manual_seed(7)
 def poisoned(t):
     return torch.full_like(t, float("nan")) if t.is_floating_point() else torch.full_like(t, -1)
-mat = torch.randn(300, 700, generator=g).to(torch.bfloat16)      # 1400-byte rows: the 8-aligned group
-wide = torch.randn(40, 1024, generator=g)                          # 4096-byte rows: long rows, the 16 group
+mat = torch.randn(151, 700, generator=g).to(torch.bfloat16)      # 1400-byte rows: the 8-aligned group
+wide = torch.randn(6, 1024, generator=g)                           # 4096-byte rows: long rows, the 16 group
 flat = torch.randn(5003, generator=g)                              # a masked tail
 odd = torch.randint(0, 255, (999,), dtype=torch.uint8, generator=g)  # the 1 group
 for WIDE, STREAM in ((True, False), (True, True), (False, False)):
