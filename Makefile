@@ -26,6 +26,9 @@ demo: venv
 # make test-all runs them too.
 # Three workers on CI's two cores: many tests wait (process starts, engines, timeouts). Measured here, 2 cores:
 # 17.4 min at -n 3 collecting after each test (tests/conftest.py), 19.8 at -n 2 without.
+# 2026-12-07, fresh clones here beside other work on the machine (load average 3-16): 45.8 min of tests at
+# 8c839ef, 41.9 at efa8605 (TestMLA's TP=1 case slow, the CLI's errors in-process, a smaller interpreted
+# kernel); the load set both figures (docs/testing.md).
 # --max-worker-restart=0: a crashed xdist worker ends the run, reported; pytest-xdist 3.8 under loadgroup hangs
 # once it replaces a crashed worker (its issues 1323, 1327, 1378), which held a CI run to its time limit.
 # docs/testing.md, "Crashes and hangs".
