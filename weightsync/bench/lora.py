@@ -202,7 +202,7 @@ def run_lora(ranks: list[int], model: str, reps: int = 5, device: str = "cpu", d
 
     from vllm import LLM
 
-    from weightsync.bench.run import environment
+    from weightsync.bench.environment import environment
     from weightsync.checkpoint.save import hf_config
     from weightsync.lora.vllm import VLLMLoRASlots
     from weightsync.spec import load_spec

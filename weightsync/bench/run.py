@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from weightsync.bench.environment import environment  # noqa: F401 - recorded with every result; re-exported
 from weightsync.bench.ceilings import copy_ceiling, link_recv, peak_memory, peer_bandwidth, reset_peak
 from weightsync.bench.events import (
     BaselineEnded,
@@ -711,32 +712,6 @@ def run_quant(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     return {"scenario": scenario, "model": model, "receiver": receiver, "quant": "fp8", "commit": fp8.get("commit"),
             "runs": [bf16, fp8], "verified": bool(bf16.get("verified") and fp8.get("verified")),
             "efficiency": fp8.get("efficiency"), "errors": bf16.get("errors", []) + fp8.get("errors", [])}
-
-
-def environment() -> dict:
-    """Where and with what a result was measured (recorded with every result)."""
-    import datetime
-    import os
-    import subprocess
-
-    from weightsync import __version__
-
-    commit = os.environ.get("WEIGHTSYNC_COMMIT")  # a copied tree's .git can be stale: let the caller say
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    timeout=5).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            commit = None
-    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "torch": torch.__version__,
-        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
-        "weightsync": __version__,
-        "commit": commit,
-    }
 
 
 def main_from_args(args) -> int:
