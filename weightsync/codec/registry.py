@@ -3,8 +3,8 @@
 A participant asks for a codec by name (``codec=`` on a writer or reader; ``delta=True`` is the older spelling of
 ``codec="delta"``): :func:`requested`. Once the job is agreed, the engine may decide (an engine declared
 ``quant=fp8`` takes the fp8 codec where the full one was asked): :func:`job_codec_name`; the codec is then made for
-the job (:func:`make_job_codec`, each codec's :meth:`~weightsync.payload.codec.Codec.for_job`). The session, the
-CLI and the simulator ask here; nothing else names a codec.
+the job (:func:`make_job_codec`, each codec's :meth:`~weightsync.payload.codec.Codec.for_job`). The session and
+``weightsync plan`` ask here; the simulator keeps its own size rules for the codecs it models (full, fp8, delta).
 
 A new codec is one module (an :class:`~weightsync.payload.codec.Codec` with its two sides) and one line in
 :data:`CODECS`; a transport says what it serves per mode in its registry entry

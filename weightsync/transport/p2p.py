@@ -328,12 +328,7 @@ class P2PTransport:
         header = self._headers(codec.header_words, slot.device)[k % self.window]
         if codec.sized:
             return [("header", header), slot[: frames.side.bound(b)]], None, self._coalescing
-        try:
-            works = post(self.group, [(header, peer, HEADER_TAG + b.index, False)], slot.device, False)
-            for w in works:
-                retire(w, self.timeout, False)
-        except (RuntimeError, TimeoutError) as e:
-            raise self._error(b, peer, False, e) from e
+        self._retire_cpu(b, post(self.group, [(header, peer, HEADER_TAG + b.index, False)], slot.device, False), False)
         h = self._header(b, codec, header, frames)
         if h.whole:
             return st.tensors(slot), h, False  # in place where the plan's messages lie so: posted under the fence
