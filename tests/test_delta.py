@@ -311,6 +311,7 @@ def test_file_bit_exact_and_gaps_read_the_full_file(tmp_path):
     from weightsync.layout.materialize import TORCH_DTYPES, fill_from, scatter
     from weightsync.plan.planner import Planner
     from weightsync.spec import load_spec
+    from weightsync.payload.codec import Framing
     from weightsync.transport.file import FileTransport
 
     spec = load_spec("tiny-qwen3")
@@ -334,7 +335,7 @@ def test_file_bit_exact_and_gaps_read_the_full_file(tmp_path):
             fill_from(src.layout(r), tensors, traj[step])
             if step == SENDER_FORGETS:
                 sender.fail()
-            stats = FileTransport(tmp_path).send_frames(step, planner.send_plan(r), tensors, sender, codec)
+            stats = FileTransport(tmp_path).send(planner.send_plan(r), tensors, frames=Framing(step, sender, codec))
             assert stats.bytes >= stats.full_bytes
         for (i, j), held in receivers.items():
             receiver, tensors = held
@@ -355,7 +356,7 @@ def test_file_bit_exact_and_gaps_read_the_full_file(tmp_path):
             elif gap == "touched":
                 t = next(iter(tensors.values()))
                 t.view(-1)[0] = t.view(-1)[0] + 1
-            stats = FileTransport(tmp_path, consume=False).recv_frames(step, plans[j], tensors, receiver, codec)
+            stats = FileTransport(tmp_path, consume=False).recv(plans[j], tensors, frames=Framing(step, receiver, codec))
             want = scatter(layout, traj[step])
             bad = [n for n in want if not same(tensors[n], want[n])]
             assert not bad, f"step {step} instance {i} rank {j}: wrong values in {bad[:4]}"

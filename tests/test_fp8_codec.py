@@ -307,6 +307,7 @@ def test_the_file_transport_writes_fp8_payloads_as_the_pairs_one_file(tmp_path):
     from weightsync.engines import make_layout
     from weightsync.errors import TransportError
     from weightsync.layout.materialize import TORCH_DTYPES, fill_from
+    from weightsync.payload.codec import Framing
     from weightsync.plan.planner import Planner
     from weightsync.quant.layout import fp8_layout
     from weightsync.testing import random_canonical
@@ -322,14 +323,14 @@ def test_the_file_transport_writes_fp8_payloads_as_the_pairs_one_file(tmp_path):
     sources = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype]) for n, t in src.layout(0).tensors.items()}
     fill_from(src.layout(0), sources, canonical)
     send = planner.send_plan(0)
-    stats = FileTransport(tmp_path).send_frames(3, send, sources, codec.encoder(send, torch.device("cpu")), codec)
+    stats = FileTransport(tmp_path).send(send, sources, frames=Framing(3, codec.encoder(send, torch.device("cpu")), codec))
     assert stats.bytes < 0.6 * stats.full_bytes
     for j in range(2):
         plans = planner.recv_plan(0, j)
         targets = {n: torch.full(t.shape, float("nan"), dtype=TORCH_DTYPES[t.dtype])
                    for n, t in layout.layout(j).tensors.items()}
         reader = FileTransport(tmp_path, consume=False, timeout_s=5)
-        reader.recv_frames(3, plans, targets, codec.decoder(plans), codec)
+        reader.recv(plans, targets, frames=Framing(3, codec.decoder(plans), codec))
         want = expected_fp8(layout, canonical, j)
         for n in want:
             assert torch.equal(bits(targets[n]), bits(want[n])), (j, n)
@@ -337,4 +338,4 @@ def test_the_file_transport_writes_fp8_payloads_as_the_pairs_one_file(tmp_path):
         FileTransport(tmp_path, consume=False, timeout_s=5).recv(planner.recv_plan(0, 0), targets, step=3)
     other = Planner(src, base, 1, bucket_bytes=64 << 10).recv_plan(0, 0)
     with pytest.raises(TransportError, match="two ends built different plans"):
-        FileTransport(tmp_path, consume=False, timeout_s=5).recv_frames(3, other, targets, codec.decoder(other), codec)
+        FileTransport(tmp_path, consume=False, timeout_s=5).recv(other, targets, frames=Framing(3, codec.decoder(other), codec))

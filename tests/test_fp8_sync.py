@@ -123,7 +123,7 @@ def test_fsdp2_to_an_fp8_vllm_layout_lands_the_fp8_checkpoint_bit_exact(tmp_path
 @pytest.mark.parametrize("transport", ["file", "colocated", "nixl"])
 def test_fsdp2_to_an_fp8_vllm_layout_over_file_colocated_and_nixl(tmp_path, transport):
     """The same over the file transport (each pair's file holds the FP8 payloads: weightsync.transport.file
-    ``_write_encoded``), co-located (shared memory on CPU: each worker quantizes straight from the trainers'
+    ``forms``: weightsync.encoded/1), co-located (shared memory on CPU: each worker quantizes straight from the trainers'
     tensors into its live e4m3 weights and scales, weightsync.codec.fp8 ``FP8Codec.land``) and nixl (real agents:
     each trainer quantizes into its registered frames region, each worker READs the payloads alone,
     weightsync.transport.nixl ``FrameReads``)."""

@@ -223,6 +223,7 @@ def test_a_link_planted_at_a_frames_file_s_temporary_name_is_refused(tmp_path, m
     from weightsync.plan.planner import Planner
     from weightsync.spec import load_spec
     from weightsync.testing import random_canonical
+    from weightsync.payload.codec import Framing
     from weightsync.transport.file import FRAMES_SUFFIX
 
     spec = load_spec("tiny-qwen3")
@@ -239,7 +240,7 @@ def test_a_link_planted_at_a_frames_file_s_temporary_name_is_refused(tmp_path, m
     def step(n: int) -> None:
         with torch.no_grad():
             next(iter(tensors.values())).view(-1)[0] += 1  # a small change: the step's deltas are small
-        FileTransport(directory).send_frames(n, plans, tensors, encoder, codec)
+        FileTransport(directory).send(plans, tensors, frames=Framing(n, encoder, codec))
 
     with umask(0o022):
         step(0)  # no base yet: full files only

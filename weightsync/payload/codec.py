@@ -364,6 +364,19 @@ class Codec(ABC):
         return landing(pairs)
 
 
+@dataclass(frozen=True)
+class Framing:
+    """A framed codec's step through a transport's one data path: the step, this rank's side of the codec (its
+    :class:`Encoder` on a training rank, its :class:`Decoder` on a worker), the codec, and whether each receiver's
+    proof of its base travels to the sender first (a two-sided transport, a codec that needs :data:`BASE_PROOF`;
+    a one-sided one publishes the headers and each receiver proves its base against them itself)."""
+
+    step: int
+    side: Encoder | Decoder
+    codec: Codec
+    proofs: bool = False
+
+
 def landing(pairs: Pairs) -> Landing:
     """``pairs`` as the full codec lands them (:class:`Landing`): those of one dtype are the transport's byte
     copies, the others this stage's casts, done after them (one rounding each, source dtype -> destination

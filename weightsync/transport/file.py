@@ -20,12 +20,22 @@ is bounded by the largest bucket, not the pair) into a hidden temporary name in 
 and then ``os.replace``-d into place, so a reader never sees a partial file: a name that exists is
 complete. A file that already has the final name (an earlier run's, left by a crash) is overwritten.
 
+A framed codec (:mod:`weightsync.payload.codec`: ``frames=``, a :class:`~weightsync.payload.codec.Framing`) takes the
+same path -- the same names, atomic writes, checks, waits and sweep -- only what a pair's file holds is its codec's
+(:func:`forms`). A codec whose frames need no base (fp8, cast) makes them the pair's one file
+(``weightsync.encoded/1``: each bucket's payload, as large as the encoder's bound, then every bucket's header in
+an int64 table ``headers``, ``[buckets, 1 + Header.WORDS]``: its index, then the words). A codec whose frames need
+a base each reader proves itself (delta: the files are written once for every instance) writes the plan's bytes,
+which every reader can land, and, before renaming them into place, its frames beside them
+(``<name>.frames``, ``weightsync.frames/1``, laid out as an encoded file); a reader takes those where its decoder
+proves every header's base, else the plan's bytes.
+
 The receiver polls the directory (``poll_s`` sleep) for its pairs' files of the step, consuming
 each as it appears, in any order: it checks the metadata -- the step, the pair and the pair hash
 must equal its own plan's, and the bucket count and every bucket's size must match -- unpacks every
 bucket into the live tensors in place, landing it as the codec says (:func:`weightsync.payload.pack.unpacked`:
-byte copies, the full codec's casts where a tensor's dtype is not the wire's) and deletes the
-file (each pair's file has exactly one consumer). A file that fails a check is left in place for
+byte copies, the full codec's casts where a tensor's dtype is not the wire's; a framed file: its decoder) and
+deletes the file (each pair's file has exactly one consumer). A file that fails a check is left in place for
 inspection and raises :class:`TransportError` naming the pair. If ``timeout_s`` passes with no new
 file arriving, it raises a :class:`TransportError` naming the missing pair(s); sooner, with a ``watch``
 (a job's receivers have one: :mod:`weightsync.transport.liveness`), once a training rank whose file is
@@ -57,7 +67,7 @@ import re
 import struct
 import time
 import uuid
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import BinaryIO, Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -66,7 +76,7 @@ from weightsync.plan.planner import Bucket, Pair, pair_hash
 from weightsync.errors import StepNotWritten, TransportError
 from weightsync.transport.base import (BASE_PROOF, Buffers, Receiver, ReceiverContext, Sender, SenderContext,
                                        StepStats)
-from weightsync.payload.codec import Codec
+from weightsync.payload.codec import Codec, Encoder, Framing, Header
 from weightsync.transport.liveness import TrainerWatch
 from weightsync.transport.p2p import TransferStats, describe
 from weightsync.payload.pack import pack, run_landing, segments, unpack_pairs, unpacked
@@ -74,11 +84,12 @@ from weightsync.transport.private import check_own_file, owned_directory, privat
 
 log = logging.getLogger("weightsync.transport.file")
 
-FORMAT = "weightsync.file/1"
-_NAME = re.compile(r"^\.?step(\d+)\.t(\d+)\.i(\d+)\.r(\d+)\.safetensors(\.frames)?(\..*\.tmp)?$")  # .frames: a codec's
-FRAMES = "weightsync.frames/1"
+FORMAT = "weightsync.file/1"  # a pair's file of the plan's bytes (the full codec; a codec with frames beside it)
+ENCODED = "weightsync.encoded/1"  # a pair's file of a framed codec's frames that every reader takes (fp8, cast)
+FRAMES = "weightsync.frames/1"  # frames beside a pair's file, for the readers that prove their base (delta)
 FRAMES_SUFFIX = ".frames"
-ENCODED = "weightsync.encoded/1"  # a pair's file of payloads that need no base (FP8), with their headers
+HEADERS = "headers"  # a framed file's table of frame headers
+_NAME = re.compile(r"^\.?step(\d+)\.t(\d+)\.i(\d+)\.r(\d+)\.safetensors(\.frames)?(\..*\.tmp)?$")  # .frames: a codec's
 
 Plans = Mapping[Pair, list[Bucket]]
 
@@ -92,41 +103,71 @@ def bucket_key(index: int) -> str:
     return f"bucket.{index}"
 
 
-def _encoded_header(step: int, pair: Pair, buckets: list[Bucket], live: list[Bucket], sizes: list[int],
-                    words: int, codec: str) -> bytes:
-    """The safetensors header of a file of encoded payloads (:meth:`FileTransport._write_encoded`)."""
-    entries: dict[str, object] = {}
-    off = 0
-    for b, n in zip(live, sizes):
-        entries[bucket_key(b.index)] = {"dtype": "U8", "shape": [n], "data_offsets": [off, off + n]}
-        off += n
-    n = len(live) * (1 + words) * 8
-    entries["headers"] = {"dtype": "I64", "shape": [len(live), 1 + words], "data_offsets": [off, off + n]}
-    entries["__metadata__"] = {"format": ENCODED, "codec": codec, "step": str(step), "pair": ",".join(map(str, pair)),
-                               "pair_hash": pair_hash(buckets), "buckets": str(len(buckets)), "bytes": str(off)}
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
+def forms(frames: Framing | None) -> tuple[str, str | None]:
+    """What a pair's files hold for ``frames``' codec (None: the full codec): the format of the pair's file, and of
+    the frames file beside it (None: none). Frames that need a base each reader proves go beside the plan's bytes,
+    which every reader can land; any other codec's frames are the pair's one file."""
+    if frames is None:
+        return FORMAT, None
+    if BASE_PROOF in frames.codec.needs:
+        return FORMAT, FRAMES
+    return ENCODED, None
 
 
-def _header(step: int, pair: Pair, buckets: list[Bucket], digest: str) -> bytes:
-    """A safetensors header (8-byte length + JSON, space-padded to 8 bytes) for the pair's buckets."""
+def _header(fmt: str, step: int, pair: Pair, buckets: list[Bucket], sizes: Mapping[int, int],
+            codec: Codec | None = None) -> bytes:
+    """A safetensors header (8-byte length + JSON, space-padded to 8 bytes) for a file of ``pair``'s ``buckets``:
+    ``sizes[index]`` bytes under each bucket's key (none: 0), in the plan's order, then, for a framed file
+    (``codec``), the table of its frames' headers (:data:`HEADERS`: int64, a row per bucket with bytes)."""
     entries: dict[str, object] = {}
     off = 0
     for b in buckets:
-        entries[bucket_key(b.index)] = {"dtype": "U8", "shape": [b.nbytes], "data_offsets": [off, off + b.nbytes]}
-        off += b.nbytes
-    entries["__metadata__"] = {
-        "format": FORMAT,
-        "step": str(step),
-        "pair": ",".join(map(str, pair)),
-        "pair_hash": digest,
-        "buckets": str(len(buckets)),
-        "bytes": str(off),
-    }
+        n = sizes.get(b.index, 0)
+        entries[bucket_key(b.index)] = {"dtype": "U8", "shape": [n], "data_offsets": [off, off + n]}
+        off += n
+    meta = {"format": fmt, "step": str(step), "pair": ",".join(map(str, pair)), "pair_hash": pair_hash(buckets),
+            "buckets": str(len(buckets)), "bytes": str(off)}
+    if codec is not None:
+        rows = sum(1 for b in buckets if b.nbytes > 0)
+        n = rows * (1 + Header.WORDS) * 8
+        entries[HEADERS] = {"dtype": "I64", "shape": [rows, 1 + Header.WORDS], "data_offsets": [off, off + n]}
+        meta = {"format": fmt, "codec": codec.name, **meta}
+    entries["__metadata__"] = meta
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
+
+
+def _mismatch(f, fmt: str, step: int, pair: Pair, buckets: list[Bucket], codec: Codec | None) -> str | None:
+    """Why the open safetensors file ``f`` is not ``pair``'s file of ``step`` in ``fmt`` for its ``buckets`` (a
+    framed file: of ``codec``), or None."""
+    meta = f.metadata() or {}
+    want = {"format": fmt, "codec": codec.name if codec is not None else None, "step": str(step),
+            "pair": ",".join(map(str, pair)), "pair_hash": pair_hash(buckets), "buckets": str(len(buckets))}
+    for key, value in want.items():
+        got = meta.get(key)
+        if got == value:
+            continue
+        if key == "pair_hash":
+            return (f"was planned differently: pair hash {got} != this receiver's {value} (the two ends built "
+                    "different plans)")
+        hint = (" (the sender runs another codec: both ends must agree on it, as on the engine's quant)"
+                if key in ("format", "codec") else "")
+        return f"has {key} {got!r}, expected {value!r}{hint}"
+    keys, expect = set(f.keys()), {bucket_key(b.index) for b in buckets} | ({HEADERS} if codec is not None else set())
+    if keys != expect:
+        return f"holds buckets {sorted(keys - expect)[:4]} not planned / lacks {sorted(expect - keys)[:4]}"
+    return None
+
+
+def _table(rows: list[list[int]]) -> torch.Tensor:
+    """The frames' headers as a framed file holds them (:data:`HEADERS`): a bucket's index, then its words."""
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 1 + Header.WORDS)
+
+
+def _host(t: torch.Tensor):
+    """``t``'s bytes on the host, to write."""
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
 
 
 class FileTransport:
@@ -166,40 +207,63 @@ class FileTransport:
         #: worker's call returns before the engine's RPC deadline); None: only ``timeout_s`` without a new file
         self.total_s = total_s
         self.codec = codec
-        self._buffer: torch.Tensor | None = None  # the sender's packing buffer, reused every step
+        self._buffer: torch.Tensor | None = None  # a sender's packing buffer, a receiver's scratch: reused every step
         self.landed = False  # a receiver's: whether its last recv consumed any file (wrote into a target)
 
     # -- the interface shared with P2PTransport -------------------------------------------------
-    def send(self, plans: Plans, tensors: Mapping[str, torch.Tensor], *, step: int | None = None) -> TransferStats:
-        """Write one file per pair of this training rank's ``send_plan``, packed from its live ``tensors``.
+    def send(self, plans: Plans, tensors: Mapping[str, torch.Tensor], *, step: int | None = None,
+             frames: Framing | None = None) -> TransferStats:
+        """Write one file per pair of this training rank's ``send_plan`` from its live ``tensors`` (``frames``: as a
+        framed codec's encoder encodes them, :func:`forms`; the step is its step).
 
         ``step``: the step being moved (the receivers must ask for the same one); default ``step_fn()``.
         Returns once every file is in place under its final name.
         """
-        step = self._step(step)
+        step = self._step(frames.step if frames is not None else step)
         self._check_pairs(plans)
         start = time.perf_counter()
-        buckets = nbytes = 0
-        for pair in sorted(plans):
-            bs = plans[pair]
-            self._write(step, pair, bs, tensors)
-            buckets += sum(1 for b in bs if b.nbytes > 0)
-            nbytes += sum(b.nbytes for b in bs)
-        return TransferStats(buckets, nbytes, time.perf_counter() - start if plans else 0.0)
+        live = [b for bs in plans.values() for b in bs if b.nbytes > 0]
+        try:
+            if frames is not None:
+                frames.side.begin(step, None)  # one-sided: each reader proves its base against the published headers
+            written = sum(self._write(step, pair, plans[pair], tensors, frames) for pair in sorted(plans))
+            if frames is not None:
+                frames.side.end(step)
+        except BaseException:
+            if frames is not None:
+                frames.side.fail()
+            raise
+        full = sum(b.nbytes for b in live) if frames is not None else 0
+        return TransferStats(len(live), written, time.perf_counter() - start if plans else 0.0, full_bytes=full)
 
     def recv(self, plans: Plans, tensors: Mapping[str, torch.Tensor], *, step: int | None = None,
-             consume: Callable[[Pair, str], tuple[int, int]] | None = None, first_s: float = 0.0) -> TransferStats:
-        """Wait for, check and unpack every pair file of this inference rank's ``recv_plan`` in place.
+             first_s: float = 0.0, frames: Framing | None = None) -> TransferStats:
+        """Wait for, check and land every pair file of this inference rank's ``recv_plan`` in place (``frames``: as a
+        framed codec's decoder decodes them, :func:`forms`; the step is its step).
 
         ``step``: the step being moved (as the senders named it); default ``step_fn()``. Each file is
-        deleted once unpacked. Raises :class:`TransportError` when ``timeout_s`` passes with no new
+        deleted once landed (``consume``). Raises :class:`TransportError` when ``timeout_s`` passes with no new
         file, or when a file's metadata disagrees with the plan. ``first_s``: how much longer the first file may
         take (the trainers may still be training; with a ``watch`` they are watched all along):
         :class:`~weightsync.errors.StepNotWritten` after it, nothing landed (``landed`` says whether anything did).
         """
-        step = self._step(step)
+        step = self._step(frames.step if frames is not None else step)
         self._check_pairs(plans)
         self.landed = False
+        held = frames.side.begin() if frames is not None else None  # from here the targets may mix two steps
+        try:
+            stats = self._wait(step, plans, tensors, first_s, frames, held)
+            if frames is not None:
+                frames.side.end(step)
+        except BaseException:
+            if frames is not None:
+                frames.side.fail()
+            raise
+        return stats
+
+    def _wait(self, step: int, plans: Plans, tensors: Mapping[str, torch.Tensor], first_s: float,
+              frames: Framing | None, held: int | None) -> TransferStats:
+        """:meth:`recv`'s wait: each pair's file landed as it appears, in any order, within the bounds it names."""
         if not plans:
             return TransferStats(0, 0, 0.0)
         start = time.perf_counter()
@@ -221,8 +285,7 @@ class FileTransport:
                 _refuse_foreign(step, pair, path)  # before anything counts as landed: a refused file moved no byte
                 if not self.landed:  # the step began: the transfer's own bounds count from here
                     self.landed, began = True, time.monotonic()
-                b, n = (self._consume(step, pair, plans[pair], path, tensors, self.codec) if consume is None
-                        else consume(pair, path))
+                b, n = self._consume(step, pair, plans[pair], path, tensors, frames, held)
                 buckets, nbytes = buckets + b, nbytes + n
             if arrived:
                 last_progress = time.monotonic()
@@ -258,7 +321,8 @@ class FileTransport:
                     f"{where} after waiting {self.timeout_s:g}s with nothing new arriving (is the sender alive and "
                     "on this step?)", peer=missing[0][0], pair=missing[0])
             time.sleep(self.poll_s)
-        return TransferStats(buckets, nbytes, time.perf_counter() - start)
+        full = sum(b.nbytes for bs in plans.values() for b in bs) if frames is not None else 0
+        return TransferStats(buckets, nbytes, time.perf_counter() - start, full_bytes=full)
 
     def _later_step(self, step: int, since: float) -> int | None:
         """The newest step after ``step`` with a (final) file in the directory, for any instance, written after
@@ -281,215 +345,6 @@ class FileTransport:
                 later = int(m.group(1))
         return later
 
-    # -- frames (a framed codec: weightsync.codec) ------------------------------------------------
-    def send_frames(self, step: int, plans: Plans, tensors: Mapping[str, torch.Tensor], encoder, codec, *,
-                    cap_bytes: int | None = None) -> TransferStats:
-        """Write, per pair, the full file as :meth:`send` does and, beside it, a *frames file*
-        ``<full name>.frames``: every bucket's payload and header (with the base it was encoded against
-        and that base's checksum, which each reader proves itself: the files are written once for every
-        instance). The frames file is written first and the full file renamed into place after it, so a
-        reader that sees the full file sees the frames file too (when there is one). A pair gets no
-        frames file when a bucket has no encoding (no base yet), or when its payloads, held in memory
-        until written, would exceed ``cap_bytes`` (default: 4 of the pair's largest bucket)."""
-        step = self._step(step)
-        self._check_pairs(plans)
-        start = time.perf_counter()
-        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        encoder.begin(step, None)
-        written = full = count = 0
-        alone = BASE_PROOF not in codec.needs  # every payload stands alone (FP8): it is the pair's one file
-        try:
-            for pair in sorted(plans):
-                if alone:
-                    w, f, c = self._write_encoded(step, pair, plans[pair], tensors, encoder, codec, device)
-                    written, full, count = written + w, full + f, count + c
-                    continue
-                w, f, c = self._write_frames(step, pair, plans[pair], tensors, encoder, codec, device, cap_bytes)
-                written, full, count = written + w, full + f, count + c
-            encoder.end(step)
-        except BaseException:
-            encoder.fail()
-            raise
-        return TransferStats(count, written, time.perf_counter() - start, full_bytes=full)
-
-    def _write_frames(self, step: int, pair: Pair, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor],
-                      encoder, codec, device: torch.device, cap_bytes: int | None) -> tuple[int, int, int]:
-        final = os.path.join(self.directory, file_name(step, pair))
-        tmp = os.path.join(self.directory, f".{file_name(step, pair)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        live = [b for b in buckets if b.nbytes > 0]
-        cap = cap_bytes if cap_bytes is not None else 4 * max((b.nbytes for b in live), default=0)
-        payloads: dict[str, torch.Tensor] | None = {}
-        headers: list[list[int]] = []
-        held = 0
-        full = sum(b.nbytes for b in live)
-        with _replacing(tmp, f"step {step}: writing the files of {describe(pair)} to {self.directory}", pair):
-            with open(tmp, "wb", opener=private_opener) as f:
-                f.write(_header(step, pair, buckets, pair_hash(buckets)))
-                for b in live:
-                    need = max(b.nbytes, encoder.bound(b))  # the packed bucket, or a larger payload written there
-                    frame = encoder.encode(b, tensors, self._packing_buffer(need, device)[:need])
-                    f.write((frame.packed if frame.packed.device.type == "cpu" else frame.packed.cpu()).numpy())
-                    if payloads is None:
-                        continue
-                    held += frame.header.nbytes
-                    if frame.header.whole or held > cap:
-                        if not frame.header.whole:
-                            log.info("step %d, %s: the payloads exceed %d bytes; no frames file this step",
-                                     step, describe(pair), cap)
-                        payloads = None
-                        continue
-                    payloads[bucket_key(b.index)] = frame.payload[: frame.header.nbytes].cpu().clone()
-                    headers.append([b.index, *frame.header.words()])
-            if payloads is not None and live:
-                self._save_frames(step, pair, buckets, payloads, headers, codec)
-            os.replace(tmp, final)  # after the frames file: a reader seeing this sees that
-        framed = sum(p.numel() for p in payloads.values()) if payloads is not None else 0
-        return full + framed, full, len(live)
-
-    def _write_encoded(self, step: int, pair: Pair, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor],
-                       encoder, codec, device: torch.device) -> tuple[int, int, int]:
-        """A codec whose payloads need no base (FP8): the pair's file holds each bucket's payload as the codec
-        encoded it (its size the encoder's bound, a pure function of the plan) and, after them, every bucket's
-        header (``headers``, int64 ``[buckets, 1 + Header.WORDS]``: index, then the words), streamed through
-        one buffer as :meth:`send` streams the packed buckets; there is no full file to fall back on (the bytes
-        of the plan would not land in the engine's form)."""
-        final = os.path.join(self.directory, file_name(step, pair))
-        tmp = os.path.join(self.directory, f".{file_name(step, pair)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        live = [b for b in buckets if b.nbytes > 0]
-        sizes = [encoder.bound(b) for b in live]
-        words = codec.header_words  # the words a payload that needs no base has (kind, count, bytes)
-        with _replacing(tmp, f"step {step}: writing the file of {describe(pair)} to {self.directory}", pair):
-            with open(tmp, "wb", opener=private_opener) as f:
-                f.write(_encoded_header(step, pair, buckets, live, sizes, words, codec.name))
-                rows = []
-                for b, n in zip(live, sizes):
-                    frame = encoder.encode(b, tensors, self._packing_buffer(max(n, b.nbytes), device))
-                    if frame.header.nbytes != n or frame.payload is None:
-                        raise TransportError(f"step {step}: the {codec.name} codec encoded bucket {b.index} of "
-                                             f"{describe(pair)} in {frame.header.nbytes} bytes, not its bound {n}",
-                                             pair=pair, bucket=b.index)
-                    payload = frame.payload[:n]
-                    f.write((payload if payload.device.type == "cpu" else payload.cpu()).numpy())
-                    rows.append([b.index, *frame.header.words(words)])
-                f.write(torch.tensor(rows, dtype=torch.int64).reshape(len(live), 1 + words).numpy().tobytes())
-            os.replace(tmp, final)
-        return sum(sizes), sum(b.nbytes for b in live), len(live)
-
-    def _read_encoded(self, step: int, pair: Pair, buckets: list[Bucket], path: str,
-                      targets: Mapping[str, torch.Tensor], slot: torch.Tensor, decoder, codec) -> tuple[int, int]:
-        """Check and decode a file :meth:`_write_encoded` wrote; bytes read."""
-        def bad(why: str) -> TransportError:
-            return TransportError(f"step {step}: the file of {describe(pair)} ({path}) {why}", peer=pair[0], pair=pair)
-
-        live = [b for b in buckets if b.nbytes > 0]
-        device = next(iter(targets.values())).device if targets else torch.device("cpu")
-        _refuse_foreign(step, pair, path)
-        try:
-            f = safe_open(path, framework="pt", device="cpu")
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise bad(f"cannot be read as safetensors: {e}") from e
-        with f:
-            meta = f.metadata() or {}
-            for key, want in (("format", ENCODED), ("codec", codec.name), ("step", str(step)),
-                              ("pair", ",".join(map(str, pair))), ("pair_hash", pair_hash(buckets))):
-                if meta.get(key) != want:
-                    raise bad(f"has {key} {meta.get(key)!r}, expected {want!r}"
-                              + (" (the two ends built different plans)" if key == "pair_hash" else "")
-                              + (" (the sender runs another codec: both ends must agree on the engine's quant)"
-                                 if key in ("format", "codec") else ""))
-            rows = f.get_tensor("headers").tolist()
-            if [r[0] for r in rows] != [b.index for b in live]:
-                raise bad(f"holds buckets {[r[0] for r in rows][:4]}..., planned {[b.index for b in live][:4]}...")
-            moved = 0
-            for b, r in zip(live, rows):
-                h = codec.header(r[1:])
-                payload = f.get_tensor(bucket_key(b.index))
-                if payload.dtype != torch.uint8 or payload.numel() != decoder.size(b, h) or h.nbytes != payload.numel():
-                    raise bad(f"bucket {b.index} holds {payload.numel()} bytes, this receiver's plan "
-                              f"{decoder.size(b, h)} (header {h})")
-                decoder.decode(b, h, payload.to(device) if payload.device != device else payload, targets, slot)
-                moved += payload.numel()
-        return len(live), moved
-
-    def _save_frames(self, step: int, pair: Pair, buckets: list[Bucket], payloads: dict[str, torch.Tensor],
-                     headers: list[list[int]], codec) -> None:
-        from safetensors.torch import save
-
-        final = os.path.join(self.directory, file_name(step, pair) + FRAMES_SUFFIX)
-        tmp = os.path.join(self.directory, f".{file_name(step, pair)}{FRAMES_SUFFIX}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        meta = {"format": FRAMES, "codec": codec.name, "step": str(step), "pair": ",".join(map(str, pair)),
-                "pair_hash": pair_hash(buckets), "headers": json.dumps(headers)}
-        try:
-            data = save(payloads, metadata=meta)  # held in memory anyway (bounded by cap_bytes); 0600, O_EXCL below
-            with open(tmp, "wb", opener=private_opener) as f:
-                f.write(data)
-            os.replace(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-
-    def recv_frames(self, step: int, plans: Plans, targets: Mapping[str, torch.Tensor], decoder, codec) -> TransferStats:
-        """Read each pair's frames file when ``decoder`` proves every header's base (:meth:`send_frames`),
-        else its full file: the fall-back needs no round trip. Bytes moved are the bytes read."""
-        step = self._step(step)
-        held = decoder.begin()  # from here the targets may mix two steps
-        device = next(iter(targets.values())).device if targets else torch.device("cpu")
-        largest = max((b.nbytes for bs in plans.values() for b in bs), default=0)
-        if self._buffer is None or self._buffer.numel() < largest or self._buffer.device != device:
-            self._buffer = torch.empty(largest, dtype=torch.uint8, device=device)
-        slot = self._buffer
-
-        def consume(pair: Pair, path: str) -> tuple[int, int]:
-            if BASE_PROOF not in codec.needs:  # payloads that stand alone (FP8): the file holds nothing else
-                return self._read_encoded(step, pair, plans[pair], path, targets, slot, decoder, codec)
-            live = [b for b in plans[pair] if b.nbytes > 0]
-            moved = self._read_frames(step, held, pair, plans[pair], live, targets, slot, decoder, codec)
-            if moved is None:
-                _, moved = self._consume(step, pair, plans[pair], path, targets, codec)
-                decoder.whole(pair, live)
-            return len(live), moved
-
-        try:
-            stats = self.recv(plans, targets, step=step, consume=consume)
-        except BaseException:
-            decoder.fail()
-            raise
-        decoder.end(step)
-        full = sum(b.nbytes for bs in plans.values() for b in bs)
-        return TransferStats(stats.buckets, stats.bytes, stats.seconds, full_bytes=full)
-
-    def _read_frames(self, step: int, held: int | None, pair: Pair, buckets: list[Bucket], live: list[Bucket],
-                     targets: Mapping[str, torch.Tensor], slot: torch.Tensor, decoder, codec) -> int | None:
-        """Decode the pair's frames file in place and return its bytes, or None when there is none or
-        the decoder does not prove its bases (then the full file is read)."""
-        path = os.path.join(self.directory, file_name(step, pair) + FRAMES_SUFFIX)
-        if (held is None and BASE_PROOF in codec.needs) or not os.path.lexists(path):
-            return None
-        _refuse_foreign(step, pair, path)
-        with safe_open(path, framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            if (meta.get("format") != FRAMES or meta.get("codec") != codec.name or meta.get("step") != str(step)
-                    or meta.get("pair_hash") != pair_hash(buckets)):
-                return None
-            got = {h[0]: codec.header(h[1:]) for h in json.loads(meta["headers"])}
-            if set(got) != {b.index for b in live}:
-                return None
-            items = [(b, got[b.index]) for b in live]
-            read = decoder.accepts(step, held, items, targets, slot)
-            if read is None:
-                log.info("step %d, %s: this reader does not hold the frames' base; reading the full file",
-                         step, describe(pair))
-                return None
-            moved = 0
-            for i in read:
-                b, h = items[i]
-                payload = f.get_tensor(bucket_key(b.index))
-                decoder.decode(b, h, payload, targets, slot)
-                moved += payload.numel()
-        return moved
 
     def sweep(self, before_step: int, pairs: Iterable[Pair] | None = None) -> int:
         """Delete files (final and temporary) of steps earlier than ``before_step``; return how many.
@@ -534,72 +389,150 @@ class FileTransport:
             self._buffer = have = torch.empty(need, dtype=torch.uint8, device=device)
         return have
 
-    def _write(self, step: int, pair: Pair, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> None:
-        final = os.path.join(self.directory, file_name(step, pair))
-        tmp = os.path.join(self.directory, f".{file_name(step, pair)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        with _replacing(tmp, f"step {step}: writing the file of {describe(pair)} to {final}", pair):
-            with open(tmp, "wb", opener=private_opener) as f:
-                f.write(_header(step, pair, buckets, pair_hash(buckets)))
-                for b in buckets:
-                    if b.nbytes == 0:
-                        continue
-                    buf = pack(b, tensors, out=self._packing_buffer(b.nbytes, device)[: b.nbytes])
-                    host = buf if buf.device.type == "cpu" else buf.cpu()
-                    f.write(host.numpy())
-            os.replace(tmp, final)  # atomic in one directory: the final name appears complete
 
-    def _consume(
-        self, step: int, pair: Pair, buckets: list[Bucket], path: str, tensors: Mapping[str, torch.Tensor],
-        codec: Codec | None,
-    ) -> tuple[int, int]:
-        """Check and land the pair's full file (its buckets as ``codec`` lands the plan's bytes)."""
-        def bad(why: str, cause: Exception | None = None) -> TransportError:
-            err = TransportError(f"step {step}: the file of {describe(pair)} ({path}) {why}", peer=pair[0], pair=pair)
-            err.__cause__ = cause
-            return err
+    def _write(self, step: int, pair: Pair, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor],
+               frames: Framing | None) -> int:
+        """Write the pair's file of ``step`` from the live ``tensors`` (what it holds: :func:`forms`), each bucket
+        packed or encoded in turn through one reusable buffer, and before renaming it into place the frames file
+        beside it, if any (a reader that sees the file sees that one too); the bytes written. Frames beside the
+        file are held in memory until written: a pair gets none when a bucket has no encoding (no base yet) or
+        their payloads would exceed 4 of its largest bucket."""
+        form, beside = forms(frames)
+        side = frames.side if frames is not None else None
+        live = [b for b in buckets if b.nbytes > 0]
+        sizes = {b.index: side.bound(b) if form == ENCODED else b.nbytes for b in live}
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        rows: list[list[int]] = []  # the frames' headers (index, then the words)
+        kept: dict[int, torch.Tensor] | None = {} if beside is not None else None  # the frames beside the file
+        cap = 4 * max(sizes.values(), default=0)
+        final = os.path.join(self.directory, file_name(step, pair))
+        with self._putting(final, f"step {step}: writing the file of {describe(pair)} to {final}", pair) as f:
+            f.write(_header(form, step, pair, buckets, sizes, frames.codec if form == ENCODED else None))
+            for b in live:
+                need = max(b.nbytes, side.bound(b)) if side is not None else b.nbytes  # a payload may be larger
+                slot = self._packing_buffer(need, device)[:need]
+                if side is None:
+                    f.write(_host(pack(b, tensors, out=slot)))
+                    continue
+                frame = side.encode(b, tensors, slot)
+                h = frame.header
+                if beside is None:  # the frames are the file
+                    if h.nbytes != sizes[b.index] or frame.payload is None:
+                        raise TransportError(f"step {step}: the {frames.codec.name} codec encoded bucket {b.index} of "
+                                             f"{describe(pair)} in {h.nbytes} bytes, not its bound {sizes[b.index]}",
+                                             pair=pair, bucket=b.index)
+                    f.write(_host(frame.payload[: h.nbytes]))
+                    rows.append([b.index, *h.words()])
+                    continue
+                f.write(_host(frame.packed))  # the plan's bytes, which every reader can land
+                if kept is not None and (h.whole or sum(p.numel() for p in kept.values()) + h.nbytes > cap):
+                    if not h.whole:
+                        log.info("step %d, %s: the payloads exceed %d bytes; no frames file this step",
+                                 step, describe(pair), cap)
+                    kept = None
+                elif kept is not None:
+                    kept[b.index] = frame.payload[: h.nbytes].cpu().clone()
+                    rows.append([b.index, *h.words()])
+            if form == ENCODED:
+                f.write(_host(_table(rows)))
+            if kept:
+                with self._putting(final + FRAMES_SUFFIX, f"step {step}: writing the frames of {describe(pair)} to "
+                                   f"{final}{FRAMES_SUFFIX}", pair) as g:
+                    g.write(_header(beside, step, pair, buckets, {i: p.numel() for i, p in kept.items()},
+                                    frames.codec))
+                    for p in kept.values():
+                        g.write(_host(p))
+                    g.write(_host(_table(rows)))
+        return sum(sizes.values()) + sum(p.numel() for p in (kept or {}).values())
+
+    @contextlib.contextmanager
+    def _putting(self, final: str, what: str, pair: Pair) -> Iterator[BinaryIO]:
+        """A file to write under a hidden temporary name beside ``final`` (0600, ``O_EXCL | O_NOFOLLOW``), renamed into
+        place once written (atomic in one directory: the final name appears complete); on any failure the partial file
+        is removed, and an ``OSError`` becomes a :class:`TransportError` saying ``what`` failed."""
+        name = os.path.basename(final)
+        tmp = os.path.join(self.directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with open(tmp, "wb", opener=private_opener) as f:
+                yield f
+            os.replace(tmp, final)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(e, OSError):
+                raise TransportError(f"{what} failed: {e}", pair=pair) from e
+            raise
+
+    def _consume(self, step: int, pair: Pair, buckets: list[Bucket], path: str, targets: Mapping[str, torch.Tensor],
+                 frames: Framing | None, held: int | None) -> tuple[int, int]:
+        """Check and land the pair's file of ``step`` (what it holds: :func:`forms`): the frames file beside it where
+        there is one and this worker proves its base, else the file itself. Returns (buckets, bytes read)."""
+        form, beside = forms(frames)
+        live = [b for b in buckets if b.nbytes > 0]
+        moved = None
+        if beside is not None and held is not None and os.path.lexists(path + FRAMES_SUFFIX):
+            moved = self._read(step, pair, buckets, path + FRAMES_SUFFIX, targets, beside, frames, held)
+        if moved is None:
+            moved = self._read(step, pair, buckets, path, targets, form, frames, held)
+            if beside is not None:
+                frames.side.whole(pair, live)
+        if self.consume:
+            os.unlink(path)  # consumed: each pair's file has exactly one reader
+        return len(live), moved
+
+    def _read(self, step: int, pair: Pair, buckets: list[Bucket], path: str, targets: Mapping[str, torch.Tensor],
+              fmt: str, frames: Framing | None, held: int | None) -> int | None:
+        """Check the file at ``path`` as ``pair``'s file of ``step`` in ``fmt`` and land it -- the plan's bytes as the
+        codec lands them, or a framed codec's frames through its decoder -- returning the bytes read. A file that
+        fails a check raises, naming the pair; frames beside the plan's bytes (:data:`FRAMES`) that are unusable, or
+        whose base this worker does not hold, return None instead (the plan's bytes are read)."""
+        def refuse(why: str, cause: Exception | None = None) -> None:
+            if fmt == FRAMES:
+                log.info("step %d, %s: the frames file %s %s; reading the plan's bytes", step, describe(pair),
+                         path, why)
+                return None
+            raise TransportError(f"step {step}: the file of {describe(pair)} ({path}) {why}", peer=pair[0],
+                                 pair=pair) from cause
 
         _refuse_foreign(step, pair, path)
         try:
             f = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise bad(f"cannot be read as safetensors: {e}", e) from e
+            return refuse(f"cannot be read as safetensors: {e}", e)
+        live = [b for b in buckets if b.nbytes > 0]
+        device = next(iter(targets.values())).device if targets else torch.device("cpu")
         with f:
-            meta = f.metadata() or {}
-            want_hash = pair_hash(buckets)
-            checks = [
-                ("format", FORMAT),
-                ("step", str(step)),
-                ("pair", ",".join(map(str, pair))),
-                ("pair_hash", want_hash),
-                ("buckets", str(len(buckets))),
-            ]
-            for key, want in checks:
-                got = meta.get(key)
-                if got != want:
-                    if key == "pair_hash":
-                        raise bad(f"was planned differently: pair hash {got} != this receiver's {want} "
-                                  "(the two ends built different plans)")
-                    raise bad(f"has {key} {got!r}, expected {want!r}")
-            keys = set(f.keys())
-            expect = {bucket_key(b.index) for b in buckets}
-            if keys != expect:
-                raise bad(f"holds buckets {sorted(keys - expect)[:4]} not planned / lacks {sorted(expect - keys)[:4]}")
-            device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-            count = nbytes = 0
-            for b in buckets:
-                if b.nbytes == 0:
-                    continue
-                buf = f.get_tensor(bucket_key(b.index))
-                if buf.dtype != torch.uint8 or buf.numel() != b.nbytes:
-                    raise bad(f"bucket {b.index} has {buf.numel()} {buf.dtype} elements, planned {b.nbytes} bytes")
-                if buf.device != device:
-                    buf = buf.to(device)
-                run_landing(unpacked(codec, unpack_pairs(segments(b), buf, tensors)))
-                count, nbytes = count + 1, nbytes + b.nbytes
-        if self.consume:
-            os.unlink(path)  # consumed: each pair's file has exactly one reader
-        return count, nbytes
+            why = _mismatch(f, fmt, step, pair, buckets, frames.codec if fmt != FORMAT else None)
+            if why is not None:
+                return refuse(why)
+            if fmt == FORMAT:
+                codec = frames.codec if frames is not None else self.codec
+                for b in live:
+                    buf = f.get_tensor(bucket_key(b.index))
+                    if buf.dtype != torch.uint8 or buf.numel() != b.nbytes:
+                        return refuse(f"bucket {b.index} has {buf.numel()} {buf.dtype} elements, planned {b.nbytes} "
+                                      "bytes")
+                    run_landing(unpacked(codec, unpack_pairs(segments(b), buf.to(device), targets)))
+                return sum(b.nbytes for b in live)
+            side = frames.side
+            rows = f.get_tensor(HEADERS).tolist()
+            if [r[0] for r in rows] != [b.index for b in live]:
+                return refuse(f"holds buckets {[r[0] for r in rows][:4]}..., planned {[b.index for b in live][:4]}...")
+            items = [(b, frames.codec.header(r[1:])) for b, r in zip(live, rows)]
+            slot = self._packing_buffer(max((b.nbytes for b in live), default=0), device)  # the decoder's scratch
+            read = side.accepts(step, held, items, targets, slot)
+            if read is None:
+                return refuse("holds frames whose base this worker does not hold")
+            moved = 0
+            for i in read:
+                b, h = items[i]
+                payload = f.get_tensor(bucket_key(b.index))
+                if payload.dtype != torch.uint8 or payload.numel() != side.size(b, h) or h.nbytes != payload.numel():
+                    return refuse(f"bucket {b.index} holds {payload.numel()} bytes, this receiver's plan "
+                                  f"{side.size(b, h)} (header {h})")
+                side.decode(b, h, payload.to(device), targets, slot)
+                moved += payload.numel()
+        return moved
 
 
 # -- the transport interface (weightsync.transport.base) -------------------------------------------
@@ -615,7 +548,7 @@ class FileSender(Sender):
     def memory(self, ctx: SenderContext) -> Buffers:
         return Buffers(codec=self._encoder(ctx).memory() if self.options.framed else 0)
 
-    def _encoder(self, ctx: SenderContext):
+    def _encoder(self, ctx: SenderContext) -> Encoder:
         """The codec's encoder for this rank (framed codecs: :mod:`weightsync.codec`), made once."""
         if getattr(self, "encoder", None) is None:
             self.encoder = self.options.codec.encoder(ctx.plans, next(iter(ctx.tensors.values())).device)
@@ -624,15 +557,12 @@ class FileSender(Sender):
     def connect(self, ctx: SenderContext) -> None:
         self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s)
         self.plans, self.tensors = ctx.plans, ctx.tensors
-        self.encoder = None
-        if self.options.framed:  # a frames file beside each full file
-            self._encoder(ctx)
+        self.encoder = self._encoder(ctx) if self.options.framed else None
 
     def send(self, step: int) -> StepStats:
+        frames = Framing(step, self.encoder, self.options.codec) if self.encoder is not None else None
         with torch.no_grad():
-            if self.encoder is not None:
-                return self.transport.send_frames(step, self.plans, self.tensors, self.encoder, self.options.codec)
-            return self.transport.send(self.plans, self.tensors, step=step)
+            return self.transport.send(self.plans, self.tensors, step=step, frames=frames)
 
     def held(self, step: int) -> None:
         self.transport.sweep(step + 1, pairs=self.plans)
@@ -644,7 +574,7 @@ class FileSender(Sender):
 
 
 class FileReceiver(Receiver):
-    """An inference worker waits for its pairs' files of the step and unpacks them in place.
+    """An inference worker waits for its pairs' files of the step and lands them in place.
 
     Every instance reads the files written for instance slot 0 (the trainers write each step once) with
     that slot's plan, which lands in exactly the regions its own plan names; it leaves them in place. A
@@ -659,17 +589,15 @@ class FileReceiver(Receiver):
             ctx.watch.connect({pair[0] for pair in self.plans}, self.options.timeout_s)
         self.transport = FileTransport(self.options.directory, timeout_s=self.options.timeout_s, consume=False,
                                        watch=ctx.watch, total_s=self.options.timeout_s, codec=self.options.codec)
-        # the frames file when this worker proves its base, else the full file
         self.decoder = self.options.codec.decoder(self.plans) if self.options.framed else None
 
     def receive(self, step: int, targets: Mapping[str, torch.Tensor]) -> StepStats:
-        if self.decoder is not None:
-            return self.transport.recv_frames(step, self.plans, targets, self.decoder, self.options.codec)
-        return self.transport.recv(self.plans, targets, step=step, first_s=self.options.written_timeout_s)
+        frames = Framing(step, self.decoder, self.options.codec) if self.decoder is not None else None
+        return self.transport.recv(self.plans, targets, step=step, first_s=self.options.written_timeout_s,
+                                   frames=frames)
 
     def landed(self) -> bool:
-        # a framed receive (delta) does not say: it may have
-        return self.decoder is not None or self.transport.landed
+        return self.transport.landed
 
 
 def _refuse_foreign(step: int, pair: Pair, path: str) -> None:
@@ -680,17 +608,3 @@ def _refuse_foreign(step: int, pair: Pair, path: str) -> None:
     if why is not None:
         raise TransportError(f"step {step}: the file of {describe(pair)} ({path}) {why}: refused, not read (only "
                              "files this user wrote, that no one else can write, are loaded)", peer=pair[0], pair=pair)
-
-
-@contextlib.contextmanager
-def _replacing(tmp: str, what: str, pair: Pair) -> Iterator[None]:
-    """Around writing ``tmp`` and renaming it into place: on any failure the partial file is removed, and an
-    ``OSError`` becomes a :class:`TransportError` saying ``what`` failed (other errors pass as they are)."""
-    try:
-        yield
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise TransportError(f"{what} failed: {e}", pair=pair) from e
-        raise

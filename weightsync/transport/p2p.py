@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
@@ -76,7 +75,7 @@ from weightsync.transport.base import (
     SenderContext,
     StepStats,
 )
-from weightsync.payload.codec import Codec
+from weightsync.payload.codec import Codec, Framing  # noqa: F401 - Framing re-exported: callers knew it here
 from weightsync.transport.fence import Fence
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.posted import posted as all_posted
@@ -449,18 +448,6 @@ class P2PTransport:
                 retire(w, self.timeout, False)
         except (RuntimeError, TimeoutError) as e:
             raise self._error(b, peer, sending, e) from e
-
-
-@dataclass(frozen=True)
-class Framing:
-    """A framed codec's step over p2p (:mod:`weightsync.payload.codec`): the step, this rank's side of the codec
-    (its ``Encoder`` on a training rank, its ``Decoder`` on a worker), the codec, and whether each receiver's proof
-    of its base travels first (two-sided: the delta codec's ``BASE_PROOF``)."""
-
-    step: int
-    side: Any
-    codec: Codec
-    proofs: bool = False
 
 
 def _tagged(msgs: list, index: int) -> list[tuple[torch.Tensor, int]]:
