@@ -38,7 +38,9 @@ slot per distinct bucket at its worst case, and an *index* (``seq`` odd while st
 slot its key, offset and header), published as two more entries of its document; per step the encoder
 writes each frame into its slot and the index is stamped, inside the async snapshot's odd window. A
 worker reads the indexes after the step and, when its decoder proves every header's base (a codec
-needing no base: always), READs only the payloads (:class:`FrameReads`); otherwise it reads the step in
+needing no base: always), READs only the payloads (:class:`FrameReads`), through the read loop a full read's
+staged buckets take (:meth:`NixlReceiver._stream`: the same slots' window, prepped READs, landing after each
+chunk's READ); otherwise it reads the step in
 full -- except for a codec whose frames are the only form its receiver lands (``needs_frames``: fp8,
 whose payload is e4m3 bytes and scales, not the plan's bf16 bytes), where that is an error naming the
 trainer and nothing is read.
@@ -56,7 +58,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -479,7 +481,7 @@ class Program:
 
     def __init__(self):
         self.direct: list[tuple[Pair, object]] = []  # (first pair of the peer, handle)
-        self.staged: list[tuple[Batch, object, int]] = []  # (batch, handle, slot)
+        self.staged: list[_Chunk] = []  # a bucket's staged segments each, in slot k % SLOTS (_stream)
         self.dlists: list = []
         self.descriptors = 0  # READ descriptors posted a step (after merging)
 
@@ -668,7 +670,7 @@ class NixlReceiver(Receiver):
                 k += 1
                 loc_a, rem_a = merge_pairs(np.stack([self.slots[slot].data_ptr() + bt.rel, bt.runs[:, 1]], axis=1),
                                            bt.runs, local_regions, remote_regions)
-                parts.append(("staged", len(local), len(loc_a), (bt, slot)))
+                parts.append(("staged", len(local), len(loc_a), _Chunk(slot, [], (r,), bt.nbytes, batch=bt)))
                 local.extend(_descs(loc_a, dev))
                 remote.extend(_descs(rem_a, reads.doc.device))
             if local:
@@ -682,7 +684,8 @@ class NixlReceiver(Receiver):
                     if kind == "direct":
                         prog.direct.append((extra, h))
                     else:
-                        prog.staged.append((extra[0], h, extra[1]))
+                        extra.handles.append((h, extra.batch.pair, extra.batch.bucket))
+                        prog.staged.append(extra)
         # staged batches run in this (build) order, batch k in slot k % SLOTS: freed by batch k - SLOTS
         self.programs[key] = prog
         log.info("instance %d rank %d: NIXL program for %d peers: %d descriptors, %d in-place transfers, %d staged "
@@ -761,6 +764,8 @@ class NixlReceiver(Receiver):
         return [(r, self.header_bufs[r]) for r, _ in self.header_handles]
 
     def _read(self, targets: Mapping[str, torch.Tensor], t0: float) -> StepStats:
+        """The step in full: every in-place read posted at once (in chunks, ``POST_CHUNK``), then the staged
+        buckets through the slots (:meth:`_stream`), each landed as the codec lands the plan's bytes."""
         from weightsync.payload.pack import run_landing, unpack_pairs, unpacked
 
         prog = self._program(targets)
@@ -769,35 +774,68 @@ class NixlReceiver(Receiver):
         for h, pair, _ in pending:  # every in-place read in flight at once, in chunks (POST_CHUNK)
             self._post(h, pair, None)
             if started is None:  # the first chunk's copies run from here while the rest are posted
-                started = time.perf_counter() - t0
-        window: list[tuple[Batch, object, int]] = []
-
-        on_gpu = bool(targets) and next(iter(targets.values())).device.type == "cuda"
-
+                started = time.perf_counter()
         codec = self.options.codec
 
-        def finish(bt: Batch, h, slot: int) -> None:
-            self._wait([(h, bt.pair, bt.bucket)])
-            # the plan's bytes as the codec lands them: byte copies, then its casts (an fp32 trainer into bf16)
-            run_landing(unpacked(codec, unpack_pairs(bt.segments, self.slots[slot], targets)))
-            if on_gpu:  # the unpack has read the slot before NIXL writes the next batch into it
-                torch.cuda.current_stream().synchronize()
+        def land(ch: _Chunk) -> None:  # byte copies, then the codec's casts (an fp32 trainer into bf16)
+            run_landing(unpacked(codec, unpack_pairs(ch.batch.segments, self.slots[ch.slot], targets)))
 
-        for bt, h, slot in prog.staged:
-            if len(window) == SLOTS:
-                finish(*window.pop(0))  # frees this batch's slot
-            self._post(h, bt.pair, bt.bucket)
-            if started is None:
-                started = time.perf_counter() - t0
-            window.append((bt, h, slot))
-        posted = time.perf_counter() - t0
-        all_posted()  # the rest is NIXL's and the device's (the staged batches' unpacks excepted)
-        for item in window:
-            finish(*item)
+        first, posted = self._stream(prog.staged, self.slots, land)
         self._wait(pending)
         peers = self.peers.values()
+        started = started if started is not None else first if first is not None else posted
         return StepStats(sum(p.buckets for p in peers), sum(p.nbytes for p in peers), time.perf_counter() - t0,
-                         posted, posted if started is None else started)
+                         posted - t0, started - t0)
+
+    def _stream(self, chunks: list[_Chunk], slots: Sequence[torch.Tensor], land: Callable[[_Chunk], None],
+                check: Callable[[_Chunk], None] | None = None) -> tuple[float | None, float]:
+        """READ every chunk into its slot and land it, every codec alike (the plan's staged bytes, a framed codec's
+        payloads): as many chunks in flight as there are ``slots``; chunk k is posted once the landing that last
+        read its slot is done (a CUDA event on a GPU), and landed once its READs completed and ``check`` passed.
+        :func:`~weightsync.transport.posted.posted` is said once the last is posted; on a GPU every landing is done
+        before it returns; what raises leaves nothing of it posted (a prepped READ is posted again next step).
+        Returns when the first and the last chunk were posted (perf_counter; the first None: no chunk)."""
+        on_gpu = bool(slots) and slots[0].device.type == "cuda"
+        freed: list = [None] * len(slots)  # per slot: the event after the landing that last read it
+        window: list[_Chunk] = []  # posted, not yet landed
+        loose: list = []  # the handles of a chunk being posted
+        first = None
+
+        def finish() -> None:
+            ch = window[0]
+            self._wait(ch.handles)
+            window.pop(0)
+            if check is not None:
+                check(ch)  # before landing: a torn payload is never applied
+            land(ch)
+            if on_gpu:
+                freed[ch.slot] = torch.cuda.Event()
+                freed[ch.slot].record()
+
+        try:
+            for ch in chunks:
+                if len(window) == len(slots):
+                    finish()  # frees the slot of the chunk posted len(slots) before
+                if freed[ch.slot] is not None:
+                    freed[ch.slot].synchronize()
+                for h, pair, bucket in ch.handles:
+                    self._post(h, pair, bucket)
+                    loose.append((h, pair, bucket))
+                window.append(ch)
+                loose = []
+                first = time.perf_counter() if first is None else first
+            posted = time.perf_counter()
+            all_posted()  # the rest is NIXL's and the device's (the landings excepted)
+            while window:
+                finish()
+            if on_gpu:  # landed before the step is reported (and before NIXL writes a slot again)
+                torch.cuda.current_stream().synchronize()
+        except BaseException:
+            left = [h for ch in window for h in ch.handles] + loose
+            if left:
+                _quietly(lambda: self._wait(left))
+            raise
+        return first, posted
 
     def _post(self, h, pair: Pair, bucket: int | None) -> None:
         try:
@@ -877,7 +915,8 @@ class NixlReceiver(Receiver):
 
     def _release_handles(self, agent) -> None:
         handles = [h for prog in getattr(self, "programs", {}).values() for _, h in prog.direct]
-        handles += [h for prog in getattr(self, "programs", {}).values() for _, h, _ in prog.staged]
+        handles += [h for prog in getattr(self, "programs", {}).values() for ch in prog.staged
+                    for h, _, _ in ch.handles]
         handles += [h for _, h in getattr(self, "header_handles", [])]
         handles += [d for prog in getattr(self, "programs", {}).values() for d in prog.dlists]
         handles += getattr(self, "header_dlists", [])
@@ -918,13 +957,12 @@ class Read:
     local_mem: str
     remote: list
     remote_mem: str
-    what: Planned | None = None  # the first payload it carries (for errors), None for an index
 
 
 class FrameReads:
     """A worker's framed reads (a framed codec): each peer's index read after the step was announced;
     when the codec's decoder proves every bucket's base from the headers there, only the payloads
-    are READ (batched into one registered scratch buffer of a largest bucket) and decoded in place;
+    are READ (in chunks through a registered scratch's slots, by the transport's one read loop) and decoded in place;
     otherwise -- a new instance, a failed or skipped step, a staged copy, anything that touched the
     tensors, a bucket the trainer's own plan does not hold (an elastic trainer plans one instance
     slot: with DP replicas an instance served by another replica than slot 0's finds no slot) -- the
@@ -940,11 +978,11 @@ class FrameReads:
         self.largest = _largest_frame(plans, self.decoder)
         self._scratch: torch.Tensor | None = None
         self._slot: torch.Tensor | None = None
-        self._halves: tuple[torch.Tensor, torch.Tensor] | None = None  # a batched decoder's double buffer
+        self._slots: tuple[torch.Tensor, ...] = ()  # the payloads' staging slots in the scratch (_stream)
         self._index: dict[int, torch.Tensor] = {}
         self._heads: dict[int, tuple[int, int]] = {}  # each peer's index (seq, step) the plan was proven on
         self._head_reads: dict[int, tuple[object, list]] = {}  # each peer's prepped READ of its index's (seq, step)
-        self._chunks: _ChunkReads | None = None  # a batched decoder's prepared reads, by plan and scratch
+        self._chunks: _ChunkReads | None = None  # the payloads' prepared reads, by plan and scratch
         self._graphs = CopyGraphs()  # each chunk's decode (a batched decoder), replayed
 
     def receive(self, step: int | None, targets: Mapping[str, torch.Tensor], full) -> StepStats:
@@ -974,12 +1012,13 @@ class FrameReads:
         if self._scratch is not None and self._scratch.device == device:
             return
         n = max(-(-self.largest // _ALIGN) * _ALIGN, _ALIGN)
-        if self.decoder.batched:  # two halves: one chunk of payloads decodes while the next one is read
+        if self.decoder.batched:  # two slots: one chunk of payloads decodes while the next one is read
             self._scratch = torch.empty(2 * n, dtype=torch.uint8, device=device)
-            self._halves = (self._scratch[:n], self._scratch[n:])
-            self._slot = self._halves[1]  # for accepts() only, before any READ (a batched decoder decodes from none)
-        else:
+            self._slots = (self._scratch[:n], self._scratch[n:])
+            self._slot = self._slots[1]  # for accepts() only, before any READ (a batched decoder decodes from none)
+        else:  # one slot, and the decoder's own scratch (a bucket's base)
             self._scratch = torch.empty(n, dtype=torch.uint8, device=device)
+            self._slots = (self._scratch,)
             self._slot = torch.empty(n, dtype=torch.uint8, device=device)
         mem, dev = _mem(device)
         self.rx.registry.add(_regions([self._scratch]), mem, dev)
@@ -1055,99 +1094,36 @@ class FrameReads:
         raise TransportError(text, peer=peer, pair=(peer, ctx.instance, ctx.rank))
 
     def _apply(self, plan: list[Planned], targets: Mapping[str, torch.Tensor]) -> int:
+        """Read ``plan``'s payloads and decode them through the transport's one read loop
+        (:meth:`NixlReceiver._stream`): in chunks of at most a scratch slot, ordered by remote address (a chunk's
+        payloads that lie back to back in a trainer's region are one descriptor), each chunk one prepped READ per
+        peer into its slot (:class:`_ChunkReads`: prepared once per plan and scratch, replayed every step); the index
+        re-read after each chunk's READ and before its decode (:meth:`_unchanged`). A batched decoder
+        (:attr:`~weightsync.payload.codec.Decoder.batched`: fp8) takes every header first (a plan mismatch raises
+        before any byte is read) and decodes a chunk as one landing, replayed by :class:`CopyGraphs` (a CUDA graph per
+        chunk and slot on a GPU), two slots in flight; any other decodes each payload (one slot: the decoder keeps
+        its own scratch for a bucket's base). Returns the bytes read."""
         if self.decoder.batched:
-            return self._apply_batched(plan, targets)
-        mem, dev = _mem(self._scratch.device)
-        moved = 0
-        batch: list[tuple[Planned, int]] = []
-        at = 0
-        done = [0]  # the bytes read and applied so far
-
-        def flush() -> None:
-            by_peer: dict[int, list] = {}
-            for p, o in batch:
-                if p.header.nbytes:
-                    by_peer.setdefault(p.pair[0], []).append((p, o))
-            reads = []
-            for r, items in by_peer.items():
-                doc = self.rx.peers[r].doc
-                reads.append(Read(r, [(self._scratch.data_ptr() + o, p.header.nbytes, dev) for p, o in items], mem,
-                                  [(p.addr, p.header.nbytes, doc.device) for p, _ in items], doc.mem, items[0][0]))
-            self._reads(reads)  # every peer's payloads of the batch at once
-            self._unchanged(by_peer, done[0])  # before decoding: a torn payload could index out of bounds
-            for p, o in batch:
-                self.decoder.decode(p.bucket, p.header, self._scratch[o : o + p.header.nbytes], targets, self._slot)
-            if self._scratch.device.type == "cuda":  # decoded before NIXL writes the next batch there
-                torch.cuda.current_stream().synchronize()
-            done[0] += sum(p.header.nbytes for p, _ in batch)
-            batch.clear()
-
-        for p in plan:
-            size = -(-p.header.nbytes // _ALIGN) * _ALIGN
-            if at + size > self._scratch.numel() and batch:
-                flush()
-                at = 0
-            batch.append((p, at))
-            at += size
-            moved += p.header.nbytes
-        if batch:
-            flush()
-        return moved
-
-    def _apply_batched(self, plan: list[Planned], targets: Mapping[str, torch.Tensor]) -> int:
-        """A batched decoder's payloads (:attr:`~weightsync.payload.codec.Decoder.batched`: fp8): every header taken
-        first (a plan mismatch raises before any byte is read), then the payloads in chunks of at most half the
-        scratch, ordered by remote address (a chunk's payloads that lie back to back in a trainer's region are one
-        descriptor), each chunk one prepped READ per peer into its half (:class:`_ChunkReads`: prepared once per
-        plan and scratch, replayed every step) and one decode: the chunk's landings joined, replayed by
-        :class:`CopyGraphs` (a CUDA graph per chunk and half on a GPU; on CPU the same tables run eagerly). Chunk
-        k + 1's READ is in flight while chunk k decodes; it is posted once the decode that last read its half is
-        done (a CUDA event). The index is re-read after each chunk's READ and before its decode (:meth:`_unchanged`);
-        what raises leaves nothing posted."""
-        for p in plan:
-            self.decoder.take(p.bucket, p.header)
-        reads = self._chunk_reads(plan)
-        chunks = reads.chunks
-        if not chunks:
-            return 0
+            for p in plan:
+                self.decoder.take(p.bucket, p.header)
+            self._graphs.begin(targets, buffers=[self._scratch])  # a target that moved: its chunks' graphs go
+        chunks = self._chunk_reads(plan).chunks
         device = self._scratch.device
-        on_gpu = device.type == "cuda"
-        self._graphs.begin(targets, buffers=[self._scratch])  # a target that moved: its chunks' graphs go
-        freed: list = [None, None]  # per half: the event after the decode that last read it
-        inflight: list = []
-        moved = 0
+        moved = [0]
 
-        def post(ch: _Chunk) -> None:
-            for h, pair, bucket in ch.handles:
-                self.rx._post(h, pair, bucket)
-                inflight.append((h, pair, bucket))
-
-        try:
-            post(chunks[0])
-            for k, ch in enumerate(chunks):
-                self.rx._wait(ch.handles)
-                inflight.clear()
-                if k + 1 < len(chunks):
-                    nxt = chunks[k + 1]
-                    if freed[nxt.half] is not None:
-                        freed[nxt.half].synchronize()  # the decode of chunk k - 1 has read that half
-                    post(nxt)
-                self._unchanged(ch.peers, moved)  # before decoding: a torn payload is never applied
-                half = self._halves[ch.half]
-                self._graphs.run(ch, "decode", lambda ch=ch, half=half: join(
-                    [self.decoder.landing(p.bucket, p.header, half[o : o + p.header.nbytes], targets)
+        def land(ch: _Chunk) -> None:
+            slot = self._slots[ch.slot]
+            if self.decoder.batched:
+                self._graphs.run(ch, "decode", lambda: join(
+                    [self.decoder.landing(p.bucket, p.header, slot[o : o + p.header.nbytes], targets)
                      for p, o in ch.items]), device)
-                if on_gpu:
-                    freed[ch.half] = torch.cuda.Event()
-                    freed[ch.half].record()
-                moved += ch.nbytes
-            if on_gpu:  # decoded before the step is reported (and before NIXL writes a half again)
-                torch.cuda.current_stream().synchronize()
-        except BaseException:
-            if inflight:  # a prepped READ is re-posted next step: none may still be running
-                _quietly(lambda: self.rx._wait(inflight))
-            raise
-        return moved
+            else:
+                for p, o in ch.items:
+                    self.decoder.decode(p.bucket, p.header, slot[o : o + p.header.nbytes], targets, self._slot)
+            moved[0] += ch.nbytes
+
+        self.rx._stream(chunks, self._slots, land, check=lambda ch: self._unchanged(ch.peers, moved[0]))
+        return moved[0]
 
     def _chunk_reads(self, plan: list[Planned]) -> _ChunkReads:
         """The chunks of ``plan`` and their prepped READs (built once per plan and scratch, then replayed)."""
@@ -1158,12 +1134,12 @@ class FrameReads:
             return self._chunks
         self._release_chunks()
         self._graphs = CopyGraphs()  # the old chunks' graphs go with them
-        size = self._halves[0].numel()
+        size = self._slots[0].numel()
         groups: list[list[tuple[Planned, int]]] = []
-        at = size
+        at = 0
         for p in sorted(plan, key=lambda p: (p.pair[0], p.addr)):
             n = -(-p.header.nbytes // _ALIGN) * _ALIGN
-            if at + n > size:
+            if not groups or at + n > size:
                 groups.append([])
                 at = 0
             groups[-1].append((p, at))
@@ -1172,8 +1148,8 @@ class FrameReads:
         local_regions = _regions([self._scratch])
         dlists: list = []
         descriptors = 0
-        chunks = [_Chunk(k % 2, tuple(g), [], tuple(sorted({p.pair[0] for p, _ in g})),
-                         sum(p.header.nbytes for p, _ in g)) for k, g in enumerate(groups)]
+        chunks = [_Chunk(k % len(self._slots), [], tuple(sorted({p.pair[0] for p, _ in g})),
+                         sum(p.header.nbytes for p, _ in g), items=tuple(g)) for k, g in enumerate(groups)]
         for r in sorted({p.pair[0] for p in plan}):
             doc = self.rx.peers[r].doc
             local, remote, spans = [], [], []
@@ -1181,7 +1157,7 @@ class FrameReads:
                 items = [(p, o) for p, o in ch.items if p.pair[0] == r and p.header.nbytes]
                 if not items:
                     continue
-                base = self._halves[ch.half].data_ptr()
+                base = self._slots[ch.slot].data_ptr()
                 loc, rem = merge_pairs(np.array([[base + o, p.header.nbytes] for p, o in items], dtype=np.int64),
                                        np.array([[p.addr, p.header.nbytes] for p, _ in items], dtype=np.int64),
                                        local_regions, doc.regions)
@@ -1253,8 +1229,7 @@ class FrameReads:
         handles = []
         try:
             for rd in reads:
-                pair = rd.what.pair if rd.what is not None else (rd.rank, self.rx.ctx.instance, self.rx.ctx.rank)
-                bucket = rd.what.bucket.index if rd.what is not None else None
+                pair, bucket = (rd.rank, self.rx.ctx.instance, self.rx.ctx.rank), None
                 try:
                     h = agent.initialize_xfer("READ", agent.get_xfer_descs(rd.local, rd.local_mem),
                                               agent.get_xfer_descs(rd.remote, rd.remote_mem), self.rx.remote[rd.rank])
@@ -1281,13 +1256,15 @@ class FrameReads:
 
 @dataclass
 class _Chunk:
-    """Payloads read into one half of a batched decoder's scratch together, then decoded as one landing."""
+    """What a receive READs into one staging slot together, then lands (:meth:`NixlReceiver._stream`): a bucket's
+    staged segments of the plan's bytes (``batch``), or a framed codec's payloads (``items``)."""
 
-    half: int
-    items: tuple[tuple[Planned, int], ...]  # (payload, its offset in the half), by remote address
+    slot: int
     handles: list  # (prepped READ, pair, bucket) per peer
     peers: tuple[int, ...]
     nbytes: int
+    batch: Batch | None = None
+    items: tuple[tuple[Planned, int], ...] = ()  # (payload, its offset in the slot), by remote address
 
 
 @dataclass
