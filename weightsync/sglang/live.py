@@ -62,12 +62,12 @@ attention without derived tensors to copy into, and any unquantized-MoE re-layou
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from weightsync.engines.live_report import LayerPath, LayerPaths
 from weightsync.errors import WeightsMoved
 
 IN_PLACE = "in-place"
@@ -89,17 +89,6 @@ _PLAIN = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
 
 @dataclass(frozen=True)
-class LayerPath:
-    """How one layer receives a step: its path (one of :data:`PATHS`) and the tensors it holds (parameter names;
-    for ``derived``, the derived attributes)."""
-
-    layer: str
-    path: str
-    tensors: tuple[str, ...]
-    detail: str = ""
-
-
-@dataclass(frozen=True)
 class Derived:
     """One derived tensor attribute as bound at set-up: where it lives and its storage."""
 
@@ -111,24 +100,15 @@ class Derived:
 
 
 @dataclass
-class LiveReport:
+class LiveReport(LayerPaths):
     """What :func:`classify` decided for one worker."""
 
+    paths: ClassVar[tuple[str, ...]] = PATHS
     layers: list[LayerPath] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
     #: parameters the engine holds that no layout tensor has (``constant``: KV-cache scales), excluded from the check
     constants: list[str] = field(default_factory=list)
     derived: list[Derived] = field(default_factory=list)
-
-    def counts(self) -> dict[str, int]:
-        c = Counter(p.path for p in self.layers)
-        return {path: c[path] for path in PATHS if c[path]}
-
-    def path_of(self, layer: str) -> str:
-        for p in self.layers:
-            if p.layer == layer:
-                return p.path
-        raise KeyError(layer)
 
 
 def _fnuz() -> bool:

@@ -56,12 +56,12 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from weightsync.engines.live_report import LayerPath, LayerPaths
 from weightsync.errors import ConfigError
 from weightsync.layout.layout import Layout, check_live
 
@@ -86,19 +86,10 @@ _PLAIN_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
 
 @dataclass(frozen=True)
-class LayerPath:
-    """How one layer receives a step: its path (one of :data:`PATHS`) and the layout tensors it holds."""
-
-    layer: str
-    path: str
-    tensors: tuple[str, ...]
-    detail: str = ""  # the kernel or method behind the path, in words
-
-
-@dataclass(frozen=True)
-class LiveReport:
+class LiveReport(LayerPaths):
     """What :class:`LiveModel` decided for one worker."""
 
+    paths: ClassVar[tuple[str, ...]] = PATHS
     rank: int
     device: str
     dtype: str
@@ -108,16 +99,6 @@ class LiveReport:
     def tensors_on(self, path: str) -> frozenset[str]:
         """The layout tensors of every layer on ``path`` (e.g. those the engine requantizes after each update)."""
         return frozenset(n for p in self.layers if p.path == path for n in p.tensors)
-
-    def counts(self) -> dict[str, int]:
-        c = Counter(p.path for p in self.layers)
-        return {path: c[path] for path in PATHS if c[path]}
-
-    def path_of(self, layer: str) -> str:
-        for p in self.layers:
-            if p.layer == layer:
-                return p.path
-        raise KeyError(layer)
 
     def summary(self) -> str:
         counts = ", ".join(f"{n} {path}" for path, n in self.counts().items())
