@@ -19,11 +19,12 @@ anything else, for CPU tensors, and where Triton is missing (it is imported lazi
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from weightsync.lazy_kernel import LazyKernel, readable
 
 log = logging.getLogger("weightsync.integrity.fastsum")
 
@@ -33,7 +34,6 @@ TILE = 1 << 16  # words one program covers at most (512 KiB): a 256 MiB bucket i
 WARPS = 8
 _COLS = 9  # table columns: addr, rows, cols, stride, start, row0, rows_per_prog, cols_per_prog, col_chunks
 
-_kernel = None  # the compiled-on-first-use Triton functions (table, flat), or False once unavailable
 _EMPTY = (0,) * _COLS
 
 
@@ -86,25 +86,19 @@ def _build():
     return _weighted_sums, _flat
 
 
+#: the Triton functions (table, flat), compiled on first use
+_KERNEL = LazyKernel(_build, "WEIGHTSYNC_FAST_CHECKSUM", log, "checksum", "the torch reductions")
+
+
 def enabled() -> bool:
     """Whether the kernel may be used at all (Triton importable, not turned off by the environment)."""
-    global _kernel
-    if os.environ.get("WEIGHTSYNC_FAST_CHECKSUM", "1") == "0":
-        return False
-    if _kernel is None:
-        try:
-            _kernel = _build()
-        except Exception as e:  # no Triton, or one that cannot build here: the torch path stays
-            log.info("checksum: no Triton kernel (%s); using the torch reductions", e)
-            _kernel = False
-    return _kernel is not False
+    return _KERNEL.enabled()
 
 
 def applies(w: torch.Tensor) -> bool:
     """Whether the kernel can read ``w`` (a 2-d int64 word view): rows contiguous, on CUDA (or anywhere
     under Triton's interpreter, for tests)."""
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    return (w.dim() == 2 and w.dtype == torch.int64 and (w.is_cuda or interp)
+    return (w.dim() == 2 and w.dtype == torch.int64 and readable(w)
             and (w.shape[1] <= 1 or w.stride(1) == 1) and enabled())
 
 
@@ -152,7 +146,7 @@ def sums(regions: Sequence[Region]) -> torch.Tensor:
     if nprog == 0:
         return out
     partial = torch.empty(nprog, dtype=torch.int64, device=device)
-    _kernel[0][(nprog,)](d_tab, d_owner, d_first, partial, BLOCK=BLOCK, num_warps=WARPS)
+    _KERNEL.kernel[0][(nprog,)](d_tab, d_owner, d_first, partial, BLOCK=BLOCK, num_warps=WARPS)
     return out.index_add_(0, d_owner, partial)
 
 
@@ -197,6 +191,6 @@ def checksum(w: torch.Tensor, base: int) -> torch.Tensor:
         n = rows * cols
         programs = -(-n // TILE)
         partial = torch.empty(programs, dtype=torch.int64, device=w.device)
-        _kernel[1][(programs,)](w, n, _signed(2 * base + 1), partial, TILE=TILE, BLOCK=BLOCK, num_warps=WARPS)
+        _KERNEL.kernel[1][(programs,)](w, n, _signed(2 * base + 1), partial, TILE=TILE, BLOCK=BLOCK, num_warps=WARPS)
         return partial.sum()
     return sums([Region(w, base)])[0]

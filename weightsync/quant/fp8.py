@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.lazy_kernel import LazyKernel, readable
+
 log = logging.getLogger("weightsync.quant.fp8")
 
 
@@ -70,8 +72,6 @@ AMAX_FLOOR = _fp32(1e-4)  # the upstream ``.clamp(1e-4)`` on an fp32 tensor comp
 INV_FP8_MAX = _fp32(1 / 448)  # torch's CUDA ``x / 448.0`` multiplies by fp32(1/448) (= 1.0f / 448.0f)
 INPUT_DTYPES = (torch.bfloat16, torch.float32)  # what a trainer holds (fp16 trainers are refused)
 WARPS = 8
-
-_kernel = None  # the compiled-on-first-use Triton function, or False once unavailable
 
 
 @dataclass(frozen=True)
@@ -143,25 +143,19 @@ def _build():
     return fp8_triton
 
 
+#: the Triton functions (:mod:`weightsync.quant.fp8_triton`), compiled on first use
+_KERNEL = LazyKernel(_build, "WEIGHTSYNC_FP8_KERNEL", log, "fp8", "the torch definition")
+
+
 def enabled() -> bool:
     """Whether the kernel may be used at all (Triton importable, not turned off by ``WEIGHTSYNC_FP8_KERNEL=0``)."""
-    global _kernel
-    if os.environ.get("WEIGHTSYNC_FP8_KERNEL", "1") == "0":
-        return False
-    if _kernel is None:
-        try:
-            _kernel = _build()
-        except Exception as e:  # no Triton, or one that cannot build here: the torch definition stays
-            log.info("fp8: no Triton kernel (%s); using the torch definition", e)
-            _kernel = False
-    return _kernel is not False
+    return _KERNEL.enabled()
 
 
 def applies(x: torch.Tensor) -> bool:
     """Whether the kernel can read ``x``: on CUDA (or anywhere under ``TRITON_INTERPRET=1``, for tests), last dim
     contiguous, and the dims before the last two collapsible into one batch stride."""
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    if not ((x.is_cuda or interp) and x.dim() >= 2 and x.dtype in INPUT_DTYPES):
+    if not (readable(x) and x.dim() >= 2 and x.dtype in INPUT_DTYPES):
         return False
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         return False
@@ -234,9 +228,9 @@ def quantize(x: torch.Tensor, out: Quantized | None = None, name: str = "weight"
     soft = soft_cast()
     q = out.weight.view(torch.uint8) if soft else out.weight
     w, sc = out.weight, out.scale_inv
-    _kernel.block_fp8[(bn, bk, batch)](x, q, sc, n, k, sxb, x.stride(-2), _batch_stride(w), w.stride(-2),
-                                       _batch_stride(sc), sc.stride(-2), AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK,
-                                       SOFT_CAST=soft, num_warps=WARPS)
+    _KERNEL.kernel.block_fp8[(bn, bk, batch)](x, q, sc, n, k, sxb, x.stride(-2), _batch_stride(w), w.stride(-2),
+                                              _batch_stride(sc), sc.stride(-2), AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK,
+                                              SOFT_CAST=soft, num_warps=WARPS)
     return out
 
 
@@ -322,9 +316,9 @@ def _many_launches(xs: Sequence[torch.Tensor], outs: Sequence[Quantized]) -> lis
         aligned = all(_aligned(x, o) for x, o in zip(group, group_outs))
 
         def launch(d_tab=d_tab, d_owner=d_owner, d_first=d_first, nprog=nprog, dtype=dtype, aligned=aligned) -> None:
-            _kernel.block_fp8_many[(nprog,)](d_tab, d_owner, d_first, AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK,
-                                             SOFT_CAST=soft, IN_FP32=dtype == torch.float32, ALIGNED=aligned,
-                                             num_warps=WARPS)
+            _KERNEL.kernel.block_fp8_many[(nprog,)](d_tab, d_owner, d_first, AMAX_FLOOR, INV_FP8_MAX, BLOCK=BLOCK,
+                                                    SOFT_CAST=soft, IN_FP32=dtype == torch.float32, ALIGNED=aligned,
+                                                    num_warps=WARPS)
 
         launches.append(launch)
     return launches
