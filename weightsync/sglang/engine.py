@@ -22,10 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
 import logging
-import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,6 +30,7 @@ from typing import Any
 
 from weightsync.engines import make_layout
 from weightsync.errors import ConfigError
+from weightsync.instances.owned import Owned, config_dir, discard
 from weightsync.sglang import RPC_LOADER
 from weightsync.spec.model import spec_from_config
 
@@ -88,7 +86,7 @@ def generate(engine: Any, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> list
     return [list(o["output_ids"]) for o in outs]
 
 
-class OwnedEngine:
+class OwnedEngine(Owned):
     """An ``sglang.Engine`` this process started, its :class:`SGLangInstance`, and what to remove when it stops."""
 
     def __init__(self, engine: Any, workdir: str | None, startup_s: float, timeout_s: float = 600.0):
@@ -108,12 +106,8 @@ class OwnedEngine:
 
         return self.instance.call(computed_digests)
 
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.instance.close()
+    def shutdown(self) -> None:
         stop(self.engine)
-        if self.workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def zero_unwritten(ctx: Any, model_config: dict, engine: str) -> int:
@@ -130,14 +124,6 @@ def stop(engine: Any) -> None:
     with contextlib.suppress(Exception):
         engine.shutdown()
     gc.collect()
-
-
-def config_dir(model_config: dict[str, Any], directory: str) -> str:
-    """A model folder SGLang can start on with dummy weights: its ``config.json`` alone."""
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(model_config, f)
-    return directory
 
 
 def check_engine(model_config: dict[str, Any], engine: str) -> int:
@@ -180,8 +166,7 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
     try:
         eng = sglang.Engine(**options.engine_args(checkpoint, tp, dummy=workdir is not None, dtype=dtype))
     except BaseException:
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        discard(workdir)
         raise
     startup = time.perf_counter() - t0
     log.info("SGLang %s %s started in %.1f s on %s", sglang.__version__, engine, startup,
@@ -190,8 +175,7 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
         return OwnedEngine(eng, workdir, startup, timeout_s)
     except BaseException:
         stop(eng)
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        discard(workdir)
         raise
 
 

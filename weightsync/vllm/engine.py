@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from typing import Any
 from weightsync.engines import make_layout
 from weightsync.engines.config import parse_engine
 from weightsync.errors import ConfigError
+from weightsync.instances.owned import Owned, config_dir, discard
 from weightsync.spec.model import spec_from_config
 from weightsync.vllm.extension import EXTENSION
 
@@ -73,7 +72,7 @@ class EngineOptions:
         return args
 
 
-class OwnedEngine:
+class OwnedEngine(Owned):
     """A ``vllm.LLM`` this process started, its :class:`VLLMInstance`, and what to remove when it stops."""
 
     def __init__(self, llm: Any, workdir: str | None, startup_s: float):
@@ -99,12 +98,8 @@ class OwnedEngine:
 
         return [digests(c) for c in self.instance.call(computed)]
 
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.instance.close()
+    def shutdown(self) -> None:
         stop(self.llm)
-        if self.workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def zero_unwritten(ctx: Any) -> int:
@@ -120,14 +115,6 @@ def stop(llm: Any) -> None:
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
     gc.collect()
-
-
-def config_dir(model_config: dict[str, Any], directory: str) -> str:
-    """A model folder vLLM can start on with dummy weights: its ``config.json`` alone."""
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(model_config, f)
-    return directory
 
 
 def check_engine(model_config: dict[str, Any], engine: str, device: str = "cpu") -> int:
@@ -230,8 +217,7 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
         with environ(env):
             llm = LLM(**options.llm_args(checkpoint, tp, dummy=workdir is not None, dtype=dtype))
     except Exception:
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        discard(workdir)
         raise
     startup = time.perf_counter() - t0
     log.info("vLLM %s started in %.1f s on %s", engine, startup, "dummy weights" if workdir else checkpoint)
@@ -241,8 +227,7 @@ def start(model_config: dict[str, Any], engine: str, options: EngineOptions = En
         return owned
     except Exception:
         stop(llm)
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        discard(workdir)
         raise
 
 
