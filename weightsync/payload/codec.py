@@ -57,9 +57,10 @@ plan's bytes zero-copy, and a step off the cadence must cost nothing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -375,6 +376,22 @@ class Framing:
     side: Encoder | Decoder
     codec: Codec
     proofs: bool = False
+
+
+@contextlib.contextmanager
+def ending(frames: Framing | None) -> Iterator[None]:
+    """A framed step's transfer: the codec side's ``end(step)`` once the block returns, its ``fail()`` where the
+    block (or ``end``) raises -- a sender's kept base, a receiver's targets, are then not one whole step. With no
+    frames (the full codec) the block runs as it is."""
+    if frames is None:
+        yield
+        return
+    try:
+        yield
+        frames.side.end(frames.step)
+    except BaseException:
+        frames.side.fail()
+        raise
 
 
 def landing(pairs: Pairs) -> Landing:

@@ -76,7 +76,7 @@ from weightsync.plan.planner import Bucket, Pair, pair_hash
 from weightsync.errors import StepNotWritten, TransportError
 from weightsync.transport.base import (BASE_PROOF, Buffers, Receiver, ReceiverContext, Sender, SenderContext,
                                        StepStats)
-from weightsync.payload.codec import Codec, Encoder, Framing, Header
+from weightsync.payload.codec import Codec, Encoder, Framing, Header, ending
 from weightsync.transport.liveness import TrainerWatch
 from weightsync.transport.p2p import TransferStats, describe
 from weightsync.payload.pack import pack, run_landing, segments, unpack_pairs, unpacked
@@ -223,16 +223,10 @@ class FileTransport:
         self._check_pairs(plans)
         start = time.perf_counter()
         live = [b for bs in plans.values() for b in bs if b.nbytes > 0]
-        try:
+        with ending(frames):
             if frames is not None:
                 frames.side.begin(step, None)  # one-sided: each reader proves its base against the published headers
             written = sum(self._write(step, pair, plans[pair], tensors, frames) for pair in sorted(plans))
-            if frames is not None:
-                frames.side.end(step)
-        except BaseException:
-            if frames is not None:
-                frames.side.fail()
-            raise
         full = sum(b.nbytes for b in live) if frames is not None else 0
         return TransferStats(len(live), written, time.perf_counter() - start if plans else 0.0, full_bytes=full)
 
@@ -251,15 +245,8 @@ class FileTransport:
         self._check_pairs(plans)
         self.landed = False
         held = frames.side.begin() if frames is not None else None  # from here the targets may mix two steps
-        try:
-            stats = self._wait(step, plans, tensors, first_s, frames, held)
-            if frames is not None:
-                frames.side.end(step)
-        except BaseException:
-            if frames is not None:
-                frames.side.fail()
-            raise
-        return stats
+        with ending(frames):
+            return self._wait(step, plans, tensors, first_s, frames, held)
 
     def _wait(self, step: int, plans: Plans, tensors: Mapping[str, torch.Tensor], first_s: float,
               frames: Framing | None, held: int | None) -> TransferStats:

@@ -75,7 +75,7 @@ from weightsync.transport.base import (
     SenderContext,
     StepStats,
 )
-from weightsync.payload.codec import Codec, Framing  # noqa: F401 - Framing re-exported: callers knew it here
+from weightsync.payload.codec import Codec, Framing, ending  # noqa: F401 - Framing re-exported: callers knew it here
 from weightsync.transport.fence import Fence
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.posted import posted as all_posted
@@ -269,7 +269,7 @@ class P2PTransport:
         inflight: deque[tuple] = deque()
         posted: list[tuple[object, Callable[[Exception], TransportError]]] = []
         into = fence.landing if (fence is not None and on_gpu(device)) else contextlib.nullcontext  # CUDA: posts land
-        try:
+        with ending(frames):  # failed: a sender's kept base, a receiver's targets are not one whole step
             for k, (b, st) in enumerate(zip(ops, stagings)):
                 if len(inflight) == self.window:
                     moved += self._finish(*inflight.popleft(), tensors, sending, ordered, fence, frames)
@@ -296,12 +296,6 @@ class P2PTransport:
             all_posted()  # the rest is the device's
             if ordered:
                 settle(posted, self.timeout.total_seconds(), device, self.group)
-            if frames is not None:
-                frames.side.end(frames.step)
-        except BaseException:
-            if frames is not None:
-                frames.side.fail()  # a sender's kept base, a receiver's targets: not one whole step
-            raise
         full = sum(b.nbytes for b in ops)
         if frames is None:
             return TransferStats(len(ops), full, time.perf_counter() - start, done_posting)
