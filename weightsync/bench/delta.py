@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.bench.events import Phases
-from weightsync.bench.scenarios import Scenario, canonical_region, device_of, init_weights, memory, synchronize
+from weightsync.bench.scenarios import (Scenario, canonical_region, device_of, init_weights, memory, synchronize,
+                                        timed_write)
 from weightsync.errors import ConfigError
 from weightsync.local.events import Event, Participant, StepStarted
 from weightsync.local.runner import Emit, LocalJob
@@ -232,12 +233,7 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, opts: DeltaOptio
     for step, frac in enumerate(opts.schedule()):
         if frac:
             apply_step(layout, tensors, spec, frac, step)
-        synchronize(dev)
-        base, _ = memory(dev, reset=True)
-        together.wait(timeout)
-        emit(StepStarted(me, step, time.time()))
-        writer.write(step)
-        peak = max(peak, memory(dev)[1] - base)
+        peak = max(peak, timed_write(writer, step, dev, together, timeout, emit))
         if step == 0:
             kept = max(kept, memory(dev)[0] - before)  # buffers allocated at the first step count too
             grown = _rss() - rss0

@@ -50,9 +50,9 @@ from weightsync.bench.scenarios import (
     check,
     device_of,
     init_weights,
-    memory,
     moved_per_gpu,
     synchronize,
+    timed_write,
 )
 from weightsync.errors import ConfigError
 from weightsync.local.events import Event, Participant, StepDone, StepStarted
@@ -108,12 +108,7 @@ def _trainer(emit: Emit, rank: int, scen: Scenario, model: str, steps: int, meta
     init_weights(layout, tensors, spec)
     for step in range(steps + 1):  # step 0 warms up
         advance(tensors)  # step s holds the base data doubled s + 1 times
-        synchronize(dev)
-        base, _ = memory(dev, reset=True)
-        together.wait(timeout)
-        emit(StepStarted(me, step, time.time()))
-        writer.write(step)
-        peak = max(peak, memory(dev)[1] - base)
+        peak = max(peak, timed_write(writer, step, dev, together, timeout, emit))
         if step and rank == 0:
             emit(Phases(me, "writer", writer.last_timing))
     sent = writer.bytes_per_step

@@ -8,10 +8,14 @@ of it; each step doubles every value (exact in bf16), so every step moves new bi
 
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from weightsync.local.events import StepStarted
 
 
 def device_of(kind: str, index: int) -> torch.device:
@@ -31,6 +35,18 @@ def memory(dev: torch.device, reset: bool = False) -> tuple[int, int]:
     if reset:
         torch.cuda.reset_peak_memory_stats(dev)
     return torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev)
+
+
+def timed_write(writer: Any, step: int, dev: torch.device, together: Any, timeout: float, emit: Any) -> int:
+    """One measured ``writer.write(step)`` on a training rank: the device settled and every training rank at the
+    barrier ``together`` first, then the step's start announced (``StepStarted``), so the step's time is the write's
+    alone. Returns the write's peak transient device memory (bytes above what was allocated before it)."""
+    synchronize(dev)
+    base, _ = memory(dev, reset=True)
+    together.wait(timeout)
+    emit(StepStarted(emit.participant, step, time.time()))
+    writer.write(step)
+    return memory(dev)[1] - base
 
 
 @dataclass(frozen=True)
