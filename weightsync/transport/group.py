@@ -48,7 +48,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -293,26 +293,37 @@ class PeerWatch:
 T = TypeVar("T")
 
 
+class _OnThread(Generic[T]):
+    """``fn()`` started on a daemon thread named ``name``; :attr:`done` is set once it returned or raised, and
+    :meth:`result` hands its answer or its exception to the caller (a caller that gives up leaves the thread to
+    end when it does)."""
+
+    def __init__(self, fn: Callable[[], T], name: str):
+        self.done = threading.Event()
+        self._box: dict[str, object] = {}
+        threading.Thread(target=self._run, args=(fn,), name=name, daemon=True).start()
+
+    def _run(self, fn: Callable[[], T]) -> None:
+        try:
+            self._box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            self._box["err"] = e
+        finally:
+            self.done.set()
+
+    def result(self) -> T:
+        if "err" in self._box:
+            raise self._box["err"]  # type: ignore[misc]
+        return self._box["out"]  # type: ignore[return-value]
+
+
 def _within(fn: Callable[[], T], seconds: float) -> T:
     """``fn()`` on a daemon thread, its answer or exception; TimeoutError once ``seconds`` passed without one
     (the thread is left to end when it does)."""
-    box: dict[str, object] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box["out"] = fn()
-        except BaseException as e:  # noqa: BLE001 -- handed to the caller
-            box["err"] = e
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="weightsync-watch-store", daemon=True).start()
-    if not done.wait(seconds):
+    call = _OnThread(fn, "weightsync-watch-store")
+    if not call.done.wait(seconds):
         raise TimeoutError(f"no answer within {seconds:g} s")
-    if "err" in box:
-        raise box["err"]  # type: ignore[misc]
-    return box["out"]  # type: ignore[return-value]
+    return call.result()
 
 
 class TransferAbandoned(TransportError):
@@ -392,29 +403,19 @@ def watched(fn: Callable[[], T], group: ProcessGroup, peers: Iterable[int], budg
             raise failure()
         return out
 
-    box: dict[str, object] = {}
-    done = threading.Event()
+    def no_grad() -> T:
+        with torch.no_grad():
+            return fn()
 
-    def run() -> None:
-        try:
-            with torch.no_grad():
-                box["out"] = fn()
-        except BaseException as e:  # noqa: BLE001 -- handed to the caller
-            box["err"] = e
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="weightsync-transfer", daemon=True).start()
+    call = _OnThread(no_grad, "weightsync-transfer")
     next_look = time.monotonic() + LOOK_S
-    while not done.wait(POLL_S):
+    while not call.done.wait(POLL_S):
         next_look = look(next_look)
-        if reason and not done.is_set():
+        if reason and not call.done.is_set():
             error = failure()  # closes the fence first: what the helper thread gets later lands nowhere
             _abort(group)
             raise error
-    if "err" in box:
-        raise box["err"]  # type: ignore[misc]
-    return box["out"]  # type: ignore[return-value]
+    return call.result()
 
 
 def _abort(group: ProcessGroup) -> None:
