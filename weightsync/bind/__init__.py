@@ -16,7 +16,6 @@ lazily so a user of one never imports another's framework.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -24,6 +23,7 @@ import torch
 
 from weightsync.dtypes import dtype_name
 from weightsync.layout.layout import EngineLayout, Layout, check_live
+from weightsync.lazy_exports import lazy_exports
 from weightsync.spec.model import ModelSpec, spec_from_config
 
 
@@ -193,10 +193,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = ["Bound", "LiveEngine", "bind", "live_fp32_keys", "module_tensors", "hf_config_dict", "as_spec", "hf_module_spec", "dtype_name", *_LAZY]

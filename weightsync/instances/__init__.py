@@ -15,9 +15,8 @@ Every instance implements :class:`weightsync.runtime.instance.InferenceInstance`
 
 from __future__ import annotations
 
-import importlib
-
 from weightsync.errors import InstanceError, WorkerDied, WorkerError, WorkerTimeout  # noqa: F401 - raised here
+from weightsync.lazy_exports import lazy_exports
 
 
 class RemoteTraceback(Exception):
@@ -81,10 +80,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

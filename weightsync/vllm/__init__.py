@@ -11,8 +11,7 @@ Two entry points share one worker side (:mod:`weightsync.vllm.side`, :mod:`weigh
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from weightsync.lazy_exports import lazy_exports
 
 _LAZY = {
     "EXTENSION": "weightsync.vllm.extension",  # each constant defined once, where it is used
@@ -27,7 +26,4 @@ _LAZY = {
 __all__ = [*_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'weightsync.vllm' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
