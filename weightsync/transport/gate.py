@@ -21,15 +21,13 @@ not there) propagates: no copy has been posted yet, so the live weights are unto
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from weightsync.errors import TransportError
-
-_local = threading.local()
+from weightsync.transport.scopes import ThreadScopes
 
 
 class StepCancelled(TransportError):
@@ -90,23 +88,21 @@ class _Scope:
     asked: bool = False  # a ready() ran (the go is waited for once)
 
 
+_gates: ThreadScopes[_Scope] = ThreadScopes()
+
+
 @contextmanager
 def gated(go: Go) -> Iterator[None]:
     """Within this scope, on this thread, the first :func:`ready` waits for ``go``."""
-    scope = _Scope(go)
-    stack = _local.__dict__.setdefault("gates", [])
-    stack.append(scope)
-    try:
+    with _gates.scope(_Scope(go)):
         yield
-    finally:
-        stack.remove(scope)
 
 
 def ready() -> float:
     """The step's set-up is done and its first copy is next: wait for the go, if the call was sent early (see the
     module docstring). Returns the seconds waited (0.0 when there was nothing to wait for), which the transport
     leaves out of its own timing."""
-    stack = getattr(_local, "gates", None)
+    stack = _gates.stack()
     if not stack or stack[-1].asked:
         return 0.0
     scope = stack[-1]
@@ -122,7 +118,7 @@ def ready() -> float:
 def waited() -> float:
     """The seconds the innermost gated scope on this thread has waited for its go so far (0.0 outside one): what a
     runner leaves out of the call's own timing."""
-    stack = getattr(_local, "gates", None)
+    stack = _gates.stack()
     return stack[-1].go.waited if stack else 0.0
 
 

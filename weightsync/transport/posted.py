@@ -22,29 +22,25 @@ the thread that runs the call.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from weightsync.transport.scopes import ThreadScopes
+
 log = logging.getLogger("weightsync.transport.posted")
-_local = threading.local()
+_hooks: ThreadScopes[list[Callable[[], None] | None]] = ThreadScopes()  # a cell per scope: its hook, until run
 
 
 @contextmanager
 def hooked(hook: Callable[[], None]) -> Iterator[None]:
     """Within this scope, on this thread, the first :func:`posted` runs ``hook`` (what it raises is logged only)."""
-    stack = _local.__dict__.setdefault("hooks", [])
-    cell = [hook]
-    stack.append(cell)
-    try:
+    with _hooks.scope([hook]):
         yield
-    finally:
-        stack.remove(cell)
 
 
 def posted() -> None:
     """Everything this step sends or receives is posted: the rest is the device's (see the module docstring)."""
-    for cell in reversed(getattr(_local, "hooks", ())):
+    for cell in reversed(_hooks.stack()):
         hook, cell[0] = cell[0], None
         if hook is not None:
             try:
