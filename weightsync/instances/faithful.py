@@ -43,7 +43,7 @@ from weightsync.instances import (
     rebuild_error,
 )
 from weightsync.layout.materialize import TORCH_DTYPES
-from weightsync.runtime.instance import NoEngineHooks, WorkerContext
+from weightsync.runtime.instance import ClosedOnExit, NoEngineHooks, WorkerContext
 from weightsync.spec.model import load_spec
 from weightsync.transport.gate import Go, gated, run_gate
 
@@ -164,7 +164,7 @@ def _shutdown(procs: list, conns: list, grace_s: float = 5.0) -> None:
             pass
 
 
-class FaithfulInstance(NoEngineHooks):
+class FaithfulInstance(ClosedOnExit, NoEngineHooks):
     """Layout-faithful stand-in for a vLLM / SGLang instance (see the module docstring).
 
     ``model``: a preset name, a config.json path or an HF config dict. ``engine``: a layout string
@@ -296,12 +296,6 @@ class FaithfulInstance(NoEngineHooks):
         if self._broken is None:
             self._broken = "closed"
         self._finalizer()
-
-    def __enter__(self) -> "FaithfulInstance":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"FaithfulInstance({self.spec.name}, {self.engine!r}, world_size={self._world}, device={self.device!r})"

@@ -16,7 +16,7 @@ from weightsync.dtypes import dtype_name
 from weightsync.bind import hf_module_config
 from weightsync.bind.infer import HFInferenceEngine
 from weightsync.instances import InstanceError
-from weightsync.runtime.instance import NoEngineHooks, WorkerContext
+from weightsync.runtime.instance import ClosedOnExit, NoEngineHooks, WorkerContext
 from weightsync.spec.arch import config_keys
 from weightsync.spec.model import spec_from_config
 
@@ -38,7 +38,7 @@ def spec_config(module: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-class HFInstance(NoEngineHooks):
+class HFInstance(ClosedOnExit, NoEngineHooks):
     """A live transformers model (world size 1, engine ``hf``); ``call`` runs ``fn`` here, on rank 0.
 
     ``fn(ctx, *args)`` gets the live parameters / buffers (writes land in the model) and runs under
@@ -77,12 +77,6 @@ class HFInstance(NoEngineHooks):
         self._closed = True
         self._ctx.state.clear()
         self._ctx.reader = None
-
-    def __enter__(self) -> "HFInstance":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"HFInstance({self.spec.name}, {len(self._ctx.tensors)} tensors)"

@@ -9,7 +9,7 @@ itself). The reader lives in the control process and drives a worker reader in e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Self
 
 import torch
 
@@ -74,6 +74,16 @@ class InferenceInstance(Protocol):
         trainers' `written` where the instance has it)."""
 
     def close(self) -> None: ...
+
+
+class ClosedOnExit:
+    """``with instance:`` closes the instance (its ``close``) when the block ends, however it ends."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()  # type: ignore[attr-defined]
 
 
 class NoEngineHooks:
