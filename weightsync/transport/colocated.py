@@ -52,42 +52,15 @@ from weightsync.errors import ConfigError, TransportError
 from weightsync.plan.job import JobShape
 from weightsync.plan.planner import Bucket, Pair
 from weightsync.plan.topology import Placement, Topology
-from weightsync.transport.base import (
-    Buffers,
-    GroupWait,
-    Receiver,
-    ReceiverContext,
-    Sender,
-    SenderContext,
-    StepStats,
-)
+from weightsync.transport.base import Buffers, GroupWait, Receiver, ReceiverContext, Sender, SenderContext, StepStats
 from weightsync.payload.codec import Codec
 from weightsync.transport.gate import ready
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.posted import posted as all_posted
-from weightsync.transport.nccl import (
-    DEFAULT_WINDOW,
-    coalescing,
-    describe,
-    ensure_buffers,
-    first_line,
-    on_gpu,
-    order_key,
-    post,
-    retire,
-    settle,
-)
-from weightsync.payload.pack import (
-    DIRECT_MIN_BYTES,
-    Landing,
-    Staging,
-    direct_pairs,
-    pack_pairs,
-    segments,
-    stage,
-    unpack_pairs,
-    unpacked,
-)
+from weightsync.transport.nccl import (DEFAULT_WINDOW, coalescing, describe, ensure_buffers, first_line, on_gpu,
+                                       order_key, post, retire, settle)
+from weightsync.payload.pack import (DIRECT_MIN_BYTES, Landing, Staging, direct_pairs, pack_pairs, segments, stage,
+                                     unpack_pairs, unpacked)
 
 Plans = Mapping[Pair, list[Bucket]]
 

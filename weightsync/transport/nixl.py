@@ -72,16 +72,8 @@ from weightsync.layout.materialize import TORCH_DTYPES
 from weightsync.plan.descriptors import POST_CHUNK  # in-place reads posted as transfers of at most this many
 from weightsync.plan.messages import Segment, segments
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.transport.base import (
-    BASE_PROOF,
-    Buffers,
-    Pulled,
-    Receiver,
-    ReceiverContext,
-    Sender,
-    SenderContext,
-    StepStats,
-)
+from weightsync.transport.base import (BASE_PROOF, Buffers, Pulled, Receiver, ReceiverContext, Sender, SenderContext,
+                                       StepStats)
 from weightsync.transport.graphs import CopyGraphs
 from weightsync.transport.posted import posted as all_posted
 from weightsync.payload.pack import Landing, join

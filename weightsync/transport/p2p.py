@@ -64,17 +64,8 @@ from torch.distributed import ProcessGroup
 from weightsync.errors import StepMismatch, StepNotWritten, TransportError
 from weightsync.plan.job import JobRanks
 from weightsync.plan.planner import Bucket, Pair
-from weightsync.transport.base import (
-    BASE_PROOF,
-    Buffers,
-    GroupWait,
-    Pulled,
-    Receiver,
-    ReceiverContext,
-    Sender,
-    SenderContext,
-    StepStats,
-)
+from weightsync.transport.base import (BASE_PROOF, Buffers, GroupWait, Pulled, Receiver, ReceiverContext, Sender,
+                                       SenderContext, StepStats)
 from weightsync.payload.codec import Codec, Framing, ending  # noqa: F401 - Framing re-exported: callers knew it here
 from weightsync.transport.fence import Fence
 from weightsync.transport.graphs import CopyGraphs
