@@ -8,7 +8,7 @@ shared-expert gated MLPs; :func:`decoder_tensors` lists such a checkpoint, givin
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import SpecError
@@ -61,6 +61,13 @@ def mla_attention(cfg: Mapping[str, Any]) -> Attention:
 def dense_layers(cfg: Mapping[str, Any]) -> tuple[Layer, ...]:
     inter = int(cfg["intermediate_size"])
     return tuple(Layer(i, False, inter) for i in range(int(cfg["num_hidden_layers"])))
+
+
+def moe_layers(cfg: Mapping[str, Any], is_moe: Callable[[int], bool], moe: Callable[[int], Layer]) -> tuple[Layer, ...]:
+    """Every decoder layer of a model that mixes dense and MoE layers: ``moe(i)`` where ``is_moe(i)`` (each
+    architecture's own rule and expert sizes), else a dense layer of ``intermediate_size``."""
+    inter = int(cfg["intermediate_size"])
+    return tuple(moe(i) if is_moe(i) else Layer(i, False, inter) for i in range(int(cfg["num_hidden_layers"])))
 
 
 def decoder_tensors(spec: ModelSpec) -> Iterator[TensorSpec]:

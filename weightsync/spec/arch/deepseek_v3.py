@@ -11,25 +11,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightsync.spec.architecture import Architecture
-from weightsync.spec.blocks import DENSE_KEYS, MLA_KEYS, decoder_tensors, mla_attention
+from weightsync.spec.blocks import DENSE_KEYS, MLA_KEYS, decoder_tensors, mla_attention, moe_layers
 from weightsync.spec.records import Layer
 from weightsync.spec.roles import Kind
 
 
 def layers(cfg: Mapping[str, Any]) -> tuple[Layer, ...]:
-    inter = int(cfg["intermediate_size"])
     experts = int(cfg.get("n_routed_experts") or 0)
     first_dense = int(cfg.get("first_k_dense_replace", 0))
     freq = int(cfg.get("moe_layer_freq", 1))
     moe_inter = int(cfg.get("moe_intermediate_size", 0))
     n_shared = int(cfg.get("n_shared_experts") or 0)
     router_bias = cfg.get("topk_method") == "noaux_tc"
-    return tuple(
-        Layer(i, True, moe_inter, experts, n_shared * moe_inter, router_bias, n_shared)
-        if (experts > 0 and i >= first_dense and i % freq == 0)
-        else Layer(i, False, inter)
-        for i in range(int(cfg["num_hidden_layers"]))
-    )
+    return moe_layers(cfg, lambda i: experts > 0 and i >= first_dense and i % freq == 0,
+                      lambda i: Layer(i, True, moe_inter, experts, n_shared * moe_inter, router_bias, n_shared))
 
 
 ARCH = Architecture(

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightsync.spec.architecture import Architecture
-from weightsync.spec.blocks import DENSE_KEYS, GQA_KEYS, decoder_tensors, gqa_attention
+from weightsync.spec.blocks import DENSE_KEYS, GQA_KEYS, decoder_tensors, gqa_attention, moe_layers
 from weightsync.spec.records import Attention, Layer
 
 
@@ -20,18 +20,13 @@ def attention(cfg: Mapping[str, Any]) -> Attention:
 
 
 def layers(cfg: Mapping[str, Any]) -> tuple[Layer, ...]:
-    inter = int(cfg["intermediate_size"])
     # transformers 5 keeps Qwen3-MoE's num_experts as num_local_experts in memory (attribute_map)
     experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
     step = int(cfg.get("decoder_sparse_step", 1))
     dense_only = set(cfg.get("mlp_only_layers") or [])
     moe_inter = int(cfg["moe_intermediate_size"])
-    return tuple(
-        Layer(i, True, moe_inter, experts)
-        if (i not in dense_only and experts > 0 and (i + 1) % step == 0)
-        else Layer(i, False, inter)
-        for i in range(int(cfg["num_hidden_layers"]))
-    )
+    return moe_layers(cfg, lambda i: i not in dense_only and experts > 0 and (i + 1) % step == 0,
+                      lambda i: Layer(i, True, moe_inter, experts))
 
 
 ARCH = Architecture(
