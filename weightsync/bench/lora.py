@@ -95,16 +95,10 @@ class Rep:
 
 
 def _first(llm: Any, request: Any) -> list[int]:
-    from vllm import SamplingParams
+    """One greedy token of :data:`PROMPT` on ``request``'s adapter."""
+    from weightsync.lora.verify import greedy
 
-    sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
-    out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False, lora_request=request)
-    return list(out[0].outputs[0].token_ids)
-
-
-def _same_slots(mine: list[dict], theirs: list[dict]) -> bool:
-    return len(mine) == len(theirs) and all(
-        a.keys() == b.keys() and a and all(torch.equal(a[n], b[n]) for n in a) for a, b in zip(mine, theirs))
+    return greedy(llm, request, [PROMPT], 1)[0]
 
 
 def measure(llm: Any, slots: Any, model: Any, reps: int, directory: str, first_disk_id: int = 1,
@@ -113,6 +107,7 @@ def measure(llm: Any, slots: Any, model: Any, reps: int, directory: str, first_d
     from vllm.lora.request import LoRARequest
 
     from weightsync.lora.peft import PeftTrainEngine
+    from weightsync.lora.verify import slot_differences
 
     trainer = PeftTrainEngine(model)
     out = []
@@ -145,7 +140,7 @@ def measure(llm: Any, slots: Any, model: Any, reps: int, directory: str, first_d
             fn()
         v = times["version"]
         verified = (times["tokens"] == times["disk_tokens"]
-                    and _same_slots(slots.slot_tensors(v.lora_int_id), slots.slot_tensors(disk_id)))
+                    and not slot_differences(slots.slot_tensors(v.lora_int_id), slots.slot_tensors(disk_id)))
         slots.release(v)
         llm.llm_engine.remove_lora(disk_id)
         shutil.rmtree(path, ignore_errors=True)
