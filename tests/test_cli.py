@@ -94,3 +94,31 @@ def test_bench_lora_refusals(capsys, args, message):
     and BENCHMARKS.md)."""
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lora", "600"], "rank 600 is above vLLM's largest max_lora_rank 512: give a rank of at most 512"),
+    (["--lora", "32", "--max-lora-rank", "16"], "rank 32 is above the engine's max_lora_rank 16: give a rank of at "
+                                                "most 16 or a larger --max-lora-rank"),
+    (["--lora", "8", "--max-lora-rank", "12"], "--max-lora-rank 12 is not one vLLM accepts"),
+    (["--lora", "8", "--lora-targets", "q_proj,lm_head"], "weightsync syncs LoRA on the decoder's q_proj"),
+    (["--lora", "8", "--infer", "hf", "--delta"], "demo --lora runs alone (one PEFT trainer, one real vLLM engine "
+                                                  "with LoRA slots): drop --infer, --delta"),
+    (["--lora", "0"], "the adapter rank must be at least 1"),
+    (["--max-lora-rank", "16"], "--max-lora-rank and --lora-targets go with --lora RANK"),
+])
+def test_demo_lora_refusals(capsys, args, message):
+    """``weightsync demo --lora RANK``'s refusals: one line, exit 2, before any engine starts (its run:
+    tests/test_lora_vllm.py)."""
+    assert main(["demo", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_demo_lora_refuses_without_vllm(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert main(["demo", "--lora", "8"]) == 2
+    assert "demo --lora needs vLLM: pip install weightsync[vllm]" in capsys.readouterr().err

@@ -120,31 +120,25 @@ def engine_tp2(tmp_path_factory):
 
 
 def _generate(llm, request=None):
-    from vllm import SamplingParams
+    from weightsync.lora.verify import greedy
 
-    from vllm_harness import MAX_TOKENS, PROMPTS
-
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False, lora_request=request)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return greedy(llm, request)
 
 
 def _disk(llm, slots, model, root, name: str, lora_id: int):
     """The adapter as PEFT saves it, loaded by vLLM itself through a LoRARequest: its greedy tokens and slot tensors."""
-    from vllm.lora.request import LoRARequest
+    from weightsync.lora.verify import greedy, load_saved
 
-    path = root / name
-    model.save_pretrained(str(path))
-    request = LoRARequest(name, lora_id, str(path))
-    return request, _generate(llm, request), slots.slot_tensors(lora_id)
+    request = load_saved(llm, model, root / name, lora_id, name)
+    return request, greedy(llm, request), slots.slot_tensors(lora_id)
 
 
 def _assert_same_slots(mine, theirs, tp: int = 1):
+    from weightsync.lora.verify import slot_differences
+
     assert len(mine) == len(theirs) == tp
-    for a, b in zip(mine, theirs):
-        assert set(a) == set(b) and a, (sorted(a), sorted(b))
-        diff = [n for n in a if not torch.equal(a[n], b[n])]
-        assert not diff, f"slot tensors differ from vLLM's own load: {diff[:8]}"
+    diff = slot_differences(mine, theirs)
+    assert not diff, f"slot tensors differ from vLLM's own load: {diff[:8]}"
 
 
 class TestTP1:
@@ -415,6 +409,40 @@ class TestAtomicity:
         s = summary(reps)
         assert s["verified"] and s["repetitions"] == 1 and s["ratio_total"] > 0
         assert slots.versions == [] and 100 not in llm.llm_engine.list_loras()
+
+
+class TestDemo:
+    def test_demo_lora_syncs_and_verifies_each_step(self, engine, capsys, monkeypatch):
+        """``weightsync demo --lora 8`` end to end through the command line, on the module's engine (no engine start
+        of its own: ``weightsync.lora.demo.engine`` yields it), 2 steps: each step trains the PEFT adapter, lands it
+        in a free slot (the free slots poisoned first) and checks it bit for bit against the engine's own load of
+        ``save_pretrained``'s folder (``torch.equal`` on every stacked buffer) and by greedy tokens."""
+        import contextlib
+        import json
+
+        from weightsync.cli import main
+        from weightsync.lora import demo
+
+        llm, slots, _ = engine
+        for v in list(slots.versions):  # whatever an earlier class left live
+            slots.release(v)
+        assert slots.call(poison_free_slots)[0] >= 1
+
+        @contextlib.contextmanager
+        def this_engine(cfg, base_dir):
+            yield llm
+
+        monkeypatch.setattr(demo, "engine", this_engine)
+        before = set(llm.llm_engine.list_loras())
+        code = main(["demo", "--lora", "8", "--lora-targets", ",".join(SERVED), "--steps", "2", "--json"])
+        out = json.loads(capsys.readouterr().out)
+        assert code == 0 and out["verified"] and not out["errors"], out
+        assert [(s["step"], s["version"]) for s in out["steps"]] == [(1, "policy@1"), (2, "policy@2")]
+        for s in out["steps"]:
+            assert s["slots_equal"] and s["tokens_equal"] and s["bytes"] == out["adapter_bytes"] > 0, s
+        assert out["steps"][0]["slot"] != out["steps"][1]["slot"]  # the next version lands beside the serving one
+        assert out["steps"][1]["loss"] < out["steps"][0]["loss"]  # the adapter trained
+        assert set(llm.llm_engine.list_loras()) <= before  # every version and saved copy released
 
 
 class TestTP2:

@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from weightsync.demo import add_arguments as add_demo_arguments
 
-    demo = sub.add_parser("demo", help="train a tiny model and sync it into inference instances, verifying each step")
+    demo = sub.add_parser("demo", help="train a tiny model and sync it into inference instances, verifying each step; "
+                                       "--lora RANK: a PEFT adapter synced into a vLLM engine's LoRA slots")
     add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
 

