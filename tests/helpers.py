@@ -265,3 +265,82 @@ def record_landings(set_attr=setattr, full_too: bool = False) -> list:
     if full_too:
         set_attr(full, "landing", recording)
     return landed
+
+
+# -- LoRA adapters: landings planned into vLLM's slot layout, in process (tests/test_lora_layout.py, test_bind.py) --
+
+LORA_MODEL = "tiny-qwen3-h64"
+LORA_WRAPPERS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+LORA_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_spec(r: int = 8):
+    """A rank-``r`` adapter (alpha 2r) on every decoder projection of the tiny LoRA preset."""
+    from weightsync.lora.adapter import adapter_config, adapter_spec
+    from weightsync.spec import load_spec
+
+    return adapter_spec(load_spec(LORA_MODEL),
+                        adapter_config({"r": r, "lora_alpha": 2 * r, "target_modules": LORA_PROJ}))
+
+
+def lora_canonical(spec, seed: int) -> dict[str, torch.Tensor]:
+    """Random canonical adapter tensors (fp32, never zeros by construction of randn)."""
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}
+
+
+def lora_poisoned_slots(layout, tp: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Every slot buffer of every TP rank, random (the same on every call)."""
+    from weightsync.layout.materialize import TORCH_DTYPES
+
+    g = torch.Generator().manual_seed(77)
+    return {rank: {n: torch.randn(shape, generator=g).to(TORCH_DTYPES[dtype])
+                   for n, (shape, dtype) in sorted(layout.buffers(rank).items())} for rank in range(tp)}
+
+
+def lora_plan_copies(planner, src_rank: int, tensors: dict[str, torch.Tensor]) -> list[tuple]:
+    """Source rank ``src_rank``'s planned copies with their payloads (what it would send)."""
+    from weightsync.layout.box import slices
+
+    return [(c.dst_rank, c.dst_tensor, c.dst_box, c.canon_box, tensors[c.src_tensor][slices(c.src_box)].clone())
+            for _, buckets in sorted(planner.send_plan(src_rank).items()) for b in buckets for c in b.copies]
+
+
+def lora_land_copies(copies: list[tuple], buffers: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Each payload into its view of the slot, cast by the copy (as ``weightsync.lora.vllm.lora_land`` lands it)."""
+    from weightsync.layout.box import box_shape, slices
+
+    for dst, name, dst_box, canon_box, payload in copies:
+        buffers[dst][name][slices(dst_box)].view(box_shape(canon_box)).copy_(payload)
+
+
+def lora_unsharded_landing(spec, canonical, tp: int):
+    """(slot layout of slot 1 of 3 at ``tp``, its poisoned buffers with ``canonical`` landed from one unsharded PEFT
+    rank): the reference a sharded trainer's landing must equal."""
+    from weightsync.lora.adapter import peft_names
+    from weightsync.lora.layouts import PeftLayout, SlotConfig, VLLMSlotLayout
+    from weightsync.plan.planner import Planner
+
+    slot = VLLMSlotLayout(spec, SlotConfig(tp, 3, 16, "bfloat16", 1, LORA_WRAPPERS))
+    names = peft_names(spec)
+    want = lora_poisoned_slots(slot, tp)
+    whole = {names[n]: t for n, t in canonical.items()}
+    lora_land_copies(lora_plan_copies(Planner(PeftLayout(spec), slot), 0, whole), want)
+    return slot, want
+
+
+def lora_vocab(model) -> int:
+    """The vocabulary size of a PEFT model's base."""
+    return model.get_base_model().config.vocab_size
+
+
+def lora_fsdp_shard(spec, canonical, dp: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s FSDP2 shards of the canonical adapter (``torch.chunk`` on dim 0), under the live names."""
+    from weightsync.lora.adapter import peft_names
+
+    names = peft_names(spec)
+    out = {}
+    for n, t in canonical.items():
+        chunks = torch.chunk(t, dp)
+        out[names[n]] = chunks[rank].clone() if rank < len(chunks) else t[:0].clone()
+    return out

@@ -12,6 +12,7 @@ Run as a script (``python tests/test_bind.py worker JSON``) it is one rank of a 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -218,6 +219,16 @@ def test_fsdp2_dp2_live():
     run_world(2, {"kind": "fsdp"})
 
 
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed (the lora extra)")
+def test_fsdp2_peft_lora_live():
+    """A PEFT LoRA model under FSDP2 (``fully_shard`` per decoder layer and the root, gloo, real DTensors) binds like
+    any trainer: only the adapter's ``lora_A`` / ``lora_B`` local shards are bound (nothing of the base), each rank's
+    its own rows of the unsharded adapter bit for bit; written in place they are what ``full_tensor()`` gathers;
+    both ranks' plans into vLLM's slot layout (TP 2), landed together into poisoned buffers, equal the unsharded
+    model's landing; and after a training step (forward, backward, AdamW) the binding still holds the live shards."""
+    run_world(2, {"kind": "peft-fsdp"}, timeout=240)
+
+
 def _have_mcore() -> bool:
     """Without importing it here (seconds): the workers do."""
     import importlib.util
@@ -412,6 +423,86 @@ def _megatron_worker(rank: int, world: int) -> None:  # pragma: no cover - runs 
         ps.destroy_model_parallel()
 
 
+def _peft_fsdp_worker(rank: int, world: int) -> None:  # pragma: no cover - runs in subprocesses
+    """A PEFT adapter under FSDP2 (test_fsdp2_peft_lora_live)."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from weightsync.checkpoint.hf import build_hf_model
+    from weightsync.layout.box import slices
+    from weightsync.lora.adapter import peft_names
+    from weightsync.lora.layouts import PeftFSDPLayout
+    from weightsync.lora.peft import PeftTrainEngine
+    from weightsync.plan.planner import Planner
+    from weightsync.spec import load_spec
+
+    from helpers import (LORA_MODEL, LORA_PROJ, lora_canonical, lora_fsdp_shard, lora_land_copies, lora_plan_copies,
+                         lora_poisoned_slots, lora_unsharded_landing, lora_vocab)
+
+    model = get_peft_model(build_hf_model(load_spec(LORA_MODEL), seed=0),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=LORA_PROJ, lora_dropout=0.0))
+    g = torch.Generator().manual_seed(5)  # the same adapter on every rank, lora_B too (PEFT starts it at zero)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g))
+    whole = PeftTrainEngine(model)  # unsharded: the reference
+    canonical = whole.canonical()
+    spec = whole.spec
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for layer in model.get_base_model().model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+    trainer = PeftTrainEngine(model)
+    b = trainer.bound
+    assert isinstance(b.engine, PeftFSDPLayout) and b.engine.dp == world and b.rank == rank, b.engine.describe()
+    assert trainer.spec.digest == spec.digest
+    params = dict(model.named_parameters())
+    names = peft_names(spec)
+    assert set(b.tensors) == {n for n in params if "lora_" in n}  # nothing of the base
+    for n, t in b.tensors.items():
+        assert isinstance(params[n], DTensor) and t is params[n]._local_tensor, n
+    mine = lora_fsdp_shard(spec, canonical, world, rank)
+    for canon, live in names.items():
+        assert torch.equal(b.tensors[live], mine[live]), f"rank {rank}: {live} is not its rows of the adapter"
+
+    # the bound tensors are the live shards: written in place, they are what full_tensor() gathers
+    fresh = lora_canonical(spec, seed=9)
+    with torch.no_grad():
+        for p in b.layout.pieces():
+            b.tensors[p.tensor][slices(p.local_box)].copy_(fresh[p.canonical][slices(p.canon_box)])
+    for canon, live in names.items():  # collective: the same order on every rank
+        assert torch.equal(params[live].full_tensor(), fresh[canon]), f"rank {rank}: {live} after an in-place write"
+
+    # both ranks' plans into vLLM's slot layout (TP 2) landed together: the unsharded landing, bit for bit
+    slot, want = lora_unsharded_landing(spec, fresh, 2)
+    sent = lora_plan_copies(Planner(b.engine, slot), rank, dict(b.tensors))
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, sent)
+    got = lora_poisoned_slots(slot, 2)
+    for copies in gathered:
+        lora_land_copies(copies, got)
+    for tp_rank in range(2):
+        diff = [n for n in want[tp_rank] if not torch.equal(got[tp_rank][n], want[tp_rank][n])]
+        assert not diff, f"rank {rank}, slot tp rank {tp_rank}: {diff[:6]}"
+
+    # a training step under FSDP2 (forward, backward, AdamW on the adapter): the binding still holds the live shards
+    before = {n: t.clone() for n, t in b.tensors.items()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = torch.randint(0, lora_vocab(model), (2, 16), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    params = dict(model.named_parameters())
+    for n, t in b.tensors.items():
+        assert t.data_ptr() == params[n].to_local().data_ptr(), f"rank {rank}: {n} moved"
+    assert any(not torch.equal(before[n], t) for n, t in b.tensors.items()), "the step changed nothing"
+
+
 def _worker(job: dict) -> None:  # pragma: no cover - runs in subprocesses
     from datetime import timedelta
 
@@ -420,7 +511,7 @@ def _worker(job: dict) -> None:  # pragma: no cover - runs in subprocesses
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    {"fsdp": _fsdp_worker, "megatron": _megatron_worker}[job["kind"]](rank, world)
+    {"fsdp": _fsdp_worker, "megatron": _megatron_worker, "peft-fsdp": _peft_fsdp_worker}[job["kind"]](rank, world)
     dist.barrier()
     dist.destroy_process_group()
     print(f"RANK {rank} OK", flush=True)

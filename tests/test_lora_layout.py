@@ -149,3 +149,45 @@ def test_peft_model_binds_its_adapter_only(tmp_path):
         model.peft_config["default"].target_modules = {"v_proj"}
     with pytest.raises(LayoutMismatch, match=r"unexpected tensor .*up_proj\.lora_A\.default\.weight"):
         PeftTrainEngine(model)
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 1), (2, 2), (3, 2)])
+def test_fsdp_adapter_layout_lands_each_ranks_rows(dp, tp):
+    """The ``peft-fsdp`` layout (a PEFT adapter under FSDP2: every tensor's rows chunked as ``Shard(0)`` chunks them;
+    dp 3: uneven) planned into vLLM's slot layout: each rank's copies read only its own rows, every slot element is
+    sent once, and all ranks' copies landed into poisoned buffers equal the unsharded PEFT model's landing bit for
+    bit (the path tests/test_lora_vllm.py proves against vLLM's own load). The live FSDP2 binding: test_bind.py."""
+    from helpers import (lora_canonical, lora_fsdp_shard, lora_land_copies, lora_plan_copies, lora_poisoned_slots,
+                         lora_spec, lora_unsharded_landing)
+
+    from weightsync.lora.layouts import PeftFSDPLayout
+    from weightsync.plan.planner import Planner
+
+    spec = lora_spec(r=8)
+    canonical = lora_canonical(spec, seed=dp * 10 + tp)
+    slot, want = lora_unsharded_landing(spec, canonical, tp)
+    src = PeftFSDPLayout(spec, dp)
+    planner = Planner(src, slot)
+    got = lora_poisoned_slots(slot, tp)
+    sent = 0
+    for rank in range(dp):
+        local = lora_fsdp_shard(spec, canonical, dp, rank)
+        lay = src.layout(rank)
+        assert {n: t.shape for n, t in lay.tensors.items()} == {n: tuple(t.shape) for n, t in local.items()
+                                                                 if t.numel()}
+        copies = lora_plan_copies(planner, rank, local)  # reads only this rank's own rows (its local tensors)
+        sent += sum(c[4].numel() for c in copies)
+        lora_land_copies(copies, got)
+    assert sent == sum(p.numel for r in range(tp) for p in slot.layout(r).pieces())  # every element sent once
+    for rank in range(tp):
+        diff = [n for n in want[rank] if not torch.equal(got[rank][n], want[rank][n])]
+        assert not diff, f"tp rank {rank}: {diff[:6]}"
+
+
+def test_fsdp_adapter_layout_refusal():
+    from helpers import lora_spec
+
+    from weightsync.lora.layouts import PeftFSDPLayout
+
+    with pytest.raises(ConfigError, match="peft-fsdp: dp must be at least 1, got 0"):
+        PeftFSDPLayout(lora_spec(), 0)

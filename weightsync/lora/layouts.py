@@ -8,6 +8,11 @@ plans between them, each end computing the same copies):
     One rank holding every adapter tensor whole, under the live PEFT parameter's name
     (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``).
 
+``peft-fsdp`` (:class:`PeftFSDPLayout`)
+    A PEFT model under FSDP2 ``fully_shard`` over ``dp`` ranks: each adapter tensor's rows split as FSDP2 splits
+    every parameter (``Shard(0)``: ``torch.chunk``, ceil(rows / dp) each, trailing ranks possibly empty), rank ``d``
+    holding chunk ``d`` under the live parameter's name (the DTensor's local tensor).
+
 ``vllm-lora`` (:class:`VLLMSlotLayout`)
     vLLM 0.32's stacked LoRA buffers (docs/lora.md has the file:line of each rule), one local tensor per
     buffer: ``<wrapper>.lora_a_stacked.<i>`` ``[max_loras, 1, max_lora_rank, in_local]`` and
@@ -72,6 +77,36 @@ class PeftLayout(EngineLayout):
         t = self.spec.tensor(canonical)  # type: ignore[attr-defined]
         box = tuple((0, n) for n in t.shape)
         yield Shard(self.meshes["one"].group(), Piece(self._names[canonical], box, canonical, box), t.shape, t.dtype)
+
+    def canonical_names(self, rank: int) -> Iterable[str]:
+        return (t.name for t in self.spec.tensors)
+
+
+class PeftFSDPLayout(EngineLayout):
+    """A PEFT model under FSDP2 over ``dp`` ranks: every adapter tensor's dim 0 chunked as FSDP2 shards it."""
+
+    engine = "peft-fsdp"
+
+    def __init__(self, spec: AdapterSpec, dp: int, adapter_name: str = "default"):
+        if dp < 1:
+            raise ConfigError(f"peft-fsdp: dp must be at least 1, got {dp}")
+        self.dp, self.adapter_name = dp, adapter_name
+        self.config = _Config(f"peft-fsdp:dp={dp},adapter={adapter_name}")
+        self._names = peft_names(spec, adapter_name)
+        self.mesh = Mesh("fsdp", [("dp", dp)])
+        super().__init__(spec, [self.mesh])  # type: ignore[arg-type]
+
+    def _shards(self, canonical: str) -> Iterable[Shard]:
+        from weightsync.engines.fsdp import chunk_range
+
+        t = self.spec.tensor(canonical)  # type: ignore[attr-defined]
+        rest = tuple((0, n) for n in t.shape[1:])
+        for d in range(self.dp):
+            off, n = chunk_range(t.shape[0], self.dp, d)
+            if n == 0:  # an empty trailing chunk holds nothing
+                continue
+            piece = Piece(self._names[canonical], ((0, n),) + rest, canonical, ((off, n),) + rest)
+            yield Shard(self.mesh.group(dp=d), piece, (n, *t.shape[1:]), t.dtype)
 
     def canonical_names(self, rank: int) -> Iterable[str]:
         return (t.name for t in self.spec.tensors)
@@ -234,4 +269,4 @@ class VLLMSlotLayout(EngineLayout):
         return out
 
 
-__all__ = ["PeftLayout", "ROW_PARALLEL", "SLICES", "SlotConfig", "VLLMSlotLayout", "WRAPPERS"]
+__all__ = ["PeftFSDPLayout", "PeftLayout", "ROW_PARALLEL", "SLICES", "SlotConfig", "VLLMSlotLayout", "WRAPPERS"]

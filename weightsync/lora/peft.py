@@ -4,6 +4,11 @@
     trainer = PeftTrainEngine(model)            # checks, then binds: trainer.bound.tensors are the live
     trainer.spec                                 # lora_A / lora_B parameters, nothing of the base
 
+Under FSDP2 (``fully_shard`` over a 1-D device mesh, the adapter's parameters DTensors) the same constructor binds
+each rank's shards: the layout is :class:`~weightsync.lora.layouts.PeftFSDPLayout` (``dp`` and this rank from the
+parameters' mesh) and the bound tensors are the DTensors' local tensors, the very shards FSDP2 all-gathers from, so
+each rank sends its own rows and nothing is gathered. Bind while sharded (FSDP2's default after a forward).
+
 The adapter's :class:`~weightsync.lora.adapter.AdapterSpec` is derived from the adapter's config and the base
 model's config alone (rank, alpha, rsLoRA and target modules from the ``LoraConfig``; each module's shape from the
 base model's spec), then checked against the live parameters by :func:`weightsync.bind.bind`: every live
@@ -21,7 +26,7 @@ import torch
 from weightsync.bind import Bound, LiveEngine, bind, hf_module_spec
 from weightsync.errors import ConfigError
 from weightsync.lora.adapter import AdapterSpec, adapter_config, adapter_spec
-from weightsync.lora.layouts import PeftLayout
+from weightsync.lora.layouts import PeftFSDPLayout, PeftLayout
 from weightsync.spec.model import ModelSpec
 
 
@@ -33,7 +38,8 @@ def adapter_tensors(model: torch.nn.Module, adapter_name: str) -> dict[str, torc
 
 
 class PeftTrainEngine(LiveEngine):
-    """A PEFT ``PeftModel`` in one process, bound to its adapter's :class:`PeftLayout` (rank 0).
+    """A PEFT ``PeftModel`` bound to its adapter: in one process (:class:`PeftLayout`, rank 0), or one rank of it
+    under FSDP2 (:class:`PeftFSDPLayout`, the rank its mesh coordinate says).
 
     ``adapter_name``: which of the model's adapters (default: the active one). ``base``: the base model's spec
     (default: from the base model's own ``config``)."""
@@ -57,8 +63,9 @@ class PeftTrainEngine(LiveEngine):
                               "expected")
         base = base or hf_module_spec(model.get_base_model())
         spec = adapter_spec(base, adapter_config(configs[adapter_name], dtype=dtypes[0]))
-        engine = PeftLayout(spec, adapter_name)
-        self.bound: Bound = bind(engine, 0, live, where=f"peft adapter {adapter_name!r} ({spec.name})")
+        engine, rank, live = _sharding(spec, adapter_name, live)
+        self.bound: Bound = bind(engine, rank, live, where=f"{engine.describe()} rank {rank} adapter "
+                                                           f"{adapter_name!r} ({spec.name})")
 
     @property
     def spec(self) -> AdapterSpec:  # type: ignore[override]
@@ -66,9 +73,44 @@ class PeftTrainEngine(LiveEngine):
         return self.bound.engine.spec  # type: ignore[return-value]
 
     def canonical(self) -> dict[str, torch.Tensor]:
-        """The adapter's canonical tensors as copies (what ``save_pretrained`` writes, names included)."""
+        """The adapter's canonical tensors as copies (what ``save_pretrained`` writes, names included); one process
+        only (under FSDP2 each rank holds shards: gather them with the DTensors' ``full_tensor``)."""
+        if not isinstance(self.bound.engine, PeftLayout):
+            raise ConfigError(f"canonical(): {self.bound.engine.describe()} holds shards of the adapter, not its "
+                              "whole tensors; read each parameter's full_tensor() instead")
         with torch.no_grad():
             return {p.canonical: self.bound.tensors[p.tensor].detach().clone() for p in self.bound.layout.pieces()}
+
+
+def _sharding(spec: AdapterSpec, adapter_name: str, live: dict[str, torch.Tensor]) -> tuple[Any, int, dict]:
+    """The adapter's layout, this process's rank in it, and the tensors to bind: whole parameters, or under FSDP2
+    each DTensor's local shard (a 1-D mesh only: FSDP2 with TP or HSDP over a PEFT model is refused by name)."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [n for n, t in live.items() if isinstance(t, DTensor)]
+    if not sharded:
+        return PeftLayout(spec, adapter_name), 0, live
+    if len(sharded) != len(live):
+        whole = sorted(set(live) - set(sharded))
+        raise ConfigError(f"peft adapter {adapter_name!r}: {len(sharded)} adapter parameters are DTensors, "
+                          f"{len(whole)} are not ({whole[0]} ...): fully_shard every module holding the adapter")
+    params = [live[n] for n in sharded]
+    meshes = {id(t.device_mesh) for t in params}
+    mesh = params[0].device_mesh
+    if len(meshes) != 1 or mesh.ndim != 1:
+        raise ConfigError(f"peft adapter {adapter_name!r}: FSDP2 over a {mesh.ndim}-D mesh (or several meshes): only "
+                          "fully_shard over one 1-D mesh is supported for a PEFT adapter (no TP, no HSDP)")
+    from torch.distributed.tensor import Shard
+
+    odd = [n for n in sharded if not (isinstance(live[n].placements[0], Shard) and live[n].placements[0].dim == 0)]
+    if odd:
+        raise ConfigError(f"peft adapter {adapter_name!r}: {odd[0]} is placed {live[odd[0]].placements}, not FSDP2's "
+                          "Shard(0)")
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ConfigError(f"peft adapter {adapter_name!r}: this process is not in the parameters' device mesh {mesh}")
+    local = {n: t._local_tensor for n, t in live.items()}
+    return PeftFSDPLayout(spec, mesh.size(0), adapter_name), coord[0], local
 
 
 def bind_peft(model: Any, adapter_name: str | None = None) -> Bound:
