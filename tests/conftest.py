@@ -210,14 +210,18 @@ def _collect_after(request):
     (docs/testing.md). ``WEIGHTSYNC_TEST_GC=<file>`` also appends each test's node id to ``<file>.<worker>`` before
     its collection, so a crash there names the test whose garbage it was.
 
-    After a test that imported modules, what survived its collection is frozen (``gc.freeze``): a worker that has
-    imported vLLM, transformers and megatron-core holds ~470,000 objects, nearly all the modules' own, and a full
-    collection over them took 0.4-0.6 s -- after every one of ~1,250 tests. Frozen, later collections go over what
-    tests made since (microseconds for a unit test). The price: an object alive at such a moment that later becomes
-    garbage in a reference cycle is never collected (a few times per worker, only where a test imported modules)."""
+    What survives a collection is frozen (``gc.freeze``) after a test that imported modules or began another class or
+    module: a worker that has imported vLLM, transformers and megatron-core holds ~470,000 objects, nearly all the
+    modules' own, and a full collection over them took 0.4-0.6 s -- after every one of ~1,250 tests. Frozen, later
+    collections go over what tests made since (microseconds for a unit test). The first test of another class or
+    module unfreezes everything before its collection: the class- and module-scoped fixtures frozen with the
+    modules (engines, servers, shared memory) were torn down by then, and their reference cycles are collected."""
     import gc
 
     yield
+    scope = (request.node.module.__name__ if request.node.module else "", request.node.cls)
+    if scope != _FROZEN_AT[1]:
+        gc.unfreeze()  # another class or module: what the last one's fixtures held is garbage now
     path = os.environ.get("WEIGHTSYNC_TEST_GC")
     if not path:
         gc.collect()
@@ -229,9 +233,9 @@ def _collect_after(request):
             f.flush()
             gc.collect()
             f.write("  collected\n")
-    if len(sys.modules) != _FROZEN_AT[0]:
+    if len(sys.modules) != _FROZEN_AT[0] or scope != _FROZEN_AT[1]:
         gc.freeze()
-        _FROZEN_AT[0] = len(sys.modules)
+        _FROZEN_AT[:] = [len(sys.modules), scope]
 
 
-_FROZEN_AT = [0]  # len(sys.modules) when this process last froze what survived a collection (_collect_after)
+_FROZEN_AT: list = [0, None]  # len(sys.modules) and the (module, class) of the last freeze (_collect_after)

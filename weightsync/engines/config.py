@@ -14,7 +14,10 @@ the keys print in field order.
 from __future__ import annotations
 
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; only annotations name it (requires-python >= 3.10)
 
 from weightsync.errors import ConfigError
 

@@ -63,7 +63,7 @@ class PeftTrainEngine(LiveEngine):
                               "expected")
         base = base or hf_module_spec(model.get_base_model())
         spec = adapter_spec(base, adapter_config(configs[adapter_name], dtype=dtypes[0]))
-        engine, rank, live = _sharding(spec, adapter_name, live)
+        engine, rank, live = _sharding(spec, adapter_name, live, fsdp=_under_fsdp2(model))
         self.bound: Bound = bind(engine, rank, live, where=f"{engine.describe()} rank {rank} adapter "
                                                            f"{adapter_name!r} ({spec.name})")
 
@@ -82,22 +82,35 @@ class PeftTrainEngine(LiveEngine):
             return {p.canonical: self.bound.tensors[p.tensor].detach().clone() for p in self.bound.layout.pieces()}
 
 
-def _sharding(spec: AdapterSpec, adapter_name: str, live: dict[str, torch.Tensor]) -> tuple[Any, int, dict]:
+def _under_fsdp2(model: Any) -> bool:
+    """Whether any module of ``model`` is fully_shard's (its parameters may be unsharded at this moment)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _sharding(spec: AdapterSpec, adapter_name: str, live: dict[str, torch.Tensor],
+              fsdp: bool = False) -> tuple[Any, int, dict]:
     """The adapter's layout, this process's rank in it, and the tensors to bind: whole parameters, or under FSDP2
     each DTensor's local shard (a 1-D mesh only: FSDP2 with TP or HSDP over a PEFT model is refused by name)."""
     from torch.distributed.tensor import DTensor
 
     sharded = [n for n, t in live.items() if isinstance(t, DTensor)]
     if not sharded:
+        if fsdp:  # unsharded parameters FSDP2 swapped in: freed at its next reshard, and every rank would be rank 0
+            raise ConfigError(f"peft adapter {adapter_name!r}: the model is under FSDP2 but its adapter parameters "
+                              "are unsharded now (after unshard(), or a forward with reshard_after_forward=False): "
+                              "reshard() before binding, so that each rank binds its own shards")
         return PeftLayout(spec, adapter_name), 0, live
     if len(sharded) != len(live):
         whole = sorted(set(live) - set(sharded))
         raise ConfigError(f"peft adapter {adapter_name!r}: {len(sharded)} adapter parameters are DTensors, "
                           f"{len(whole)} are not ({whole[0]} ...): fully_shard every module holding the adapter")
     params = [live[n] for n in sharded]
-    meshes = {id(t.device_mesh) for t in params}
     mesh = params[0].device_mesh
-    if len(meshes) != 1 or mesh.ndim != 1:
+    if any(t.device_mesh != mesh for t in params) or mesh.ndim != 1:
         raise ConfigError(f"peft adapter {adapter_name!r}: FSDP2 over a {mesh.ndim}-D mesh (or several meshes): only "
                           "fully_shard over one 1-D mesh is supported for a PEFT adapter (no TP, no HSDP)")
     from torch.distributed.tensor import Shard

@@ -109,13 +109,15 @@ def against_saved(llm: Any, slots: Any, model: Any, version: Any, directory: str
     worker bit-equal, greedy tokens equal. Afterwards the saved adapter is removed from the engine and its folder
     deleted (its slot free again), unless ``keep``."""
     tokens = greedy(llm, version.request(), prompts, max_tokens)
-    request = load_saved(llm, model, directory, lora_id)
-    try:
+    request = None
+    try:  # the folder goes whatever fails (save, add); the engine's adapter only if this call added it
+        request = load_saved(llm, model, directory, lora_id)
         saved_tokens = greedy(llm, request, prompts, max_tokens)  # activates it into a slot
         differing = slot_differences(slots.slot_tensors(version.lora_int_id), slots.slot_tensors(lora_id))
     finally:
         if not keep:
-            llm.llm_engine.remove_lora(lora_id)
+            if request is not None:
+                llm.llm_engine.remove_lora(lora_id)
             shutil.rmtree(directory, ignore_errors=True)
     if differing:
         log.warning("%s: %d slot buffers differ from vLLM's own load of the saved adapter: %s", version.lora_name,

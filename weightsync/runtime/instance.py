@@ -9,7 +9,10 @@ itself). The reader lives in the control process and drives a worker reader in e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Self
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; only annotations name it (requires-python >= 3.10)
 
 import torch
 

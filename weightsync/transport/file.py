@@ -430,6 +430,9 @@ class FileTransport:
                     for p in kept.values():
                         g.write(_host(p))
                     g.write(_host(_table(rows)))
+            elif beside is not None:  # before the plan's bytes appear: an earlier try's frames of this step go
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(final + FRAMES_SUFFIX)
         return sum(sizes.values()) + sum(p.numel() for p in (kept or {}).values())
 
     @contextlib.contextmanager

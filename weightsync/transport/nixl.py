@@ -761,19 +761,24 @@ class NixlReceiver(Receiver):
         from weightsync.payload.pack import run_landing, unpack_pairs, unpacked
 
         prog = self._program(targets)
-        pending = [(h, pair, None) for pair, h in prog.direct]
+        pending: list = []  # the in-place reads posted: they write into the live tensors
         started = None
-        for h, pair, _ in pending:  # every in-place read in flight at once, in chunks (POST_CHUNK)
-            self._post(h, pair, None)
-            if started is None:  # the first chunk's copies run from here while the rest are posted
-                started = time.perf_counter()
         codec = self.options.codec
 
         def land(ch: _Chunk) -> None:  # byte copies, then the codec's casts (an fp32 trainer into bf16)
             run_landing(unpacked(codec, unpack_pairs(ch.batch.segments, self.slots[ch.slot], targets)))
 
-        first, posted = self._stream(prog.staged, self.slots, land)
-        self._wait(pending)
+        try:
+            for pair, h in prog.direct:  # every in-place read in flight at once, in chunks (POST_CHUNK)
+                self._post(h, pair, None)
+                pending.append((h, pair, None))
+                if started is None:  # the first chunk's copies run from here while the rest are posted
+                    started = time.perf_counter()
+            first, posted = self._stream(prog.staged, self.slots, land)
+            self._wait(pending)
+        except BaseException:
+            self._drain(pending)  # no in-place read may still be writing once the step has failed
+            raise
         peers = self.peers.values()
         started = started if started is not None else first if first is not None else posted
         return StepStats(sum(p.buckets for p in peers), sum(p.nbytes for p in peers), time.perf_counter() - t0,
@@ -823,11 +828,21 @@ class NixlReceiver(Receiver):
             if on_gpu:  # landed before the step is reported (and before NIXL writes a slot again)
                 torch.cuda.current_stream().synchronize()
         except BaseException:
-            left = [h for ch in window for h in ch.handles] + loose
-            if left:
-                _quietly(lambda: self._wait(left))
+            self._drain([h for ch in window for h in ch.handles] + loose)
+            if on_gpu:  # a landing still queued reads its slot, which the next step's READ rewrites
+                _quietly(torch.cuda.current_stream().synchronize)
             raise
         return first, posted
+
+    def _drain(self, handles: list) -> None:
+        """After a step raised: wait for each READ it left posted, one at a time -- the one that failed (ERR) must
+        not hide the others, still writing into a slot or a live tensor. A READ that does not finish within the
+        step's bounds abandons this receiver (:meth:`_wait` says so); an abandoned one is not waited for again (a
+        second ``timeout_s`` would double the error's time)."""
+        for x in handles:
+            if self.abandoned is not None:
+                return
+            _quietly(lambda x=x: self._wait([x]))
 
     def _post(self, h, pair: Pair, bucket: int | None) -> None:
         try:
@@ -1095,11 +1110,11 @@ class FrameReads:
         before any byte is read) and decodes a chunk as one landing, replayed by :class:`CopyGraphs` (a CUDA graph per
         chunk and slot on a GPU), two slots in flight; any other decodes each payload (one slot: the decoder keeps
         its own scratch for a bucket's base). Returns the bytes read."""
+        chunks = self._chunk_reads(plan).chunks  # first: new chunks come with new graphs (begin must see those)
         if self.decoder.batched:
             for p in plan:
                 self.decoder.take(p.bucket, p.header)
             self._graphs.begin(targets, buffers=[self._scratch])  # a target that moved: its chunks' graphs go
-        chunks = self._chunk_reads(plan).chunks
         device = self._scratch.device
         moved = [0]
 
