@@ -502,6 +502,21 @@ def _peft_fsdp_worker(rank: int, world: int) -> None:  # pragma: no cover - runs
         assert t.data_ptr() == params[n].to_local().data_ptr(), f"rank {rank}: {n} moved"
     assert any(not torch.equal(before[n], t) for n, t in b.tensors.items()), "the step changed nothing"
 
+    # bound while unsharded (FSDP2 swapped the whole parameters in): refused, every rank would be rank 0 on storage
+    # freed at the next reshard
+    from torch.distributed.fsdp import FSDPModule
+
+    from weightsync.errors import ConfigError
+
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp_modules:
+        m.unshard()
+    assert not any(isinstance(p, DTensor) for n, p in model.named_parameters() if "lora_" in n)
+    with pytest.raises(ConfigError, match="unsharded now"):
+        PeftTrainEngine(model)
+    for m in fsdp_modules:
+        m.reshard()
+
 
 def _worker(job: dict) -> None:  # pragma: no cover - runs in subprocesses
     from datetime import timedelta
