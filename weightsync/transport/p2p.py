@@ -142,7 +142,7 @@ class P2PTransport:
         (:func:`step_header`) and check the other's, so no byte is posted for a step the other end does not
         mean: :class:`StepMismatch` on both ends at once, naming both steps. ``wait_s`` bounds the wait for the
         other end (a receiver: the trainers may still be training, ``written_timeout_s``; a sender: ``timeout_s``)
-        -- :class:`StepNotWritten` after it, nothing posted into a target. A receiver then ``fence.begin()``\ s.
+        -- :class:`StepNotWritten` after it, nothing posted into a target. A receiver then calls ``fence.begin()``.
 
         Deadlock freedom: every rank posts its pairs' announcements before any bucket, as one NCCL group where the
         transport coalesces (NCCL then progresses them together), else in the one global order of the pairs --
