@@ -58,7 +58,7 @@ def reg(rank: int, role: str = "train", instance: int | None = None) -> bytes:
             "spec_digest": "ab" * 16, "version": "0.1.0", "address": f"10.0.{rank // 256}.{rank % 256}:29500",
             "model": "qwen3-8b", "layout": {"engine": "megatron:tp=8,pp=4", "world": 1024, "digest": "cd" * 8},
             "terms": {"transport": "p2p", "mode": "sync", "colocate": False, "bucket_bytes": 1 << 28, "integrity": 1,
-                      "delta": False},
+                      "codec": "full"},
             "model_config": CONFIG}
     if instance is not None:
         body["instance"] = instance
