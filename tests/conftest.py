@@ -31,7 +31,7 @@ KINDS = {
                      "test_reaper"],
     "e2e": ["test_runtime", "test_elastic", "test_trainer_group", "test_nixl", "test_delta_nixl", "test_demo", "test_local", "test_bench", "test_ckpt_engine", "test_sglang_probe",
             "test_two_hosts", "test_registration", "test_codec_cast",
-            "test_soak", "test_vllm*", "test_lora_vllm", "test_fp8_vllm", "test_fp8_sync", "test_validate"],
+            "test_soak", "test_vllm*", "test_lora_vllm", "test_fp8_vllm", "test_fp8_sync", "test_validate", "test_examples"],
     "gpu": ["test_gpu", "test_gpu_checksum", "test_fp8_gpu", "test_gpu_sglang"],
 }
 
