@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import secrets
 import sys
 import tempfile
@@ -157,7 +158,9 @@ def run(steps: int, join_at: int, kill_at: int, model: str, transport: str, inst
         trainer = Trainer.remote(server.url, token, model, transport, directory, instance_timeout_s)
         engines = {i: Engine.remote(server.url, token, model, i, 2, transport, directory) for i in (0, 1)}
         # every participant connects at once: connect() waits for the whole job
+        t0 = time.perf_counter()
         ray.get([trainer.connect.remote(), *[e.connect.remote() for e in engines.values()]])
+        record["connect_s"] = round(time.perf_counter() - t0, 2)  # the actors' start-up (imports, models) included
         for step in range(1, steps + 1):
             if step == join_at:  # a third engine joins the running job between two steps
                 joiner = Engine.remote(server.url, token, model, 2, 2, transport, directory)
@@ -166,6 +169,7 @@ def run(steps: int, join_at: int, kill_at: int, model: str, transport: str, inst
                 if since != step:
                     record["problems"].append(f"the engine that joined before step {step} syncs from step {since}")
                 engines[2] = joiner
+            t_step = time.perf_counter()
             wrote = trainer.step.remote(step)
             updates = {i: e.update.remote(step) for i, e in engines.items()}
             if step == kill_at:  # engine 0 dies while the step is under way
@@ -175,7 +179,7 @@ def run(steps: int, join_at: int, kill_at: int, model: str, transport: str, inst
             want = ray.get(wrote)
             got = ray.get(list(updates.values()))
             row = {"step": step, "loss": round(want["loss"], 4), "write_s": round(want["write_s"], 3),
-                   "engines": {}}
+                   "engines": {}, "wall_s": round(time.perf_counter() - t_step, 2)}
             for i, g in zip(updates, got):
                 exact = g["step"] == step and g["digest"] == want["digest"]
                 same = g["tokens"] == want["tokens"]
@@ -202,10 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     transport = args.transport or transport_here()
+    t0 = time.perf_counter()
+    # Ray starts its workers at nice 15 (its worker_niceness); trainers and engines are not background work: beside
+    # any busy process at nice 0 they would get a sliver of a core (a 9x slower start measured beside two busy loops)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              object_store_memory=100 << 20)
     try:
+        ray_init_s = time.perf_counter() - t0
         rec = run(args.steps, args.join_at, args.kill_at, args.model, transport, args.instance_timeout)
+        rec["ray_init_s"] = round(ray_init_s, 2)
     finally:
         ray.shutdown()
     if args.json:

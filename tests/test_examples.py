@@ -19,6 +19,7 @@ def _needs(module: str) -> None:
         pytest.skip(f"{module} is not installed")
 
 
+@pytest.mark.timeout(1200)  # a subprocess of several processes: under a loaded make test it took 440 s once
 def test_ray_rl_loop_joins_and_kills_engines_and_every_step_is_bit_exact():
     """examples/ray_rl_loop.py: a Ray driver, a trainer actor and two engine actors; a third engine joins before step
     2, engine 0 is killed during step 3. Every live engine holds the trainer's weights after every step (by digest)
@@ -27,7 +28,7 @@ def test_ray_rl_loop_joins_and_kills_engines_and_every_step_is_bit_exact():
     _needs("ray")
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_rl_loop.py"), "--steps", "4", "--join-at", "2",
                           "--kill-at", "3", "--instance-timeout", "15", "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
     line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
     assert line is not None, f"rc={out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     rec = json.loads(line)
@@ -39,6 +40,7 @@ def test_ray_rl_loop_joins_and_kills_engines_and_every_step_is_bit_exact():
     assert all(e["exact"] and e["tokens_equal"] for row in rec["steps"] for e in row["engines"].values())
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("train,colocate", [("hf", True), ("fsdp", False)], ids=["hf-colocated", "fsdp-separated"])
 def test_train_to_vllm_syncs_and_validates_against_vllms_own_load(train, colocate):
     """examples/train_to_vllm.py: training processes (a transformers model; two FSDP2 ranks) and a real vLLM engine
@@ -48,7 +50,7 @@ def test_train_to_vllm_syncs_and_validates_against_vllms_own_load(train, colocat
     _needs("vllm")
     args = ["--train", train, "--steps", "2", "--json"] + (["--colocate"] if colocate else [])
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "train_to_vllm.py"), *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
     line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
     assert line is not None, f"rc={out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     rec = json.loads(line)
