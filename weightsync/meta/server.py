@@ -597,6 +597,7 @@ class MetaServer:
 
     def _serve(self, ready: concurrent.futures.Future) -> None:
         loop = self._loop = _new_loop()
+        log.info("MetaServer: event loop %s.%s", type(loop).__module__, type(loop).__name__)
         try:
             loop.run_until_complete(self._main(ready))
         except BaseException as e:  # noqa: BLE001 - handed to start()
