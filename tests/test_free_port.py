@@ -155,3 +155,33 @@ def test_two_jobs_set_up_groups_concurrently_many_times():
         stop.set()
         n.join()
     assert not failures, failures
+
+
+def test_rank_0_closing_its_group_stops_every_members_beat_before_its_store_goes():
+    """``close_group`` on group rank 0 (the store's host) tells the other members' beacons to stop and waits them out,
+    so none beats against the store once rank 0's process exits (torch's store client would print a C++ warning with
+    a stack on each member at the end of every job). A member's own close stops its own beacon."""
+    from weightsync.transport import group as grp
+
+    port = free_port()
+    groups: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        groups[rank] = new_group("127.0.0.1", port, rank, 2, "gloo", 20, name="closing")
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    beacons = {r: grp._BEACONS[g] for r, g in groups.items()}
+    assert all(b.is_alive() for b in beacons.values())
+    t0 = time.monotonic()
+    grp.close_group(groups[0])
+    assert time.monotonic() - t0 < 1.0
+    beacons[1].join(2.0)  # rank 1 read the close at its next beat
+    assert not beacons[1].is_alive() and not beacons[0].is_alive()
+    assert groups[1] in grp._BEACONS  # rank 1 has not closed yet: its own close stops nothing more, and raises nothing
+    grp.close_group(groups[1])
+    grp.close_group(groups[1])
+    assert groups[1] not in grp._BEACONS

@@ -183,7 +183,8 @@ def new_group(
     else:
         raise ValueError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
     _GROUPS[pg] = GroupAddress(host, port, name, rank, world_size)
-    _Beacon(pg, prefixed, rank).start()
+    beacon = _BEACONS[pg] = _Beacon(pg, prefixed, rank)
+    beacon.start()
     return pg
 
 
@@ -215,6 +216,12 @@ class GroupAddress:
 _GROUPS: "weakref.WeakKeyDictionary[ProcessGroup, GroupAddress]" = weakref.WeakKeyDictionary()
 
 
+#: group rank 0 adds 1 here when it closes the group (:func:`close_group`); every beacon reads it
+CLOSING_KEY = "closing"
+#: each group's beacon (:func:`close_group` stops it)
+_BEACONS: "weakref.WeakKeyDictionary[ProcessGroup, _Beacon]" = weakref.WeakKeyDictionary()
+
+
 def beat_key(rank: int) -> str:
     return f"beat/{rank}"
 
@@ -228,21 +235,46 @@ def address_of(group: object) -> GroupAddress | None:
 
 
 class _Beacon(threading.Thread):
-    """Adds 1 to this member's beat key every :data:`BEAT_S` until the group is garbage."""
+    """Adds 1 to this member's beat key every :data:`BEAT_S` until the group is garbage, this member closes it
+    (:func:`close_group`), or group rank 0 announced its close (:data:`CLOSING_KEY`, read at every beat)."""
 
     def __init__(self, group: ProcessGroup, store: PrefixStore, rank: int):
         super().__init__(name=f"weightsync-beat-{rank}", daemon=True)
-        self._group, self._store, self._key = weakref.ref(group), store, beat_key(rank)
+        self._group, self.store, self._key = weakref.ref(group), store, beat_key(rank)
+        self.stopped = threading.Event()
 
     def run(self) -> None:
-        while self._group() is not None:
+        while self._group() is not None and not self.stopped.is_set():
             try:
-                self._store.add(self._key, 1)
+                self.store.add(self._key, 1)
+                if self.store.add(CLOSING_KEY, 0) > 0:
+                    log.debug("%s: group rank 0 closed the group; beat stopped", self.name)
+                    break
             except Exception as e:  # noqa: BLE001 -- the store's host (group rank 0) is gone: so is the group
                 log.debug("%s: the group's store does not answer (%s); beat stopped", self.name, e)
                 break
-            time.sleep(BEAT_S)
-        self._store = None  # type: ignore[assignment]
+            self.stopped.wait(BEAT_S)
+
+
+def close_group(group: ProcessGroup) -> None:
+    """This member is done with ``group`` (a transport's close): its beacon stops. On group rank 0, which serves the
+    group's store, the other members' beacons are told first (:data:`CLOSING_KEY`) and one beat and a half waited
+    out, so that none still beats against the store once this process exits -- torch's store client prints a C++
+    warning with a stack for that, on every member, at the end of every job whose trainers exit first. A no-op for
+    a group :func:`new_group` did not make, or one closed already."""
+    beacon = _BEACONS.pop(group, None)
+    if beacon is None:
+        return
+    beacon.stopped.set()
+    a = address_of(group)
+    if a is None or a.rank != 0 or a.world_size < 2:
+        return
+    try:
+        beacon.store.add(CLOSING_KEY, 1)
+    except Exception as e:  # noqa: BLE001 -- closing anyway
+        log.debug("group %s: announcing the close failed (%s)", a.name, e)
+        return
+    time.sleep(1.5 * BEAT_S)
 
 
 class PeerWatch:

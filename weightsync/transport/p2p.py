@@ -536,6 +536,7 @@ class P2PSender(Sender):
     def close(self) -> None:
         if getattr(self, "server", None) is not None:
             self.server.close()
+        _close(getattr(self, "transport", None))
         self.transport = None  # the group dies with its last reference
 
 
@@ -599,4 +600,13 @@ class P2PReceiver(Receiver):
                          first_s=self.options.written_timeout_s if sync else 0.0)
 
     def close(self) -> None:
+        _close(getattr(self, "transport", None))
         self.transport = None
+
+
+def _close(transport: P2PTransport | None) -> None:
+    """The transport's group closed on this member (:func:`~weightsync.transport.group.close_group`)."""
+    from weightsync.transport.group import close_group
+
+    if transport is not None:
+        close_group(transport.group)
