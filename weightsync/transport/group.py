@@ -216,8 +216,9 @@ class GroupAddress:
 _GROUPS: "weakref.WeakKeyDictionary[ProcessGroup, GroupAddress]" = weakref.WeakKeyDictionary()
 
 
-#: group rank 0 adds 1 here when it closes the group (:func:`close_group`); every beacon reads it
-CLOSING_KEY = "closing"
+#: what group rank 0 adds to every other member's beat when it closes the group (:func:`close_group`): a beacon whose
+#: own beat comes back at least this large stops (no store call beyond the beat itself)
+CLOSED = 1 << 40
 #: each group's beacon (:func:`close_group` stops it)
 _BEACONS: "weakref.WeakKeyDictionary[ProcessGroup, _Beacon]" = weakref.WeakKeyDictionary()
 
@@ -236,7 +237,7 @@ def address_of(group: object) -> GroupAddress | None:
 
 class _Beacon(threading.Thread):
     """Adds 1 to this member's beat key every :data:`BEAT_S` until the group is garbage, this member closes it
-    (:func:`close_group`), or group rank 0 announced its close (:data:`CLOSING_KEY`, read at every beat)."""
+    (:func:`close_group`), or group rank 0 announced its close (the beat comes back past :data:`CLOSED`)."""
 
     def __init__(self, group: ProcessGroup, store: PrefixStore, rank: int):
         super().__init__(name=f"weightsync-beat-{rank}", daemon=True)
@@ -246,8 +247,7 @@ class _Beacon(threading.Thread):
     def run(self) -> None:
         while self._group() is not None and not self.stopped.is_set():
             try:
-                self.store.add(self._key, 1)
-                if self.store.add(CLOSING_KEY, 0) > 0:
+                if self.store.add(self._key, 1) >= CLOSED:
                     log.debug("%s: group rank 0 closed the group; beat stopped", self.name)
                     break
             except Exception as e:  # noqa: BLE001 -- the store's host (group rank 0) is gone: so is the group
@@ -258,10 +258,10 @@ class _Beacon(threading.Thread):
 
 def close_group(group: ProcessGroup) -> None:
     """This member is done with ``group`` (a transport's close): its beacon stops. On group rank 0, which serves the
-    group's store, the other members' beacons are told first (:data:`CLOSING_KEY`) and one beat and a half waited
-    out, so that none still beats against the store once this process exits -- torch's store client prints a C++
-    warning with a stack for that, on every member, at the end of every job whose trainers exit first. A no-op for
-    a group :func:`new_group` did not make, or one closed already."""
+    group's store, the other members' beacons are told first (each one's beat raised by :data:`CLOSED`) and one beat
+    and a half waited out, so that none still beats against the store once this process exits -- torch's store
+    client prints a C++ warning with a stack for that, on every member, at the end of every job whose trainers exit
+    first. A no-op for a group :func:`new_group` did not make, or one closed already."""
     beacon = _BEACONS.pop(group, None)
     if beacon is None:
         return
@@ -270,7 +270,8 @@ def close_group(group: ProcessGroup) -> None:
     if a is None or a.rank != 0 or a.world_size < 2:
         return
     try:
-        beacon.store.add(CLOSING_KEY, 1)
+        for r in range(1, a.world_size):
+            beacon.store.add(beat_key(r), CLOSED)
     except Exception as e:  # noqa: BLE001 -- closing anyway
         log.debug("group %s: announcing the close failed (%s)", a.name, e)
         return
