@@ -178,6 +178,37 @@ def test_share_opening_tries_again_when_the_shm_manager_is_slow(monkeypatch):
         share.import_tensors(share.export_tensors({"v": torch.randn(8)}))
 
 
+def _export_and_wait(out, done) -> None:
+    out.put(json.dumps(share.export_tensors({"w": torch.randn(64, generator=torch.Generator().manual_seed(3))})))
+    done.wait(120)
+
+
+def test_a_spawned_exporter_can_be_joined_while_its_memory_is_open():
+    """A trainer process started by ``multiprocessing`` shares its weights and exits while an engine still
+    maps them: its parent's ``join`` returns at once. Before: torch's shared memory daemon, started from
+    the trainer, held the write end of ``join``'s sentinel pipe as long as any process mapped a segment,
+    and ``join(30)`` waited all 30 s (examples/train_to_vllm.py --colocate: 120 s a run)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_export_and_wait, args=(out, done))
+    p.start()
+    try:
+        desc = json.loads(out.get(timeout=120))
+        opened = share.import_tensors(desc)  # this process maps the segment: the daemon stays up
+        assert torch.equal(opened["w"], torch.randn(64, generator=torch.Generator().manual_seed(3)))
+        done.set()
+        t0 = time.monotonic()
+        p.join(30)
+        waited = time.monotonic() - t0
+        assert p.exitcode == 0 and waited < 15, f"join waited {waited:.1f} s for an exited exporter"
+    finally:
+        done.set()
+        if p.is_alive():
+            p.kill()
+
+
 def test_share_rejects_bad_input():
     with pytest.raises(ValueError, match="format"):
         share.import_tensors({"format": "other"})

@@ -98,7 +98,49 @@ def _dtype(name: str) -> torch.dtype:
 SHM_MANAGER_ATTEMPTS = 3
 
 
+_MANAGER_STARTED_IN: int | None = None  # the pid whose torch_shm_manager _start_manager_clean started
+
+
+def _start_manager_clean() -> None:
+    """Start this process's ``torch_shm_manager`` with none of the process's descriptors but its own.
+
+    libshm starts the daemon on a process's first share by ``fork`` + ``execl`` (torch/lib/libshm/core.cpp
+    ``start_manager``), so it inherits every inheritable descriptor of the process -- among them, in a
+    process ``multiprocessing`` spawned, the write end of the sentinel pipe its parent's ``Process.join``
+    waits on. The daemon lives until the last process that mapped a segment is gone (the engine reading
+    the trainer's weights), so a parent joining its exited trainer waited out its whole timeout
+    (examples/train_to_vllm.py --colocate: 120 s per run). Here every inheritable descriptor above 2 is
+    made non-inheritable while one byte is shared (which starts the daemon), then given back."""
+    global _MANAGER_STARTED_IN
+    if _MANAGER_STARTED_IN == os.getpid():
+        return
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd") if int(n) > 2]
+    except OSError:  # no /proc (macOS): nothing to hide
+        fds = []
+    hidden = []
+    for fd in fds:
+        with contextlib.suppress(OSError):  # the listing's own descriptor is closed by now
+            if os.get_inheritable(fd):
+                os.set_inheritable(fd, False)
+                hidden.append(fd)
+    try:
+        _share_with_retries(torch.UntypedStorage(1))
+    finally:
+        for fd in hidden:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, True)
+    _MANAGER_STARTED_IN = os.getpid()
+
+
 def _share_filename(storage: torch.UntypedStorage):
+    """``storage._share_filename_cpu_()``, the process's shared memory daemon started first
+    (:func:`_start_manager_clean`)."""
+    _start_manager_clean()
+    return _share_with_retries(storage)
+
+
+def _share_with_retries(storage: torch.UntypedStorage):
     """``storage._share_filename_cpu_()``, tried again when torch's ``torch_shm_manager`` did not answer
     in time: libshm starts that daemon on a process's first share and waits about a second for it, which a
     loaded host's process start can exceed (seen in CI-like runs at load ~35). A failed call leaves the
