@@ -21,7 +21,7 @@ for st in ${STAGES:-moe bench test}; do
              --quant fp8 --model "${MODEL:-moonlight-16b-a3b}" --steps "${STEPS:-3}" --baselines "" --timeout 120 \
              --json > $OUT/bench.json 2> $OUT/bench.err; tail -c 1500 $OUT/bench.err
            python3 benchmarks/summary.py $OUT/bench.json 2>&1 | head -20 ;;
-    test)  stage test "${TEST_LIMIT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x \
+    test)  stage test "${TEST_LIMIT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
              > $OUT/test-gpu.log 2>&1; tail -n 25 $OUT/test-gpu.log ;;
   esac
 done

@@ -24,6 +24,63 @@ def test_doubling_steps_are_checked_exactly():
     assert not check(ctx, spec.name, "vllm:tp=2,ep=2", 2)  # a stale step never passes
 
 
+class _Relay:
+    """A kernel that re-lays FP8 after loading, as DeepGEMM's UE8M0 requantization does: not idempotent (each run
+    flips the weight's low bit and doubles the scales), so a check that ran it twice, or never, would fail."""
+
+    def process_weights_after_loading(self, module) -> None:
+        module.w.view(torch.uint8).bitwise_xor_(1)
+        module.s.mul_(2)
+
+
+class _RelayStep:
+    """The shape of ``weightsync.vllm.live._Requant`` that ``check_fp8`` reads: ``kernel``, ``live``, ``run()``."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, kernel=None):
+        self.kernel, self.live = kernel or _Relay(), {"w": weight, "s": scale}
+        self.module = type("Layer", (), {"w": weight, "s": scale})()
+
+    def run(self) -> None:
+        self.kernel.process_weights_after_loading(self.module)
+
+
+class _Copy:
+    def process_weights_after_loading(self, module) -> None:
+        pass
+
+
+def test_fp8_check_runs_a_relaying_kernel_on_the_reference_and_names_what_differs():
+    """``check_fp8`` on a worker whose kernel re-lays FP8 after loading: for that layer the reference checkpoint form
+    goes through the kernel's own step once and must equal what the synced step left; everywhere else the
+    checkpoint form; every tensor that differs is named."""
+    from weightsync.bench.run import check_fp8
+    from weightsync.quant.layout import fp8_layout
+
+    model, engine = "tiny-qwen3-fp8", "vllm:tp=1,quant=fp8"
+    layout = fp8_layout(make_layout(load_spec(model), engine))
+    tensors = {n: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype]) for n, t in layout.layout(0).tensors.items()}
+    for t in tensors.values():
+        t.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(5))  # poisoned
+    live = type("Live", (), {})()
+    ctx = WorkerContext(0, torch.device("cpu"), tensors, state={"live": live})
+    # every layer "re-laid" by a kernel that keeps the form: the check writes the reference form into each
+    live.transforms = [_RelayStep(t, t, _Copy()) for t in tensors.values()]
+    assert len(check_fp8(ctx, model, engine, 3)) == len(tensors)  # the poison, named
+    assert check_fp8(ctx, model, engine, 3) == []
+    weight = next(w for w in layout.fp8 if w in tensors)
+    scale = layout.fp8[weight].scale.name
+    step = _RelayStep(tensors[weight], tensors[scale])
+    step.run()  # what a synced step leaves on that layer: the reference form, re-laid once
+    live.transforms = [step]  # every other tensor: compared in the checkpoint form
+    assert check_fp8(ctx, model, engine, 3) == []
+    other = next(n for n in sorted(tensors) if n not in (weight, scale))
+    tensors[other].view(torch.uint8).view(-1)[0] ^= 1
+    tensors[weight].view(torch.uint8).view(-1)[0] ^= 2
+    assert sorted(check_fp8(ctx, model, engine, 3)) == sorted([other, f"{weight} (after _Relay's post-load step)"])
+    stale = check_fp8(ctx, model, engine, 4)  # a stale step: every scale and bf16 tensor differs (e4m3 keeps)
+    assert {n.split(" ")[0] for n in stale} == {n for n, t in tensors.items() if t.dtype != torch.float8_e4m3fn}
+
+
 def test_floor_inputs_split_local_and_remote_bytes():
     spec = load_spec("qwen3-8b")
     s = SCENARIOS["colo-pp2-tp2"]

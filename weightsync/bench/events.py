@@ -70,7 +70,7 @@ class TrainerMeasured(Event):
 class InstanceMeasured(Event):
     """An instance's totals: the last step bit-exact, the device-copy and peer-copy ceilings (co-located
     on GPUs, else None), peak transient memory, whether its workers copied other GPUs' pieces directly,
-    and the bytes they pushed into each other in the last step."""
+    and the bytes they pushed into each other in the last step; the tensors that failed the check, where named."""
 
     exact: bool
     copy_bytes_per_s: float | None
@@ -78,6 +78,7 @@ class InstanceMeasured(Event):
     nvlink_bytes_per_s: float | None
     peer_copies: bool
     pushed_bytes: int
+    mismatched: tuple[str, ...] = ()  # the local tensors that do not hold the last step (FP8 checks name them)
 
 
 __all__ = ["Phases", "LinkReady", "BaselineStarted", "BaselineEnded", "BaselineVerified", "TrainerMeasured",

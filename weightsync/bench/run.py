@@ -231,7 +231,11 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
                     emit(Phases(me, "instance", dict(instance.last_timing)))
         peak = max(p - b for p, b in zip(instance.call(peak_memory), base))
         fp8 = "quant=fp8" in scen.infer  # the engine holds FP8: checked against the reference quantizer
-        exact = all(instance.call(check_fp8 if fp8 else check, model, scen.infer, steps + 1))
+        if fp8:
+            mismatched = tuple(n for names in instance.call(check_fp8, model, scen.infer, steps + 1) for n in names)
+            exact = not mismatched
+        else:
+            mismatched, exact = (), all(instance.call(check, model, scen.infer, steps + 1))
         on_gpu = device == "cuda"  # a CPU run measures no ceilings
         copy_bw = instance.call(copy_ceiling, 1 << 30)[0] if scen.one_gpu and on_gpu else None
         nvlink = None
@@ -248,7 +252,7 @@ def _reader(emit: Emit, inst: int, gpu: int, scen: Scenario, model: str, steps: 
                 emit(BaselineEnded(me, kind, step, max(e[0][step] for e in ends)))
             emit(BaselineVerified(me, kind, all(e[1] for e in ends)))
         pushed = sum(s.stats.pushed_bytes for s in reader.last_stats)  # the last step's
-        emit(InstanceMeasured(me, exact, copy_bw, peak, nvlink, reader.shape.peer_copies, pushed))
+        emit(InstanceMeasured(me, exact, copy_bw, peak, nvlink, reader.shape.peer_copies, pushed, mismatched))
     finally:
         (owned or instance).close()
 
@@ -448,6 +452,10 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
             job.add(Participant.instance(i), _reader, i, gpu, scen, model, steps, job.meta_url, timeout, link_q,
                     baselines, store_port, device, peer_copies, receiver, integrity, token, early_call)
         outcome = job.run(on_event=on_event)
+    for m in t.instances:
+        if m.mismatched:
+            result["errors"].append(f"{m.participant}: {len(m.mismatched)} tensor(s) do not hold the last step: "
+                                    + ", ".join(m.mismatched[:8]))
     if outcome.failure is not None:
         f = outcome.failure
         result["errors"].append(f"{f.line()}\n{f.traceback}" if f.traceback else f.line())
@@ -530,10 +538,16 @@ def run(scenario: str, model: str, steps: int = 5, timeout: float = 300.0,
     return result
 
 
-def check_fp8(ctx, model: str, engine: str, doublings: int) -> bool:
-    """On an inference worker of an FP8-served instance: every piece holds the FP8 checkpoint of the base data
-    doubled ``doublings`` times (each FP8 weight through the reference quantizer, as ``save_checkpoint(dir,
-    quant="fp8")`` writes it; its scale piece the scales of the blocks that piece holds), bit for bit."""
+def check_fp8(ctx, model: str, engine: str, doublings: int) -> list[str]:
+    """On an inference worker of an FP8-served instance: the local tensors that do not hold the FP8 checkpoint of
+    the base data doubled ``doublings`` times (each FP8 weight through the reference quantizer, as
+    ``save_checkpoint(dir, quant="fp8")`` writes it; its scale piece the scales of the blocks that piece holds),
+    bit for bit; empty: verified.
+
+    A vLLM layer whose kernel re-lays FP8 after loading (DeepGEMM, vLLM's default on Hopper: UE8M0 requantization,
+    ``weightsync.vllm.live``'s requantizing transforms) holds the engine's form instead: there the reference
+    checkpoint form is written into the layer's live tensors and the kernel's own post-load step run on it once,
+    as a fresh engine's load runs it, and what it leaves is compared with what the synced step had left."""
     from weightsync.engines import make_layout
     from weightsync.layout.materialize import TORCH_DTYPES, local_view
     from weightsync.quant.fp8 import quantize_reference
@@ -560,17 +574,39 @@ def check_fp8(ctx, model: str, engine: str, doublings: int) -> bool:
         return cache[name]
 
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-    for name, t in sorted(layout.layout(ctx.rank).tensors.items(), key=lambda kv: kv[0].removesuffix("_scale_inv")):
-        live = ctx.tensors[name]
-        if str(live.dtype).removeprefix("torch.") != t.dtype:
-            return False
-        for p in t.pieces:
-            want = canonical(p.canonical)[tuple(slice(o, o + n) for o, n in p.canon_box)].to(live.dtype)
-            got = local_view(live, p)
-            if not torch.equal(got.contiguous().view(bits[got.element_size()]),
-                               want.contiguous().view(bits[want.element_size()])):
-                return False
-    return True
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.dtype == b.dtype and torch.equal(a.contiguous().view(bits[a.element_size()]),
+                                                  b.contiguous().view(bits[b.element_size()]))
+
+    local = layout.layout(ctx.rank).tensors
+    live = ctx.state.get("live")  # a vLLM worker's weightsync.vllm.live.LiveModel
+    requant = {v.data_ptr(): t for t in getattr(live, "transforms", ()) if hasattr(t, "kernel")
+               for v in t.live.values()}
+    relaid: dict = {}
+    bad = []
+    for name, t in sorted(local.items(), key=lambda kv: kv[0].removesuffix("_scale_inv")):
+        tensor = ctx.tensors[name]
+        if str(tensor.dtype).removeprefix("torch.") != t.dtype:
+            bad.append(f"{name}: {tensor.dtype}, the layout says {t.dtype}")
+            continue
+        step = requant.get(tensor.data_ptr())
+        if step is not None:
+            relaid.setdefault(step, []).append(name)
+            continue
+        if not all(same(local_view(tensor, p), canonical(p.canonical)[tuple(slice(o, o + n) for o, n in p.canon_box)]
+                        .to(tensor.dtype)) for p in t.pieces):
+            bad.append(name)
+    for step, names in relaid.items():
+        synced = {n: ctx.tensors[n].clone() for n in names}  # what the synced step's post-load run left
+        for n in names:
+            for p in local[n].pieces:
+                local_view(ctx.tensors[n], p).copy_(
+                    canonical(p.canonical)[tuple(slice(o, o + k) for o, k in p.canon_box)])
+        step.run()  # the engine kernel's own post-load step, once, on the reference checkpoint form
+        bad += [f"{n} (after {type(step.kernel).__name__}'s post-load step)" for n in names
+                if not same(ctx.tensors[n], synced[n])]
+    return bad
 
 
 def writer_budget(scen: Scenario, held: int) -> int:
