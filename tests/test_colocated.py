@@ -739,6 +739,7 @@ def test_share_tries_again_when_the_shm_manager_is_slow(monkeypatch):
             raise RuntimeError("Shared memory manager connection has timed out")
         return real(self, *a, **k)
 
+    monkeypatch.setattr(share, "_MANAGER_STARTED_IN", os.getpid())  # its daemon up: the share below is the first
     monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", slow_once)
     t = {"w": torch.randn(8, 4)}
     want = t["w"].clone()
