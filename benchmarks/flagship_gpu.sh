@@ -12,7 +12,10 @@ set -u
 export PYTHONPATH=$PWD/benchmarks/vllm_kit_stubs:$PYTHONPATH:$PWD VLLM_DEEP_GEMM_WARMUP=skip
 python3 -c "import sys,torch;print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)"
+# the device copy's .git can be stale (2026-12-08: results said 3156b18 for a tree at 1b96b8a plus edits): write
+# `git describe --always --dirty > .commit` here before the call, and the results carry it
+export WEIGHTSYNC_COMMIT=${WEIGHTSYNC_COMMIT:-$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)}
+echo "commit $WEIGHTSYNC_COMMIT"
 for st in ${STAGES:-moe bench test}; do
   case $st in
     moe)   stage moe "${MOE_LIMIT:-200}" python3 benchmarks/fp8_vllm_gpu.py --out $OUT/moe --model tiny-qwen3-moe-fp8 \
