@@ -99,6 +99,7 @@ SHM_MANAGER_ATTEMPTS = 3
 
 
 _MANAGER_STARTED_IN: int | None = None  # the pid whose torch_shm_manager _start_manager_clean started
+_MANAGER_LOCK = threading.Lock()  # one start at a time: two threads would hide and give back each other's flags
 
 
 def _start_manager_clean() -> None:
@@ -111,6 +112,11 @@ def _start_manager_clean() -> None:
     the trainer's weights), so a parent joining its exited trainer waited out its whole timeout
     (examples/train_to_vllm.py --colocate: 120 s per run). Here every inheritable descriptor above 2 is
     made non-inheritable while one byte is shared (which starts the daemon), then given back."""
+    with _MANAGER_LOCK:
+        _start_manager_once()
+
+
+def _start_manager_once() -> None:
     global _MANAGER_STARTED_IN
     if _MANAGER_STARTED_IN == os.getpid():
         return
