@@ -63,7 +63,8 @@ def trainer(rank: int, world: int, port: int, meta: str, token: str, checkpoint:
         model, bound, loss_of = megatron_rank(checkpoint, world, device)
     else:
         model, bound, loss_of = transformers_rank(checkpoint, device, fsdp=train == "fsdp")
-    vocab = json.load(open(os.path.join(checkpoint, "config.json")))["vocab_size"]
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     writer = WeightWriter(bound, meta=meta, job=JOB, token=token, colocate=colocate).connect()
     for step in range(1, steps + 1):  # steps count from 1, on both sides

@@ -573,6 +573,9 @@ def check_fp8(ctx, model: str, engine: str, doublings: int) -> list[str]:
                 cache[w] = full
         return cache[name]
 
+    def reference(p) -> torch.Tensor:  # piece ``p`` of the reference checkpoint form
+        return canonical(p.canonical)[tuple(slice(o, o + n) for o, n in p.canon_box)]
+
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -594,15 +597,13 @@ def check_fp8(ctx, model: str, engine: str, doublings: int) -> list[str]:
         if step is not None:
             relaid.setdefault(step, []).append(name)
             continue
-        if not all(same(local_view(tensor, p), canonical(p.canonical)[tuple(slice(o, o + n) for o, n in p.canon_box)]
-                        .to(tensor.dtype)) for p in t.pieces):
+        if not all(same(local_view(tensor, p), reference(p).to(tensor.dtype)) for p in t.pieces):
             bad.append(name)
     for step, names in relaid.items():
         synced = {n: ctx.tensors[n].clone() for n in names}  # what the synced step's post-load run left
         for n in names:
             for p in local[n].pieces:
-                local_view(ctx.tensors[n], p).copy_(
-                    canonical(p.canonical)[tuple(slice(o, o + k) for o, k in p.canon_box)])
+                local_view(ctx.tensors[n], p).copy_(reference(p))
         step.run()  # the engine kernel's own post-load step, once, on the reference checkpoint form
         bad += [f"{n} (after {type(step.kernel).__name__}'s post-load step)" for n in names
                 if not same(ctx.tensors[n], synced[n])]

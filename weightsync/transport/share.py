@@ -112,31 +112,27 @@ def _start_manager_clean() -> None:
     the trainer's weights), so a parent joining its exited trainer waited out its whole timeout
     (examples/train_to_vllm.py --colocate: 120 s per run). Here every inheritable descriptor above 2 is
     made non-inheritable while one byte is shared (which starts the daemon), then given back."""
-    with _MANAGER_LOCK:
-        _start_manager_once()
-
-
-def _start_manager_once() -> None:
     global _MANAGER_STARTED_IN
-    if _MANAGER_STARTED_IN == os.getpid():
-        return
-    try:
-        fds = [int(n) for n in os.listdir("/proc/self/fd") if int(n) > 2]
-    except OSError:  # no /proc (macOS): nothing to hide
-        fds = []
-    hidden = []
-    for fd in fds:
-        with contextlib.suppress(OSError):  # the listing's own descriptor is closed by now
-            if os.get_inheritable(fd):
-                os.set_inheritable(fd, False)
-                hidden.append(fd)
-    try:
-        _share_with_retries(torch.UntypedStorage(1))
-    finally:
-        for fd in hidden:
-            with contextlib.suppress(OSError):
-                os.set_inheritable(fd, True)
-    _MANAGER_STARTED_IN = os.getpid()
+    with _MANAGER_LOCK:
+        if _MANAGER_STARTED_IN == os.getpid():
+            return
+        try:
+            fds = [int(n) for n in os.listdir("/proc/self/fd") if int(n) > 2]
+        except OSError:  # no /proc (macOS): nothing to hide
+            fds = []
+        hidden = []
+        for fd in fds:
+            with contextlib.suppress(OSError):  # the listing's own descriptor is closed by now
+                if os.get_inheritable(fd):
+                    os.set_inheritable(fd, False)
+                    hidden.append(fd)
+        try:
+            _share_with_retries(torch.UntypedStorage(1))
+        finally:
+            for fd in hidden:
+                with contextlib.suppress(OSError):
+                    os.set_inheritable(fd, True)
+        _MANAGER_STARTED_IN = os.getpid()
 
 
 def _share_filename(storage: torch.UntypedStorage):
